@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine (Python 3.11 with venv + pip):
+#   make demo   create .venv, install, run a local swarm training on the Shakespeare corpus
+#   make test   create .venv, install, run the test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/swarm-coordinator demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/swarm_vs_local.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
