@@ -1,0 +1,1 @@
+"""The coordinator app: ``swarm-coordinator`` (init, serve, status, demo)."""

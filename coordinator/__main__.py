@@ -1,0 +1,5 @@
+"""``python -m coordinator`` is ``swarm-coordinator``."""
+
+from coordinator.cli import main
+
+main()

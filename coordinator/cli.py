@@ -1,0 +1,130 @@
+"""``swarm-coordinator``: create a run, bootstrap it, watch it, or run the whole thing locally.
+
+Examples::
+
+    swarm-coordinator init runs/demo.toml                 # key runs/demo.key + signed spec, prints the run id
+    swarm-coordinator serve runs/demo.toml --port 31337   # prints the run address for peers
+    swarm-coordinator status <run address> [--json]
+    swarm-coordinator demo --seconds 300 [--json]         # a local swarm on loopback, then a summary
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from swarm.config import PeerSettings, RunSpec, SpecError
+from swarm.identity import Identity
+
+DEFAULT_SPEC = Path(__file__).resolve().parents[1] / "runs" / "demo.toml"
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Create, bootstrap and monitor a swarm training run.")
+
+
+def _load_spec(path: Path) -> RunSpec:
+    try:
+        return RunSpec.from_toml(path)
+    except SpecError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+
+
+def _key_path(spec_path: Path, key: Optional[Path]) -> Path:
+    return key or spec_path.with_suffix(".key")
+
+
+@app.command()
+def init(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
+         key: Optional[Path] = typer.Option(None, help="Ed25519 run key (default: <spec>.key; created if absent).")) -> None:
+    """Validate SPEC, create the run key if needed, write the signed spec (<spec>.signed.json), print the run id."""
+    from swarm.directory import RunDirectory
+
+    spec = _load_spec(spec_path)
+    ident = Identity.load_or_create(_key_path(spec_path, key))
+    run_id, sealed = RunDirectory.seal_spec(spec, ident)
+    out = spec_path.with_suffix(".signed.json")
+    out.write_text(json.dumps({"run_id": run_id, "spec_hash": spec.spec_hash(), "sealed": sealed.hex()}, indent=1))
+    typer.echo(run_id)
+
+
+@app.command()
+def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
+          key: Optional[Path] = typer.Option(None, help="Run key (default: <spec>.key; created if absent)."),
+          host: str = typer.Option("0.0.0.0", help="Listen address."),
+          port: int = typer.Option(0, help="Listen port (0: any free one)."),
+          peers: list[str] = typer.Option([], "--peer", help="Other bootstrap multiaddrs to join."),
+          address_file: Optional[Path] = typer.Option(None, help="Also write the run address to this file."),
+          log_level: str = typer.Option("INFO")) -> None:
+    """Bootstrap the run's DHT, publish the signed spec and print the run address (first line of stdout)."""
+    from coordinator.serve import serve as serve_run
+    from peer.logs import configure_logging
+
+    configure_logging(log_level)
+    spec = _load_spec(spec_path)
+    ident = Identity.load_or_create(_key_path(spec_path, key))
+    serve_run(spec, ident, PeerSettings(host=host, port=port), peers, address_file)
+
+
+@app.command()
+def status(address: str = typer.Argument(..., help="Run address."),
+           as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+           timeout: float = typer.Option(30.0, help="Seconds to find the run.")) -> None:
+    """Show the run's stages, servers and trainers. Exit code 1 if a stage has no online server."""
+    from coordinator.status import render, snapshot
+    from peer.logs import configure_logging
+    from swarm.directory import RunAddressError, connect_run
+
+    configure_logging("WARNING")
+    try:
+        dht, directory, spec, _ = connect_run(address, PeerSettings(host="127.0.0.1"), timeout=timeout)
+    except (RunAddressError, SpecError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2 if isinstance(e, RunAddressError) else 1)
+    try:
+        snap = snapshot(directory, spec)
+    finally:
+        dht.shutdown()
+    if as_json:
+        typer.echo(json.dumps(snap))
+    else:
+        render(snap)
+    raise typer.Exit(0 if snap["healthy"] else 1)
+
+
+@app.command()
+def demo(spec_path: Path = typer.Option(DEFAULT_SPEC, "--spec", help="Run spec (default: runs/demo.toml)."),
+         seconds: float = typer.Option(420.0, help="Seconds of training after the swarm is up."),
+         servers_per_stage: int = typer.Option(2, min=1, help="Servers started per stage."),
+         trainers: int = typer.Option(2, min=1, help="Trainers started."),
+         as_json: bool = typer.Option(False, "--json", help="End with exactly one JSON line on stdout."),
+         keep: bool = typer.Option(False, help="Keep the work folder (logs, keys)."),
+         log_level: str = typer.Option("INFO")) -> None:
+    """Train on the default corpus with a local swarm (separate processes on loopback), then print a summary.
+
+    Summary keys: initial_loss, final_loss (trainers' loss, nats/token), val_loss (held-out split, through the
+    swarm), tokens, epochs (fewest of any stage), servers, trainers, stages, seconds, tokens_per_s.
+    """
+    from coordinator.demo import run_demo
+    from peer.logs import configure_logging
+
+    configure_logging(log_level)
+    summary = run_demo(_load_spec(spec_path) and spec_path, seconds=seconds, servers_per_stage=servers_per_stage,
+                       trainers=trainers, cache_dir=PeerSettings().cache_dir, keep=keep)
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table("metric", "value", title="swarm demo summary")
+        for k, v in summary.items():
+            table.add_row(k, str(v))
+        Console().print(table)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,112 @@
+"""``swarm-coordinator demo``: a whole swarm on loopback training on the default corpus, then a summary.
+
+Starts a coordinator, ``servers_per_stage`` servers per stage (one after another, each choosing its stage
+itself) and ``trainers`` trainers as separate processes; shows progress every few seconds on stderr; after
+``seconds`` of training stops the trainers, measures the validation loss through the swarm, stops every
+process (also on Ctrl-C) and returns the summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from coordinator.launch import LocalSwarm
+from coordinator.status import snapshot
+from swarm.config import PeerSettings, RunSpec
+from swarm.data import prepare_dataset
+from swarm.directory import connect_run
+from swarm.pipeline import RemotePipeline, validation_loss
+from swarm.protocol import ServerState
+
+logger = logging.getLogger("swarm.demo")
+
+
+def _wait_for(predicate, timeout: float, what: str, swarm: LocalSwarm, peer=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if peer is not None and not peer.alive():
+            raise RuntimeError(f"{peer.name} exited while {what}; its log:\n{swarm.tail(peer)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s {what}")
+        time.sleep(0.5)
+
+
+def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, trainers: int = 2,
+             cache_dir: Path, keep: bool = False, eval_batches: int = 16, progress_every: float = 10.0) -> dict[str, Any]:
+    """Run the demo and return its summary (see ``swarm-coordinator demo --help`` for the keys)."""
+    spec = RunSpec.from_toml(spec_path)
+    logger.info("preparing the corpus and tokenizer in %s", cache_dir)
+    dataset = prepare_dataset(spec, cache_dir)
+    workdir = Path(tempfile.mkdtemp(prefix="swarm-demo-"))
+    dht = None
+    with LocalSwarm(spec_path, workdir, cache_dir, keep=keep) as swarm:
+        address = swarm.start_coordinator()
+        logger.info("run address %s", address)
+        dht, directory, spec, _ = connect_run(address, PeerSettings(host="127.0.0.1"), client_mode=True)
+        try:
+            num_stages = spec.model.num_stages
+            for _ in range(num_stages * servers_per_stage):
+                peer = swarm.start_peer("server")
+
+                def announced(pid=peer.peer_id) -> bool:
+                    return any(s.peer_id == pid for g in directory.all_servers(num_stages).values() for s in g)
+
+                _wait_for(announced, 180, f"waiting for {peer.name} to announce itself", swarm, peer)
+            _wait_for(lambda: all(sum(s.state == ServerState.ONLINE for s in g) >= servers_per_stage
+                                  for g in directory.all_servers(num_stages).values()),
+                      180, "waiting for the servers to come online", swarm)
+            logger.info("%d servers online; starting %d trainers", num_stages * servers_per_stage, trainers)
+            trainer_peers = [swarm.start_peer("trainer", "--shard", str(i)) for i in range(trainers)]
+            started = time.monotonic()
+            next_report = started + progress_every
+            while time.monotonic() - started < seconds:
+                time.sleep(min(1.0, max(0.0, seconds - (time.monotonic() - started))))
+                for p in swarm.peers:
+                    if p.role != "coordinator" and not p.alive() and not getattr(p, "_reported", False):
+                        p._reported = True  # type: ignore[attr-defined]
+                        logger.warning("%s exited (code %s); last lines:\n%s", p.name, p.proc.returncode, swarm.tail(p, 10))
+                if time.monotonic() >= next_report:
+                    next_report += progress_every
+                    snap = snapshot(directory, spec)
+                    run = snap["run"]
+                    logger.info("t=%3.0fs epochs=%s loss=%s tokens=%d samples/s=%.1f servers=%s trainers=%d",
+                                time.monotonic() - started, [s["epoch"] for s in snap["stages"]],
+                                f"{run['loss']:.3f}" if run["loss"] is not None else "-", run["tokens"],
+                                run["samples_per_s"], [s["servers_online"] for s in snap["stages"]],
+                                sum(p["role"] == "trainer" for p in snap["peers"]))
+            for p in trainer_peers:
+                swarm.stop(p)
+            elapsed = time.monotonic() - started
+            time.sleep(1.0)
+            snap = snapshot(directory, spec)
+            logger.info("measuring the validation loss on %d held-out micro-batches", eval_batches)
+
+            async def evaluate() -> float:
+                pipeline = RemotePipeline(spec, directory.run_id, directory, await dht.replicate_p2p())
+                return await validation_loss(pipeline, dataset, eval_batches)
+
+            val_loss = asyncio.run(evaluate())
+        finally:
+            dht.shutdown()
+    trainers_info = [p for p in snap["peers"] if p["role"] == "trainer"]
+    initial = [p["initial_loss"] for p in trainers_info if p["initial_loss"] is not None]
+    final = [p["loss"] for p in trainers_info if p["loss"] is not None]
+    tokens = sum(p["tokens"] for p in trainers_info)
+    return {
+        "run_id": snap["run"]["run_id"],
+        "initial_loss": round(sum(initial) / len(initial), 4) if initial else None,
+        "final_loss": round(sum(final) / len(final), 4) if final else None,
+        "val_loss": round(val_loss, 4),
+        "tokens": tokens,
+        "epochs": min(s["epoch"] for s in snap["stages"]),
+        "servers": sum(p["role"] == "server" for p in snap["peers"]),
+        "trainers": len(trainers_info),
+        "stages": spec.model.num_stages,
+        "seconds": round(elapsed, 1),
+        "tokens_per_s": round(tokens / elapsed, 1),
+    }

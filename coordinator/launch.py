@@ -1,0 +1,159 @@
+"""A local swarm of real processes on loopback: a coordinator, stage servers and trainers.
+
+Used by ``swarm-coordinator demo``, the integration tests and the benchmarks. Every peer runs in its own
+session (process group) so that stopping it also stops its DHT, averager and p2pd children; each gets its own
+identity file and a private temp folder (p2pd sockets), and all share one data cache. :meth:`LocalSwarm.close`
+stops everything (SIGTERM, then SIGKILL after a grace period) and reaps it, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from swarm.config import RunSpec
+from swarm.identity import Identity
+
+
+@dataclass
+class Peer:
+    name: str
+    role: str
+    proc: subprocess.Popen
+    log: Path
+    identity: Identity
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class LocalSwarm:
+    """Start and stop a run's processes under ``workdir`` (created; removed on close unless ``keep``).
+
+    :param cache_dir: shared data cache (corpus, tokenizer, tokens).
+    """
+
+    def __init__(self, spec_path: Path, workdir: Path, cache_dir: Path, *, keep: bool = False,
+                 extra_env: Optional[dict[str, str]] = None):
+        self.spec_path, self.workdir, self.cache_dir, self.keep = Path(spec_path), Path(workdir), Path(cache_dir), keep
+        self.spec = RunSpec.from_toml(self.spec_path)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "logs").mkdir(exist_ok=True)
+        self.extra_env = extra_env or {}
+        self.peers: list[Peer] = []
+        self.coordinator: Optional[Peer] = None
+        self.address: Optional[str] = None
+        self._count = 0
+
+    def _env(self, name: str) -> dict[str, str]:
+        tmp = self.workdir / "tmp" / name
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(
+            SWARM_CACHE_DIR=str(self.cache_dir), SWARM_HOST="127.0.0.1", SWARM_PORT="0",
+            SWARM_IDENTITY_FILE=str(self.workdir / "keys" / f"{name}.key"), TMPDIR=str(tmp),
+            PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        )
+        env.update(self.extra_env)
+        return env
+
+    def _spawn(self, name: str, role: str, module: str, args: list[str]) -> Peer:
+        identity = Identity.load_or_create(self.workdir / "keys" / f"{name}.key")
+        log = self.workdir / "logs" / f"{name}.log"
+        with open(log, "ab") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=self._env(name), start_new_session=True)
+        return Peer(name, role, proc, log, identity, args)
+
+    def start_coordinator(self, timeout: float = 60.0) -> str:
+        """Start ``swarm-coordinator serve``; returns the run address once it is published."""
+        key = self.workdir / "keys" / "coordinator.key"
+        Identity.load_or_create(key)
+        addr_file = self.workdir / "run_address"
+        addr_file.unlink(missing_ok=True)
+        args = ["serve", str(self.spec_path), "--key", str(key), "--host", "127.0.0.1", "--address-file", str(addr_file)]
+        self.coordinator = self._spawn("coordinator", "coordinator", "coordinator", args)
+        deadline = time.monotonic() + timeout
+        while not addr_file.exists():
+            if not self.coordinator.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"coordinator did not start; see {self.coordinator.log}:\n{self.tail(self.coordinator)}")
+            time.sleep(0.2)
+        self.address = addr_file.read_text().strip()
+        return self.address
+
+    def start_peer(self, role: str, *extra: str, name: Optional[str] = None) -> Peer:
+        """Start ``swarm-peer join <address> --role <role> <extra...>``."""
+        if self.address is None:
+            raise RuntimeError("start the coordinator first")
+        self._count += 1
+        peer = self._spawn(name or f"{role}{self._count}", role, "peer", ["join", self.address, "--role", role, *extra])
+        self.peers.append(peer)
+        return peer
+
+    def restart(self, peer: Peer) -> Peer:
+        """Start a new process with the same name, identity and arguments as ``peer``."""
+        new = self._spawn(peer.name, peer.role, "peer", peer.args)
+        self.peers.append(new)
+        return new
+
+    def kill(self, peer: Peer, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the peer's whole process group (SIGKILL: no goodbye, as a crash)."""
+        _signal_group(peer.proc, sig)
+        if sig == signal.SIGKILL:
+            peer.proc.wait()
+
+    def stop(self, peer: Peer, grace: float = 15.0) -> None:
+        _signal_group(peer.proc, signal.SIGTERM)
+        try:
+            peer.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(peer.proc, signal.SIGKILL)  # children (DHT, averagers, p2pd) may outlive the main process
+        peer.proc.wait()
+
+    @staticmethod
+    def tail(peer: Peer, lines: int = 30) -> str:
+        try:
+            return "\n".join(peer.log.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def close(self) -> None:
+        everyone = self.peers + ([self.coordinator] if self.coordinator else [])
+        for p in everyone:
+            _signal_group(p.proc, signal.SIGTERM)
+        deadline = time.monotonic() + 15.0
+        for p in everyone:
+            try:
+                p.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(p.proc, signal.SIGKILL)
+            p.proc.wait()
+        if not self.keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

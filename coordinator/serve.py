@@ -1,0 +1,43 @@
+"""The coordinator's bootstrap node: a DHT node that publishes the signed spec and prints the run address.
+
+It is not a parameter server: peers re-publish the signed spec themselves, so training goes on without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Optional
+
+from swarm.config import PeerSettings, RunSpec
+from swarm.directory import RunDirectory, format_run_address, start_dht, visible_maddrs
+from swarm.identity import Identity
+
+logger = logging.getLogger("swarm.coordinator")
+
+
+def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: list[str],
+          address_file: Optional[Path] = None, stop: Optional[threading.Event] = None) -> None:
+    """Run the bootstrap node until SIGTERM/SIGINT (or ``stop``); prints the run address on stdout."""
+    run_id, sealed = RunDirectory.seal_spec(spec, key)
+    dht = start_dht(settings, initial_peers)
+    stop = stop or threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        directory = RunDirectory(dht, run_id, ttl=spec.timeouts.record_ttl_s)
+        address = format_run_address(run_id, visible_maddrs(dht))
+        print(address, flush=True)
+        if address_file is not None:
+            tmp = address_file.with_suffix(".tmp")
+            tmp.write_text(address + "\n")
+            tmp.replace(address_file)
+        logger.info("serving run %s (spec %s)", run_id, spec.spec_hash()[:16])
+        while not stop.is_set():
+            if not directory.publish_spec(sealed):
+                logger.warning("could not store the spec in the DHT; retrying in %.0fs", directory.ttl / 3)
+            stop.wait(directory.ttl / 3)
+    finally:
+        dht.shutdown()

@@ -1,0 +1,56 @@
+"""``swarm-peer``: join a run as a stage server (default) or a trainer.
+
+Examples::
+
+    swarm-peer join demo-abcdefghijklmnop@/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+    swarm-peer join <run address> --role trainer
+    SWARM_HOST=127.0.0.1 SWARM_CACHE_DIR=/cache swarm-peer join <run address> --stage 1
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from swarm.config import PeerSettings, Role
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="A peer of a volunteer swarm training run.")
+
+
+@app.callback()
+def _root() -> None:
+    """A peer of a volunteer swarm training run."""
+
+
+@app.command()
+def join(
+    address: str = typer.Argument(..., help="Run address printed by `swarm-coordinator serve`: <run_id>@<multiaddr>[,...]"),
+    role: Role = typer.Option(Role.SERVER, help="server: host a stage; trainer: stream data through the stages "
+                              "(the role for peers that cannot accept connections)."),
+    stage: Optional[int] = typer.Option(None, help="Stage to serve (default: the stage with the least throughput)."),
+    shard: Optional[int] = typer.Option(None, help="Trainer data share (default: the lowest unclaimed one)."),
+    concurrency: int = typer.Option(2, min=1, help="Trainer micro-batches in flight; raise it on fast links."),
+    max_samples: Optional[int] = typer.Option(None, help="Trainer stops after this many samples."),
+    log_level: str = typer.Option("INFO", help="Log level."),
+) -> None:
+    """Join the run at ADDRESS and serve or train until SIGTERM/Ctrl-C. Settings: SWARM_* env vars, .env."""
+    from peer.logs import configure_logging
+
+    configure_logging(log_level)
+    settings = PeerSettings()
+    if settings.client_mode and role == Role.SERVER:
+        typer.echo("SWARM_CLIENT_MODE is set: this peer cannot accept connections, so it joins as a trainer", err=True)
+        role = Role.TRAINER
+    if role == Role.SERVER:
+        from peer.server import run_server
+
+        run_server(address, settings, stage)
+    else:
+        from peer.trainer import run_trainer
+
+        run_trainer(address, settings, shard=shard, concurrency=concurrency, max_samples=max_samples)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,50 @@
+"""Lifecycle of a trainer: join (client mode works), prepare data, claim a share, train, report."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Optional
+
+import torch
+
+from swarm.config import PeerSettings
+from swarm.data import prepare_dataset
+from swarm.directory import connect_run
+from swarm.identity import Identity
+from swarm.pipeline import RemotePipeline
+from swarm.trainer import Trainer, claim_shard
+
+logger = logging.getLogger("swarm.peer")
+
+
+def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = None, concurrency: int = 2,
+                max_samples: Optional[int] = None) -> None:
+    """Train through the run at ``address`` until SIGTERM/SIGINT or ``max_samples``."""
+    identity = Identity.load_or_create(settings.identity_path())
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    dht, directory, spec, _ = connect_run(address, settings, client_mode=True)
+    try:
+        dataset = prepare_dataset(spec, settings.cache_dir)
+        if shard is None:
+            shard = claim_shard(directory, spec.data.num_shards, identity.peer_id)
+        logger.info("[%s trainer] run %s, data share %d/%d, %d samples per pass, tokenizer %s",
+                    identity.peer_id, directory.run_id, shard, spec.data.num_shards,
+                    dataset.num_samples() // spec.data.num_shards, dataset.tokenizer_sha256[:16])
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            stop = asyncio.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            p2p = await dht.replicate_p2p()
+            pipeline = RemotePipeline(spec, directory.run_id, directory, p2p)
+            trainer = Trainer(spec, directory.run_id, directory, identity, pipeline, dataset, shard,
+                              concurrency=concurrency, max_samples=max_samples)
+            await trainer.run(stop)
+
+        asyncio.run(main())
+    finally:
+        dht.shutdown()

@@ -1,0 +1,70 @@
+"""The collaborative optimizer of a stage: hivemind.Optimizer with the run spec's schedule and averaging.
+
+Every server of stage ``k`` joins the hivemind optimizer ``{run_id}-stage{k}``: it accumulates gradients of
+the micro-batches it backpropagates; once the stage's servers together have ``target_batch_size`` samples,
+they form a group, all-reduce the gradients (butterfly; hivemind ``GradientAverager``) and each applies the
+same AdamW step, so the servers of a stage stay equal. Every ``average_state_every`` epochs parameters and
+optimizer statistics are averaged too, which re-syncs a server that missed a round. A late joiner downloads
+the state from a live server (hivemind ``load_state_from_peers``).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import hivemind
+import torch
+
+from swarm.averaging.aggregation import make_aggregator
+from swarm.averaging.compression import make_compressor
+from swarm.config import OptimSpec, RunSpec
+
+
+def lr_at_epoch(optim: OptimSpec, epoch: int) -> float:
+    """Learning rate multiplier at ``epoch``: linear warm-up, then cosine decay to ``min_lr_ratio``."""
+    if epoch < optim.warmup_epochs:
+        return (epoch + 1) / (optim.warmup_epochs + 1)
+    progress = min(1.0, (epoch - optim.warmup_epochs) / max(1, optim.total_epochs - optim.warmup_epochs))
+    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_torch_optimizer(optim: OptimSpec, params) -> torch.optim.Optimizer:
+    """The local optimizer of the spec (AdamW), also used by the single-process reference."""
+    return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+
+
+def make_scheduler(optim: OptimSpec, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_at_epoch, optim))
+
+
+def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.DHT, module: torch.nn.Module,
+                          *, client_mode: bool = False) -> hivemind.Optimizer:
+    """hivemind.Optimizer for ``module`` (stage ``stage``), configured from the spec.
+
+    Raises ValueError for an aggregator the all-reduce cannot run yet.
+    """
+    avg = spec.averaging
+    if make_aggregator(avg.aggregator).name != "mean":  # pragma: no cover - only the mean exists today
+        raise ValueError("robust aggregators need a buffering part reducer")
+    codec = make_compressor(avg.compression).hivemind_codec()
+    return hivemind.Optimizer(
+        dht=dht,
+        run_id=f"{run_id}-stage{stage}",
+        params=module.parameters(),
+        optimizer=partial(make_torch_optimizer, spec.optim),
+        scheduler=partial(make_scheduler, spec.optim),
+        target_batch_size=spec.training.target_batch_size,
+        batch_size_per_step=spec.training.micro_batch_size,
+        matchmaking_time=avg.matchmaking_time,
+        averaging_timeout=avg.averaging_timeout,
+        average_state_every=avg.average_state_every,
+        average_opt_statistics=("exp_avg", "exp_avg_sq"),
+        delay_state_averaging=False,
+        grad_compression=codec,
+        state_averaging_compression=codec,
+        client_mode=client_mode,
+        tracker_opts=dict(min_refresh_period=0.25, max_refresh_period=2.0, default_refresh_period=0.5),
+        averager_opts=dict(request_timeout=1.0, min_vector_size=0),
+        verbose=False,
+    )

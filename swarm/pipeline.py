@@ -1,0 +1,177 @@
+"""A trainer's view of the model: a chain of remote stages, one server per stage per micro-batch.
+
+:meth:`RemotePipeline.train_step` streams int64 tokens ``(B, T+1)`` forward through stages ``0..S-1``
+(servers picked by :class:`~swarm.routing.Router`), the last stage returns the loss and the gradient of its
+input, and the gradient flows back through the servers that ran the forward. Any failed call (error reply,
+timeout, unreachable peer) bans that server with back-off and retries the same step on another server of
+the stage; a backward retried elsewhere carries the stage inputs so the new server recomputes the forward
+(SWARM, sec. 3.2). The trainer keeps every stage input of a micro-batch until its backward is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Awaitable, Callable, Optional, TypeVar
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from swarm.config import RunSpec
+from swarm.directory import RunDirectory
+from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
+from swarm.routing import NoServerError, Router
+from swarm.stage import StageServer
+from swarm.transport import gather, stream_out
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+NOT_CACHED = "is not cached here"
+
+
+class PipelineError(RuntimeError):
+    """A micro-batch that failed on every server tried within the attempt budget."""
+
+
+class RemotePipeline:
+    """Runs micro-batches through the run's stage servers with routing, bans and retries.
+
+    :param max_attempts: tries per stage call before the micro-batch fails with :class:`PipelineError`.
+    :param refresh_s: seconds between reads of a stage's server records from the DHT.
+    """
+
+    def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, p2p: P2P, router: Optional[Router] = None,
+                 *, max_attempts: int = 8, refresh_s: float = 2.0):
+        self.spec, self.run_id, self.directory, self.p2p = spec, run_id, directory, p2p
+        self.router = router or Router(ban_s=spec.timeouts.ban_s, ban_max_s=spec.timeouts.ban_max_s)
+        self.max_attempts, self.refresh_s = max_attempts, refresh_s
+        self.num_stages = spec.model.num_stages
+        self._servers: dict[int, tuple[float, list[ServerInfo]]] = {}
+        self.failures = 0
+
+    async def servers(self, stage: int, force: bool = False) -> list[ServerInfo]:
+        """ServerInfo records of ``stage`` (cached for ``refresh_s`` seconds)."""
+        cached = self._servers.get(stage)
+        if force or cached is None or time.monotonic() - cached[0] > self.refresh_s:
+            found = await asyncio.get_running_loop().run_in_executor(None, self.directory.servers, stage)
+            cached = self._servers[stage] = (time.monotonic(), found)
+        return cached[1]
+
+    async def _rpc(self, server: ServerInfo, method: str, meta: bytes, tensors: list[torch.Tensor],
+                   timeout: float) -> tuple[StageResponse, list[torch.Tensor]]:
+        stub = StageServer.get_stub(self.p2p, PeerID.from_base58(server.p2p_id), namespace=self.run_id)
+
+        async def call():
+            responses = await getattr(stub, method)(stream_out(runtime_pb2.ExpertRequest, meta, tensors))
+            reply, out = await gather(responses)
+            return unpack_message(reply, StageResponse), out
+
+        return await asyncio.wait_for(call(), timeout)
+
+    async def _on_stage(self, stage: int, work: float, attempt_fn: Callable[[ServerInfo], Awaitable[T]],
+                        prefer: Optional[ServerInfo] = None) -> tuple[T, ServerInfo]:
+        """Run ``attempt_fn`` on a server of ``stage``, retrying on others; returns ``(result, server)``."""
+        last_error: Optional[BaseException] = None
+        for attempt in range(self.max_attempts):
+            if prefer is not None and not self.router.is_banned(prefer.peer_id):
+                server, prefer = prefer, None
+            else:
+                try:
+                    server = self.router.choose(await self.servers(stage, force=attempt > 0), work)
+                except NoServerError as e:
+                    last_error = e
+                    await asyncio.sleep(min(1.0 * (attempt + 1), 5.0))
+                    continue
+            try:
+                result = await attempt_fn(server)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                last_error = e
+                self.failures += 1
+                ban = self.router.report_failure(server.peer_id)
+                logger.warning("stage %d server %s failed (%s: %s); banned for %.0fs, retrying elsewhere",
+                               stage, server.peer_id, type(e).__name__, str(e)[:200], ban)
+                continue
+            self.router.report_success(server.peer_id)
+            return result, server
+        raise PipelineError(f"stage {stage}: {self.max_attempts} attempts failed, last: {last_error}")
+
+    async def forward_loss(self, batch: torch.Tensor, *, train: bool) -> float:
+        """Mean loss (nats/token) of int64 tokens ``(B, T+1)``; with ``train`` also backpropagates.
+
+        :raises PipelineError: a stage failed on every server tried.
+        """
+        if batch.dtype != torch.int64 or batch.dim() != 2 or batch.shape[1] < 2:
+            raise ValueError(f"batch must be int64 (B, T+1) token ids, got {batch.dtype} {tuple(batch.shape)}")
+        mb_id = uuid.uuid4().hex
+        mode = "train" if train else "eval"
+        work = float(batch.shape[0])
+        inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        acts, route = [inputs], []
+        t = self.spec.timeouts
+        for k in range(self.num_stages - 1):
+            meta = pack_message(ForwardRequest(run_id=self.run_id, stage=k, mb_id=mb_id, mode=mode))
+
+            async def fwd(s: ServerInfo, k=k, meta=meta):
+                _, out = await self._rpc(s, "rpc_forward", meta, [acts[k]], t.forward_s)
+                return out[0]
+
+            out, server = await self._on_stage(k, work, fwd)
+            acts.append(out)
+            route.append(server)
+
+        last = self.num_stages - 1
+        meta = pack_message(ForwardRequest(run_id=self.run_id, stage=last, mb_id=mb_id, mode=mode))
+
+        async def fwd_last(s: ServerInfo):
+            reply, out = await self._rpc(s, "rpc_forward", meta, [acts[-1], targets], t.forward_s + t.backward_s)
+            if reply.loss is None:
+                raise PipelineError(f"last-stage server {s.peer_id} returned no loss")
+            return reply.loss, (out[0] if out else None)
+
+        (loss, grad), _ = await self._on_stage(last, work, fwd_last)
+        if not train:
+            return loss
+        for k in reversed(range(self.num_stages - 1)):
+            bwd = self._backward_fn(k, mb_id, grad, acts[k], forward_peer=route[k].peer_id)
+            grad = (await self._on_stage(k, work, bwd, prefer=route[k]))[0]
+        return loss
+
+    def _backward_fn(self, stage: int, mb_id: str, grad: torch.Tensor, inputs: torch.Tensor, forward_peer: str):
+        t = self.spec.timeouts
+
+        async def bwd(s: ServerInfo):
+            resend = s.peer_id != forward_peer  # another server recomputes the forward from the inputs
+            try:
+                return await self._send_backward(s, stage, mb_id, grad, inputs, with_inputs=resend, timeout=t.backward_s)
+            except Exception as e:
+                if NOT_CACHED not in str(e):
+                    raise
+                # the server evicted the micro-batch: not its fault; resend with inputs to recompute
+                return await self._send_backward(s, stage, mb_id, grad, inputs, with_inputs=True, timeout=t.backward_s)
+
+        return bwd
+
+    async def _send_backward(self, s, stage, mb_id, grad, inputs, *, with_inputs: bool, timeout: float):
+        meta = pack_message(BackwardRequest(run_id=self.run_id, stage=stage, mb_id=mb_id, with_inputs=with_inputs))
+        _, out = await self._rpc(s, "rpc_backward", meta, [grad, inputs] if with_inputs else [grad], timeout)
+        return out[0] if out else None
+
+
+async def validation_loss(pipeline: RemotePipeline, dataset, max_batches: int = 16, batch_size: int = 0) -> float:
+    """Mean loss (nats/token) of the swarm's current model over the first validation samples.
+
+    Uses up to ``max_batches`` micro-batches of ``batch_size`` (default: the spec's micro-batch size) samples.
+    """
+    b = batch_size or pipeline.spec.training.micro_batch_size
+    n = min(dataset.num_samples("val") // b, max_batches)
+    if n < 1:
+        raise ValueError("the validation split holds fewer samples than one micro-batch")
+    losses = [await pipeline.forward_loss(dataset.batch(list(range(i * b, (i + 1) * b)), "val"), train=False)
+              for i in range(n)]
+    return sum(losses) / len(losses)

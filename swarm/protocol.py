@@ -1,0 +1,234 @@
+"""Every DHT record and wire message of the protocol, as typed, versioned schemas (msgpack on the wire).
+
+DHT records live under keys namespaced by run id (:func:`spec_key`, :func:`stage_key`,
+:func:`trainers_key`), one sub-key per peer (its peer id), and expire (``timeouts.record_ttl_s``). Each
+value is a *sealed* record: ``msgpack({"p": payload, "k": ed25519_public_key, "s": signature(payload)})``
+where the payload is the msgpack of a :class:`Record` subclass. :func:`open_record` checks the size, the
+signature, the protocol version, the run id, and that the signer owns the sub-key, before a record is used;
+anything else raises :class:`ProtocolError` with the cause. Unknown fields are ignored so newer peers can
+add fields without breaking older ones (same protocol version); a removed or retyped field needs a new
+:data:`~swarm.config.PROTOCOL_VERSION`.
+
+Wire messages are the ``metadata`` of hivemind's ``runtime_pb2.ExpertRequest``/``ExpertResponse`` streams;
+the tensors travel in the same messages (see :mod:`swarm.stage`).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal, Optional, Type, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from swarm.config import PROTOCOL_VERSION
+from swarm.identity import Identity, SignatureError, peer_id_of, verify
+
+MAX_RECORD_BYTES = 64 * 1024
+"""Largest sealed record accepted from the DHT (bytes)."""
+MAX_METADATA_BYTES = 16 * 1024
+"""Largest wire-message metadata accepted (bytes)."""
+
+
+class ProtocolError(ValueError):
+    """A record or message that is malformed, oversized, forged, or from another run or protocol version."""
+
+
+def spec_key(run_id: str) -> str:
+    return f"{run_id}/spec"
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"{run_id}/stage/{stage}"
+
+
+def trainers_key(run_id: str) -> str:
+    return f"{run_id}/trainers"
+
+
+class ServerState(StrEnum):
+    JOINING = "joining"  # announced, loading state; not routed to
+    ONLINE = "online"  # serving forward/backward
+    DRAINING = "draining"  # finishing in-flight work; not routed to
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    v: int = PROTOCOL_VERSION
+
+
+class Record(_Schema):
+    """Base of DHT records: who published it, for which run, when (DHT time, seconds)."""
+
+    kind: str
+    run_id: str
+    peer_id: str
+    time: float
+
+
+class SpecRecord(Record):
+    """The signed run spec, published by the coordinator (and re-published verbatim by peers)."""
+
+    kind: Literal["spec"] = "spec"
+    spec_json: str
+    spec_hash: str
+
+
+class ServerInfo(Record):
+    """A stage server's announcement under :func:`stage_key`."""
+
+    kind: Literal["server"] = "server"
+    stage: int = Field(ge=0)
+    state: ServerState
+    throughput: float = Field(ge=0, description="Measured samples/s of forward+backward on this stage.")
+    p2p_id: str = Field(description="libp2p peer id (base58) to call the stage RPCs on.")
+    maddrs: list[str] = Field(default_factory=list)
+    epoch: int = Field(0, ge=0)
+    samples: int = Field(0, ge=0, description="Samples processed since the server started.")
+    loss: Optional[float] = Field(None, description="Loss EMA of micro-batches (last stage only).")
+    peers_in_last_round: int = Field(0, ge=0, description="Group size of the last averaging round.")
+    fingerprints: dict[int, list[float]] = Field(
+        default_factory=dict, description="Epoch -> small random projection of the stage parameters."
+    )
+    version: str = ""
+
+
+class TrainerInfo(Record):
+    """A trainer's progress under :func:`trainers_key`."""
+
+    kind: Literal["trainer"] = "trainer"
+    shard: int = Field(ge=0)
+    loss: Optional[float] = None
+    initial_loss: Optional[float] = None
+    samples: int = Field(0, ge=0)
+    tokens: int = Field(0, ge=0)
+    samples_per_s: float = Field(0.0, ge=0)
+    failures: int = Field(0, ge=0, description="Micro-batch attempts that failed and were retried.")
+    version: str = ""
+
+
+R = TypeVar("R", bound=Record)
+
+
+def seal(record: Record, identity: Identity) -> bytes:
+    """Sign ``record`` with ``identity``; returns the sealed bytes to store in the DHT."""
+    if record.peer_id != identity.peer_id and record.kind != "spec":
+        raise ValueError("a record must be sealed by the peer it names")
+    payload = msgpack.packb(record.model_dump(mode="json"), use_bin_type=True)
+    blob = msgpack.packb({"p": payload, "k": identity.public_key, "s": identity.sign(payload)}, use_bin_type=True)
+    if len(blob) > MAX_RECORD_BYTES:
+        raise ValueError(f"sealed record is {len(blob)} bytes > {MAX_RECORD_BYTES}; keep records small")
+    return blob
+
+
+def open_record(
+    blob: bytes, cls: Type[R], *, run_id: str, subkey: Optional[str] = None, signer: Optional[bytes] = None
+) -> tuple[R, bytes]:
+    """Verify and parse a sealed record; returns ``(record, signer_public_key)``.
+
+    :param subkey: the DHT sub-key it was stored under; must equal the signer's peer id.
+    :param signer: if given, the only public key allowed to have signed it (e.g. the run's coordinator key).
+    :raises ProtocolError: oversized, malformed, bad signature, wrong kind, run or protocol version.
+    """
+    if not isinstance(blob, (bytes, bytearray)):
+        raise ProtocolError(f"record is {type(blob).__name__}, expected bytes")
+    if len(blob) > MAX_RECORD_BYTES:
+        raise ProtocolError(f"record of {len(blob)} bytes exceeds {MAX_RECORD_BYTES}")
+    try:
+        env = msgpack.unpackb(blob, raw=False)
+        payload, key, sig = env["p"], env["k"], env["s"]
+        if not all(isinstance(x, bytes) for x in (payload, key, sig)):
+            raise TypeError("envelope fields must be bytes")
+    except Exception as e:
+        raise ProtocolError(f"malformed record envelope ({type(e).__name__}: {e})") from None
+    if signer is not None and key != signer:
+        raise ProtocolError("record is not signed by the expected key (the run's coordinator)")
+    try:
+        verify(key, sig, payload)
+    except SignatureError as e:
+        raise ProtocolError(str(e)) from None
+    try:
+        fields = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise ProtocolError(f"malformed record payload ({type(e).__name__})") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError("record payload is not a map")
+    if fields.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"record speaks protocol {fields.get('v')!r}, this peer speaks {PROTOCOL_VERSION}; the sender must upgrade"
+        )
+    try:
+        record = cls.model_validate(fields)
+    except ValidationError as e:
+        raise ProtocolError(f"invalid {cls.__name__}: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    if record.run_id != run_id:
+        raise ProtocolError(f"record is for run {record.run_id!r}, not {run_id!r}")
+    if cls is not SpecRecord:
+        owner = peer_id_of(key)
+        if record.peer_id != owner or (subkey is not None and subkey != owner):
+            raise ProtocolError("record names a peer id its signer does not own")
+    return record, key
+
+
+# ---- wire messages (metadata of stage RPCs) --------------------------------------------------------------
+
+
+class ForwardRequest(_Schema):
+    """Run a micro-batch through a stage.
+
+    Tensors: ``[inputs]`` — int64 token ids ``(B, T)`` for stage 0, else float32 hidden states ``(B, T, d)``;
+    the last stage also gets int64 targets ``(B, T)`` and returns the loss (and, with ``mode="train"``, the
+    input gradient, having accumulated its parameter gradients).
+    """
+
+    run_id: str
+    stage: int = Field(ge=0)
+    mb_id: str = Field(min_length=1, max_length=128)
+    mode: Literal["train", "eval"] = "train"
+
+
+class BackwardRequest(_Schema):
+    """Backpropagate a micro-batch through a stage (not the last one).
+
+    Tensors: ``[grad_outputs]`` float32 ``(B, T, d)``, followed by the forward ``inputs`` when
+    ``with_inputs`` (a retry on a server that did not run the forward recomputes it from them).
+    """
+
+    run_id: str
+    stage: int = Field(ge=0)
+    mb_id: str = Field(min_length=1, max_length=128)
+    with_inputs: bool = False
+
+
+class StageResponse(_Schema):
+    """Reply to a stage RPC; tensors: outputs (forward) or input gradients (backward / last stage train)."""
+
+    loss: Optional[float] = None
+    epoch: int = 0
+
+
+M = TypeVar("M", bound=_Schema)
+
+
+def pack_message(msg: _Schema) -> bytes:
+    return msgpack.packb(msg.model_dump(mode="json"), use_bin_type=True)
+
+
+def unpack_message(data: bytes, cls: Type[M]) -> M:
+    """Parse wire metadata; raises :class:`ProtocolError` (oversized, malformed, version mismatch)."""
+    if len(data) > MAX_METADATA_BYTES:
+        raise ProtocolError(f"message metadata of {len(data)} bytes exceeds {MAX_METADATA_BYTES}")
+    try:
+        fields = msgpack.unpackb(data, raw=False)
+    except Exception as e:
+        raise ProtocolError(f"malformed message ({type(e).__name__})") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError("message is not a map")
+    if fields.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"message speaks protocol {fields.get('v')!r}, this peer speaks {PROTOCOL_VERSION}; upgrade the older peer"
+        )
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as e:
+        raise ProtocolError(f"invalid {cls.__name__}: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None

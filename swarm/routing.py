@@ -1,0 +1,112 @@
+"""Stochastic wiring, bans with back-off, and the stage choice of a joining server.
+
+Routing follows SWARM parallelism (Ryabinin et al., "SWARM Parallelism", ICML 2023, sec. 3.2, "stochastic
+wiring"): for every micro-batch a trainer picks, per stage, the online server with the least accumulated
+expected busy time, where each assignment adds ``work / throughput`` (seconds) to the chosen server; ties are
+broken at random. A server that fails is banned for ``ban_s * 2**(failures-1)`` seconds (capped at
+``ban_max_s``) and the micro-batch is retried on another server of the same stage.
+
+A joining server picks the stage whose servers together have the least throughput, the pipeline's bottleneck
+(Petals' block choice, Borzunov et al., "Distributed Inference and Fine-tuning of LLMs over the Internet",
+2023, sec. 3.2).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from swarm.config import ModelSpec
+from swarm.protocol import ServerInfo, ServerState
+
+
+class NoServerError(RuntimeError):
+    """No online, unbanned server is known for a stage."""
+
+
+@dataclass
+class _Ban:
+    failures: int = 0
+    until: float = 0.0
+
+
+@dataclass
+class Router:
+    """Per-trainer routing state: expected busy time per server and bans.
+
+    ``clock`` returns seconds (monotonic); ``rng`` breaks ties.
+    """
+
+    ban_s: float = 5.0
+    ban_max_s: float = 120.0
+    rng: random.Random = field(default_factory=random.Random)
+    clock: Callable[[], float] = time.monotonic
+    busy: dict[str, float] = field(default_factory=dict)
+    bans: dict[str, _Ban] = field(default_factory=dict)
+
+    def is_banned(self, peer_id: str) -> bool:
+        ban = self.bans.get(peer_id)
+        return ban is not None and ban.until > self.clock()
+
+    def choose(self, servers: Sequence[ServerInfo], work: float = 1.0, exclude: Sequence[str] = ()) -> ServerInfo:
+        """Pick one online, unbanned server (least busy time after this assignment) and charge it ``work``.
+
+        :param work: samples in the micro-batch; the chosen server is charged ``work / throughput`` seconds.
+        :raises NoServerError: no candidate is left.
+        """
+        candidates = [
+            s for s in servers
+            if s.state == ServerState.ONLINE and not self.is_banned(s.peer_id) and s.peer_id not in exclude
+        ]
+        if not candidates:
+            raise NoServerError(f"no online server available ({len(servers)} known, others banned or not online)")
+        known = [self.busy[s.peer_id] for s in candidates if s.peer_id in self.busy]
+        floor = min(known) if known else 0.0
+        for s in candidates:  # a newcomer starts level with the least busy server, not far behind everyone
+            self.busy.setdefault(s.peer_id, floor)
+
+        def cost(s: ServerInfo) -> float:
+            return self.busy[s.peer_id] + work / max(s.throughput, 1e-6)
+
+        best = min(cost(s) for s in candidates)
+        chosen = self.rng.choice([s for s in candidates if cost(s) <= best * (1 + 1e-9)])
+        self.busy[chosen.peer_id] = cost(chosen)
+        return chosen
+
+    def report_failure(self, peer_id: str) -> float:
+        """Ban ``peer_id`` with exponential back-off; returns the ban length (seconds)."""
+        ban = self.bans.setdefault(peer_id, _Ban())
+        ban.failures += 1
+        length = min(self.ban_max_s, self.ban_s * 2 ** (ban.failures - 1))
+        ban.until = self.clock() + length
+        return length
+
+    def report_success(self, peer_id: str) -> None:
+        self.bans.pop(peer_id, None)
+
+
+def stage_demand(spec: ModelSpec) -> list[float]:
+    """Relative compute per micro-batch of each stage (blocks, plus the LM head as ~1 block for the last)."""
+    head = spec.vocab_size / (12 * spec.d_model)  # head matmul vs. a block's ~12 d^2 per token
+    demand = [float(n) for n in spec.stage_layers]
+    demand[-1] += head
+    return demand
+
+
+def choose_stage(spec: ModelSpec, servers: dict[int, list[ServerInfo]], rng: Optional[random.Random] = None) -> int:
+    """The pipeline's bottleneck: the stage whose servers together announce the least throughput (samples/s).
+
+    Ties (e.g. several empty stages) go to the stage with the most compute per micro-batch
+    (:func:`stage_demand`), then at random. Joining servers count with the throughput they announce, so
+    peers starting one after another spread over the stages; draining servers do not count.
+    """
+    rng = rng or random.Random()
+    demand = stage_demand(spec)
+    supply = [sum(s.throughput for s in servers.get(k, []) if s.state != ServerState.DRAINING)
+              for k in range(spec.num_stages)]
+    least = min(supply)
+    tied = [k for k in range(spec.num_stages) if supply[k] <= least * (1 + 1e-9)]
+    costliest = max(demand[k] for k in tied)
+    return rng.choice([k for k in tied if demand[k] >= costliest * (1 - 1e-9)])

@@ -1,0 +1,243 @@
+"""A stage server: forward/backward RPCs over libp2p, gradient accumulation and the stage's optimizer.
+
+RPCs (streams of ``runtime_pb2.ExpertRequest``, namespace ``<run_id>``; see :mod:`swarm.transport`):
+
+* ``rpc_forward`` — :class:`~swarm.protocol.ForwardRequest`. A middle stage returns its outputs and keeps
+  the autograd graph for the micro-batch (bounded cache, keyed by caller and micro-batch id). The last stage
+  takes targets too, returns the loss and, when training, backpropagates at once and returns the input
+  gradient (SWARM, Ryabinin et al. 2023, sec. 3.2: the last stage starts backward).
+* ``rpc_backward`` — :class:`~swarm.protocol.BackwardRequest`. Uses the cached graph, or recomputes the
+  forward from inputs sent along (a retry on a server that did not run the forward), backpropagates the
+  output gradient and returns the input gradient.
+
+All compute runs on one worker thread, in arrival order. After each backward the micro-batch's parameter
+gradients are handed to the stage's hivemind.Optimizer (:mod:`swarm.averaging.optimizer`), which averages
+with the other servers of the stage and steps once per epoch. Bad requests (wrong shape/dtype/range,
+NaN/Inf, oversized, other run or protocol version) are refused with an error naming the cause; they never
+touch the accumulated gradients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Optional
+
+import torch
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils.performance_ema import PerformanceEMA
+
+from swarm.config import RunSpec
+from swarm.model import build_stage, lm_loss
+from swarm.protocol import BackwardRequest, ForwardRequest, ProtocolError, StageResponse, pack_message, unpack_message
+from swarm.transport import gather, stream_out
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_DIMS = 4
+FINGERPRINT_STRIDE = 31
+
+
+class StageError(RuntimeError):
+    """A request the stage refuses; the message is returned to the caller."""
+
+
+def parameter_fingerprint(module: torch.nn.Module) -> list[float]:
+    """A few seeded random projections of every ``FINGERPRINT_STRIDE``-th parameter value (float64 sums).
+
+    Two servers of a stage with equal parameters give equal fingerprints; small differences (float rounding
+    in the all-reduce) give close ones. Cheap enough to publish every epoch.
+    """
+    with torch.no_grad():
+        flat = torch.cat([p.detach().flatten()[::FINGERPRINT_STRIDE] for p in module.parameters()]).double()
+        gen = torch.Generator().manual_seed(1234)
+        proj = torch.randn(FINGERPRINT_DIMS, flat.numel(), generator=gen, dtype=torch.float64)
+        return (proj @ flat).tolist()
+
+
+class StageServer(ServicerBase):
+    """Serves stage ``stage`` of ``spec``; see the module docstring for the RPCs.
+
+    :param optimizer: the stage's collaborative optimizer (``step(batch_size=...)`` after every backward);
+        ``None`` runs forward/backward only (tests of the RPC layer).
+    :param cache_size: micro-batches whose autograd graph is kept between forward and backward.
+    """
+
+    def __init__(self, spec: RunSpec, run_id: str, stage: int, module: Optional[torch.nn.Module] = None,
+                 optimizer=None, *, cache_size: int = 16):
+        self.spec, self.run_id, self.stage = spec, run_id, stage
+        self.module = module if module is not None else build_stage(spec.model, stage)
+        self.is_last = stage == spec.model.num_stages - 1
+        self.optimizer = optimizer
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, float]] = OrderedDict()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
+        self.throughput = PerformanceEMA(alpha=0.1)
+        self.samples = 0
+        self.loss_ema: Optional[float] = None
+        self.fingerprints: dict[int, list[float]] = {}
+        self.epoch_listeners: list = []
+        self.max_batch = 8 * spec.training.micro_batch_size
+
+    @property
+    def epoch(self) -> int:
+        return self.optimizer.local_epoch if self.optimizer is not None else 0
+
+    # ---- validation --------------------------------------------------------------------------------
+    def _check_inputs(self, x: torch.Tensor) -> None:
+        try:
+            self.module.check_input(x)
+        except ValueError as e:
+            raise StageError(f"stage {self.stage}: {e}") from None
+        if x.shape[0] > self.max_batch:
+            raise StageError(f"stage {self.stage}: micro-batch of {x.shape[0]} samples exceeds {self.max_batch}")
+
+    def _check_like(self, name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
+        if t.shape != ref.shape or t.dtype != ref.dtype:
+            raise StageError(f"stage {self.stage}: {name} must be {ref.dtype} {tuple(ref.shape)}, got {t.dtype} {tuple(t.shape)}")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise StageError(f"stage {self.stage}: {name} holds NaN or Inf values")
+
+    def _check_request(self, run_id: str, stage: int) -> None:
+        if run_id != self.run_id or stage != self.stage:
+            raise StageError(f"this server serves run {self.run_id} stage {self.stage}, not run {run_id} stage {stage}")
+
+    # ---- compute (worker thread) -------------------------------------------------------------------
+    def _leaf(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.dtype == torch.int64 else x.detach().requires_grad_(True)
+
+    def forward(self, key: tuple[str, str], x: torch.Tensor, targets: Optional[torch.Tensor], train: bool):
+        """Run the stage on ``x``. Returns ``(outputs or input grad or None, loss or None)``."""
+        self._check_inputs(x)
+        if self.is_last:
+            if targets is None:
+                raise StageError("the last stage needs targets (int64, same shape as the token ids)")
+            self._check_like("targets", targets, torch.empty(x.shape[:2], dtype=torch.int64))
+            if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= self.spec.model.vocab_size):
+                raise StageError(f"targets must lie in [0, {self.spec.model.vocab_size})")
+        if not train:
+            with torch.no_grad():
+                out = self.module(x)
+                return (None, float(lm_loss(out, targets))) if self.is_last else (out, None)
+        start = time.perf_counter()
+        leaf = self._leaf(x)
+        with torch.enable_grad():
+            out = self.module(leaf)
+            if not self.is_last:
+                self._remember(key, leaf, out)
+                return out.detach(), None
+            loss = lm_loss(out, targets)
+            if not torch.isfinite(loss):
+                raise StageError(f"stage {self.stage}: loss is not finite; the inputs are corrupt")
+            loss.backward()
+        value = float(loss)
+        self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
+        grad = leaf.grad if leaf.requires_grad else None
+        self._accumulate(x.shape[0], time.perf_counter() - start)
+        return grad, value
+
+    def backward(self, key: tuple[str, str], grad_out: torch.Tensor, x: Optional[torch.Tensor]):
+        """Backpropagate ``grad_out`` for micro-batch ``key``; returns the input gradient (None for stage 0)."""
+        start = time.perf_counter()
+        entry = self._cache.pop(key, None)
+        if entry is None:
+            if x is None:
+                raise StageError(f"stage {self.stage}: micro-batch {key[1]} is not cached here; resend with inputs")
+            self._check_inputs(x)
+            leaf = self._leaf(x)
+            with torch.enable_grad():
+                out = self.module(leaf)
+        else:
+            leaf, out, _ = entry
+        self._check_like("grad_outputs", grad_out, out)
+        out.backward(grad_out)
+        grad = leaf.grad if leaf.requires_grad else None
+        self._accumulate(grad_out.shape[0], time.perf_counter() - start)
+        return grad
+
+    def _remember(self, key, leaf, out) -> None:
+        self._cache[key] = (leaf, out, time.monotonic())
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    def _accumulate(self, batch_size: int, seconds: float) -> None:
+        self.samples += batch_size
+        self.throughput.update(task_size=batch_size, interval=seconds)
+        if self.optimizer is None:
+            for p in self.module.parameters():
+                p.grad = None
+            return
+        epoch = self.optimizer.local_epoch
+        self.optimizer.step(batch_size=batch_size)
+        self.optimizer.zero_grad()
+        if self.optimizer.local_epoch != epoch:
+            self._on_epoch()
+
+    def _on_epoch(self) -> None:
+        epoch = self.optimizer.local_epoch
+        self.fingerprints[epoch] = parameter_fingerprint(self.module)
+        for old in sorted(self.fingerprints)[:-4]:
+            del self.fingerprints[old]
+        for listener in self.epoch_listeners:
+            listener(epoch)
+
+    def measure_throughput(self, repeats: int = 2) -> float:
+        """Samples/s of forward+backward on a random micro-batch (gradients discarded)."""
+        m, b = self.spec.model, self.spec.training.micro_batch_size
+        t = self.spec.data.seq_len
+        x = torch.randint(0, m.vocab_size, (b, t)) if self.stage == 0 else torch.randn(b, t, m.d_model)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = self.module(self._leaf(x))
+            out.float().square().mean().backward()
+            best = min(best, time.perf_counter() - start)
+        for p in self.module.parameters():
+            p.grad = None
+        self.throughput.update(task_size=b, interval=best)
+        return b / best
+
+    async def _compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ---- RPC handlers ------------------------------------------------------------------------------
+    async def rpc_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        meta, tensors = await gather(requests)
+        req = unpack_message(meta, ForwardRequest)
+        self._check_request(req.run_id, req.stage)
+        if len(tensors) != (2 if self.is_last else 1):
+            raise StageError(f"stage {self.stage} forward takes {'inputs and targets' if self.is_last else 'inputs'}")
+        key = (str(context.remote_id), req.mb_id)
+        out, loss = await self._compute(self.forward, key, tensors[0], tensors[1] if self.is_last else None,
+                                        req.mode == "train")
+        reply = pack_message(StageResponse(loss=loss, epoch=self.epoch))
+        async for msg in stream_out(runtime_pb2.ExpertResponse, reply, [] if out is None else [out]):
+            yield msg
+
+    async def rpc_backward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        meta, tensors = await gather(requests)
+        req = unpack_message(meta, BackwardRequest)
+        self._check_request(req.run_id, req.stage)
+        if self.is_last:
+            raise StageError("the last stage backpropagates inside rpc_forward; do not call rpc_backward on it")
+        if len(tensors) != (2 if req.with_inputs else 1):
+            raise StageError("backward takes grad_outputs, plus inputs when with_inputs is set")
+        key = (str(context.remote_id), req.mb_id)
+        grad = await self._compute(self.backward, key, tensors[0], tensors[1] if req.with_inputs else None)
+        reply = pack_message(StageResponse(epoch=self.epoch))
+        async for msg in stream_out(runtime_pb2.ExpertResponse, reply, [] if grad is None else [grad]):
+            yield msg
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["StageServer", "StageError", "ProtocolError", "parameter_fingerprint"]

@@ -1,0 +1,117 @@
+"""The trainer: streams its share of the samples through the swarm and reports its progress.
+
+A trainer claims a data share (the lowest one no other live trainer announces), walks that share of each
+pass in a seeded order (:func:`swarm.data.shard_order`), and keeps ``concurrency`` micro-batches in flight
+through :class:`~swarm.pipeline.RemotePipeline`. Every ``record_ttl_s / 3`` seconds it publishes a signed
+:class:`~swarm.protocol.TrainerInfo` and logs one fixed-key line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Iterator, Optional
+
+from hivemind.utils import get_dht_time
+
+from swarm import __version__
+from swarm.config import RunSpec
+from swarm.data import TokenDataset, shard_order
+from swarm.directory import RunDirectory
+from swarm.identity import Identity
+from swarm.pipeline import PipelineError, RemotePipeline
+from swarm.protocol import TrainerInfo
+
+logger = logging.getLogger(__name__)
+
+
+def claim_shard(directory: RunDirectory, num_shards: int, peer_id: str) -> int:
+    """Lowest data share not announced by another live trainer (a hash of the peer id if all are taken)."""
+    taken = {t.shard for t in directory.trainers() if t.peer_id != peer_id}
+    free = [s for s in range(num_shards) if s not in taken]
+    return free[0] if free else int(peer_id.encode().hex(), 16) % num_shards
+
+
+def micro_batches(dataset: TokenDataset, spec: RunSpec, shard: int, start_pass: int = 0) -> Iterator[list[int]]:
+    """Endless lists of sample indices (``micro_batch_size`` each) of ``shard``, pass after pass."""
+    b = spec.training.micro_batch_size
+    for p in itertools.count(start_pass):
+        order = shard_order(dataset.num_samples("train"), shard, spec.data.num_shards, spec.data.seed, p)
+        for i in range(0, len(order) - b + 1, b):
+            yield order[i : i + b]
+
+
+class Trainer:
+    """Trains through the swarm until ``stop`` is set or ``max_samples`` were processed."""
+
+    def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, identity: Identity,
+                 pipeline: RemotePipeline, dataset: TokenDataset, shard: int, *, concurrency: int = 1,
+                 max_samples: Optional[int] = None):
+        self.spec, self.run_id, self.directory, self.identity = spec, run_id, directory, identity
+        self.pipeline, self.dataset, self.shard = pipeline, dataset, shard
+        self.concurrency, self.max_samples = concurrency, max_samples
+        self.samples = self.tokens = 0
+        self.losses: list[float] = []
+        self.loss_ema: Optional[float] = None
+        self._started = time.monotonic()
+
+    @property
+    def initial_loss(self) -> Optional[float]:
+        first = self.losses[:5]
+        return sum(first) / len(first) if first else None
+
+    async def _worker(self, batches: Iterator[list[int]], stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if self.max_samples is not None and self.samples >= self.max_samples:
+                stop.set()
+                return
+            indices = next(batches)
+            try:
+                loss = await self.pipeline.forward_loss(self.dataset.batch(indices), train=True)
+            except PipelineError as e:
+                logger.warning("[%s trainer] micro-batch dropped: %s", self.identity.peer_id, e)
+                continue
+            self.losses.append(loss)
+            self.loss_ema = loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss
+            self.samples += len(indices)
+            self.tokens += len(indices) * self.spec.data.seq_len
+
+    def info(self) -> TrainerInfo:
+        elapsed = max(time.monotonic() - self._started, 1e-6)
+        return TrainerInfo(
+            run_id=self.run_id, peer_id=self.identity.peer_id, time=get_dht_time(), shard=self.shard,
+            loss=self.loss_ema, initial_loss=self.initial_loss, samples=self.samples, tokens=self.tokens,
+            samples_per_s=self.samples / elapsed, failures=self.pipeline.failures, version=__version__,
+        )
+
+    async def _report(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        period = self.spec.timeouts.record_ttl_s / 3
+        while True:
+            info = self.info()
+            await loop.run_in_executor(None, self.directory.announce_trainer, info, self.identity)
+            stages = [await self.pipeline.servers(k) for k in range(self.spec.model.num_stages)]
+            epochs = [max((s.epoch for s in group), default=0) for group in stages]
+            logger.info(
+                "[%s trainer epoch=%s] loss=%s samples=%d samples/s=%.2f failures=%d servers=%s",
+                self.identity.peer_id, min(epochs), f"{info.loss:.4f}" if info.loss is not None else "-",
+                info.samples, info.samples_per_s, info.failures, "/".join(str(len(g)) for g in stages),
+            )
+            try:
+                await asyncio.wait_for(stop.wait(), period)
+                await loop.run_in_executor(None, self.directory.announce_trainer, self.info(), self.identity)
+                return
+            except asyncio.TimeoutError:
+                pass
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._started = time.monotonic()
+        batches = micro_batches(self.dataset, self.spec, self.shard)
+        reporter = asyncio.create_task(self._report(stop))
+        try:
+            await asyncio.gather(*(self._worker(batches, stop) for _ in range(self.concurrency)))
+        finally:
+            stop.set()
+            await reporter
