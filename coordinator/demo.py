@@ -1,7 +1,7 @@
 """``swarm-coordinator demo``: a whole swarm on loopback training on the default corpus, then a summary.
 
-Starts a coordinator, ``servers_per_stage`` servers per stage (one after another, each choosing its stage
-itself) and ``trainers`` trainers as separate processes; shows progress every few seconds on stderr; after
+Starts a coordinator, ``servers_per_stage`` servers per stage (one after another, round-robin over the
+stages) and ``trainers`` trainers as separate processes; shows progress every few seconds on stderr; after
 ``seconds`` of training stops the trainers, measures the validation loss through the swarm, stops every
 process (also on Ctrl-C) and returns the summary.
 """
@@ -50,8 +50,8 @@ def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, tra
         dht, directory, spec, _ = connect_run(address, PeerSettings(host="127.0.0.1"), client_mode=True)
         try:
             num_stages = spec.model.num_stages
-            for _ in range(num_stages * servers_per_stage):
-                peer = swarm.start_peer("server")
+            for i in range(num_stages * servers_per_stage):
+                peer = swarm.start_peer("server", "--stage", str(i % num_stages))
 
                 def announced(pid=peer.peer_id) -> bool:
                     return any(s.peer_id == pid for g in directory.all_servers(num_stages).values() for s in g)
@@ -79,11 +79,14 @@ def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, tra
                                 f"{run['loss']:.3f}" if run["loss"] is not None else "-", run["tokens"],
                                 run["samples_per_s"], [s["servers_online"] for s in snap["stages"]],
                                 sum(p["role"] == "trainer" for p in snap["peers"]))
+            before = snapshot(directory, spec)
             for p in trainer_peers:
                 swarm.stop(p)
             elapsed = time.monotonic() - started
             time.sleep(1.0)
             snap = snapshot(directory, spec)
+            final_ids = {p["peer_id"] for p in snap["peers"]}
+            snap["peers"] += [p for p in before["peers"] if p["peer_id"] not in final_ids]
             logger.info("measuring the validation loss on %d held-out micro-batches", eval_batches)
 
             async def evaluate() -> float:

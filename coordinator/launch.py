@@ -122,7 +122,9 @@ class LocalSwarm:
             peer.proc.wait()
 
     def stop(self, peer: Peer, grace: float = 15.0) -> None:
-        _signal_group(peer.proc, signal.SIGTERM)
+        """SIGTERM the peer's main process (it stops its own DHT, averagers and p2pd), SIGKILL what is left."""
+        if peer.alive():
+            peer.proc.send_signal(signal.SIGTERM)
         try:
             peer.proc.wait(grace)
         except subprocess.TimeoutExpired:
@@ -140,7 +142,8 @@ class LocalSwarm:
     def close(self) -> None:
         everyone = self.peers + ([self.coordinator] if self.coordinator else [])
         for p in everyone:
-            _signal_group(p.proc, signal.SIGTERM)
+            if p.alive():
+                p.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 15.0
         for p in everyone:
             try:

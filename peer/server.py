@@ -95,6 +95,8 @@ async def _serve(server: StageServer, dht, directory, identity: Identity, sealed
     p2p = await dht.replicate_p2p()
     await server.add_p2p_handlers(p2p, namespace=directory.run_id)
     period = directory.ttl / 3
+    logger.info("[%s stage=%d epoch=%d] online", identity.peer_id, server.stage, server.epoch)
+    watcher = asyncio.create_task(server.watch_epochs(stop))
     try:
         while not stop.is_set():
             await loop.run_in_executor(None, directory.announce_server, info(ServerState.ONLINE), identity)
@@ -105,6 +107,8 @@ async def _serve(server: StageServer, dht, directory, identity: Identity, sealed
                 pass
     finally:
         logger.info("[%s stage=%d] draining", identity.peer_id, server.stage)
+        stop.set()
+        await watcher
         await loop.run_in_executor(None, directory.announce_server, info(ServerState.DRAINING), identity)
         await server.remove_p2p_handlers(p2p, namespace=directory.run_id)
         server.shutdown()

@@ -141,6 +141,10 @@ class AveragingSpec(_Section):
         2.0, gt=0, description="Seconds to gather a group. Raise it if the log shows fewer peers than servers."
     )
     averaging_timeout: float = Field(30.0, gt=0, description="Seconds before an averaging round is abandoned.")
+    next_chunk_timeout: float = Field(
+        10.0, gt=0, description="Seconds to wait for a peer's next part in the all-reduce. Raise it if the log shows "
+        "'received X% results' on busy or slow machines."
+    )
     average_state_every: int = Field(
         10, ge=1, description="Epochs between parameter/optimizer-state averaging rounds (re-syncs drifting servers)."
     )

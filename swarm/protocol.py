@@ -216,6 +216,8 @@ def pack_message(msg: _Schema) -> bytes:
 
 def unpack_message(data: bytes, cls: Type[M]) -> M:
     """Parse wire metadata; raises :class:`ProtocolError` (oversized, malformed, version mismatch)."""
+    if not data:
+        raise ProtocolError("empty message: the peer closed the stream without a reply (it may be shutting down)")
     if len(data) > MAX_METADATA_BYTES:
         raise ProtocolError(f"message metadata of {len(data)} bytes exceeds {MAX_METADATA_BYTES}")
     try:

@@ -74,7 +74,7 @@ class StageServer(ServicerBase):
         self.is_last = stage == spec.model.num_stages - 1
         self.optimizer = optimizer
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, float]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         self.throughput = PerformanceEMA(alpha=0.1)
         self.samples = 0
@@ -82,6 +82,7 @@ class StageServer(ServicerBase):
         self.fingerprints: dict[int, list[float]] = {}
         self.epoch_listeners: list = []
         self.max_batch = 8 * spec.training.micro_batch_size
+        self._last_work = time.monotonic()
 
     @property
     def epoch(self) -> int:
@@ -134,7 +135,7 @@ class StageServer(ServicerBase):
             if not torch.isfinite(loss):
                 raise StageError(f"stage {self.stage}: loss is not finite; the inputs are corrupt")
             loss.backward()
-        value = float(loss)
+        value = loss.item()
         self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
         grad = leaf.grad if leaf.requires_grad else None
         self._accumulate(x.shape[0], time.perf_counter() - start)
@@ -144,6 +145,10 @@ class StageServer(ServicerBase):
         """Backpropagate ``grad_out`` for micro-batch ``key``; returns the input gradient (None for stage 0)."""
         start = time.perf_counter()
         entry = self._cache.pop(key, None)
+        if entry is not None and entry[2] != self._param_versions():
+            # an optimizer step changed the parameters in place since the forward: the saved graph is stale,
+            # so recompute the forward from the saved inputs with the current parameters
+            x, entry = entry[0].detach(), None
         if entry is None:
             if x is None:
                 raise StageError(f"stage {self.stage}: micro-batch {key[1]} is not cached here; resend with inputs")
@@ -159,12 +164,16 @@ class StageServer(ServicerBase):
         self._accumulate(grad_out.shape[0], time.perf_counter() - start)
         return grad
 
+    def _param_versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.module.parameters())
+
     def _remember(self, key, leaf, out) -> None:
-        self._cache[key] = (leaf, out, time.monotonic())
+        self._cache[key] = (leaf, out, self._param_versions())
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
 
     def _accumulate(self, batch_size: int, seconds: float) -> None:
+        self._last_work = time.monotonic()
         self.samples += batch_size
         self.throughput.update(task_size=batch_size, interval=seconds)
         if self.optimizer is None:
@@ -176,6 +185,37 @@ class StageServer(ServicerBase):
         self.optimizer.zero_grad()
         if self.optimizer.local_epoch != epoch:
             self._on_epoch()
+
+    def maybe_finish_epoch(self, idle_s: float = 1.0) -> bool:
+        """Join the epoch's averaging round if the stage is ready but no backward came for ``idle_s`` seconds.
+
+        The collaborative optimizer only acts inside ``step()``, which runs after a backward. Without this, a
+        server whose peers already entered the round (their trainers' micro-batches waiting on them) would
+        never get the work that triggers its own step, and the round would wait for its timeout.
+        Returns True if an epoch ended.
+        """
+        opt = self.optimizer
+        if opt is None or time.monotonic() - self._last_work < idle_s:
+            return False
+        if not (opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0):
+            return False
+        epoch = opt.local_epoch
+        opt._update_global_epoch(None)  # hivemind 1.1.12: exactly what step() calls once the epoch is ready
+        if opt.local_epoch != epoch:
+            self._on_epoch()
+            return True
+        return False
+
+    async def watch_epochs(self, stop: asyncio.Event, period_s: float = 0.5) -> None:
+        """Run :meth:`maybe_finish_epoch` on the compute thread every ``period_s`` seconds until ``stop``."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), period_s)
+            except asyncio.TimeoutError:
+                try:
+                    await self._compute(self.maybe_finish_epoch)
+                except Exception:
+                    logger.exception("stage %d: finishing an idle epoch failed", self.stage)
 
     def _on_epoch(self) -> None:
         epoch = self.optimizer.local_epoch

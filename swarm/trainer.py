@@ -73,6 +73,10 @@ class Trainer:
             except PipelineError as e:
                 logger.warning("[%s trainer] micro-batch dropped: %s", self.identity.peer_id, e)
                 continue
+            except Exception:
+                logger.exception("[%s trainer] unexpected error; stopping", self.identity.peer_id)
+                stop.set()
+                raise
             self.losses.append(loss)
             self.loss_ema = loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss
             self.samples += len(indices)
@@ -106,12 +110,18 @@ class Trainer:
             except asyncio.TimeoutError:
                 pass
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, grace_s: float = 5.0) -> None:
+        """Train until ``stop`` is set; micro-batches still in flight ``grace_s`` seconds later are abandoned."""
         self._started = time.monotonic()
         batches = micro_batches(self.dataset, self.spec, self.shard)
         reporter = asyncio.create_task(self._report(stop))
+        workers = [asyncio.create_task(self._worker(batches, stop)) for _ in range(self.concurrency)]
         try:
-            await asyncio.gather(*(self._worker(batches, stop) for _ in range(self.concurrency)))
+            await stop.wait()
+            _, pending = await asyncio.wait(workers, timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
         finally:
             stop.set()
             await reporter

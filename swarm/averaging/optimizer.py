@@ -58,6 +58,7 @@ def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.
         batch_size_per_step=spec.training.micro_batch_size,
         matchmaking_time=avg.matchmaking_time,
         averaging_timeout=avg.averaging_timeout,
+        next_chunk_timeout=avg.next_chunk_timeout,
         average_state_every=avg.average_state_every,
         average_opt_statistics=("exp_avg", "exp_avg_sq"),
         delay_state_averaging=False,
