@@ -9,6 +9,7 @@ Examples::
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -32,6 +33,7 @@ def join(
     shard: Optional[int] = typer.Option(None, help="Trainer data share (default: the lowest unclaimed one)."),
     concurrency: int = typer.Option(2, min=1, help="Trainer micro-batches in flight; raise it on fast links."),
     max_samples: Optional[int] = typer.Option(None, help="Trainer stops after this many samples."),
+    loss_log: Optional[Path] = typer.Option(None, help="Trainer appends each micro-batch's loss here (JSON lines)."),
     log_level: str = typer.Option("INFO", help="Log level."),
 ) -> None:
     """Join the run at ADDRESS and serve or train until SIGTERM/Ctrl-C. Settings: SWARM_* env vars, .env."""
@@ -49,7 +51,8 @@ def join(
     else:
         from peer.trainer import run_trainer
 
-        run_trainer(address, settings, shard=shard, concurrency=concurrency, max_samples=max_samples)
+        run_trainer(address, settings, shard=shard, concurrency=concurrency, max_samples=max_samples,
+                    loss_log=loss_log)
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -20,7 +21,7 @@ logger = logging.getLogger("swarm.peer")
 
 
 def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = None, concurrency: int = 2,
-                max_samples: Optional[int] = None) -> None:
+                max_samples: Optional[int] = None, loss_log: Optional[Path] = None) -> None:
     """Train through the run at ``address`` until SIGTERM/SIGINT or ``max_samples``."""
     identity = Identity.load_or_create(settings.identity_path())
     if settings.threads:
@@ -42,7 +43,7 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
             p2p = await dht.replicate_p2p()
             pipeline = RemotePipeline(spec, directory.run_id, directory, p2p)
             trainer = Trainer(spec, directory.run_id, directory, identity, pipeline, dataset, shard,
-                              concurrency=concurrency, max_samples=max_samples)
+                              concurrency=concurrency, max_samples=max_samples, loss_log=loss_log)
             await trainer.run(stop)
 
         asyncio.run(main())

@@ -9,9 +9,11 @@ through :class:`~swarm.pipeline.RemotePipeline`. Every ``record_ttl_s / 3`` seco
 from __future__ import annotations
 
 import asyncio
+import json
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import Iterator, Optional
 
 from hivemind.utils import get_dht_time
@@ -44,14 +46,17 @@ def micro_batches(dataset: TokenDataset, spec: RunSpec, shard: int, start_pass: 
 
 
 class Trainer:
-    """Trains through the swarm until ``stop`` is set or ``max_samples`` were processed."""
+    """Trains through the swarm until ``stop`` is set or ``max_samples`` were processed.
+
+    :param loss_log: if set, every micro-batch's loss and sample indices are appended there as JSON lines.
+    """
 
     def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, identity: Identity,
                  pipeline: RemotePipeline, dataset: TokenDataset, shard: int, *, concurrency: int = 1,
-                 max_samples: Optional[int] = None):
+                 max_samples: Optional[int] = None, loss_log: Optional[Path] = None):
         self.spec, self.run_id, self.directory, self.identity = spec, run_id, directory, identity
         self.pipeline, self.dataset, self.shard = pipeline, dataset, shard
-        self.concurrency, self.max_samples = concurrency, max_samples
+        self.concurrency, self.max_samples, self.loss_log = concurrency, max_samples, loss_log
         self.samples = self.tokens = 0
         self.losses: list[float] = []
         self.loss_ema: Optional[float] = None
@@ -78,6 +83,9 @@ class Trainer:
                 stop.set()
                 raise
             self.losses.append(loss)
+            if self.loss_log is not None:
+                with open(self.loss_log, "a") as f:
+                    f.write(json.dumps({"step": len(self.losses), "loss": loss, "indices": indices}) + "\n")
             self.loss_ema = loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss
             self.samples += len(indices)
             self.tokens += len(indices) * self.spec.data.seq_len

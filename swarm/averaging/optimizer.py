@@ -14,6 +14,7 @@ import math
 from functools import partial
 
 import hivemind
+import hivemind.optim.progress_tracker
 import torch
 
 from swarm.averaging.aggregation import make_aggregator
@@ -38,8 +39,35 @@ def make_scheduler(optim: OptimSpec, opt: torch.optim.Optimizer) -> torch.optim.
     return torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_at_epoch, optim))
 
 
+class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
+    """hivemind's progress tracker, but an epoch ends only when ``target_batch_size`` samples were counted.
+
+    hivemind also ends an epoch once its *estimated* time of arrival has passed, which makes epochs with
+    fewer samples than the target when trainers slow down; here the epoch is the spec's batch, exactly.
+    The local count is read directly, so a lone server steps right after its last micro-batch.
+    """
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        return (
+            self.global_epoch > self.local_progress.epoch
+            or self.global_progress.samples_accumulated >= self.target_batch_size
+            or self.local_progress.samples_accumulated >= self.target_batch_size
+        )
+
+
+class StageOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer with :class:`SampleCountTracker` (hivemind 1.1.12's ``_make_progress_tracker`` seam)."""
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> SampleCountTracker:
+        return SampleCountTracker(
+            dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size, client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel, start=True, **kwargs,
+        )
+
+
 def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.DHT, module: torch.nn.Module,
-                          *, client_mode: bool = False) -> hivemind.Optimizer:
+                          *, client_mode: bool = False) -> StageOptimizer:
     """hivemind.Optimizer for ``module`` (stage ``stage``), configured from the spec.
 
     Raises ValueError for an aggregator the all-reduce cannot run yet.
@@ -48,7 +76,7 @@ def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.
     if make_aggregator(avg.aggregator).name != "mean":  # pragma: no cover - only the mean exists today
         raise ValueError("robust aggregators need a buffering part reducer")
     codec = make_compressor(avg.compression).hivemind_codec()
-    return hivemind.Optimizer(
+    return StageOptimizer(
         dht=dht,
         run_id=f"{run_id}-stage{stage}",
         params=module.parameters(),

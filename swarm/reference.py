@@ -1,0 +1,63 @@
+"""The single-process reference: the same stage modules, data order and optimizer as the swarm, in one loop.
+
+A swarm with one trainer (one micro-batch in flight) and one server per stage must follow this loss curve up
+to float rounding; larger swarms track it within the tolerance their tests state. Also the local baseline
+of ``bench/swarm_vs_local.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.averaging.optimizer import make_scheduler, make_torch_optimizer
+from swarm.config import RunSpec
+from swarm.data import TokenDataset
+from swarm.model import build_stage, lm_loss
+from swarm.trainer import micro_batches
+
+
+@dataclass
+class ReferenceResult:
+    losses: list[float] = field(default_factory=list)
+    """Loss (nats/token) of every micro-batch, in order."""
+    epochs: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+
+
+def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max_samples: int) -> ReferenceResult:
+    """Train the chained stages on ``shard``'s micro-batches for ``max_samples`` samples.
+
+    An epoch is ``target_batch_size / micro_batch_size`` micro-batches (rounded up): gradients of their mean
+    losses are averaged, then AdamW steps and the schedule advances, as each stage's collaborative optimizer
+    does.
+    """
+    stages = [build_stage(spec.model, k) for k in range(spec.model.num_stages)]
+    params = [p for m in stages for p in m.parameters()]
+    opt = make_torch_optimizer(spec.optim, params)
+    sched = make_scheduler(spec.optim, opt)
+    b = spec.training.micro_batch_size
+    per_epoch = -(-spec.training.target_batch_size // b)
+    result, start, count = ReferenceResult(), time.perf_counter(), 0
+    for indices in micro_batches(dataset, spec, shard):
+        if count * b >= max_samples:
+            break
+        batch = dataset.batch(indices)
+        h = batch[:, :-1]
+        for m in stages:
+            h = m(h)
+        loss = lm_loss(h, batch[:, 1:])
+        (loss / per_epoch).backward()
+        result.losses.append(loss.item())
+        count += 1
+        if count % per_epoch == 0:
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            result.epochs += 1
+    result.seconds = time.perf_counter() - start
+    result.tokens = count * b * spec.data.seq_len
+    return result
