@@ -1,0 +1,76 @@
+"""Shared fixtures: a data cache reused across tests and runs, and a tiny run spec that trains in seconds."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from swarm.config import RunSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY_SPEC = """
+name = "tiny"
+[model]
+vocab_size = 512
+d_model = 64
+n_heads = 2
+n_layers = 2
+max_seq_len = 32
+stage_layers = [1, 1]
+[data]
+source = "shakespeare"
+seq_len = 32
+max_bytes = 400000
+num_shards = 4
+[tokenizer]
+train_bytes = 400000
+[optim]
+lr = 3e-3
+warmup_epochs = 2
+total_epochs = 200
+[training]
+micro_batch_size = 4
+target_batch_size = 16
+[averaging]
+matchmaking_time = 1.5
+averaging_timeout = 15.0
+next_chunk_timeout = 5.0
+average_state_every = 1000
+[timeouts]
+forward_s = 20.0
+backward_s = 20.0
+ban_s = 2.0
+record_ttl_s = 15.0
+"""
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    """Corpus, tokenizer and token cache shared by all tests (and kept between runs)."""
+    path = Path(os.environ.get("SWARM_TEST_CACHE", ROOT / ".test-cache"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def tiny_spec_path(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_SPEC)
+    return path
+
+
+@pytest.fixture
+def tiny_spec(tiny_spec_path: Path) -> RunSpec:
+    return RunSpec.from_toml(tiny_spec_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(cache_dir: Path, tmp_path_factory):
+    from swarm.data import prepare_dataset
+
+    path = tmp_path_factory.mktemp("spec") / "tiny.toml"
+    path.write_text(TINY_SPEC)
+    return prepare_dataset(RunSpec.from_toml(path), cache_dir)

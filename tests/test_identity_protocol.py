@@ -1,0 +1,107 @@
+import msgpack
+import pytest
+
+from swarm.config import PROTOCOL_VERSION
+from swarm.identity import Identity, SignatureError, derive_run_id, peer_id_of, verify
+from swarm.protocol import (
+    MAX_RECORD_BYTES,
+    ForwardRequest,
+    ProtocolError,
+    ServerInfo,
+    ServerState,
+    TrainerInfo,
+    open_record,
+    pack_message,
+    seal,
+    unpack_message,
+)
+
+
+def _info(ident: Identity, run_id="r-aaaaaaaaaaaaaaaa", **kw) -> ServerInfo:
+    fields = dict(run_id=run_id, peer_id=ident.peer_id, time=1.0, stage=0, state=ServerState.ONLINE,
+                  throughput=3.5, p2p_id="12D3KooWabc")
+    fields.update(kw)
+    return ServerInfo(**fields)
+
+
+def test_identity_persists(tmp_path):
+    a = Identity.load_or_create(tmp_path / "k.pem")
+    b = Identity.load_or_create(tmp_path / "k.pem")
+    assert a.peer_id == b.peer_id == peer_id_of(a.public_key)
+    assert (tmp_path / "k.pem").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "junk.pem").write_text("not a key")
+    with pytest.raises(ValueError, match="move it away"):
+        Identity.load_or_create(tmp_path / "junk.pem")
+
+
+def test_sign_verify_and_tamper():
+    ident = Identity.generate()
+    sig = ident.sign(b"hello")
+    verify(ident.public_key, sig, b"hello")
+    with pytest.raises(SignatureError):
+        verify(ident.public_key, sig, b"hellO")
+    with pytest.raises(SignatureError):
+        verify(Identity.generate().public_key, sig, b"hello")
+
+
+def test_run_id_binds_key_and_spec():
+    a, b = Identity.generate(), Identity.generate()
+    h1, h2 = "00" * 32, "11" * 32
+    rid = derive_run_id("demo", a.public_key, h1)
+    assert rid.startswith("demo-") and len(rid) == len("demo-") + 16
+    assert rid == derive_run_id("demo", a.public_key, h1)
+    assert rid != derive_run_id("demo", b.public_key, h1)
+    assert rid != derive_run_id("demo", a.public_key, h2)
+
+
+def test_record_round_trip_and_unknown_fields_tolerated():
+    ident = Identity.generate()
+    rec, key = open_record(seal(_info(ident), ident), ServerInfo, run_id="r-aaaaaaaaaaaaaaaa", subkey=ident.peer_id)
+    assert rec.throughput == 3.5 and key == ident.public_key
+    # a newer peer adds a field: older peers ignore it
+    payload = msgpack.packb({**_info(ident).model_dump(mode="json"), "new_field": [1, 2]}, use_bin_type=True)
+    blob = msgpack.packb({"p": payload, "k": ident.public_key, "s": ident.sign(payload)}, use_bin_type=True)
+    rec, _ = open_record(blob, ServerInfo, run_id="r-aaaaaaaaaaaaaaaa")
+    assert rec.stage == 0
+
+
+def _forge(ident, fields):
+    payload = msgpack.packb(fields, use_bin_type=True)
+    return msgpack.packb({"p": payload, "k": ident.public_key, "s": ident.sign(payload)}, use_bin_type=True)
+
+
+def test_record_rejections():
+    ident, other = Identity.generate(), Identity.generate()
+    good = seal(_info(ident), ident)
+    run = "r-aaaaaaaaaaaaaaaa"
+    env = msgpack.unpackb(good)
+    tampered = msgpack.packb({**env, "p": env["p"].replace(b"online", b"joinin")}, use_bin_type=True)
+    cases = {
+        "bad signature": tampered,
+        "malformed record envelope": b"\x93garbage",
+        "exceeds": b"x" * (MAX_RECORD_BYTES + 1),
+        "speaks protocol": _forge(ident, {**_info(ident).model_dump(mode="json"), "v": PROTOCOL_VERSION + 1}),
+        "invalid ServerInfo": _forge(ident, {**_info(ident).model_dump(mode="json"), "throughput": -1}),
+        "does not own": _forge(ident, _info(ident, peer_id=other.peer_id).model_dump(mode="json")),
+    }
+    for expected, blob in cases.items():
+        with pytest.raises(ProtocolError, match=expected):
+            open_record(blob, ServerInfo, run_id=run)
+    with pytest.raises(ProtocolError, match="not 'r-bbbbbbbbbbbbbbbb'"):
+        open_record(good, ServerInfo, run_id="r-bbbbbbbbbbbbbbbb")
+    with pytest.raises(ProtocolError, match="does not own"):
+        open_record(good, ServerInfo, run_id=run, subkey=other.peer_id)
+    with pytest.raises(ProtocolError):
+        open_record(good, TrainerInfo, run_id=run)
+    with pytest.raises(ValueError, match="sealed by the peer it names"):
+        seal(_info(ident, peer_id=other.peer_id), ident)
+
+
+def test_wire_messages():
+    msg = ForwardRequest(run_id="r", stage=1, mb_id="abc")
+    assert unpack_message(pack_message(msg), ForwardRequest) == msg
+    for data, expected in [(b"", "empty message"), (b"\xc1", "malformed"), (b"x" * 20000, "exceeds"),
+                           (msgpack.packb({"v": 99}), "speaks protocol"),
+                           (msgpack.packb({"v": PROTOCOL_VERSION, "stage": -1}), "invalid ForwardRequest")]:
+        with pytest.raises(ProtocolError, match=expected):
+            unpack_message(data, ForwardRequest)

@@ -1,0 +1,80 @@
+import random
+from collections import Counter
+
+import pytest
+
+from swarm.config import ModelSpec
+from swarm.protocol import ServerInfo, ServerState
+from swarm.routing import NoServerError, Router, choose_stage
+
+
+def server(pid, throughput=1.0, stage=0, state=ServerState.ONLINE):
+    return ServerInfo(run_id="r", peer_id=pid, time=0, stage=stage, state=state, throughput=throughput, p2p_id="x")
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_load_follows_throughput():
+    router = Router(rng=random.Random(0))
+    servers = [server("fast", 30.0), server("slow", 10.0)]
+    picks = Counter(router.choose(servers, work=8).peer_id for _ in range(400))
+    assert picks["fast"] == pytest.approx(300, abs=5) and picks["slow"] == pytest.approx(100, abs=5)
+
+
+def test_ties_are_random_and_states_respected():
+    router = Router(rng=random.Random(1))
+    servers = [server("a"), server("b"), server("joining", state=ServerState.JOINING),
+               server("draining", state=ServerState.DRAINING)]
+    first = Counter(Router(rng=random.Random(seed)).choose(servers).peer_id for seed in range(200))
+    assert set(first) == {"a", "b"} and min(first.values()) > 60
+    assert {router.choose(servers).peer_id for _ in range(20)} == {"a", "b"}
+
+
+def test_newcomer_starts_level_not_flooded():
+    router = Router(rng=random.Random(0))
+    old = [server("a"), server("b")]
+    for _ in range(100):
+        router.choose(old)
+    picks = Counter(router.choose(old + [server("new")]).peer_id for _ in range(30))
+    assert picks["new"] == pytest.approx(10, abs=2)
+
+
+def test_ban_backoff_and_recovery():
+    clock = FakeClock()
+    router = Router(ban_s=5.0, ban_max_s=12.0, clock=clock, rng=random.Random(0))
+    servers = [server("a"), server("b")]
+    assert router.report_failure("a") == 5.0
+    assert {router.choose(servers).peer_id for _ in range(10)} == {"b"}
+    assert router.report_failure("a") == 10.0
+    assert router.report_failure("a") == 12.0  # capped
+    clock.t = 11.0
+    assert router.is_banned("a")
+    clock.t = 12.5
+    assert not router.is_banned("a")
+    router.report_failure("b")
+    router.report_success("a")
+    assert router.choose(servers).peer_id == "a"
+    router.report_failure("a")
+    with pytest.raises(NoServerError):
+        router.choose(servers)
+    assert router.choose(servers + [server("c")], exclude=["b"]).peer_id == "c"
+
+
+def test_choose_stage_fills_the_bottleneck():
+    spec = ModelSpec(vocab_size=512, d_model=64, n_heads=2, n_layers=4, stage_layers=[2, 2], max_seq_len=16)
+    rng = random.Random(0)
+    # empty swarm: the costlier stage (the last one carries the LM head) comes first
+    assert choose_stage(spec, {}, rng) == 1
+    assert choose_stage(spec, {1: [server("a", 10.0, stage=1)]}, rng) == 0
+    # joining servers count: stage 1 has 4 + 4 + 5 = 13 samples/s > 10
+    groups = {0: [server("a", 10.0, 0)],
+              1: [server("b", 4.0, 1), server("c", 4.0, 1, ServerState.JOINING), server("d", 5.0, 1)]}
+    assert choose_stage(spec, groups, rng) == 0
+    groups[1][-1] = server("d", 5.0, 1, ServerState.DRAINING)  # draining servers do not count: 8 < 10
+    assert choose_stage(spec, groups, rng) == 1
