@@ -133,7 +133,7 @@ class TrainingSpec(_Section):
 class AveragingSpec(_Section):
     """Intra-stage averaging (hivemind matchmaking + butterfly all-reduce)."""
 
-    compression: Literal["none", "float16", "uniform8bit", "blockwise8bit"] = Field(
+    compression: Literal["none", "float16", "uniform8bit"] = Field(
         "none", description="Codec for gradients in the all-reduce."
     )
     aggregator: Literal["mean"] = Field("mean", description="How a reducer combines its partition's parts.")

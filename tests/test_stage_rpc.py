@@ -1,0 +1,110 @@
+"""Stage RPCs over real libp2p (two hivemind DHT nodes in this process): results and refusals of bad input."""
+
+import asyncio
+
+import pytest
+import torch
+from hivemind import DHT
+from hivemind.p2p import PeerID
+
+from swarm.config import PROTOCOL_VERSION
+from swarm.directory import RunDirectory
+from swarm.model import build_stage, lm_loss
+from swarm.pipeline import RemotePipeline
+from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, ServerState, pack_message
+from swarm.stage import StageServer
+
+RUN = "tiny-aaaaaaaaaaaaaaaa"
+
+
+@pytest.fixture
+def dhts():
+    kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
+    a = DHT(**kw)
+    b = DHT(initial_peers=[str(m) for m in a.get_visible_maddrs()], **kw)
+    yield a, b
+    b.shutdown()
+    a.shutdown()
+
+
+def info(dht, stage):
+    return ServerInfo(run_id=RUN, peer_id=f"s{stage}", time=0, stage=stage, state=ServerState.ONLINE,
+                      throughput=1.0, p2p_id=str(dht.peer_id))
+
+
+@pytest.mark.timeout(120)
+def test_stage_rpcs_and_refusals(dhts, tiny_spec):
+    server_dht, client_dht = dhts
+    spec = tiny_spec
+    servers = [StageServer(spec, RUN, k) for k in range(2)]
+
+    async def main():
+        p2p_server = await server_dht.replicate_p2p()
+        for s in servers:  # both stages on one peer, distinguished by the request's stage field
+            await s.add_p2p_handlers(p2p_server, namespace=f"{RUN}/{s.stage}")
+        p2p = await client_dht.replicate_p2p()
+        pipe = RemotePipeline(spec, RUN, RunDirectory(client_dht, RUN), p2p)
+        s0, s1 = info(server_dht, 0), info(server_dht, 1)
+
+        async def call(stage, method, msg, tensors):
+            pipe.run_id = f"{RUN}/{stage}"  # namespace of that stage's handlers in this test
+            try:
+                return await pipe._rpc(s0 if stage == 0 else s1, method, pack_message(msg), tensors, 20)
+            finally:
+                pipe.run_id = RUN
+
+        tokens = torch.randint(0, spec.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        fwd = lambda stage, mode="train", mb="mb1": ForwardRequest(run_id=RUN, stage=stage, mb_id=mb, mode=mode)
+
+        # a full train step by hand: forward 0, forward+backward 1, backward 0
+        _, (h,) = await call(0, "rpc_forward", fwd(0), [x])
+        reply, (g,) = await call(1, "rpc_forward", fwd(1), [h, y])
+        whole = [build_stage(spec.model, k) for k in range(2)]
+        assert reply.loss == pytest.approx(lm_loss(whole[1](whole[0](x)), y).item(), rel=1e-5)
+        assert g.shape == h.shape and torch.isfinite(g).all()
+        _, out = await call(0, "rpc_backward", BackwardRequest(run_id=RUN, stage=0, mb_id="mb1"), [g])
+        assert out == [] and servers[0].samples == 4 and servers[1].samples == 4
+
+        bad = [
+            (0, "rpc_forward", fwd(0), [x.float()], "int64 token ids"),
+            (0, "rpc_forward", fwd(0), [torch.full_like(x, 10**6)], "must lie in"),
+            (1, "rpc_forward", fwd(1), [torch.full_like(h, float("nan")), y], "NaN"),
+            (1, "rpc_forward", fwd(1), [h[..., :5], y], "float32"),
+            (1, "rpc_forward", fwd(1), [h, y[:, :3]], "targets must be"),
+            (1, "rpc_forward", fwd(1), [h], "inputs and targets"),
+            (1, "rpc_forward", ForwardRequest(run_id="other-run", stage=1, mb_id="m"), [h, y], "not run other-run"),
+            (0, "rpc_backward", BackwardRequest(run_id=RUN, stage=0, mb_id="never"), [g], "not cached"),
+            (0, "rpc_backward", BackwardRequest(run_id=RUN, stage=0, mb_id="never", with_inputs=True),
+             [g[:, :3], x], "grad_outputs must be"),
+            (1, "rpc_backward", BackwardRequest(run_id=RUN, stage=1, mb_id="mb1"), [g], "inside rpc_forward"),
+        ]
+        for stage, method, msg, tensors, expected in bad:
+            with pytest.raises(Exception, match=expected):
+                await call(stage, method, msg, tensors)
+        # a message from another protocol version
+        legacy = pack_message(fwd(0)).replace(bytes([0xA1, 0x76, PROTOCOL_VERSION]), bytes([0xA1, 0x76, 99]))
+        with pytest.raises(Exception, match="speaks protocol 99"):
+            await _raw(p2p, server_dht, legacy, x)
+        # nothing above was accumulated, and the servers still work
+        assert servers[0].samples == 4 and servers[1].samples == 4
+        # a backward on a server that never saw the forward recomputes it from the inputs sent along
+        _, (grad_in,) = await call(1, "rpc_forward", fwd(1, mb="mb2"), [h, y])
+        await call(0, "rpc_backward", BackwardRequest(run_id=RUN, stage=0, mb_id="mb2", with_inputs=True), [grad_in, x])
+        assert servers[0].samples == 8
+        reply, out = await call(1, "rpc_forward", fwd(1, "eval", "mb3"), [h, y])
+        assert out == [] and reply.loss is not None and servers[1].samples == 8  # eval does not accumulate
+
+    async def _raw(p2p, server_dht, meta, x):
+        from hivemind.proto import runtime_pb2
+
+        from swarm.transport import gather, stream_out
+
+        stub = StageServer.get_stub(p2p, PeerID.from_base58(str(server_dht.peer_id)), namespace=f"{RUN}/0")
+        return await gather(await stub.rpc_forward(stream_out(runtime_pb2.ExpertRequest, meta, [x])))
+
+    try:
+        asyncio.run(main())
+    finally:
+        for s in servers:
+            s.shutdown()
