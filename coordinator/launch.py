@@ -2,7 +2,7 @@
 
 Used by ``swarm-coordinator demo``, the integration tests and the benchmarks. Every peer runs in its own
 session (process group) so that stopping it also stops its DHT, averager and p2pd children; each gets its own
-identity file and a private temp folder (p2pd sockets), and all share one data cache. :meth:`LocalSwarm.close`
+identity file and a private temp folder (p2pd and torch shared-memory sockets, removed on close), and all share one data cache. :meth:`LocalSwarm.close`
 stops everything (SIGTERM, then SIGKILL after a grace period) and reaps it, also on Ctrl-C.
 """
 
@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,13 +60,15 @@ class LocalSwarm:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
         self.extra_env = extra_env or {}
+        # unix socket paths (p2pd, torch_shm_manager) must stay short: keep the peers' temp folders in /tmp
+        self._tmp = Path(tempfile.mkdtemp(prefix="swarm-"))
         self.peers: list[Peer] = []
         self.coordinator: Optional[Peer] = None
         self.address: Optional[str] = None
         self._count = 0
 
     def _env(self, name: str) -> dict[str, str]:
-        tmp = self.workdir / "tmp" / name
+        tmp = self._tmp / name
         tmp.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.update(
@@ -152,6 +155,7 @@ class LocalSwarm:
                 pass
             _signal_group(p.proc, signal.SIGKILL)
             p.proc.wait()
+        shutil.rmtree(self._tmp, ignore_errors=True)
         if not self.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

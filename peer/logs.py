@@ -8,7 +8,7 @@ import sys
 
 
 def configure_logging(level: str | int = "INFO") -> None:
-    """Log to stderr as ``time level name: message``; hivemind's own chatter only from WARNING up."""
+    """Log to stderr as ``time level name: message``; hivemind's own chatter from ``HIVEMIND_LOGLEVEL`` (WARNING)."""
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     root = logging.getLogger()
     if not any(getattr(h, "_swarm", False) for h in root.handlers):
@@ -17,4 +17,4 @@ def configure_logging(level: str | int = "INFO") -> None:
         handler._swarm = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(level)
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    logging.getLogger("hivemind").setLevel(os.environ["HIVEMIND_LOGLEVEL"])

@@ -82,7 +82,6 @@ class StageServer(ServicerBase):
         self.fingerprints: dict[int, list[float]] = {}
         self.epoch_listeners: list = []
         self.max_batch = 8 * spec.training.micro_batch_size
-        self._last_work = time.monotonic()
 
     @property
     def epoch(self) -> int:
@@ -173,7 +172,6 @@ class StageServer(ServicerBase):
             self._cache.popitem(last=False)
 
     def _accumulate(self, batch_size: int, seconds: float) -> None:
-        self._last_work = time.monotonic()
         self.samples += batch_size
         self.throughput.update(task_size=batch_size, interval=seconds)
         if self.optimizer is None:
@@ -186,16 +184,16 @@ class StageServer(ServicerBase):
         if self.optimizer.local_epoch != epoch:
             self._on_epoch()
 
-    def maybe_finish_epoch(self, idle_s: float = 1.0) -> bool:
-        """Join the epoch's averaging round if the stage is ready but no backward came for ``idle_s`` seconds.
+    def maybe_finish_epoch(self) -> bool:
+        """Join the epoch's averaging round as soon as the stage's servers together reached the target.
 
         The collaborative optimizer only acts inside ``step()``, which runs after a backward. Without this, a
         server whose peers already entered the round (their trainers' micro-batches waiting on them) would
-        never get the work that triggers its own step, and the round would wait for its timeout.
+        get no work to trigger its own step, and the round would wait for its timeout without it.
         Returns True if an epoch ended.
         """
         opt = self.optimizer
-        if opt is None or time.monotonic() - self._last_work < idle_s:
+        if opt is None:
             return False
         if not (opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0):
             return False
@@ -206,7 +204,7 @@ class StageServer(ServicerBase):
             return True
         return False
 
-    async def watch_epochs(self, stop: asyncio.Event, period_s: float = 0.5) -> None:
+    async def watch_epochs(self, stop: asyncio.Event, period_s: float = 0.25) -> None:
         """Run :meth:`maybe_finish_epoch` on the compute thread every ``period_s`` seconds until ``stop``."""
         while not stop.is_set():
             try:

@@ -86,7 +86,7 @@ class Trainer:
             if self.loss_log is not None:
                 with open(self.loss_log, "a") as f:
                     f.write(json.dumps({"step": len(self.losses), "loss": loss, "indices": indices}) + "\n")
-            self.loss_ema = loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss
+            self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
             self.samples += len(indices)
             self.tokens += len(indices) * self.spec.data.seq_len
 

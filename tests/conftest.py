@@ -28,12 +28,12 @@ num_shards = 4
 [tokenizer]
 train_bytes = 400000
 [optim]
-lr = 3e-3
-warmup_epochs = 2
+lr = 5e-3
+warmup_epochs = 1
 total_epochs = 200
 [training]
 micro_batch_size = 4
-target_batch_size = 16
+target_batch_size = 32
 [averaging]
 matchmaking_time = 1.5
 averaging_timeout = 15.0

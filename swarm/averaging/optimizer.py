@@ -10,6 +10,7 @@ the state from a live server (hivemind ``load_state_from_peers``).
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import partial
 
@@ -35,6 +36,25 @@ def make_torch_optimizer(optim: OptimSpec, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
 
 
+def make_stage_torch_optimizer(optim: OptimSpec, params) -> torch.optim.Optimizer:
+    """:func:`make_torch_optimizer` with its state created up front (zero moments, ``step = 0``).
+
+    hivemind's state averager needs optimizer state tensors to exist; if there are none it creates them with
+    a "virtual" AdamW step on zero gradients, which applies weight decay once and counts a step, so the
+    first real update would differ from plain AdamW's. Creating the same state AdamW would create lazily
+    keeps the stage optimizer identical to the single-process reference.
+    """
+    opt = make_torch_optimizer(optim, params)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            opt.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+    return opt
+
+
 def make_scheduler(optim: OptimSpec, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_at_epoch, optim))
 
@@ -57,7 +77,20 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
 
 
 class StageOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer with :class:`SampleCountTracker` (hivemind 1.1.12's ``_make_progress_tracker`` seam)."""
+    """hivemind.Optimizer with two fixes for hivemind 1.1.12, through its private seams.
+
+    * :class:`SampleCountTracker` as the progress tracker (``_make_progress_tracker``).
+    * A pre-scheduled gradient round whose matchmaking already ended (it was scheduled at an estimated time
+      that passed) makes hivemind 1.1.12 *skip* averaging and step on local gradients alone, while the other
+      servers wait for it until their round times out; the servers then hold different parameters. Here
+      such a stale round is dropped and a fresh one is started (``_begin_averaging_gradients``).
+    """
+
+    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        stale = self.scheduled_grads
+        if stale is not None and (stale.triggered or stale.done()):
+            self.scheduled_grads = None
+        return super()._begin_averaging_gradients(grad_scaler)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> SampleCountTracker:
         return SampleCountTracker(
@@ -80,7 +113,7 @@ def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.
         dht=dht,
         run_id=f"{run_id}-stage{stage}",
         params=module.parameters(),
-        optimizer=partial(make_torch_optimizer, spec.optim),
+        optimizer=partial(make_stage_torch_optimizer, spec.optim),
         scheduler=partial(make_scheduler, spec.optim),
         target_batch_size=spec.training.target_batch_size,
         batch_size_per_step=spec.training.micro_batch_size,
@@ -93,7 +126,7 @@ def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.
         grad_compression=codec,
         state_averaging_compression=codec,
         client_mode=client_mode,
-        tracker_opts=dict(min_refresh_period=0.25, max_refresh_period=2.0, default_refresh_period=0.5),
+        tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25),
         averager_opts=dict(request_timeout=1.0, min_vector_size=0),
-        verbose=False,
+        verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
     )

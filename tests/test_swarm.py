@@ -1,0 +1,72 @@
+"""Real multi-process swarms on loopback: a coordinator, stage servers and trainers as separate processes."""
+
+import json
+import math
+
+import pytest
+
+from swarm.data import prepare_dataset
+from swarm.reference import train_reference
+from tests.scenario import Scenario, make_swarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+FINGERPRINT_RTOL = 1e-4  # servers of a stage differ only by float rounding in the all-reduce
+
+
+@pytest.fixture
+def swarm(tiny_spec_path, tmp_path, cache_dir, tiny_dataset):
+    with make_swarm(tiny_spec_path, tmp_path, cache_dir) as sw:
+        yield sw
+
+
+def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
+    with Scenario(swarm) as sc:
+        sc.servers(per_stage=2).trainers(2).until_epoch(6)
+        trainers = sc.directory.trainers()
+        assert len(trainers) == 2
+        for t in trainers:
+            assert t.loss is not None and t.initial_loss is not None
+            assert t.loss < t.initial_loss - 0.25, f"loss did not fall: {t.initial_loss:.3f} -> {t.loss:.3f}"
+        for stage in range(sc.num_stages):
+            prints = sc.fingerprints(stage)
+            assert len(prints) == 2
+            (a, fa), (b, fb) = prints.items()
+            common = sorted(set(fa) & set(fb))
+            assert common, f"stage {stage}: servers {a}, {b} share no recent epoch ({sorted(fa)} vs {sorted(fb)})"
+            for epoch in common:
+                for x, y in zip(fa[epoch], fb[epoch]):
+                    assert math.isclose(x, y, rel_tol=FINGERPRINT_RTOL, abs_tol=1e-6), (
+                        f"stage {stage} servers differ at epoch {epoch}: {x} vs {y}\n{sc.log_warnings()}")
+
+
+def test_swarm_tracks_single_process_reference(tiny_spec, tiny_spec_path, tmp_path, cache_dir, tiny_dataset):
+    """One server per stage, one trainer, one micro-batch in flight: the same math as the reference loop."""
+    samples = 6 * tiny_spec.training.target_batch_size
+    log = tmp_path / "losses.jsonl"
+    with make_swarm(tiny_spec_path, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+        sc.servers(per_stage=1).trainers(1, "--concurrency", "1", "--max-samples", str(samples), "--loss-log", str(log))
+        trainer = next(p for p in sw.peers if p.role == "trainer")
+        sc.wait(lambda: not trainer.alive(), 300, "the trainer to finish its samples")
+        assert trainer.proc.returncode == 0, sw.tail(trainer)
+    swarm_losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    ref = train_reference(tiny_spec, prepare_dataset(tiny_spec, cache_dir), shard=0, max_samples=samples)
+    assert len(swarm_losses) == len(ref.losses) == samples // tiny_spec.training.micro_batch_size
+    diffs = [abs(a - b) for a, b in zip(swarm_losses, ref.losses)]
+    first_bad = next((i for i, d in enumerate(diffs) if d >= 1e-3), None)
+    assert first_bad is None, (
+        f"swarm strays {max(diffs):.2e} nats/token from the reference, first at micro-batch {first_bad}: "
+        f"swarm {[round(x, 4) for x in swarm_losses]} reference {[round(x, 4) for x in ref.losses]}")
+    assert ref.losses[-1] < ref.losses[0] - 0.2
+
+
+def test_sigkill_of_a_server_does_not_stop_training(swarm):
+    with Scenario(swarm) as sc:
+        sc.servers(per_stage=2).trainers(2).until_epoch(2)
+        victim = sc.server(stage=0)
+        sc.kill(victim)
+        before_epochs, before_samples = sc.epochs(), sc.trainer_samples()
+        sc.until_epoch(max(before_epochs) + 4, timeout=300)
+        assert sc.trainer_samples() > before_samples
+        assert not victim.alive()
+        assert all(p.alive() for p in swarm.peers if p is not victim), "another peer died"
