@@ -68,6 +68,10 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
         if any(s.state == ServerState.ONLINE and s.peer_id != me for s in directory.servers(stage)):
             logger.info("[%s stage=%d] loading state from live servers of the stage", me, stage)
             optimizer.load_state_from_peers()
+        # publish our progress record now, so the stage's servers count us before the first epoch ends
+        # (otherwise a server that reaches the target first sees a group of one and steps alone)
+        optimizer.tracker.report_local_progress(optimizer.local_epoch, 0)
+        _wait_until_counted(optimizer, directory, stage, me)
 
         def on_epoch(epoch: int) -> None:
             lr = optimizer.opt.param_groups[0]["lr"]
@@ -85,6 +89,16 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
             optimizer.shutdown()
         dht.shutdown()
         logger.info("[%s] stopped", me)
+
+
+def _wait_until_counted(optimizer, directory, stage: int, me: str, timeout: float = 10.0) -> None:
+    """Wait (bounded) until the progress tracker sees as many servers as the directory lists for the stage."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    expected = 1 + sum(s.peer_id != me and s.state != ServerState.DRAINING for s in directory.servers(stage))
+    while optimizer.tracker.global_progress.num_peers < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 async def _serve(server: StageServer, dht, directory, identity: Identity, sealed_spec: bytes, info) -> None:

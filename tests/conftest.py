@@ -38,7 +38,7 @@ target_batch_size = 32
 matchmaking_time = 1.5
 averaging_timeout = 15.0
 next_chunk_timeout = 5.0
-average_state_every = 1000
+average_state_every = 2
 [timeouts]
 forward_s = 20.0
 backward_s = 20.0

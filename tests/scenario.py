@@ -47,10 +47,12 @@ class Scenario:
 
     # ---- peers ----------------------------------------------------------------------------------------
     def servers(self, per_stage: int, timeout: float = 120.0) -> "Scenario":
-        for i in range(per_stage * self.num_stages):
+        for i in range(per_stage * self.num_stages):  # one after another, as volunteers join
             stage = i % self.num_stages
             peer = self.swarm.start_peer("server", "--stage", str(stage))
             self.stage_of[peer.name] = stage
+            self.wait(lambda: any(s.peer_id == peer.peer_id and s.state == ServerState.ONLINE
+                                  for s in self.directory.servers(stage)), timeout, f"{peer.name} online")
         return self.wait(
             lambda: all(sum(s.state == ServerState.ONLINE for s in g) >= per_stage
                         for g in self.directory.all_servers(self.num_stages).values()),
