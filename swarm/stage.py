@@ -75,6 +75,9 @@ class StageServer(ServicerBase):
         self.optimizer = optimizer
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = OrderedDict()
+        # results of micro-batches already accumulated: a retried request (the reply was lost) gets the same
+        # reply again instead of counting the micro-batch twice
+        self._done: OrderedDict[tuple[str, str], tuple[Optional[torch.Tensor], Optional[float]]] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         self.throughput = PerformanceEMA(alpha=0.1)
         self.samples = 0
@@ -123,6 +126,8 @@ class StageServer(ServicerBase):
             with torch.no_grad():
                 out = self.module(x)
                 return (None, float(lm_loss(out, targets))) if self.is_last else (out, None)
+        if key in self._done:
+            return self._done[key]
         start = time.perf_counter()
         leaf = self._leaf(x)
         with torch.enable_grad():
@@ -138,10 +143,13 @@ class StageServer(ServicerBase):
         self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
         grad = leaf.grad if leaf.requires_grad else None
         self._accumulate(x.shape[0], time.perf_counter() - start)
+        self._finish(key, (grad, value))
         return grad, value
 
     def backward(self, key: tuple[str, str], grad_out: torch.Tensor, x: Optional[torch.Tensor]):
         """Backpropagate ``grad_out`` for micro-batch ``key``; returns the input gradient (None for stage 0)."""
+        if key in self._done:
+            return self._done[key][0]
         start = time.perf_counter()
         entry = self._cache.pop(key, None)
         if entry is not None and entry[2] != self._param_versions():
@@ -161,7 +169,13 @@ class StageServer(ServicerBase):
         out.backward(grad_out)
         grad = leaf.grad if leaf.requires_grad else None
         self._accumulate(grad_out.shape[0], time.perf_counter() - start)
+        self._finish(key, (grad, None))
         return grad
+
+    def _finish(self, key, result) -> None:
+        self._done[key] = result
+        while len(self._done) > self.cache_size:
+            self._done.popitem(last=False)
 
     def _param_versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.module.parameters())

@@ -65,6 +65,11 @@ def test_stage_rpcs_and_refusals(dhts, tiny_spec):
         assert g.shape == h.shape and torch.isfinite(g).all()
         _, out = await call(0, "rpc_backward", BackwardRequest(run_id=RUN, stage=0, mb_id="mb1"), [g])
         assert out == [] and servers[0].samples == 4 and servers[1].samples == 4
+        # a retry of a request whose reply was lost gets the same reply and is not counted twice
+        again, (g2,) = await call(1, "rpc_forward", fwd(1), [h, y])
+        await call(0, "rpc_backward", BackwardRequest(run_id=RUN, stage=0, mb_id="mb1"), [g])
+        assert again.loss == reply.loss and torch.equal(g, g2)
+        assert servers[0].samples == 4 and servers[1].samples == 4
 
         bad = [
             (0, "rpc_forward", fwd(0), [x.float()], "int64 token ids"),

@@ -52,6 +52,7 @@ def test_swarm_tracks_single_process_reference(tiny_spec, tiny_spec_path, tmp_pa
         trainer = next(p for p in sw.peers if p.role == "trainer")
         sc.wait(lambda: not trainer.alive(), 300, "the trainer to finish its samples")
         assert trainer.proc.returncode == 0, sw.tail(trainer)
+        trainer_log = sc.log_warnings()
     swarm_losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     ref = train_reference(tiny_spec, prepare_dataset(tiny_spec, cache_dir), shard=0, max_samples=samples)
     assert len(swarm_losses) == len(ref.losses) == samples // tiny_spec.training.micro_batch_size
@@ -59,7 +60,7 @@ def test_swarm_tracks_single_process_reference(tiny_spec, tiny_spec_path, tmp_pa
     first_bad = next((i for i, d in enumerate(diffs) if d >= 1e-3), None)
     assert first_bad is None, (
         f"swarm strays {max(diffs):.2e} nats/token from the reference, first at micro-batch {first_bad}: "
-        f"swarm {[round(x, 4) for x in swarm_losses]} reference {[round(x, 4) for x in ref.losses]}")
+        f"swarm {[round(x, 4) for x in swarm_losses]} reference {[round(x, 4) for x in ref.losses]}\n{trainer_log}")
     assert ref.losses[-1] < ref.losses[0] - 0.2
 
 
