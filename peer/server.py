@@ -59,7 +59,8 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
                 throughput=server.throughput.samples_per_second if server.samples else throughput,
                 p2p_id=p2p_id, maddrs=maddrs, epoch=server.epoch, samples=server.samples,
                 loss=server.loss_ema, peers_in_last_round=opt.tracker.global_progress.num_peers if opt else 0,
-                fingerprints=server.fingerprints, version=__version__,
+                fingerprints=server.fingerprints, round_s=server.mean_round_s, rounds=server.rounds,
+                version=__version__,
             )
 
         directory.announce_server(info(ServerState.JOINING), identity)

@@ -86,7 +86,9 @@ class ServerInfo(Record):
     epoch: int = Field(0, ge=0)
     samples: int = Field(0, ge=0, description="Samples processed since the server started.")
     loss: Optional[float] = Field(None, description="Loss EMA of micro-batches (last stage only).")
-    peers_in_last_round: int = Field(0, ge=0, description="Group size of the last averaging round.")
+    peers_in_last_round: int = Field(0, ge=0, description="Servers of the stage its progress tracker counts.")
+    round_s: float = Field(0.0, ge=0, description="Mean seconds an epoch transition took (averaging + step).")
+    rounds: int = Field(0, ge=0, description="Epoch transitions since the server started.")
     fingerprints: dict[int, list[float]] = Field(
         default_factory=dict, description="Epoch -> small random projection of the stage parameters."
     )

@@ -83,6 +83,7 @@ class StageServer(ServicerBase):
         self.samples = 0
         self.loss_ema: Optional[float] = None
         self.fingerprints: dict[int, list[float]] = {}
+        self.rounds, self.round_seconds = 0, 0.0
         self.epoch_listeners: list = []
         self.max_batch = 8 * spec.training.micro_batch_size
 
@@ -192,11 +193,11 @@ class StageServer(ServicerBase):
             for p in self.module.parameters():
                 p.grad = None
             return
-        epoch = self.optimizer.local_epoch
+        epoch, start = self.optimizer.local_epoch, time.perf_counter()
         self.optimizer.step(batch_size=batch_size)
         self.optimizer.zero_grad()
         if self.optimizer.local_epoch != epoch:
-            self._on_epoch()
+            self._on_epoch(time.perf_counter() - start)
 
     def maybe_finish_epoch(self) -> bool:
         """Join the epoch's averaging round as soon as the stage's servers together reached the target.
@@ -211,10 +212,10 @@ class StageServer(ServicerBase):
             return False
         if not (opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0):
             return False
-        epoch = opt.local_epoch
+        epoch, start = opt.local_epoch, time.perf_counter()
         opt._update_global_epoch(None)  # hivemind 1.1.12: exactly what step() calls once the epoch is ready
         if opt.local_epoch != epoch:
-            self._on_epoch()
+            self._on_epoch(time.perf_counter() - start)
             return True
         return False
 
@@ -229,7 +230,14 @@ class StageServer(ServicerBase):
                 except Exception:
                     logger.exception("stage %d: finishing an idle epoch failed", self.stage)
 
-    def _on_epoch(self) -> None:
+    @property
+    def mean_round_s(self) -> float:
+        """Mean seconds of an epoch transition (matchmaking, all-reduce, optimizer step)."""
+        return self.round_seconds / self.rounds if self.rounds else 0.0
+
+    def _on_epoch(self, seconds: float) -> None:
+        self.rounds += 1
+        self.round_seconds += seconds
         epoch = self.optimizer.local_epoch
         self.fingerprints[epoch] = parameter_fingerprint(self.module)
         for old in sorted(self.fingerprints)[:-4]:

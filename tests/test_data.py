@@ -62,6 +62,12 @@ def test_local_jsonl_and_text_sources(cache_dir, tmp_path):
     })
     ds = prepare_dataset(spec, tmp_path / "cache")
     assert ds.num_samples("train") > 0 and ds.num_samples("val") > 0
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": [t for _, t in docs]}), tmp_path / "plays.parquet")
+    parquet_docs = load_documents(str(tmp_path / "plays.parquet"), tmp_path / "cache", text_field="body")
+    assert [t for _, t in parquet_docs] == [t for _, t in docs]
     with pytest.raises(CorpusError, match="no field 'text'"):
         load_documents(str(tmp_path / "corpus" / "plays.jsonl"), tmp_path, text_field="text")
     with pytest.raises(CorpusError, match="neither"):

@@ -105,3 +105,37 @@ def test_wire_messages():
                            (msgpack.packb({"v": PROTOCOL_VERSION, "stage": -1}), "invalid ForwardRequest")]:
         with pytest.raises(ProtocolError, match=expected):
             unpack_message(data, ForwardRequest)
+
+
+def test_spec_verification(tiny_spec):
+    import json
+
+    from swarm.config import SpecError
+    from swarm.directory import RunDirectory
+    from swarm.protocol import SpecRecord
+
+    coordinator = Identity.generate()
+    run_id, sealed = RunDirectory.seal_spec(tiny_spec, coordinator)
+    directory = RunDirectory(dht=None, run_id=run_id)
+    assert directory.verify_spec(sealed) == tiny_spec
+
+    def reseal(signer: Identity, **changes) -> bytes:
+        rec, _ = open_record(sealed, SpecRecord, run_id=run_id)
+        return seal(rec.model_copy(update=changes), signer)
+
+    edited = json.loads(tiny_spec.canonical_json())
+    edited["optim"]["lr"] = 1.0
+    cases = {
+        "does not match the spec's contents": reseal(coordinator, spec_json=json.dumps(edited)),
+        "does not derive this run id": reseal(Identity.generate()),  # a valid signature by another key
+    }
+    for expected, blob in cases.items():
+        with pytest.raises(ProtocolError, match=expected):
+            directory.verify_spec(blob)
+    # the hash matches the edited spec, but then the run id does not
+    edited_spec = tiny_spec.from_dict(edited)
+    with pytest.raises(ProtocolError, match="does not derive this run id"):
+        directory.verify_spec(reseal(coordinator, spec_json=json.dumps(edited), spec_hash=edited_spec.spec_hash()))
+    broken = reseal(coordinator, spec_json=json.dumps({**edited, "name": "NOT VALID"}))
+    with pytest.raises(SpecError, match="name"):
+        directory.verify_spec(broken)

@@ -43,6 +43,25 @@ def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
                         f"stage {stage} servers differ at epoch {epoch}: {x} vs {y}\n{sc.log_warnings()}")
 
 
+def test_status_cli_reads_a_live_swarm(swarm):
+    import subprocess
+    import sys
+
+    with Scenario(swarm) as sc:
+        sc.servers(per_stage=1).trainers(1).until_epoch(1)
+        cmd = [sys.executable, "-m", "coordinator", "status", swarm.address, "--json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        snap = json.loads(done.stdout)
+        assert snap["run"]["run_id"] == sc.directory.run_id and snap["healthy"] is True
+        assert [s["servers_online"] for s in snap["stages"]] == [1, 1]
+        roles = sorted(p["role"] for p in snap["peers"])
+        assert roles == ["server", "server", "trainer"]
+        bad = subprocess.run([sys.executable, "-m", "coordinator", "status", "not-an-address"],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "bad run address" in bad.stderr
+
+
 def test_swarm_tracks_single_process_reference(tiny_spec, tiny_spec_path, tmp_path, cache_dir, tiny_dataset):
     """One server per stage, one trainer, one micro-batch in flight: the same math as the reference loop."""
     samples = 6 * tiny_spec.training.target_batch_size
