@@ -54,9 +54,10 @@ def run_swarm(spec_path: Path, spec: RunSpec, cache_dir: Path, samples: int, per
         try:
             stages = spec.model.num_stages
             for i in range(stages * per_stage):
-                peer = swarm.start_peer("server", "--stage", str(i % stages))
-                wait(lambda: any(s.peer_id == peer.peer_id and s.state == ServerState.ONLINE
-                                 for s in directory.servers(i % stages)), 180, f"{peer.name} online")
+                stage = i % stages
+                peer = swarm.start_peer("server", "--stage", str(stage))
+                wait(lambda pid=peer.peer_id, k=stage: any(s.peer_id == pid and s.state == ServerState.ONLINE
+                                                          for s in directory.servers(k)), 180, f"{peer.name} online")
             share = samples // trainers
             start = time.monotonic()
             procs = [swarm.start_peer("trainer", "--shard", str(k), "--max-samples", str(share)) for k in range(trainers)]

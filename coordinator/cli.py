@@ -30,7 +30,7 @@ def _load_spec(path: Path) -> RunSpec:
         return RunSpec.from_toml(path)
     except SpecError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
 
 def _key_path(spec_path: Path, key: Optional[Path]) -> Path:
@@ -83,7 +83,7 @@ def status(address: str = typer.Argument(..., help="Run address."),
         dht, directory, spec, _ = connect_run(address, PeerSettings(host="127.0.0.1"), timeout=timeout)
     except (RunAddressError, SpecError) as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2 if isinstance(e, RunAddressError) else 1)
+        raise typer.Exit(2 if isinstance(e, RunAddressError) else 1) from None
     try:
         snap = snapshot(directory, spec)
     finally:
@@ -112,8 +112,9 @@ def demo(spec_path: Path = typer.Option(DEFAULT_SPEC, "--spec", help="Run spec (
     from peer.logs import configure_logging
 
     configure_logging(log_level)
-    summary = run_demo(_load_spec(spec_path) and spec_path, seconds=seconds, servers_per_stage=servers_per_stage,
-                       trainers=trainers, cache_dir=PeerSettings().cache_dir, keep=keep)
+    _load_spec(spec_path)  # exit 2 with the field and the fix before starting anything
+    summary = run_demo(spec_path, seconds=seconds, servers_per_stage=servers_per_stage, trainers=trainers,
+                       cache_dir=PeerSettings().cache_dir, keep=keep)
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
     else:

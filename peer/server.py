@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from typing import Optional
 
 import torch
@@ -94,8 +95,6 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
 
 def _wait_until_counted(optimizer, directory, stage: int, me: str, timeout: float = 10.0) -> None:
     """Wait (bounded) until the progress tracker sees as many servers as the directory lists for the stage."""
-    import time
-
     deadline = time.monotonic() + timeout
     expected = 1 + sum(s.peer_id != me and s.state != ServerState.DRAINING for s in directory.servers(stage))
     while optimizer.tracker.global_progress.num_peers < expected and time.monotonic() < deadline:

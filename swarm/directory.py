@@ -7,8 +7,10 @@ their cause and skipped, so a forged or malformed record never reaches routing o
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import time
 from typing import Optional, Sequence, Type, TypeVar
 
 import hivemind
@@ -96,8 +98,6 @@ class RunDirectory:
 
         :raises SpecError: no valid spec found in time, or the spec does not match the run id.
         """
-        import time
-
         deadline, last_error = time.monotonic() + timeout, "no spec record found in the DHT"
         while True:
             found = self.dht.get(spec_key(self.run_id), latest=True)
@@ -115,8 +115,6 @@ class RunDirectory:
 
     def verify_spec(self, sealed: bytes) -> RunSpec:
         """Check signature, hash and run id of a sealed spec; raises ProtocolError or SpecError."""
-        import json
-
         rec, key = open_record(sealed, SpecRecord, run_id=self.run_id)
         spec = RunSpec.from_dict(json.loads(rec.spec_json))
         if spec.spec_hash() != rec.spec_hash:

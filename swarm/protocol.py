@@ -110,6 +110,25 @@ class TrainerInfo(Record):
 
 
 R = TypeVar("R", bound=Record)
+S = TypeVar("S", bound=_Schema)
+
+
+def _parse(data: bytes, cls: Type[S], what: str) -> S:
+    """msgpack map -> ``cls``, checking the protocol version; raises :class:`ProtocolError`."""
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise ProtocolError(f"malformed {what} ({type(e).__name__})") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{what} is not a map")
+    if fields.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{what} speaks protocol {fields.get('v')!r}, this peer speaks {PROTOCOL_VERSION}; upgrade the older peer"
+        )
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as e:
+        raise ProtocolError(f"invalid {cls.__name__}: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
 
 
 def seal(record: Record, identity: Identity) -> bytes:
@@ -149,20 +168,7 @@ def open_record(
         verify(key, sig, payload)
     except SignatureError as e:
         raise ProtocolError(str(e)) from None
-    try:
-        fields = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as e:
-        raise ProtocolError(f"malformed record payload ({type(e).__name__})") from None
-    if not isinstance(fields, dict):
-        raise ProtocolError("record payload is not a map")
-    if fields.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"record speaks protocol {fields.get('v')!r}, this peer speaks {PROTOCOL_VERSION}; the sender must upgrade"
-        )
-    try:
-        record = cls.model_validate(fields)
-    except ValidationError as e:
-        raise ProtocolError(f"invalid {cls.__name__}: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    record = _parse(payload, cls, "record")
     if record.run_id != run_id:
         raise ProtocolError(f"record is for run {record.run_id!r}, not {run_id!r}")
     if cls is not SpecRecord:
@@ -209,30 +215,14 @@ class StageResponse(_Schema):
     epoch: int = 0
 
 
-M = TypeVar("M", bound=_Schema)
-
-
 def pack_message(msg: _Schema) -> bytes:
     return msgpack.packb(msg.model_dump(mode="json"), use_bin_type=True)
 
 
-def unpack_message(data: bytes, cls: Type[M]) -> M:
+def unpack_message(data: bytes, cls: Type[S]) -> S:
     """Parse wire metadata; raises :class:`ProtocolError` (oversized, malformed, version mismatch)."""
     if not data:
         raise ProtocolError("empty message: the peer closed the stream without a reply (it may be shutting down)")
     if len(data) > MAX_METADATA_BYTES:
         raise ProtocolError(f"message metadata of {len(data)} bytes exceeds {MAX_METADATA_BYTES}")
-    try:
-        fields = msgpack.unpackb(data, raw=False)
-    except Exception as e:
-        raise ProtocolError(f"malformed message ({type(e).__name__})") from None
-    if not isinstance(fields, dict):
-        raise ProtocolError("message is not a map")
-    if fields.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"message speaks protocol {fields.get('v')!r}, this peer speaks {PROTOCOL_VERSION}; upgrade the older peer"
-        )
-    try:
-        return cls.model_validate(fields)
-    except ValidationError as e:
-        raise ProtocolError(f"invalid {cls.__name__}: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    return _parse(data, cls, "message")

@@ -10,8 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from swarm.averaging.optimizer import make_scheduler, make_torch_optimizer
 from swarm.config import RunSpec
 from swarm.data import TokenDataset

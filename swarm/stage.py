@@ -33,7 +33,7 @@ from hivemind.utils.performance_ema import PerformanceEMA
 
 from swarm.config import RunSpec
 from swarm.model import build_stage, lm_loss
-from swarm.protocol import BackwardRequest, ForwardRequest, ProtocolError, StageResponse, pack_message, unpack_message
+from swarm.protocol import BackwardRequest, ForwardRequest, StageResponse, pack_message, unpack_message
 from swarm.transport import gather, stream_out
 
 logger = logging.getLogger(__name__)
@@ -300,4 +300,4 @@ class StageServer(ServicerBase):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["StageServer", "StageError", "ProtocolError", "parameter_fingerprint"]
+__all__ = ["StageServer", "StageError", "parameter_fingerprint"]

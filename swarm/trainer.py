@@ -9,8 +9,8 @@ through :class:`~swarm.pipeline.RemotePipeline`. Every ``record_ttl_s / 3`` seco
 from __future__ import annotations
 
 import asyncio
-import json
 import itertools
+import json
 import logging
 import time
 from pathlib import Path

@@ -12,7 +12,6 @@ from typing import AsyncIterator, Sequence, Type
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm.protocol import ProtocolError

@@ -51,8 +51,9 @@ class Scenario:
             stage = i % self.num_stages
             peer = self.swarm.start_peer("server", "--stage", str(stage))
             self.stage_of[peer.name] = stage
-            self.wait(lambda: any(s.peer_id == peer.peer_id and s.state == ServerState.ONLINE
-                                  for s in self.directory.servers(stage)), timeout, f"{peer.name} online")
+            self.wait(lambda pid=peer.peer_id, k=stage: any(s.peer_id == pid and s.state == ServerState.ONLINE
+                                                            for s in self.directory.servers(k)),
+                      timeout, f"{peer.name} online")
         return self.wait(
             lambda: all(sum(s.state == ServerState.ONLINE for s in g) >= per_stage
                         for g in self.directory.all_servers(self.num_stages).values()),

@@ -51,7 +51,7 @@ def test_local_jsonl_and_text_sources(cache_dir, tmp_path):
     docs = load_documents("shakespeare", cache_dir, max_bytes=200_000)
     (tmp_path / "corpus").mkdir()
     with open(tmp_path / "corpus" / "plays.jsonl", "w") as f:
-        for name, text in docs:
+        for _, text in docs:
             f.write(json.dumps({"body": text}) + "\n")
     (tmp_path / "corpus" / "notes.md").write_text(docs[0][1][:5000])
     spec = RunSpec.from_dict({
