@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# tests never reach a model hub: Hugging Face sources must fail at once, not wait on the network
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pytest
 
 from swarm.config import RunSpec
