@@ -37,6 +37,7 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         "peer_id": t.peer_id, "role": "trainer", "stage": None, "state": "online", "epoch": None,
         "throughput": round(t.samples_per_s, 3), "samples": t.samples, "loss": t.loss, "version": t.version,
         "tokens": t.tokens, "initial_loss": t.initial_loss, "shard": t.shard, "failures": t.failures,
+        "bytes_sent": t.bytes_sent, "bytes_received": t.bytes_received,
     } for t in trainers]
     losses = [t.loss for t in trainers if t.loss is not None]
     return {

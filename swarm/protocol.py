@@ -106,6 +106,8 @@ class TrainerInfo(Record):
     tokens: int = Field(0, ge=0)
     samples_per_s: float = Field(0.0, ge=0)
     failures: int = Field(0, ge=0, description="Micro-batch attempts that failed and were retried.")
+    bytes_sent: int = Field(0, ge=0, description="Stage RPC bytes this trainer sent (tensors + metadata).")
+    bytes_received: int = Field(0, ge=0, description="Stage RPC bytes this trainer received.")
     version: str = ""
 
 

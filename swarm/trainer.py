@@ -25,6 +25,7 @@ from swarm.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.pipeline import PipelineError, RemotePipeline
 from swarm.protocol import TrainerInfo
+from swarm.transport import GLOBAL_COUNTER
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ class Trainer:
         return TrainerInfo(
             run_id=self.run_id, peer_id=self.identity.peer_id, time=get_dht_time(), shard=self.shard,
             loss=self.loss_ema, initial_loss=self.initial_loss, samples=self.samples, tokens=self.tokens,
-            samples_per_s=self.samples / elapsed, failures=self.pipeline.failures, version=__version__,
+            samples_per_s=self.samples / elapsed, failures=self.pipeline.failures,
+            bytes_sent=GLOBAL_COUNTER.sent, bytes_received=GLOBAL_COUNTER.received, version=__version__,
         )
 
     async def _report(self, stop: asyncio.Event) -> None:
