@@ -58,14 +58,14 @@ class Trainer:
         self.spec, self.run_id, self.directory, self.identity = spec, run_id, directory, identity
         self.pipeline, self.dataset, self.shard = pipeline, dataset, shard
         self.concurrency, self.max_samples, self.loss_log = concurrency, max_samples, loss_log
-        self.samples = self.tokens = 0
-        self.losses: list[float] = []
+        self.samples = self.tokens = self.steps = 0
+        self.first_losses: list[float] = []  # the first few, for initial_loss
         self.loss_ema: Optional[float] = None
         self._started = time.monotonic()
 
     @property
     def initial_loss(self) -> Optional[float]:
-        first = self.losses[:5]
+        first = self.first_losses
         return sum(first) / len(first) if first else None
 
     async def _worker(self, batches: Iterator[list[int]], stop: asyncio.Event) -> None:
@@ -83,10 +83,12 @@ class Trainer:
                 logger.exception("[%s trainer] unexpected error; stopping", self.identity.peer_id)
                 stop.set()
                 raise
-            self.losses.append(loss)
+            self.steps += 1
+            if len(self.first_losses) < 5:
+                self.first_losses.append(loss)
             if self.loss_log is not None:
                 with open(self.loss_log, "a") as f:
-                    f.write(json.dumps({"step": len(self.losses), "loss": loss, "indices": indices}) + "\n")
+                    f.write(json.dumps({"step": self.steps, "loss": loss, "indices": indices}) + "\n")
             self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
             self.samples += len(indices)
             self.tokens += len(indices) * self.spec.data.seq_len
