@@ -64,11 +64,12 @@ def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, tra
             trainer_peers = [swarm.start_peer("trainer", "--shard", str(i)) for i in range(trainers)]
             started = time.monotonic()
             next_report = started + progress_every
+            exited: set[str] = set()
             while time.monotonic() - started < seconds:
                 time.sleep(min(1.0, max(0.0, seconds - (time.monotonic() - started))))
                 for p in swarm.peers:
-                    if p.role != "coordinator" and not p.alive() and not getattr(p, "_reported", False):
-                        p._reported = True  # type: ignore[attr-defined]
+                    if not p.alive() and p.name not in exited:
+                        exited.add(p.name)
                         logger.warning("%s exited (code %s); last lines:\n%s", p.name, p.proc.returncode, swarm.tail(p, 10))
                 if time.monotonic() >= next_report:
                     next_report += progress_every

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -30,7 +30,6 @@ class Peer:
     proc: subprocess.Popen
     log: Path
     identity: Identity
-    args: list[str] = field(default_factory=list)
 
     @property
     def peer_id(self) -> str:
@@ -85,7 +84,7 @@ class LocalSwarm:
         with open(log, "ab") as fh:
             proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=fh, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=self._env(name), start_new_session=True)
-        return Peer(name, role, proc, log, identity, args)
+        return Peer(name, role, proc, log, identity)
 
     def start_coordinator(self, timeout: float = 60.0) -> str:
         """Start ``swarm-coordinator serve``; returns the run address once it is published."""
@@ -111,12 +110,6 @@ class LocalSwarm:
         peer = self._spawn(name or f"{role}{self._count}", role, "peer", ["join", self.address, "--role", role, *extra])
         self.peers.append(peer)
         return peer
-
-    def restart(self, peer: Peer) -> Peer:
-        """Start a new process with the same name, identity and arguments as ``peer``."""
-        new = self._spawn(peer.name, peer.role, "peer", peer.args)
-        self.peers.append(new)
-        return new
 
     def kill(self, peer: Peer, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the peer's whole process group (SIGKILL: no goodbye, as a crash)."""

@@ -57,7 +57,7 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
             opt = server.optimizer
             return ServerInfo(
                 run_id=run_id, peer_id=me, time=get_dht_time(), stage=stage, state=state,
-                throughput=server.throughput.samples_per_second if server.samples else throughput,
+                throughput=server.throughput.samples_per_second,
                 p2p_id=p2p_id, maddrs=maddrs, epoch=server.epoch, samples=server.samples,
                 loss=server.loss_ema, peers_in_last_round=opt.tracker.global_progress.num_peers if opt else 0,
                 fingerprints=server.fingerprints, round_s=server.mean_round_s, rounds=server.rounds,

@@ -265,35 +265,40 @@ class StageServer(ServicerBase):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ---- RPC handlers ------------------------------------------------------------------------------
+    async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], cls):
+        """Gather a request stream into ``(message, tensors)``; refuses other runs, stages and versions."""
+        meta, tensors = await gather(requests)
+        req = unpack_message(meta, cls)
+        self._check_request(req.run_id, req.stage)
+        return req, tensors
+
+    def _respond(self, tensor: Optional[torch.Tensor], loss: Optional[float] = None):
+        reply = pack_message(StageResponse(loss=loss, epoch=self.epoch))
+        return stream_out(runtime_pb2.ExpertResponse, reply, [] if tensor is None else [tensor])
+
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        meta, tensors = await gather(requests)
-        req = unpack_message(meta, ForwardRequest)
-        self._check_request(req.run_id, req.stage)
+        req, tensors = await self._receive(requests, ForwardRequest)
         if len(tensors) != (2 if self.is_last else 1):
             raise StageError(f"stage {self.stage} forward takes {'inputs and targets' if self.is_last else 'inputs'}")
         key = (str(context.remote_id), req.mb_id)
         out, loss = await self._compute(self.forward, key, tensors[0], tensors[1] if self.is_last else None,
                                         req.mode == "train")
-        reply = pack_message(StageResponse(loss=loss, epoch=self.epoch))
-        async for msg in stream_out(runtime_pb2.ExpertResponse, reply, [] if out is None else [out]):
+        async for msg in self._respond(out, loss):
             yield msg
 
     async def rpc_backward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        meta, tensors = await gather(requests)
-        req = unpack_message(meta, BackwardRequest)
-        self._check_request(req.run_id, req.stage)
+        req, tensors = await self._receive(requests, BackwardRequest)
         if self.is_last:
             raise StageError("the last stage backpropagates inside rpc_forward; do not call rpc_backward on it")
         if len(tensors) != (2 if req.with_inputs else 1):
             raise StageError("backward takes grad_outputs, plus inputs when with_inputs is set")
         key = (str(context.remote_id), req.mb_id)
         grad = await self._compute(self.backward, key, tensors[0], tensors[1] if req.with_inputs else None)
-        reply = pack_message(StageResponse(epoch=self.epoch))
-        async for msg in stream_out(runtime_pb2.ExpertResponse, reply, [] if grad is None else [grad]):
+        async for msg in self._respond(grad):
             yield msg
 
     def shutdown(self) -> None:
