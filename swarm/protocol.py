@@ -217,6 +217,33 @@ class StageResponse(_Schema):
     epoch: int = 0
 
 
+class AveragingPart(_Schema):
+    """One sender's part of one partition in an averaging round (:mod:`swarm.averaging.allreduce`).
+
+    Tensors: the part encoded with ``codec`` (see :mod:`swarm.averaging.compression`). ``digest`` is the
+    SHA-256 of the encoded tensors' bytes, the sender's commitment to what it sent.
+    """
+
+    group: str = Field(min_length=1, max_length=128)  # hex group id of the round, with the phase
+    partition: int = Field(ge=0)
+    weight: float  # samples behind the part, as the sender reports them (bounded by the reducer)
+    numel: int = Field(ge=0)
+    codec: str = Field(max_length=32)
+    digest: str = Field(max_length=64)
+
+
+class AveragingReply(_Schema):
+    """The reducer's answer: the partition's aggregate (tensors, encoded with the round's codec) and what it
+    made of the sender's part. ``error`` set means there is no aggregate (tensors empty)."""
+
+    accepted: bool = False
+    flagged: bool = False
+    reason: str = Field("", max_length=512)
+    digest: str = Field("", max_length=64)  # SHA-256 of the encoded aggregate
+    senders: int = 0  # parts the aggregate used
+    error: str = Field("", max_length=512)
+
+
 def pack_message(msg: _Schema) -> bytes:
     return msgpack.packb(msg.model_dump(mode="json"), use_bin_type=True)
 

@@ -1,0 +1,231 @@
+"""Robust butterfly all-reduce: every peer reduces one partition with the run's aggregator, over compressed parts.
+
+One *phase* (:class:`swarm.averaging.compression.Phase`) of an averaging round, in a group formed by
+hivemind's matchmaking (peers ``0..n-1``, partition ``j`` owned by peer ``j``, cut by
+:func:`~swarm.averaging.reducer.partition_bounds` at the codec's block size):
+
+1. each sender encodes slice ``j`` of its vector with the phase's codec and streams it to peer ``j``
+   (:class:`~swarm.protocol.AveragingPart`, with the SHA-256 of the encoded bytes);
+2. peer ``j`` waits for the parts of all senders (at most ``timeout`` seconds), decodes and checks them and
+   aggregates the survivors (:func:`~swarm.averaging.reducer.reduce_partition`), encodes the aggregate once
+   with the same codec and streams the *same* encoded aggregate back to every sender
+   (:class:`~swarm.protocol.AveragingReply`, with its verdict on that sender's part);
+3. each sender decodes the ``n`` aggregates into the phase's result. Every honest peer therefore ends a
+   phase with bit-identical results, whatever the codec.
+
+Traffic per peer and phase: ``(n-1)/n`` of the encoded vector up and the same down as a sender, and the same
+again as a reducer, so it stays proportional to the model size for any group size. Every byte of the parts
+and replies is counted at the transport (:class:`WireStats`). A partition whose reducer fails makes the
+phase fail (:class:`RoundFailed`): a peer never silently keeps its own values for some coordinates (the
+"received X% of results" of hivemind 1.1.12).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Optional, Sequence
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from swarm.averaging.aggregation import Aggregator
+from swarm.averaging.compression import CODECS, Phase, PhaseResult, WireCodec
+from swarm.averaging.reducer import NoValidParts, ReducePolicy, Reduction, Verdict, partition_bounds, reduce_partition
+from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
+from swarm.transport import gather, stream_out
+
+logger = logging.getLogger(__name__)
+
+
+class RoundFailed(RuntimeError):
+    """A phase could not produce every partition's aggregate (a reducer failed, timed out or had no valid part)."""
+
+
+class WireStats:
+    """Counters shared with the process that owns the averager (int64 shared memory, so the averager process
+    can count while the main process reads): bytes sent/received, phases completed/failed, parts rejected and
+    flagged by this peer as a reducer."""
+
+    FIELDS = ("sent", "received", "phases", "failed", "rejected", "flagged")
+
+    def __init__(self):
+        self.values = torch.zeros(len(self.FIELDS), dtype=torch.int64).share_memory_()
+
+    def __getattr__(self, name):
+        if name in WireStats.FIELDS:
+            return int(self.values[WireStats.FIELDS.index(name)])
+        raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        if name in WireStats.FIELDS:
+            self.values[WireStats.FIELDS.index(name)] = int(value)
+        else:
+            super().__setattr__(name, value)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(zip(self.FIELDS, self.values.tolist()))
+
+
+def digest(tensors: Sequence[torch.Tensor]) -> str:
+    """SHA-256 (hex) of the raw bytes of encoded tensors: a sender's commitment to a part or an aggregate."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass
+class PartitionReducer:
+    """The reducer side of one phase: collects the parts of this peer's partition and aggregates them once.
+
+    ``corrupt`` (tests and benchmarks only: the lying-reducer attack) replaces the aggregate it returns.
+    """
+
+    numel: int
+    senders: frozenset
+    codec: WireCodec
+    aggregator: Aggregator
+    policy: ReducePolicy
+    timeout: float
+    corrupt: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    parts: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)
+    reduction: Optional[Reduction] = None
+    encoded: Optional[list[torch.Tensor]] = None
+    error: str = ""
+
+    def __post_init__(self):
+        self._complete = asyncio.Event()
+        self._deadline = time.monotonic() + self.timeout
+        self._task: Optional[asyncio.Task] = None
+
+    async def submit(self, sender: str, part, weight: float) -> tuple[AveragingReply, list[torch.Tensor]]:
+        """Add ``sender``'s part (decoded float32 tensor or the exception decoding raised); wait for the
+        aggregate; return the reply for that sender and the encoded aggregate (empty on error)."""
+        if sender not in self.senders:
+            return AveragingReply(error=f"{sender} is not a sender of this group"), []
+        if self.reduction is None and not self.error:
+            self.parts.setdefault(sender, part)
+            self.weights.setdefault(sender, weight)
+            if set(self.parts) >= self.senders:
+                self._complete.set()
+        if self._task is None:
+            self._task = asyncio.create_task(self._reduce())
+        await asyncio.shield(self._task)
+        if self.error:
+            return AveragingReply(error=self.error), []
+        v = self.reduction.verdicts.get(sender, Verdict(False, "part arrived after the partition was reduced"))
+        reply = AveragingReply(accepted=v.accepted, flagged=v.flagged, reason=v.reason[:512],
+                               digest=digest(self.encoded), senders=len(self.reduction.used))
+        return reply, self.encoded
+
+    async def _reduce(self) -> None:
+        try:
+            await asyncio.wait_for(self._complete.wait(), max(0.0, self._deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            pass
+        parts, weights = dict(self.parts), dict(self.weights)
+        try:
+            self.reduction = await asyncio.get_running_loop().run_in_executor(
+                None, reduce_partition, parts, weights, self.numel, self.aggregator, self.policy)
+            out = self.reduction.aggregate
+            if self.corrupt is not None:
+                out = self.corrupt(out)
+            self.encoded = self.codec.encode(out)
+        except NoValidParts as e:
+            self.error = str(e)
+        except Exception as e:  # a bug or a hostile input we did not foresee: fail the partition, not the peer
+            logger.exception("reducing a partition failed")
+            self.error = f"reducer failed: {type(e).__name__}: {e}"
+
+
+SendFn = Callable[[str, AveragingPart, list[torch.Tensor]], Awaitable[tuple[AveragingReply, list[torch.Tensor]]]]
+
+
+@dataclass
+class PhaseOutcome:
+    """A completed phase: the :class:`PhaseResult` and what each reducer said about this peer's parts."""
+
+    result: PhaseResult
+    replies: dict = field(default_factory=dict)
+
+
+async def run_phase(phase: Phase, *, group: str, me: str, peers: Sequence[str], fractions: Sequence[float],
+                    weight: float, reducer: Optional[PartitionReducer], send: SendFn) -> PhaseOutcome:
+    """Run one phase as sender (and as reducer through ``reducer``, registered by the caller).
+
+    :param peers: the group's peer ids in partition order; ``fractions`` their shares (0 for client peers).
+    :param send: streams a part to a remote reducer and returns its reply and encoded aggregate.
+    :raises RoundFailed: some partition has no aggregate.
+    """
+    vector, codec = phase.vector.detach().float().contiguous(), phase.codec
+    bounds = partition_bounds(vector.numel(), fractions, codec.block)
+    aggregate = torch.empty_like(vector)
+    sent = torch.empty_like(vector)
+    replies: dict = {}
+
+    async def one(j: int, a: int, b: int) -> None:
+        encoded = codec.encode(vector[a:b])
+        sent[a:b] = codec.decode(encoded, b - a)
+        meta = AveragingPart(group=group, partition=j, weight=float(weight), numel=b - a, codec=codec.name,
+                             digest=digest(encoded))
+        if peers[j] == me:
+            reply, out = await reducer.submit(me, sent[a:b].clone(), float(weight))
+        else:
+            reply, out = await send(peers[j], meta, encoded)
+        replies[peers[j]] = reply
+        if reply.error:
+            raise RoundFailed(f"reducer {peers[j]} of partition {j} failed: {reply.error}")
+        try:
+            part = codec.decode(out, b - a)
+        except ValueError as e:
+            raise RoundFailed(f"reducer {peers[j]} sent a malformed aggregate: {e}") from None
+        if not torch.isfinite(part).all():
+            raise RoundFailed(f"reducer {peers[j]} sent a non-finite aggregate")
+        if digest(out) != reply.digest:
+            raise RoundFailed(f"reducer {peers[j]}'s aggregate does not match the digest it signed off")
+        aggregate[a:b] = part
+
+    tasks = [asyncio.create_task(one(j, a, b)) for j, (a, b) in enumerate(bounds) if b > a]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+    return PhaseOutcome(PhaseResult(aggregate=aggregate, sent=sent), replies)
+
+
+async def send_part(stub, meta: AveragingPart, encoded: list[torch.Tensor], counter, timeout: float
+                    ) -> tuple[AveragingReply, list[torch.Tensor]]:
+    """Client side of ``rpc_robust_part``: one request stream, one reply stream, bytes counted in ``counter``."""
+    async def call():
+        stream = await stub.rpc_robust_part(stream_out(runtime_pb2.ExpertRequest, pack_message(meta), encoded, counter))
+        metadata, tensors = await gather(stream, max_bytes=8 * meta.numel + (1 << 20), counter=counter)
+        return unpack_message(metadata, AveragingReply), tensors
+    try:
+        return await asyncio.wait_for(call(), timeout)
+    except asyncio.TimeoutError:
+        return AveragingReply(error=f"no reply within {timeout:.0f} s"), []
+    except (ProtocolError, ConnectionError, OSError) as e:
+        return AveragingReply(error=f"{type(e).__name__}: {e}"), []
+    except Exception as e:  # P2P handler and daemon errors: the reducer is unreachable or crashed
+        return AveragingReply(error=f"{type(e).__name__}: {e}"), []
+
+
+def decode_part(meta: AveragingPart, tensors: list[torch.Tensor], expected: PartitionReducer):
+    """Decode a received part for ``expected``; returns the float32 tensor or the error to reject it with."""
+    if meta.codec != expected.codec.name or meta.codec not in CODECS:
+        return ValueError(f"codec {meta.codec!r}, this round uses {expected.codec.name!r}")
+    if meta.numel != expected.numel:
+        return ValueError(f"{meta.numel} values, the partition has {expected.numel}")
+    if digest(tensors) != meta.digest:
+        return ValueError("part does not match its digest")
+    try:
+        return expected.codec.decode(tensors, expected.numel)
+    except ValueError as e:
+        return e

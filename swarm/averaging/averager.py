@@ -1,0 +1,240 @@
+"""hivemind's GradientAverager with our all-reduce: compressed parts, robust reducers, bans.
+
+hivemind keeps what it is good at: matchmaking (groups over the DHT), the averager process, gradient
+accumulation and its hand-off to ``hivemind.Optimizer`` (``grad_averager_factory``). The all-reduce itself
+(``_aggregate_with_group``) is replaced by the phases of the peer's :class:`Compressor` run through
+:func:`swarm.averaging.allreduce.run_phase`, with the RPC ``rpc_robust_part`` on the averager's libp2p
+handlers. Banned peers are refused as group members by matchmaking (as leader and as follower) and their
+parts are never aggregated.
+
+Everything here runs in the averager's own process (hivemind forks it); :class:`WireStats` and
+:meth:`RobustGradientAverager.report` bring counters and bans back to the peer's main process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Optional
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import enter_asynchronously
+from hivemind.utils.mpfuture import MPFuture
+
+from swarm.averaging.aggregation import Aggregator, MeanAggregator
+from swarm.averaging.allreduce import (PartitionReducer, RoundFailed, WireStats, decode_part, run_phase,
+                                       send_part)
+from swarm.averaging.attacks import Attack
+from swarm.averaging.bans import BanBook, BanPolicy, worst
+from swarm.averaging.compression import Compressor, make_compressor
+from swarm.averaging.reducer import ReducePolicy, partition_bounds
+from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
+from swarm.transport import gather, stream_out
+
+logger = logging.getLogger(__name__)
+
+REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start here (peers run phases unevenly)
+
+
+class RobustGradientAverager(GradientAverager):
+    """GradientAverager whose all-reduce compresses with ``compressor`` and reduces with ``aggregator``.
+
+    :param compressor: this peer's compressor (keeps the error-feedback residual), default identity fp32.
+    :param aggregator: rule every reducer applies to its partition, default the mean.
+    :param policy: bounds on parts (norm ratio, weight ratio, outlier ratio).
+    :param ban_policy: scores that turn rejections and flags into bans.
+    :param attack: Byzantine behaviour for tests and benchmarks only; ``None`` in every real peer.
+    :param phase_timeout: seconds a reducer waits for the parts of a phase, and a sender for its reply x2.
+    """
+
+    def __init__(self, parameters, *, dht, prefix: str, compressor: Optional[Compressor] = None,
+                 aggregator: Optional[Aggregator] = None, policy: Optional[ReducePolicy] = None,
+                 ban_policy: Optional[BanPolicy] = None, attack: Optional[Attack] = None,
+                 phase_timeout: float = 10.0, **kwargs):
+        self.compressor = compressor or make_compressor("none")
+        self.aggregator = aggregator or MeanAggregator()
+        self.policy = policy or ReducePolicy()
+        self.bans = BanBook(ban_policy or BanPolicy())
+        self.attack = attack
+        self.phase_timeout = phase_timeout
+        self.wire = WireStats()
+        self._reducers: dict[str, asyncio.Future] = {}
+        self._mm_wrapped = False
+        self._round = 0
+        super().__init__(parameters, dht=dht, prefix=prefix, **kwargs)
+
+    # ---- main-process API ---------------------------------------------------------------------------
+    def report(self, timeout: float = 5.0) -> dict:
+        """Bans and scores as seen by this peer's reducers: ``{"banned": {peer: reason}, "scores": {...}}``."""
+        future = MPFuture()
+        self._outer_pipe.send(("_report", [], dict(future=future)))
+        return future.result(timeout)
+
+    def ban(self, peer: str, reason: str, timeout: float = 5.0) -> None:
+        """Ban ``peer`` from this peer's groups (a verified accusation or an operator's ban)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_ban", [], dict(peer=peer, reason=reason, future=future)))
+        future.result(timeout)
+
+    async def _report(self, future: MPFuture) -> None:
+        future.set_result({"banned": {p: self.bans.bans[p].reason for p in self.bans.banned()},
+                           "scores": dict(self.bans.scores)})
+
+    async def _ban(self, peer: str, reason: str, future: MPFuture) -> None:
+        self.bans.ban(peer, reason)
+        future.set_result(None)
+
+    # ---- matchmaking: keep banned peers out of our groups ---------------------------------------------
+    def _wrap_matchmaking(self) -> None:
+        mm = self._matchmaking
+        check, request = mm._check_reasons_to_reject, mm._request_join_group
+
+        def check_reasons_to_reject(req, context):
+            if self.bans.is_banned(str(context.remote_id)):
+                return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return check(req, context)
+
+        async def request_join_group(leader):
+            if self.bans.is_banned(str(leader)):
+                return None
+            return await request(leader)
+
+        mm._check_reasons_to_reject, mm._request_join_group = check_reasons_to_reject, request_join_group
+        self._mm_wrapped = True
+
+    async def _step(self, *, step, future_for_init):
+        if not self._mm_wrapped:
+            self._wrap_matchmaking()
+        return await super()._step(step=step, future_for_init=future_for_init)
+
+    # ---- the round --------------------------------------------------------------------------------------
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        try:
+            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
+            user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
+            modes = [AveragingMode(m) for m in mode_ids]
+            peers = [str(p) for p in group_info.peer_ids]
+            banned = [p for p in peers if self.bans.is_banned(p)]
+            if banned:
+                raise RoundFailed(f"group holds banned peers {banned}; looking for another group")
+            bandwidths = [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)]
+            fractions = await asyncio.get_running_loop().run_in_executor(
+                None, load_balance_peers, self.total_size, bandwidths, min_vector_size)
+            senders = frozenset(p for p, m in zip(peers, modes) if m != AveragingMode.AUX)
+            weight = float(kwargs.get("weight", 1.0))
+            seed = int.from_bytes(group_info.group_id[:4], "big")
+            running = self._running_groups.get(group_info.group_id)
+            if running is not None and not running.done():
+                running.set_result(None)  # hivemind's bookkeeping: the round runs here, not in its AllReduceRunner
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                averaged = await self._run_phases(list(local_tensors), group_info.group_id.hex(), peers,
+                                                  fractions, senders, weight, seed)
+                for t, a in zip(local_tensors, averaged):
+                    t.copy_(a)
+            return user_gathered
+        except BaseException as e:
+            self.wire.failed += 1
+            if isinstance(e, Exception):
+                logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
+            raise AllreduceException(f"robust all-reduce failed: {e}") from e
+
+    async def _run_phases(self, tensors, group: str, peers, fractions, senders, weight, seed):
+        me = str(self.peer_id)
+        self._round += 1
+        if self.attack is not None:  # a Byzantine peer corrupts its gradient, then compresses it as usual
+            flat = torch.cat([t.flatten() for t in tensors])
+            flat = self.attack.corrupt_part(flat, self._round)
+            tensors = [flat[o - t.numel():o].view_as(t) for t, o in
+                       zip(tensors, torch.tensor([t.numel() for t in tensors]).cumsum(0).tolist())]
+        gen = self.compressor.phases(tensors, seed)
+        phase, index, verdicts = next(gen), 0, {}
+        try:
+            while True:
+                key = f"{group}:{index}"
+                reducer = None
+                bounds_me = peers.index(me)
+                if fractions[bounds_me] > 0:
+                    reducer = PartitionReducer(
+                        numel=self._partition_size(phase, fractions, bounds_me), senders=senders,
+                        codec=phase.codec, aggregator=self.aggregator, policy=self.policy,
+                        timeout=self.phase_timeout,
+                        corrupt=self.attack.corrupt_aggregate if self.attack is not None else None)
+                    self._future_for(key).set_result(reducer)
+                outcome = await run_phase(phase, group=key, me=me, peers=peers, fractions=fractions, weight=weight,
+                                          reducer=reducer, send=self._send)
+                self.wire.phases += 1
+                for peer, reply in outcome.replies.items():
+                    if not reply.accepted:
+                        logger.warning(f"reducer {peer} rejected this peer's part: {reply.reason}")
+                if reducer is not None and reducer.reduction is not None:
+                    for sender, v in reducer.reduction.verdicts.items():
+                        verdicts.setdefault(sender, []).append(v)
+                try:
+                    phase = gen.send(outcome.result)
+                    index += 1
+                except StopIteration as stop:
+                    return stop.value
+        finally:
+            for i in range(index + 1):
+                self._reducers.pop(f"{group}:{i}", None)
+            self._score(verdicts)
+
+    def _partition_size(self, phase, fractions, j) -> int:
+        a, b = partition_bounds(phase.vector.numel(), fractions, phase.codec.block)[j]
+        return b - a
+
+    def _score(self, verdicts: dict) -> None:
+        if not verdicts:
+            return
+        per_sender = {s: worst(vs) for s, vs in verdicts.items()}
+        self.wire.rejected += sum(not v.accepted for v in per_sender.values())
+        self.wire.flagged += sum(v.flagged for v in per_sender.values())
+        for s, v in per_sender.items():
+            if not v.accepted:
+                logger.warning(f"rejected the part of {s}: {v.reason}")
+        for ban in self.bans.record_round({s: v for s, v in per_sender.items() if s != str(self.peer_id)}):
+            logger.warning(f"banned {ban.peer}: {ban.reason}")
+
+    def _future_for(self, key: str) -> asyncio.Future:
+        if key not in self._reducers:
+            self._reducers[key] = asyncio.get_running_loop().create_future()
+        return self._reducers[key]
+
+    async def _send(self, peer: str, meta: AveragingPart, encoded):
+        from hivemind.p2p import PeerID
+        stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+        return await send_part(stub, meta, encoded, self.wire, timeout=2 * self.phase_timeout)
+
+    async def rpc_robust_part(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                              ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A group member's part of the partition this peer reduces; replies with the partition's aggregate."""
+        sender = str(context.remote_id)
+        try:
+            metadata, tensors = await asyncio.wait_for(gather(stream, counter=self.wire), self.phase_timeout)
+            meta = unpack_message(metadata, AveragingPart)
+        except (ProtocolError, asyncio.TimeoutError) as e:
+            reply, out = AveragingReply(error=f"bad request: {e}"), []
+        else:
+            reply, out = await self._handle_part(sender, meta, tensors)
+        async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), out, self.wire):
+            yield msg
+
+    async def _handle_part(self, sender: str, meta: AveragingPart, tensors):
+        if self.bans.is_banned(sender):
+            return AveragingReply(error="you are banned by this peer"), []
+        future = self._future_for(meta.group)
+        try:
+            reducer: PartitionReducer = await asyncio.wait_for(asyncio.shield(future), REGISTRATION_WAIT_S)
+        except asyncio.TimeoutError:
+            if not future.done():
+                self._reducers.pop(meta.group, None)
+            return AveragingReply(error=f"no averaging phase {meta.group} here"), []
+        part = decode_part(meta, tensors, reducer)
+        return await reducer.submit(sender, part, meta.weight)
+
