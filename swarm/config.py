@@ -133,10 +133,45 @@ class TrainingSpec(_Section):
 class AveragingSpec(_Section):
     """Intra-stage averaging (hivemind matchmaking + butterfly all-reduce)."""
 
-    compression: Literal["none", "float16", "uniform8bit"] = Field(
-        "none", description="Codec for gradients in the all-reduce."
+    compression: Literal["none", "float16", "blockwise8bit", "powersgd"] = Field(
+        "none", description="Codec for gradients in the all-reduce, with error feedback: 'float16' halves the "
+        "bytes, 'blockwise8bit' quarters them, 'powersgd' sends rank-r factors (see powersgd_rank).",
     )
-    aggregator: Literal["mean"] = Field("mean", description="How a reducer combines its partition's parts.")
+    powersgd_rank: int = Field(
+        4, ge=1, le=256, description="Rank of PowerSGD factors. Higher tracks uncompressed training closer and "
+        "sends more; raise it if the loss lags an uncompressed run.",
+    )
+    aggregator: Literal["mean", "median", "trimmed_mean", "centered_clip"] = Field(
+        "mean", description="How a reducer combines its partition's parts. 'centered_clip' resists a Byzantine "
+        "minority at almost the mean's accuracy; 'mean' trusts every peer.",
+    )
+    trim: float = Field(
+        0.3, ge=0, lt=0.5, description="trimmed_mean: fraction dropped at each end per coordinate; must be at least "
+        "the fraction of Byzantine peers to resist them.",
+    )
+    clip_tau: float = Field(
+        1.0, gt=0, description="centered_clip: clipping radius as a multiple of the median distance of the parts "
+        "to their coordinate-wise median. Lower resists more, biases more.",
+    )
+    clip_iterations: int = Field(20, ge=1, le=1000, description="centered_clip: iteration cap.")
+    reject_norm_ratio: float = Field(
+        10.0, gt=1, description="Reject a part whose norm exceeds this multiple of the median part norm.",
+    )
+    outlier_ratio: float = Field(
+        3.0, gt=1, description="Flag a part this many times farther from the aggregate than the median part; "
+        "repeated flags ban the sender. Raise it if honest peers get flagged in the log.",
+    )
+    max_weight_ratio: float = Field(
+        4.0, ge=1, description="A sender's reported samples count at most this multiple of the median's.",
+    )
+    ban_threshold: float = Field(
+        3.0, gt=0, description="Ban score at which a peer is excluded (+1 per rejected part, +0.5 per flag, x0.9 "
+        "per round).",
+    )
+    microbatch_clip_ratio: float = Field(
+        5.0, ge=0, description="Clip each micro-batch gradient at this multiple of the recent median norm before "
+        "accumulating (0 disables). Bounds what one trainer's micro-batch can do to a server.",
+    )
     matchmaking_time: float = Field(
         2.0, gt=0, description="Seconds to gather a group. Raise it if the log shows fewer peers than servers."
     )

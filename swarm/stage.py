@@ -143,7 +143,7 @@ class StageServer(ServicerBase):
         value = loss.item()
         self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
         grad = leaf.grad if leaf.requires_grad else None
-        self._accumulate(x.shape[0], time.perf_counter() - start)
+        self._accumulate(key[0], x.shape[0], time.perf_counter() - start)
         self._finish(key, (grad, value))
         return grad, value
 
@@ -169,7 +169,7 @@ class StageServer(ServicerBase):
         self._check_like("grad_outputs", grad_out, out)
         out.backward(grad_out)
         grad = leaf.grad if leaf.requires_grad else None
-        self._accumulate(grad_out.shape[0], time.perf_counter() - start)
+        self._accumulate(key[0], grad_out.shape[0], time.perf_counter() - start)
         self._finish(key, (grad, None))
         return grad
 
@@ -186,7 +186,8 @@ class StageServer(ServicerBase):
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
 
-    def _accumulate(self, batch_size: int, seconds: float) -> None:
+    def _accumulate(self, trainer: str, batch_size: int, seconds: float) -> None:
+        """Count the micro-batch of ``trainer`` and hand its gradients to the optimizer (per-trainer accounts)."""
         self.samples += batch_size
         self.throughput.update(task_size=batch_size, interval=seconds)
         if self.optimizer is None:
@@ -194,6 +195,9 @@ class StageServer(ServicerBase):
                 p.grad = None
             return
         epoch, start = self.optimizer.local_epoch, time.perf_counter()
+        averager = getattr(self.optimizer, "grad_averager", None)
+        if averager is not None:
+            averager.contributor = trainer
         self.optimizer.step(batch_size=batch_size)
         self.optimizer.zero_grad()
         if self.optimizer.local_epoch != epoch:

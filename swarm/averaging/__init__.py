@@ -1,4 +1,4 @@
-"""Intra-stage averaging: the collaborative optimizer of a stage, its gradient codec and its aggregator."""
+"""Intra-stage averaging: the collaborative optimizer of a stage, compressors, robust aggregators, bans."""
 
 from swarm.averaging.aggregation import Aggregator, MeanAggregator, make_aggregator
 from swarm.averaging.compression import Compressor, make_compressor

@@ -78,7 +78,7 @@ class TrimmedMeanAggregator(Aggregator):
 
     name = "trimmed_mean"
 
-    def __init__(self, trim: float = 0.2):
+    def __init__(self, trim: float = 0.3):
         if not 0 <= trim < 0.5:
             raise ValueError("trim must be in [0, 0.5)")
         self.trim = trim
@@ -121,7 +121,7 @@ class CenteredClipAggregator(Aggregator):
 AGGREGATORS = ("mean", "median", "trimmed_mean", "centered_clip")
 
 
-def make_aggregator(name: str, *, trim: float = 0.2, tau_ratio: float = 1.0, iterations: int = 20) -> Aggregator:
+def make_aggregator(name: str, *, trim: float = 0.3, tau_ratio: float = 1.0, iterations: int = 20) -> Aggregator:
     """Aggregator by spec name (see :data:`AGGREGATORS`); raises ValueError otherwise."""
     if name == "mean":
         return MeanAggregator()

@@ -1,4 +1,4 @@
-"""hivemind's GradientAverager with our all-reduce: compressed parts, robust reducers, bans.
+"""hivemind's averagers with our all-reduce: compressed parts, robust reducers, bans.
 
 hivemind keeps what it is good at: matchmaking (groups over the DHT), the averager process, gradient
 accumulation and its hand-off to ``hivemind.Optimizer`` (``grad_averager_factory``). The all-reduce itself
@@ -22,6 +22,7 @@ from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import enter_asynchronously
@@ -33,6 +34,7 @@ from swarm.averaging.allreduce import (PartitionReducer, RoundFailed, WireStats,
 from swarm.averaging.attacks import Attack
 from swarm.averaging.bans import BanBook, BanPolicy, worst
 from swarm.averaging.compression import Compressor, make_compressor
+from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.reducer import ReducePolicy, partition_bounds
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
 from swarm.transport import gather, stream_out
@@ -42,21 +44,21 @@ logger = logging.getLogger(__name__)
 REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start here (peers run phases unevenly)
 
 
-class RobustGradientAverager(GradientAverager):
-    """GradientAverager whose all-reduce compresses with ``compressor`` and reduces with ``aggregator``.
+class RobustAllReduceMixin:
+    """Replaces a hivemind ``DecentralizedAverager``'s all-reduce with ours; call :meth:`_init_robust` before the
+    averager's ``__init__`` (which forks the averager process).
 
     :param compressor: this peer's compressor (keeps the error-feedback residual), default identity fp32.
     :param aggregator: rule every reducer applies to its partition, default the mean.
     :param policy: bounds on parts (norm ratio, weight ratio, outlier ratio).
     :param ban_policy: scores that turn rejections and flags into bans.
     :param attack: Byzantine behaviour for tests and benchmarks only; ``None`` in every real peer.
-    :param phase_timeout: seconds a reducer waits for the parts of a phase, and a sender for its reply x2.
+    :param phase_timeout: seconds a reducer waits for the parts of a phase (a sender waits twice that).
     """
 
-    def __init__(self, parameters, *, dht, prefix: str, compressor: Optional[Compressor] = None,
-                 aggregator: Optional[Aggregator] = None, policy: Optional[ReducePolicy] = None,
-                 ban_policy: Optional[BanPolicy] = None, attack: Optional[Attack] = None,
-                 phase_timeout: float = 10.0, **kwargs):
+    def _init_robust(self, compressor: Optional[Compressor] = None, aggregator: Optional[Aggregator] = None,
+                     policy: Optional[ReducePolicy] = None, ban_policy: Optional[BanPolicy] = None,
+                     attack: Optional[Attack] = None, phase_timeout: float = 10.0) -> None:
         self.compressor = compressor or make_compressor("none")
         self.aggregator = aggregator or MeanAggregator()
         self.policy = policy or ReducePolicy()
@@ -67,7 +69,6 @@ class RobustGradientAverager(GradientAverager):
         self._reducers: dict[str, asyncio.Future] = {}
         self._mm_wrapped = False
         self._round = 0
-        super().__init__(parameters, dht=dht, prefix=prefix, **kwargs)
 
     # ---- main-process API ---------------------------------------------------------------------------
     def report(self, timeout: float = 5.0) -> dict:
@@ -238,3 +239,49 @@ class RobustGradientAverager(GradientAverager):
         part = decode_part(meta, tensors, reducer)
         return await reducer.submit(sender, part, meta.weight)
 
+
+
+class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
+    """GradientAverager with our all-reduce and bounded trainer contributions.
+
+    Before each ``hivemind.Optimizer.step(batch_size)`` the stage server sets :attr:`contributor` to the
+    trainer whose micro-batch produced the gradients; :class:`TrainerContributions` clips and accumulates per
+    trainer and combines the trainers robustly when the round begins. Keyword arguments of the mixin
+    (:meth:`RobustAllReduceMixin._init_robust`) plus ``clip_ratio``; the rest go to GradientAverager.
+    """
+
+    def __init__(self, parameters, *, dht, prefix: str, compressor=None, aggregator=None, policy=None,
+                 ban_policy=None, attack=None, phase_timeout: float = 10.0, clip_ratio: float = 5.0, **kwargs):
+        self._init_robust(compressor, aggregator, policy, ban_policy, attack, phase_timeout)
+        self.contributions = TrainerContributions(aggregator=self.aggregator, clip_ratio=clip_ratio)
+        self.contributor = "local"
+        super().__init__(parameters, dht=dht, prefix=prefix, **kwargs)
+
+    @torch.no_grad()
+    def accumulate_grads_(self, batch_size: int):
+        self.local_samples_accumulated += batch_size
+        self.local_times_accumulated += 1
+        self._accumulators_used_in_step = False
+        self.contributions.add(self.contributor, list(self._grads_from_parameters()), batch_size)
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        combined = self.contributions.combine(self.parameters)
+        with self.get_tensors() as averaged_grads:
+            for avg, g in zip(averaged_grads, combined):
+                avg.copy_(g)
+
+    @torch.no_grad()
+    def reset_accumulated_grads_(self):
+        self._accumulators_used_in_step = False
+        self.local_samples_accumulated = self.local_times_accumulated = 0
+        self.contributions.reset()
+
+
+class RobustStateAverager(RobustAllReduceMixin, TrainingStateAverager):
+    """hivemind's TrainingStateAverager (parameters and optimizer statistics) with our all-reduce, uncompressed
+    (``compressor`` is forced to fp32 without error feedback: parameters are not gradients)."""
+
+    def __init__(self, *, aggregator=None, policy=None, ban_policy=None, phase_timeout: float = 10.0, **kwargs):
+        self._init_robust(make_compressor("none"), aggregator, policy, ban_policy, None, phase_timeout)
+        super().__init__(**kwargs)

@@ -1,9 +1,10 @@
 """The collaborative optimizer of a stage: hivemind.Optimizer with the run spec's schedule and averaging.
 
 Every server of stage ``k`` joins the hivemind optimizer ``{run_id}-stage{k}``: it accumulates gradients of
-the micro-batches it backpropagates; once the stage's servers together have ``target_batch_size`` samples,
-they form a group, all-reduce the gradients (butterfly; hivemind ``GradientAverager``) and each applies the
-same AdamW step, so the servers of a stage stay equal. Every ``average_state_every`` epochs parameters and
+the micro-batches it backpropagates (clipped and per trainer, :mod:`swarm.averaging.contributions`); once
+the stage's servers together have ``target_batch_size`` samples, they form a group (hivemind matchmaking),
+all-reduce the gradients with the spec's compressor and robust aggregator
+(:mod:`swarm.averaging.averager`) and each applies the same AdamW step, so the servers of a stage stay equal. Every ``average_state_every`` epochs parameters and
 optimizer statistics are averaged too, which re-syncs a server that missed a round. A late joiner downloads
 the state from a live server (hivemind ``load_state_from_peers``).
 """
@@ -19,7 +20,10 @@ import hivemind.optim.progress_tracker
 import torch
 
 from swarm.averaging.aggregation import make_aggregator
+from swarm.averaging.averager import RobustGradientAverager, RobustStateAverager
+from swarm.averaging.bans import BanPolicy
 from swarm.averaging.compression import make_compressor
+from swarm.averaging.reducer import ReducePolicy
 from swarm.config import OptimSpec, RunSpec
 
 
@@ -77,8 +81,10 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
 
 
 class StageOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer with two fixes for hivemind 1.1.12, through its private seams.
+    """hivemind.Optimizer with our averagers and two fixes for hivemind 1.1.12, through its private seams.
 
+    * :class:`~swarm.averaging.averager.RobustStateAverager` for parameters and optimizer statistics
+      (``_make_state_averager``); the gradient averager comes through ``grad_averager_factory``.
     * :class:`SampleCountTracker` as the progress tracker (``_make_progress_tracker``).
     * A pre-scheduled gradient round whose matchmaking already ended (it was scheduled at an estimated time
       that passed) makes hivemind 1.1.12 *skip* averaging and step on local gradients alone, while the other
@@ -92,6 +98,20 @@ class StageOptimizer(hivemind.Optimizer):
             self.scheduled_grads = None
         return super()._begin_averaging_gradients(grad_scaler)
 
+    def __init__(self, *, state_averager_kwargs: dict, **kwargs):
+        self._robust_state_kwargs = state_averager_kwargs
+        super().__init__(**kwargs)
+
+    def _make_state_averager(self, **kwargs) -> RobustStateAverager:
+        return RobustStateAverager(
+            dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True,
+            **self._robust_state_kwargs, **kwargs,
+        )
+
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> SampleCountTracker:
         return SampleCountTracker(
             dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size, client_mode=self.client_mode,
@@ -99,17 +119,35 @@ class StageOptimizer(hivemind.Optimizer):
         )
 
 
+def averaging_components(spec: RunSpec, attack=None) -> dict:
+    """Keyword arguments of :class:`~swarm.averaging.averager.RobustGradientAverager` from the spec's
+    ``[averaging]`` section (the state averager takes the same minus the compressor, attack and clip ratio)."""
+    avg = spec.averaging
+    return dict(
+        compressor=make_compressor(avg.compression, rank=avg.powersgd_rank),
+        aggregator=make_aggregator(avg.aggregator, trim=avg.trim, tau_ratio=avg.clip_tau,
+                                   iterations=avg.clip_iterations),
+        policy=ReducePolicy(reject_norm_ratio=avg.reject_norm_ratio, outlier_ratio=avg.outlier_ratio,
+                            max_weight_ratio=avg.max_weight_ratio),
+        ban_policy=BanPolicy(threshold=avg.ban_threshold),
+        phase_timeout=avg.next_chunk_timeout,
+        attack=attack,
+        clip_ratio=avg.microbatch_clip_ratio,
+    )
+
+
 def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.DHT, module: torch.nn.Module,
-                          *, client_mode: bool = False) -> StageOptimizer:
+                          *, client_mode: bool = False, attack=None) -> StageOptimizer:
     """hivemind.Optimizer for ``module`` (stage ``stage``), configured from the spec.
 
-    Raises ValueError for an aggregator the all-reduce cannot run yet.
+    Gradients and state are averaged by our robust all-reduce (:mod:`swarm.averaging.averager`); ``attack``
+    makes this server Byzantine (tests and benchmarks only).
     """
     avg = spec.averaging
-    if make_aggregator(avg.aggregator).name != "mean":  # pragma: no cover - only the mean exists today
-        raise ValueError("robust aggregators need a buffering part reducer")
-    codec = make_compressor(avg.compression).hivemind_codec()
+    components = averaging_components(spec, attack)
+    state_kwargs = {k: components[k] for k in ("aggregator", "policy", "ban_policy", "phase_timeout")}
     return StageOptimizer(
+        state_averager_kwargs=state_kwargs,
         dht=dht,
         run_id=f"{run_id}-stage{stage}",
         params=module.parameters(),
@@ -123,8 +161,7 @@ def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.
         average_state_every=avg.average_state_every,
         average_opt_statistics=("exp_avg", "exp_avg_sq"),
         delay_state_averaging=False,
-        grad_compression=codec,
-        state_averaging_compression=codec,
+        grad_averager_factory=partial(RobustGradientAverager, **components),
         client_mode=client_mode,
         tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25),
         averager_opts=dict(request_timeout=1.0, min_vector_size=0),

@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from swarm.averaging.aggregation import make_aggregator
+from swarm.averaging.bans import BanBook, BanPolicy, worst
+from swarm.averaging.contributions import TrainerContributions
+from swarm.averaging.reducer import NoValidParts, ReducePolicy, Verdict, partition_bounds, reduce_partition
+
+
+def _parts(n=5, d=1000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(d, generator=gen)
+    return {f"p{i}": base + 0.2 * torch.randn(d, generator=gen) for i in range(n)}
+
+
+def test_reducer_rejects_malformed_nonfinite_and_oversized_parts_and_names_the_cause():
+    parts = _parts()
+    parts["nan"] = torch.full((1000,), float("nan"))
+    parts["short"] = torch.zeros(10)
+    parts["huge"] = 1e4 * torch.ones(1000)
+    parts["garbled"] = ValueError("bad dtype")
+    weights = {s: 8.0 for s in parts}
+    red = reduce_partition(parts, weights, 1000, make_aggregator("mean"), ReducePolicy())
+    assert sorted(red.used) == [f"p{i}" for i in range(5)]
+    assert "NaN" in red.verdicts["nan"].reason and "float32(1000,)" in red.verdicts["short"].reason
+    assert "exceeds 10x the median" in red.verdicts["huge"].reason and "malformed" in red.verdicts["garbled"].reason
+    honest_mean = torch.stack([parts[f"p{i}"] for i in range(5)]).mean(0)
+    assert torch.allclose(red.aggregate, honest_mean, atol=1e-6)
+
+
+def test_reducer_bounds_claimed_weights_and_flags_outliers():
+    parts = _parts(n=6)
+    parts["liar"] = -3 * parts["p0"]
+    weights = {s: 8.0 for s in parts} | {"liar": 8000.0}
+    red = reduce_partition(parts, weights, 1000, make_aggregator("mean"), ReducePolicy(max_weight_ratio=2.0))
+    honest_mean = torch.stack([parts[f"p{i}"] for i in range(6)]).mean(0)
+    expected = (8 * 6 * honest_mean + 16 * parts["liar"]) / (8 * 6 + 16)  # the liar counts as 2 peers, not 1000
+    assert torch.allclose(red.aggregate, expected, atol=1e-5)
+    red = reduce_partition(parts, weights, 1000, make_aggregator("centered_clip"), ReducePolicy())
+    assert red.verdicts["liar"].flagged and not any(red.verdicts[f"p{i}"].flagged for i in range(6))
+
+
+def test_reducer_with_no_valid_part_raises():
+    with pytest.raises(NoValidParts, match="NaN"):
+        reduce_partition({"a": torch.full((4,), float("inf"))}, {"a": 1.0}, 4, make_aggregator("mean"), ReducePolicy())
+
+
+def test_partition_bounds_are_block_aligned_and_skip_clients():
+    bounds = partition_bounds(10_000, [1.0, 0.0, 1.0, 2.0], 512)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 10_000 and bounds[1][0] == bounds[1][1]
+    assert all(a % 512 == 0 for a, _ in bounds) and all(b1 == a2 for (_, b1), (a2, _) in zip(bounds, bounds[1:]))
+    small = partition_bounds(100, [1.0, 1.0], 512)  # less than one block: one peer reduces it all
+    assert sorted(b - a for a, b in small) == [0, 100]
+
+
+def test_repeated_rejections_ban_a_peer_and_honest_peers_decay():
+    book = BanBook(BanPolicy(threshold=3.0))
+    bad, flag, ok = Verdict(False, "NaN"), Verdict(True, "", flagged=True), Verdict(True)
+    rounds_to_ban = None
+    for r in range(1, 20):
+        honest_verdict = flag if r % 5 == 0 else ok  # an honest peer is flagged by chance now and then
+        new = book.record_round({"byz": bad, "honest": honest_verdict})
+        if new and rounds_to_ban is None:
+            rounds_to_ban = r
+            assert new[0].peer == "byz" and "NaN" in new[0].reason
+    assert rounds_to_ban == 4 and book.banned() == ["byz"]
+    assert not book.is_banned("honest") and book.scores.get("honest", 0) < 1
+    assert not book.is_banned("byz", now=book.bans["byz"].until + 1)  # bans expire
+    assert worst([ok, flag, bad]) is bad and worst([ok, flag]) is flag
+
+
+def test_trainer_contributions_equal_the_plain_mean_and_bound_a_poisoned_trainer():
+    gen = torch.Generator().manual_seed(0)
+    like = [torch.zeros(30, 20), torch.zeros(20)]
+    mbs = [[torch.randn(30, 20, generator=gen), torch.randn(20, generator=gen)] for _ in range(12)]
+    c = TrainerContributions(clip_ratio=0)
+    for i, g in enumerate(mbs):
+        c.add(f"t{i % 3}", g, 4)
+    out = c.combine(like)
+    assert all(torch.allclose(o, torch.stack([m[k] for m in mbs]).mean(0), atol=1e-6) for k, o in enumerate(out))
+
+    base = [torch.randn(30, 20, generator=gen), torch.randn(20, generator=gen)]
+    noisy = [[b + 0.5 * torch.randn(b.shape, generator=gen) for b in base] for _ in range(12)]
+    robust = TrainerContributions(aggregator=make_aggregator("centered_clip"), clip_ratio=3.0)
+    for i, g in enumerate(noisy):
+        robust.add(f"t{i % 4}", g, 4)
+    for _ in range(4):  # a poisoned trainer sends huge flipped gradients: each micro-batch is clipped ...
+        assert robust.add("poison", [-1e3 * t for t in noisy[0]], 4) < 0.01
+    out = robust.combine(like)
+    assert (out[0] - base[0]).norm() < 0.25 * base[0].norm()  # ... and its account is one clipped voice of five
+    assert robust.add("nan", [torch.full((30, 20), float("nan")), torch.zeros(20)], 4) == 0.0

@@ -1,0 +1,124 @@
+"""The robust all-reduce between real hivemind averager processes (DHT, p2pd, matchmaking) on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hivemind import DHT
+
+from swarm.averaging.aggregation import make_aggregator
+from swarm.averaging.attacks import make_attack
+from swarm.averaging.averager import RobustGradientAverager
+from swarm.averaging.bans import BanPolicy
+from swarm.averaging.compression import make_compressor
+
+SHAPES = [(300, 40), (40,)]
+
+
+@contextlib.contextmanager
+def averagers(n: int, *, aggregator="mean", compression="none", attack=None, attackers=0):
+    kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
+    dhts, avs = [DHT(**kw)], []
+    try:
+        for _ in range(n - 1):
+            dhts.append(DHT(initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()], **kw))
+        for i, dht in enumerate(dhts):
+            params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+            avs.append(RobustGradientAverager(
+                params, dht=dht, prefix="robust-test", compressor=make_compressor(compression),
+                aggregator=make_aggregator(aggregator), ban_policy=BanPolicy(threshold=3.0),
+                attack=make_attack(attack, n=n, f=attackers) if i >= n - attackers else None,
+                target_group_size=n, min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30,
+                phase_timeout=10.0, start=True))
+        yield avs
+    finally:
+        for av in avs:
+            av.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def one_round(avs, grads, weights):
+    """Each peer accumulates its gradients (``weights[i]`` samples) and averages; returns results, group sizes."""
+    for av, g, w in zip(avs, grads, weights):
+        for p, t in zip(av.parameters, g):
+            p.grad = t.clone()
+        av.accumulate_grads_(batch_size=w)
+    controls = [av.step(wait=False, timeout=40) for av in avs]
+    groups = []
+    for c in controls:
+        try:
+            groups.append(len(c.result()))
+        except Exception:
+            groups.append(0)
+    outs = []
+    for av in avs:
+        with av.get_tensors() as tensors:
+            outs.append([t.clone() for t in tensors])
+        av._new_averaged_grads = False
+    return outs, groups
+
+
+def _grads(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    base = [torch.randn(s, generator=gen) for s in SHAPES]
+    return [[b + 0.3 * torch.randn(b.shape, generator=gen) for b in base] for _ in range(n)]
+
+
+@pytest.mark.timeout(180)
+def test_mean_without_liars_is_exactly_the_weighted_mean_on_every_peer():
+    grads, weights = _grads(3, seed=1), [4, 8, 12]
+    with averagers(3) as avs:
+        outs, groups = one_round(avs, grads, weights)
+        assert groups == [3, 3, 3]
+        for k in range(len(SHAPES)):
+            expected = sum(w * g[k] for g, w in zip(grads, weights)) / sum(weights)
+            for out in outs:
+                assert torch.allclose(out[k], expected, atol=1e-6)
+        stats = avs[0].wire.snapshot()
+        numel = sum(torch.Size(s).numel() for s in SHAPES)
+        # a peer sends its 2 remote parts and returns 2 aggregates: ~ 2 * 2/3 of the vector in fp32, both ways
+        assert 0.9 * 4 * numel * 4 / 3 < stats["sent"] < 1.1 * 4 * numel * 4 / 3 + 4096
+        assert stats["phases"] == 1 and stats["failed"] == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("aggregator,attack,compression", [
+    ("centered_clip", "sign_flip", "blockwise8bit"),
+    ("median", "noise", "none"),
+    ("trimmed_mean", "sign_flip", "float16"),
+    ("mean", "sign_flip", "none"),
+])
+def test_a_byzantine_peer_is_bounded_and_banned(aggregator, attack, compression):
+    """1 attacker of 4 real peers: robust rules keep the honest peers equal and near the honest mean, the
+    attacker is banned within a few rounds and then left out of groups; the mean is the control that fails."""
+    n = 4
+    with averagers(n, aggregator=aggregator, compression=compression, attack=attack, attackers=1) as avs:
+        honest_ids = {str(av.peer_id) for av in avs[:-1]}
+        errors, groups_seen = [], []
+        attacker = str(avs[-1].peer_id)
+        rounds_left = 14  # a flagged-only attacker needs 9 rounds to reach the ban threshold (bans.py)
+        for r in range(rounds_left):
+            if r >= 4 and aggregator == "mean":
+                break
+            if groups_seen and groups_seen[-1] == n - 1:
+                break  # banned and left out of a group
+            grads = _grads(n, seed=10 + r)
+            outs, groups = one_round(avs, grads, [8] * n)
+            groups_seen.append(groups[0])
+            honest_mean = torch.cat([torch.stack([g[k] for g in grads[:-1]]).mean(0).flatten()
+                                     for k in range(len(SHAPES))])
+            for out in outs[1:-1]:
+                assert all(torch.equal(a, b) for a, b in zip(out, outs[0])), "honest peers disagree"
+            got = torch.cat([t.flatten() for t in outs[0]])
+            errors.append(float((got - honest_mean).norm() / honest_mean.norm()))
+        reports = [av.report() for av in avs[:-1]]
+        if aggregator == "mean":
+            assert max(errors) > 1.0, f"the mean should be captured by {attack}: {errors}"
+            return
+        assert max(errors) < 0.35, errors
+        assert all(attacker in rep["banned"] for rep in reports), reports
+        assert not any(h in rep["banned"] for rep in reports for h in honest_ids)
+        assert groups_seen[-1] == n - 1, groups_seen  # the banned peer is no longer in the group
