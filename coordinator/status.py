@@ -4,7 +4,10 @@
 
     {"run": {"run_id", "name", "spec_hash", "num_stages", "tokens", "samples_per_s", "loss"},
      "stages": [{"stage", "servers_online", "servers", "throughput", "epoch"}],
-     "peers": [{"peer_id", "role", "stage", "state", "epoch", "throughput", "samples", "loss", "version"}],
+     "peers": [{"peer_id", "role", "stage", "state", "epoch", "throughput", "samples", "loss", "version",
+                # servers also: "p2p_id", "banned" (by most of its stage), "banned_by" (servers), "ban_reasons",
+                # "rejected_parts", "flagged_parts" (as a reducer), "averaging_bytes", "failed_rounds"
+                }],
      "healthy": bool}
 """
 
@@ -15,6 +18,7 @@ from typing import Any
 from swarm.config import RunSpec
 from swarm.directory import RunDirectory
 from swarm.protocol import ServerState
+from swarm.routing import banned_by_stage
 
 
 def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
@@ -29,9 +33,17 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
             "throughput": round(sum(s.throughput for s in online), 3),
             "epoch": max((s.epoch for s in group), default=0),
         })
+        others = {s.p2p_id: [o for o in online if o.p2p_id != s.p2p_id] for s in group}
+        shunned = banned_by_stage(group)
         peers += [{
             "peer_id": s.peer_id, "role": "server", "stage": k, "state": str(s.state), "epoch": s.epoch,
             "throughput": round(s.throughput, 3), "samples": s.samples, "loss": s.loss, "version": s.version,
+            "p2p_id": s.p2p_id, "banned": s.p2p_id in shunned,
+            "banned_by": sum(s.p2p_id in o.banned for o in others[s.p2p_id]),
+            "ban_reasons": sorted({o.banned[s.p2p_id] for o in others[s.p2p_id] if s.p2p_id in o.banned}),
+            "rejected_parts": s.averaging.get("rejected", 0), "flagged_parts": s.averaging.get("flagged", 0),
+            "averaging_bytes": s.averaging.get("sent", 0) + s.averaging.get("received", 0),
+            "failed_rounds": s.averaging.get("failed", 0),
         } for s in group]
     peers += [{
         "peer_id": t.peer_id, "role": "trainer", "stage": None, "state": "online", "epoch": None,
@@ -67,9 +79,11 @@ def render(snap: dict[str, Any]) -> None:
     for s in snap["stages"]:
         st.add_row(str(s["stage"]), str(s["servers_online"]), str(s["servers"]), str(s["throughput"]), str(s["epoch"]))
     console.print(st)
-    pt = Table("peer", "role", "stage", "state", "epoch", "samples/s", "samples", "loss", title="peers")
+    pt = Table("peer", "role", "stage", "state", "epoch", "samples/s", "samples", "loss", "banned", title="peers")
     for p in snap["peers"]:
+        banned = "-" if p["role"] != "server" else (f"BANNED by {p['banned_by']}" if p["banned"]
+                                                    else (f"by {p['banned_by']}" if p["banned_by"] else "no"))
         pt.add_row(p["peer_id"], p["role"], "-" if p["stage"] is None else str(p["stage"]), p["state"],
                    "-" if p["epoch"] is None else str(p["epoch"]), str(p["throughput"]), str(p["samples"]),
-                   "-" if p["loss"] is None else f"{p['loss']:.4f}")
+                   "-" if p["loss"] is None else f"{p['loss']:.4f}", banned)
     console.print(pt)

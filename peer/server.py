@@ -55,13 +55,14 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
 
         def info(state: ServerState) -> ServerInfo:
             opt = server.optimizer
+            banned, counters = averaging_report(opt)
             return ServerInfo(
                 run_id=run_id, peer_id=me, time=get_dht_time(), stage=stage, state=state,
                 throughput=server.throughput.samples_per_second,
                 p2p_id=p2p_id, maddrs=maddrs, epoch=server.epoch, samples=server.samples,
                 loss=server.loss_ema, peers_in_last_round=opt.tracker.global_progress.num_peers if opt else 0,
                 fingerprints=server.fingerprints, round_s=server.mean_round_s, rounds=server.rounds,
-                version=__version__,
+                version=__version__, banned=banned, averaging=counters,
             )
 
         directory.announce_server(info(ServerState.JOINING), identity)
@@ -91,6 +92,20 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
             optimizer.shutdown()
         dht.shutdown()
         logger.info("[%s] stopped", me)
+
+
+def averaging_report(optimizer) -> tuple[dict[str, str], dict[str, int]]:
+    """Bans (libp2p id -> reason, at most 32) and wire counters of the stage's gradient averager."""
+    averager = getattr(optimizer, "grad_averager", None)
+    if averager is None:
+        return {}, {}
+    counters = averager.wire.snapshot()
+    try:
+        banned = averager.report(timeout=2.0)["banned"]
+    except Exception as e:  # the averager process is busy or gone: publish counters without bans this time
+        logger.debug("could not read bans from the averager: %s", e)
+        banned = {}
+    return {p: r[:200] for p, r in sorted(banned.items())[:32]}, counters
 
 
 def _wait_until_counted(optimizer, directory, stage: int, me: str, timeout: float = 10.0) -> None:

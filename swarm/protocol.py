@@ -93,6 +93,57 @@ class ServerInfo(Record):
         default_factory=dict, description="Epoch -> small random projection of the stage parameters."
     )
     version: str = ""
+    banned: dict[str, str] = Field(
+        default_factory=dict, description="libp2p ids this server banned from averaging -> reason (at most 32)."
+    )
+    averaging: dict[str, int] = Field(
+        default_factory=dict, description="Averaging counters: bytes sent/received on the wire, phases, failed "
+        "rounds, parts rejected and flagged by this server as a reducer.",
+    )
+
+
+class PartCommitment(Record):
+    """A sender's signed statement of the part it sent a reducer (see :mod:`swarm.averaging.audit`)."""
+
+    kind: Literal["commitment"] = "commitment"
+    p2p_id: str = Field(max_length=128, description="libp2p id the part was sent from.")
+    group: str = Field(min_length=1, max_length=128)
+    partition: int = Field(ge=0)
+    numel: int = Field(ge=0)
+    codec: str = Field(max_length=32)
+    digest: str = Field(max_length=64, description="SHA-256 of the encoded part.")
+    weight: float = Field(description="Samples behind the part, as reported by the sender.")
+
+
+class ReductionReceipt(Record):
+    """A reducer's signed statement of how it reduced a partition: every commitment it received (the sealed
+    :class:`PartCommitment` bytes) and the SHA-256 of the encoded aggregate it returned to every sender."""
+
+    kind: Literal["receipt"] = "receipt"
+    p2p_id: str = Field(max_length=128, description="libp2p id of the reducer.")
+    group: str = Field(min_length=1, max_length=128)
+    partition: int = Field(ge=0)
+    numel: int = Field(ge=0)
+    codec: str = Field(max_length=32)
+    aggregator: str = Field(max_length=64)
+    commitments: list[bytes] = Field(default_factory=list, max_length=256)
+    output_digest: str = Field(max_length=64)
+
+
+class Accusation(Record):
+    """An auditor's signed claim that a reducer returned a wrong aggregate, stored under
+    :func:`accusations_key`; the evidence (parts, aggregate) is served by the auditor (``rpc_audit_evidence``)
+    so that every peer can recompute before it bans."""
+
+    kind: Literal["accusation"] = "accusation"
+    p2p_id: str = Field(max_length=128, description="libp2p id of the auditor (serves the evidence).")
+    accused: str = Field(max_length=128, description="libp2p id of the reducer.")
+    receipt: bytes = Field(max_length=32 * 1024, description="The reducer's sealed ReductionReceipt.")
+    reason: str = Field("", max_length=512)
+
+
+def accusations_key(prefix: str) -> str:
+    return f"{prefix}/accusations"
 
 
 class TrainerInfo(Record):
@@ -137,7 +188,7 @@ def seal(record: Record, identity: Identity) -> bytes:
     """Sign ``record`` with ``identity``; returns the sealed bytes to store in the DHT."""
     if record.peer_id != identity.peer_id and record.kind != "spec":
         raise ValueError("a record must be sealed by the peer it names")
-    payload = msgpack.packb(record.model_dump(mode="json"), use_bin_type=True)
+    payload = msgpack.packb(record.model_dump(mode="python"), use_bin_type=True)
     blob = msgpack.packb({"p": payload, "k": identity.public_key, "s": identity.sign(payload)}, use_bin_type=True)
     if len(blob) > MAX_RECORD_BYTES:
         raise ValueError(f"sealed record is {len(blob)} bytes > {MAX_RECORD_BYTES}; keep records small")
@@ -230,6 +281,7 @@ class AveragingPart(_Schema):
     numel: int = Field(ge=0)
     codec: str = Field(max_length=32)
     digest: str = Field(max_length=64)
+    commitment: bytes = Field(b"", max_length=4096, description="The sender's sealed PartCommitment.")
 
 
 class AveragingReply(_Schema):
@@ -242,10 +294,28 @@ class AveragingReply(_Schema):
     digest: str = Field("", max_length=64)  # SHA-256 of the encoded aggregate
     senders: int = 0  # parts the aggregate used
     error: str = Field("", max_length=512)
+    receipt: bytes = Field(b"", max_length=32 * 1024, description="The reducer's sealed ReductionReceipt.")
+
+
+class AuditRequest(_Schema):
+    """Ask a sender for its part of an audited partition (``rpc_audit_part``) or an auditor for the evidence
+    behind an accusation (``rpc_audit_evidence``)."""
+
+    group: str = Field(min_length=1, max_length=128)
+    partition: int = Field(ge=0)
+
+
+class AuditReply(_Schema):
+    """Tensors: the encoded part (``rpc_audit_part``), or the encoded aggregate followed by every committed
+    part in receipt order (``rpc_audit_evidence``). ``error`` set: nothing follows."""
+
+    error: str = Field("", max_length=512)
+    parts: int = 0
+    tensors_per_part: int = 0
 
 
 def pack_message(msg: _Schema) -> bytes:
-    return msgpack.packb(msg.model_dump(mode="json"), use_bin_type=True)
+    return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
 
 
 def unpack_message(data: bytes, cls: Type[S]) -> S:

@@ -56,9 +56,11 @@ class Router:
         :param work: samples in the micro-batch; the chosen server is charged ``work / throughput`` seconds.
         :raises NoServerError: no candidate is left.
         """
+        shunned = banned_by_stage(servers)
         candidates = [
             s for s in servers
             if s.state == ServerState.ONLINE and not self.is_banned(s.peer_id) and s.peer_id not in exclude
+            and s.p2p_id not in shunned
         ]
         if not candidates:
             raise NoServerError(f"no online server available ({len(servers)} known, others banned or not online)")
@@ -93,6 +95,21 @@ def stage_demand(spec: ModelSpec) -> list[float]:
     demand = [float(n) for n in spec.stage_layers]
     demand[-1] += head
     return demand
+
+
+def banned_by_stage(servers: Sequence[ServerInfo]) -> set[str]:
+    """libp2p ids that more than half of the *other* online servers of a stage have banned from averaging.
+
+    A server that the honest majority of its stage caught sending bad parts is not routed to either; a
+    minority (possibly the Byzantine servers themselves) cannot exclude an honest server this way.
+    """
+    online = [s for s in servers if s.state == ServerState.ONLINE]
+    out = set()
+    for s in online:
+        others = [o for o in online if o.p2p_id != s.p2p_id]
+        if others and 2 * sum(s.p2p_id in o.banned for o in others) > len(others):
+            out.add(s.p2p_id)
+    return out
 
 
 def choose_stage(spec: ModelSpec, servers: dict[int, list[ServerInfo]], rng: Optional[random.Random] = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ SHAPES = [(300, 40), (40,)]
 
 
 @contextlib.contextmanager
-def averagers(n: int, *, aggregator="mean", compression="none", attack=None, attackers=0):
+def averagers(n: int, *, aggregator="mean", compression="none", attack=None, attackers=0, audit=0.25):
     kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
     dhts, avs = [DHT(**kw)], []
     try:
@@ -31,7 +32,7 @@ def averagers(n: int, *, aggregator="mean", compression="none", attack=None, att
                 aggregator=make_aggregator(aggregator), ban_policy=BanPolicy(threshold=3.0),
                 attack=make_attack(attack, n=n, f=attackers) if i >= n - attackers else None,
                 target_group_size=n, min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30,
-                phase_timeout=10.0, start=True))
+                phase_timeout=10.0, audit_probability=audit, start=True))
         yield avs
     finally:
         for av in avs:
@@ -70,7 +71,7 @@ def _grads(n, seed):
 @pytest.mark.timeout(180)
 def test_mean_without_liars_is_exactly_the_weighted_mean_on_every_peer():
     grads, weights = _grads(3, seed=1), [4, 8, 12]
-    with averagers(3) as avs:
+    with averagers(3, audit=1.0) as avs:
         outs, groups = one_round(avs, grads, weights)
         assert groups == [3, 3, 3]
         for k in range(len(SHAPES)):
@@ -82,6 +83,8 @@ def test_mean_without_liars_is_exactly_the_weighted_mean_on_every_peer():
         # a peer sends its 2 remote parts and returns 2 aggregates: ~ 2 * 2/3 of the vector in fp32, both ways
         assert 0.9 * 4 * numel * 4 / 3 < stats["sent"] < 1.1 * 4 * numel * 4 / 3 + 4096
         assert stats["phases"] == 1 and stats["failed"] == 0
+        time.sleep(2)  # every partition was audited: nobody may be banned or accused
+        assert all(av.report()["banned"] == {} for av in avs)
 
 
 @pytest.mark.timeout(300)
@@ -122,3 +125,41 @@ def test_a_byzantine_peer_is_bounded_and_banned(aggregator, attack, compression)
         assert all(attacker in rep["banned"] for rep in reports), reports
         assert not any(h in rep["banned"] for rep in reports for h in honest_ids)
         assert groups_seen[-1] == n - 1, groups_seen  # the banned peer is no longer in the group
+
+
+@pytest.mark.timeout(300)
+def test_a_lying_reducer_is_caught_by_an_audit_and_every_honest_peer_verifies_the_accusation():
+    n = 4
+    with averagers(n, aggregator="centered_clip", attack="lying_reducer", attackers=1, audit=1.0) as avs:
+        liar = str(avs[-1].peer_id)
+        for r in range(6):
+            one_round(avs, _grads(n, seed=30 + r), [8] * n)
+            reports = [av.report() for av in avs[:-1]]
+            if all(liar in rep["banned"] for rep in reports):
+                break
+        assert all(liar in rep["banned"] for rep in reports), reports
+        reasons = [rep["banned"][liar] for rep in reports]
+        assert any(r.startswith("audit:") for r in reasons) and any(r.startswith("verified accusation") for r in reasons)
+        honest = {str(av.peer_id) for av in avs[:-1]}
+        assert not any(h in rep["banned"] for rep in reports for h in honest)
+        outs, groups = one_round(avs, _grads(n, seed=99), [8] * n)
+        assert groups[:-1] == [n - 1] * (n - 1) and groups[-1] == 0  # the liar finds no group any more
+        assert all(torch.equal(a, b) for out in outs[1:-1] for a, b in zip(out, outs[0]))
+
+
+@pytest.mark.timeout(300)
+def test_a_false_accusation_is_refuted_and_bans_the_accuser_not_the_honest_reducer():
+    n = 4
+    with averagers(n, aggregator="mean", attack="false_accuser", attackers=1, audit=1.0) as avs:
+        accuser = str(avs[-1].peer_id)
+        honest = {str(av.peer_id) for av in avs[:-1]}
+        for r in range(6):
+            one_round(avs, _grads(n, seed=50 + r), [8] * n)
+            time.sleep(4)  # let the accusation poller (every 3 s) read and verify
+            reports = [av.report() for av in avs[:-1]]
+            if sum(accuser in rep["banned"] for rep in reports) >= n - 2:
+                break
+        assert not any(h in rep["banned"] for rep in reports for h in honest), reports
+        # every honest peer but the one it accused (which cannot verify a claim about itself) refutes it
+        assert sum(accuser in rep["banned"] for rep in reports) >= n - 2, reports
+        assert all("false accusation" in rep["banned"][accuser] for rep in reports if accuser in rep["banned"])

@@ -92,10 +92,13 @@ class PartitionReducer:
     policy: ReducePolicy
     timeout: float
     corrupt: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    sign_receipt: Optional[Callable[[list[bytes], str], bytes]] = None
     parts: dict = field(default_factory=dict)
     weights: dict = field(default_factory=dict)
+    commitments: dict = field(default_factory=dict)
     reduction: Optional[Reduction] = None
     encoded: Optional[list[torch.Tensor]] = None
+    receipt: bytes = b""
     error: str = ""
 
     def __post_init__(self):
@@ -103,14 +106,17 @@ class PartitionReducer:
         self._deadline = time.monotonic() + self.timeout
         self._task: Optional[asyncio.Task] = None
 
-    async def submit(self, sender: str, part, weight: float) -> tuple[AveragingReply, list[torch.Tensor]]:
-        """Add ``sender``'s part (decoded float32 tensor or the exception decoding raised); wait for the
-        aggregate; return the reply for that sender and the encoded aggregate (empty on error)."""
+    async def submit(self, sender: str, part, weight: float, commitment: bytes = b""
+                     ) -> tuple[AveragingReply, list[torch.Tensor]]:
+        """Add ``sender``'s part (decoded float32 tensor or the exception decoding raised) with its sealed
+        commitment; wait for the aggregate; return the reply for that sender and the encoded aggregate
+        (empty on error). Parts without a commitment are never listed in the receipt."""
         if sender not in self.senders:
             return AveragingReply(error=f"{sender} is not a sender of this group"), []
-        if self.reduction is None and not self.error:
-            self.parts.setdefault(sender, part)
-            self.weights.setdefault(sender, weight)
+        if self.reduction is None and not self.error and sender not in self.parts:
+            self.parts[sender], self.weights[sender] = part, weight
+            if commitment:
+                self.commitments[sender] = commitment
             if set(self.parts) >= self.senders:
                 self._complete.set()
         if self._task is None:
@@ -120,7 +126,7 @@ class PartitionReducer:
             return AveragingReply(error=self.error), []
         v = self.reduction.verdicts.get(sender, Verdict(False, "part arrived after the partition was reduced"))
         reply = AveragingReply(accepted=v.accepted, flagged=v.flagged, reason=v.reason[:512],
-                               digest=digest(self.encoded), senders=len(self.reduction.used))
+                               digest=digest(self.encoded), senders=len(self.reduction.used), receipt=self.receipt)
         return reply, self.encoded
 
     async def _reduce(self) -> None:
@@ -136,6 +142,9 @@ class PartitionReducer:
             if self.corrupt is not None:
                 out = self.corrupt(out)
             self.encoded = self.codec.encode(out)
+            if self.sign_receipt is not None:
+                listed = [self.commitments[s] for s in parts if s in self.commitments]
+                self.receipt = self.sign_receipt(listed, digest(self.encoded))
         except NoValidParts as e:
             self.error = str(e)
         except Exception as e:  # a bug or a hostile input we did not foresee: fail the partition, not the peer
@@ -146,38 +155,62 @@ class PartitionReducer:
 SendFn = Callable[[str, AveragingPart, list[torch.Tensor]], Awaitable[tuple[AveragingReply, list[torch.Tensor]]]]
 
 
+class Accountant:
+    """Signs this peer's commitments and receipts and checks the receipts it gets (:mod:`swarm.averaging.audit`).
+    The base class does nothing (the in-process harness, unit tests)."""
+
+    def commit(self, meta: AveragingPart) -> bytes:
+        return b""
+
+    def sign_receipt(self, meta: AveragingPart, commitments: list[bytes], output_digest: str) -> bytes:
+        return b""
+
+    def check_receipt(self, reducer: str, meta: AveragingPart, commitment: bytes, reply: AveragingReply):
+        """Raise :class:`RoundFailed` if ``reply.receipt`` is not a valid receipt of ``reducer`` for this part;
+        return the opened receipt (or None when receipts are not in use)."""
+        return None
+
+
 @dataclass
 class PhaseOutcome:
-    """A completed phase: the :class:`PhaseResult` and what each reducer said about this peer's parts."""
+    """A completed phase: the :class:`PhaseResult`, what each reducer said about this peer's parts, the
+    opened receipts and the encoded parts this peer sent and aggregates it received, per partition."""
 
     result: PhaseResult
     replies: dict = field(default_factory=dict)
+    receipts: dict = field(default_factory=dict)
+    sent_parts: dict = field(default_factory=dict)
+    aggregates: dict = field(default_factory=dict)
 
 
 async def run_phase(phase: Phase, *, group: str, me: str, peers: Sequence[str], fractions: Sequence[float],
-                    weight: float, reducer: Optional[PartitionReducer], send: SendFn) -> PhaseOutcome:
+                    weight: float, reducer: Optional[PartitionReducer], send: SendFn,
+                    accountant: Accountant = Accountant()) -> PhaseOutcome:
     """Run one phase as sender (and as reducer through ``reducer``, registered by the caller).
 
     :param peers: the group's peer ids in partition order; ``fractions`` their shares (0 for client peers).
     :param send: streams a part to a remote reducer and returns its reply and encoded aggregate.
-    :raises RoundFailed: some partition has no aggregate.
+    :raises RoundFailed: some partition has no aggregate, or its reducer's receipt is invalid.
     """
     vector, codec = phase.vector.detach().float().contiguous(), phase.codec
     bounds = partition_bounds(vector.numel(), fractions, codec.block)
     aggregate = torch.empty_like(vector)
     sent = torch.empty_like(vector)
-    replies: dict = {}
+    outcome = PhaseOutcome(PhaseResult(aggregate=aggregate, sent=sent))
 
     async def one(j: int, a: int, b: int) -> None:
         encoded = codec.encode(vector[a:b])
         sent[a:b] = codec.decode(encoded, b - a)
+        outcome.sent_parts[j] = encoded
         meta = AveragingPart(group=group, partition=j, weight=float(weight), numel=b - a, codec=codec.name,
                              digest=digest(encoded))
+        commitment = accountant.commit(meta)
+        meta = meta.model_copy(update={"commitment": commitment})
         if peers[j] == me:
-            reply, out = await reducer.submit(me, sent[a:b].clone(), float(weight))
+            reply, out = await reducer.submit(me, sent[a:b].clone(), float(weight), commitment)
         else:
             reply, out = await send(peers[j], meta, encoded)
-        replies[peers[j]] = reply
+        outcome.replies[peers[j]] = reply
         if reply.error:
             raise RoundFailed(f"reducer {peers[j]} of partition {j} failed: {reply.error}")
         try:
@@ -188,6 +221,10 @@ async def run_phase(phase: Phase, *, group: str, me: str, peers: Sequence[str], 
             raise RoundFailed(f"reducer {peers[j]} sent a non-finite aggregate")
         if digest(out) != reply.digest:
             raise RoundFailed(f"reducer {peers[j]}'s aggregate does not match the digest it signed off")
+        opened = accountant.check_receipt(peers[j], meta, commitment, reply)
+        if opened is not None:
+            outcome.receipts[j] = opened
+        outcome.aggregates[j] = out
         aggregate[a:b] = part
 
     tasks = [asyncio.create_task(one(j, a, b)) for j, (a, b) in enumerate(bounds) if b > a]
@@ -197,7 +234,7 @@ async def run_phase(phase: Phase, *, group: str, me: str, peers: Sequence[str], 
         for t in tasks:
             t.cancel()
         raise
-    return PhaseOutcome(PhaseResult(aggregate=aggregate, sent=sent), replies)
+    return outcome
 
 
 async def send_part(stub, meta: AveragingPart, encoded: list[torch.Tensor], counter, timeout: float

@@ -16,6 +16,7 @@ harness); a real peer knows only its own, which then stands in for the honest me
 * ``grad_flip`` — relays output gradients times ``-k`` (trainer).
 * ``replay`` — sends the vector of ``delay`` (5) rounds ago.
 * ``lying_reducer`` — returns ``-k`` times the true aggregate of its partition.
+* ``false_accuser`` — accuses every reducer it audits of a wrong aggregate (:mod:`swarm.averaging.audit`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-ATTACKS = ("sign_flip", "noise", "alie", "ipm", "label_flip", "grad_flip", "replay", "lying_reducer")
+ATTACKS = ("sign_flip", "noise", "alie", "ipm", "label_flip", "grad_flip", "replay", "lying_reducer", "false_accuser")
 TRAINER_ATTACKS = ("label_flip", "grad_flip")
 
 
@@ -134,13 +135,19 @@ class LyingReducer(Attack):
         return -self.k * aggregate
 
 
+class FalseAccuser(Attack):
+    name = "false_accuser"
+    accuse_always = True
+
+
 def make_attack(name: Optional[str], *, n: int = 7, f: int = 2, seed: int = 0) -> Optional[Attack]:
     """The attack called ``name`` (see :data:`ATTACKS`), or None for ``None``/``""``/``"none"``.
     ``n``/``f``: group size and attackers (ALIE's z). Raises ValueError for an unknown name."""
     if not name or name == "none":
         return None
     table = {"sign_flip": SignFlip, "noise": lambda: Noise(seed=seed), "alie": lambda: ALIE(n, f), "ipm": IPM,
-             "label_flip": LabelFlip, "grad_flip": GradFlip, "replay": Replay, "lying_reducer": LyingReducer}
+             "label_flip": LabelFlip, "grad_flip": GradFlip, "replay": Replay, "lying_reducer": LyingReducer,
+             "false_accuser": FalseAccuser}
     if name not in table:
         raise ValueError(f"unknown attack {name!r}; choose one of {list(ATTACKS)}")
     return table[name]()

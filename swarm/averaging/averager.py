@@ -32,6 +32,7 @@ from swarm.averaging.aggregation import Aggregator, MeanAggregator
 from swarm.averaging.allreduce import (PartitionReducer, RoundFailed, WireStats, decode_part, run_phase,
                                        send_part)
 from swarm.averaging.attacks import Attack
+from swarm.averaging.auditing import AuditMixin
 from swarm.averaging.bans import BanBook, BanPolicy, worst
 from swarm.averaging.compression import Compressor, make_compressor
 from swarm.averaging.contributions import TrainerContributions
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start here (peers run phases unevenly)
 
 
-class RobustAllReduceMixin:
+class RobustAllReduceMixin(AuditMixin):
     """Replaces a hivemind ``DecentralizedAverager``'s all-reduce with ours; call :meth:`_init_robust` before the
     averager's ``__init__`` (which forks the averager process).
 
@@ -54,11 +55,16 @@ class RobustAllReduceMixin:
     :param ban_policy: scores that turn rejections and flags into bans.
     :param attack: Byzantine behaviour for tests and benchmarks only; ``None`` in every real peer.
     :param phase_timeout: seconds a reducer waits for the parts of a phase (a sender waits twice that).
+    :param identity: the peer's Ed25519 identity, which signs commitments, receipts and accusations
+        (a fresh one if omitted); ``run_id`` namespaces them.
+    :param audit_probability: chance that a partition is audited in a phase (:mod:`swarm.averaging.audit`).
     """
 
     def _init_robust(self, compressor: Optional[Compressor] = None, aggregator: Optional[Aggregator] = None,
                      policy: Optional[ReducePolicy] = None, ban_policy: Optional[BanPolicy] = None,
-                     attack: Optional[Attack] = None, phase_timeout: float = 10.0) -> None:
+                     attack: Optional[Attack] = None, phase_timeout: float = 10.0, identity=None,
+                     run_id: str = "local", audit_probability: float = 0.25) -> None:
+        self._init_audit(identity, run_id, audit_probability)
         self.compressor = compressor or make_compressor("none")
         self.aggregator = aggregator or MeanAggregator()
         self.policy = policy or ReducePolicy()
@@ -112,6 +118,7 @@ class RobustAllReduceMixin:
     async def _step(self, *, step, future_for_init):
         if not self._mm_wrapped:
             self._wrap_matchmaking()
+            self.start_accusation_poller()
         return await super()._step(step=step, future_for_init=future_for_init)
 
     # ---- the round --------------------------------------------------------------------------------------
@@ -161,15 +168,19 @@ class RobustAllReduceMixin:
                 reducer = None
                 bounds_me = peers.index(me)
                 if fractions[bounds_me] > 0:
+                    numel = self._partition_size(phase, fractions, bounds_me)
+                    mine = AveragingPart(group=key, partition=bounds_me, weight=0.0, numel=numel,
+                                         codec=phase.codec.name, digest="")
                     reducer = PartitionReducer(
-                        numel=self._partition_size(phase, fractions, bounds_me), senders=senders,
-                        codec=phase.codec, aggregator=self.aggregator, policy=self.policy,
-                        timeout=self.phase_timeout,
-                        corrupt=self.attack.corrupt_aggregate if self.attack is not None else None)
+                        numel=numel, senders=senders, codec=phase.codec, aggregator=self.aggregator,
+                        policy=self.policy, timeout=self.phase_timeout,
+                        corrupt=self.attack.corrupt_aggregate if self.attack is not None else None,
+                        sign_receipt=lambda commitments, out, m=mine: self.accountant.sign_receipt(m, commitments, out))
                     self._future_for(key).set_result(reducer)
                 outcome = await run_phase(phase, group=key, me=me, peers=peers, fractions=fractions, weight=weight,
-                                          reducer=reducer, send=self._send)
+                                          reducer=reducer, send=self._send, accountant=self.accountant)
                 self.wire.phases += 1
+                self.after_phase(key, outcome, peers, senders, phase.codec)
                 for peer, reply in outcome.replies.items():
                     if not reply.accepted:
                         logger.warning(f"reducer {peer} rejected this peer's part: {reply.reason}")
@@ -236,8 +247,9 @@ class RobustAllReduceMixin:
             if not future.done():
                 self._reducers.pop(meta.group, None)
             return AveragingReply(error=f"no averaging phase {meta.group} here"), []
-        part = decode_part(meta, tensors, reducer)
-        return await reducer.submit(sender, part, meta.weight)
+        refused = self.open_commitment(sender, meta)
+        part = ValueError(refused) if refused else decode_part(meta, tensors, reducer)
+        return await reducer.submit(sender, part, meta.weight, b"" if refused else meta.commitment)
 
 
 
@@ -251,8 +263,10 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
     """
 
     def __init__(self, parameters, *, dht, prefix: str, compressor=None, aggregator=None, policy=None,
-                 ban_policy=None, attack=None, phase_timeout: float = 10.0, clip_ratio: float = 5.0, **kwargs):
-        self._init_robust(compressor, aggregator, policy, ban_policy, attack, phase_timeout)
+                 ban_policy=None, attack=None, phase_timeout: float = 10.0, clip_ratio: float = 5.0,
+                 identity=None, run_id: str = "local", audit_probability: float = 0.25, **kwargs):
+        self._init_robust(compressor, aggregator, policy, ban_policy, attack, phase_timeout, identity, run_id,
+                          audit_probability)
         self.contributions = TrainerContributions(aggregator=self.aggregator, clip_ratio=clip_ratio)
         self.contributor = "local"
         super().__init__(parameters, dht=dht, prefix=prefix, **kwargs)
@@ -282,6 +296,8 @@ class RobustStateAverager(RobustAllReduceMixin, TrainingStateAverager):
     """hivemind's TrainingStateAverager (parameters and optimizer statistics) with our all-reduce, uncompressed
     (``compressor`` is forced to fp32 without error feedback: parameters are not gradients)."""
 
-    def __init__(self, *, aggregator=None, policy=None, ban_policy=None, phase_timeout: float = 10.0, **kwargs):
-        self._init_robust(make_compressor("none"), aggregator, policy, ban_policy, None, phase_timeout)
+    def __init__(self, *, aggregator=None, policy=None, ban_policy=None, phase_timeout: float = 10.0,
+                 identity=None, run_id: str = "local", audit_probability: float = 0.25, **kwargs):
+        self._init_robust(make_compressor("none"), aggregator, policy, ban_policy, None, phase_timeout, identity,
+                          run_id, audit_probability)
         super().__init__(**kwargs)

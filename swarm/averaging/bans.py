@@ -60,6 +60,13 @@ class BanBook:
         self.rounds += 1
         return new
 
+    def penalize(self, peer: str, amount: float, reason: str) -> Ban | None:
+        """Add ``amount`` to ``peer``'s score outside a round's verdicts; returns the ban if this created one."""
+        self.scores[peer] = self.scores.get(peer, 0.0) + amount
+        if self.scores[peer] >= self.policy.threshold and not self.is_banned(peer):
+            return self.ban(peer, f"score {self.scores[peer]:.2f}: {reason}")
+        return None
+
     def ban(self, peer: str, reason: str, now: float | None = None) -> Ban:
         now = time.time() if now is None else now
         self.bans[peer] = Ban(peer, reason, now + self.policy.ban_s)

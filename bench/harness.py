@@ -1,0 +1,231 @@
+"""In-process harness for the averaging sweeps: many simulated peers, the real compressor and reducer code.
+
+One round of :func:`train` is what a stage's servers do in one epoch, with the network taken out:
+
+* every peer computes the gradient of its own micro-batches (the whole model is one stage; all honest peers
+  hold the same parameters, since the robust all-reduce hands every honest peer bit-identical results);
+* Byzantine peers corrupt theirs (:mod:`swarm.averaging.attacks`; ALIE and IPM see the honest gradients);
+  with ``byzantine_trainers`` the attackers are trainers instead, feeding one server whose
+  :class:`~swarm.averaging.contributions.TrainerContributions` combine them;
+* each peer runs its own :class:`~swarm.averaging.compression.Compressor` (its own error feedback) through the
+  phases; partition ``j`` is reduced by :func:`~swarm.averaging.reducer.reduce_partition` over the parts as
+  decoded from the wire encoding, and its encoded aggregate (corrupted if peer ``j`` is a lying reducer) is
+  what every peer receives — exactly the data path of :mod:`swarm.averaging.allreduce`;
+* verdicts go to a :class:`~swarm.averaging.bans.BanBook`; banned peers leave the group;
+* AdamW steps on the aggregate.
+
+Bytes here are the encoded tensors' sizes; the benchmarks count real wire bytes with real averagers.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from swarm.averaging.aggregation import make_aggregator
+from swarm.averaging.attacks import TRAINER_ATTACKS, make_attack
+from swarm.averaging.bans import BanBook, BanPolicy, worst
+from swarm.averaging.compression import PhaseResult, make_compressor
+from swarm.averaging.contributions import TrainerContributions
+from swarm.averaging.optimizer import make_scheduler, make_torch_optimizer
+from swarm.averaging.reducer import NoValidParts, ReducePolicy, partition_bounds, reduce_partition
+from swarm.config import RunSpec
+from swarm.data import prepare_dataset
+from swarm.model import build_stage, lm_loss
+
+BENCH_SPEC = """
+name = "bench-averaging"
+[model]
+vocab_size = 1024
+d_model = 96
+n_heads = 4
+n_layers = 2
+max_seq_len = 64
+stage_layers = [2]
+[data]
+source = "shakespeare"
+seq_len = 64
+max_bytes = 1500000
+num_shards = 16
+[tokenizer]
+train_bytes = 1500000
+[optim]
+lr = 3e-3
+warmup_epochs = 5
+total_epochs = 120
+[training]
+micro_batch_size = 8
+target_batch_size = 56
+"""
+
+
+def bench_spec(**averaging) -> RunSpec:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "bench.toml"
+        extra = "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in averaging.items())
+        path.write_text(BENCH_SPEC + ("[averaging]\n" + extra if extra else ""))
+        return RunSpec.from_toml(path)
+
+
+@dataclass
+class HarnessResult:
+    val_loss: float
+    rounds: int
+    samples: int
+    banned_at: dict = field(default_factory=dict)  # peer index -> round it was banned
+    honest_banned: int = 0
+    bytes_per_round: float = 0.0  # encoded bytes one peer sends per round (parts + aggregates it returns)
+    seconds: float = 0.0
+
+
+def _grad(model, inputs, targets) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _val_loss(model, dataset, spec, batches: int = 24) -> float:
+    b = spec.training.micro_batch_size
+    n = min(batches, dataset.num_samples("val") // b)
+    with torch.no_grad():
+        losses = [float(lm_loss(model(x[:, :-1]), x[:, 1:]))
+                  for x in (dataset.batch(list(range(i * b, (i + 1) * b)), "val") for i in range(n))]
+    return sum(losses) / len(losses)
+
+
+def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0, attack: Optional[str] = None,
+          aggregator: str = "centered_clip", compression: str = "none", rank: int = 4, rounds: int = 60,
+          checks: bool = True, seed: int = 0) -> HarnessResult:
+    """Train ``rounds`` epochs with ``peers`` simulated servers, the last ``byzantine`` of them attackers.
+
+    ``checks=False`` turns the reducer's norm check and bans off (plain averaging: the control).
+    For trainer attacks (``label_flip``, ``grad_flip``) the peers are trainers of one server.
+    """
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    dataset = prepare_dataset(spec, cache_dir)
+    model = build_stage(spec.model, 0)
+    opt = make_torch_optimizer(spec.optim, model.parameters())
+    sched = make_scheduler(spec.optim, opt)
+    params = list(model.parameters())
+    agg = make_aggregator(aggregator)
+    policy = ReducePolicy(reject_norm_ratio=10.0 if checks else 1e30, outlier_ratio=3.0 if checks else 1e30)
+    book = BanBook(BanPolicy(threshold=3.0 if checks else math.inf))
+    trainer_mode = attack in TRAINER_ATTACKS
+    attackers = {peers - 1 - i: make_attack(attack, n=peers, f=byzantine, seed=i) for i in range(byzantine)}
+    compressors = [make_compressor(compression, rank=rank) for _ in range(peers)]
+    b = spec.training.micro_batch_size
+    per_peer = max(1, spec.training.target_batch_size // (b * peers))
+    gen = torch.Generator().manual_seed(seed)
+    n_train = dataset.num_samples("train")
+    result = HarnessResult(val_loss=float("nan"), rounds=rounds, samples=0)
+    bytes_sent = 0
+    for r in range(rounds):
+        active = [i for i in range(peers) if not book.is_banned(str(i))]
+        grads = {}
+        for i in active:
+            acc = None
+            for _ in range(per_peer):
+                batch = dataset.batch(torch.randint(0, n_train, (b,), generator=gen).tolist())
+                x, y = batch[:, :-1], batch[:, 1:]
+                if trainer_mode and i in attackers:
+                    x, y = attackers[i].corrupt_batch(x, y, spec.model.vocab_size)
+                g = _grad(model, x, y)
+                if trainer_mode and i in attackers:
+                    g = [attackers[i].corrupt_grad(t) for t in g]
+                acc = g if acc is None else [a + t for a, t in zip(acc, g)]
+            grads[i] = [t / per_peer for t in acc]
+            result.samples += per_peer * b
+        if trainer_mode:  # one server combines its trainers' contributions
+            contrib = TrainerContributions(aggregator=agg if checks else make_aggregator("mean"),
+                                           clip_ratio=5.0 if checks else 0.0)
+            for i in active:
+                contrib.add(str(i), grads[i], per_peer * b)
+            averaged = contrib.combine(params)
+        else:
+            averaged, sent = _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed)
+            bytes_sent += sent
+            for ban_peer in book.banned():
+                result.banned_at.setdefault(int(ban_peer), r + 1)
+        for p, g in zip(params, averaged):
+            p.grad = g.clone()
+        opt.step()
+        sched.step()
+    result.honest_banned = sum(1 for p in result.banned_at if p not in attackers)
+    result.bytes_per_round = bytes_sent / max(1, rounds)
+    result.val_loss = _val_loss(model, dataset, spec)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed):
+    """One averaging round among ``active`` peers; returns (averaged tensors, encoded bytes peer 0 sent)."""
+    honest = [i for i in active if i not in attackers]
+    honest_flat = torch.stack([torch.cat([t.flatten() for t in grads[i]]) for i in honest])
+    inputs = {}
+    for i in active:
+        tensors = grads[i]
+        if i in attackers:
+            flat = attackers[i].corrupt_part(torch.cat([t.flatten() for t in tensors]), r, honest=honest_flat)
+            tensors = _unflat(flat, tensors)
+        inputs[i] = tensors
+    gens = {i: compressors[i].phases(inputs[i], seed * 100003 + r) for i in active}
+    phases = {i: next(g) for i, g in gens.items()}
+    verdicts: dict = {}
+    sent_bytes = 0
+    outputs = {}
+    while phases:
+        any_phase = next(iter(phases.values()))
+        codec, numel = any_phase.codec, any_phase.vector.numel()
+        bounds = partition_bounds(numel, [1.0] * len(active), codec.block)
+        aggregate = torch.empty(numel)
+        sent = {i: torch.empty(numel) for i in active}
+        for j, (a, b) in zip(active, bounds):
+            if b <= a:
+                continue
+            parts, weights = {}, {}
+            for i in active:
+                encoded = codec.encode(phases[i].vector[a:b])
+                parts[str(i)] = codec.decode(encoded, b - a)
+                sent[i][a:b] = parts[str(i)]
+                weights[str(i)] = 1.0
+                if i == active[0] and j != i:
+                    sent_bytes += sum(t.numel() * t.element_size() for t in encoded)
+            try:
+                red = reduce_partition(parts, weights, b - a, agg, policy)
+                out = red.aggregate
+                for s, v in red.verdicts.items():
+                    verdicts.setdefault(s, []).append(v)
+            except NoValidParts:
+                out = torch.zeros(b - a)
+            if j in attackers:
+                out = attackers[j].corrupt_aggregate(out)
+            encoded = codec.encode(out)
+            if j == active[0]:
+                sent_bytes += (len(active) - 1) * sum(t.numel() * t.element_size() for t in encoded)
+            aggregate[a:b] = codec.decode(encoded, b - a)
+        next_phases = {}
+        for i in active:
+            try:
+                next_phases[i] = gens[i].send(PhaseResult(aggregate=aggregate.clone(), sent=sent[i]))
+            except StopIteration as stop:
+                outputs[i] = stop.value
+        phases = next_phases
+    book.record_round({s: worst(vs) for s, vs in verdicts.items()})
+    reference = next(i for i in active if i not in attackers) if any(i not in attackers for i in active) else active[0]
+    return outputs[reference], sent_bytes
+
+
+def _unflat(flat, like):
+    out, o = [], 0
+    for t in like:
+        out.append(flat[o:o + t.numel()].view_as(t))
+        o += t.numel()
+    return out

@@ -1,0 +1,274 @@
+"""The averager's side of the audit protocol (:mod:`swarm.averaging.audit`): signing, audits, accusations.
+
+:class:`AuditMixin` runs in the averager process. It signs this peer's commitments and receipts with the
+peer's Ed25519 identity, learns which key each libp2p id uses from what arrives over authenticated libp2p
+streams, audits the partitions the audit plan assigns to it, serves its parts and its evidence
+(``rpc_audit_part``, ``rpc_audit_evidence``), publishes accusations to the DHT and verifies everyone else's
+before banning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import AsyncIterator, Optional
+
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+from swarm.averaging.allreduce import Accountant, RoundFailed, digest
+from swarm.averaging.audit import OpenedReceipt, audit_plan, matches, open_receipt, recompute, verify_evidence
+from swarm.averaging.compression import make_codec
+from swarm.identity import Identity
+from swarm.protocol import (Accusation, AuditReply, AuditRequest, AveragingPart, AveragingReply, PartCommitment,
+                            ProtocolError, ReductionReceipt, accusations_key, open_record, pack_message, seal,
+                            unpack_message)
+from swarm.transport import gather, stream_out
+
+logger = logging.getLogger(__name__)
+
+KEEP_PHASES = 8  # phases whose parts and evidence a peer keeps for audits
+POLL_S = 3.0  # seconds between reads of the accusations in the DHT
+
+
+class _SigningAccountant(Accountant):
+    def __init__(self, owner: "AuditMixin"):
+        self.owner = owner
+
+    def _record(self, cls, **fields):
+        o = self.owner
+        return seal(cls(run_id=o.run_id, peer_id=o.identity.peer_id, time=get_dht_time(), p2p_id=str(o.peer_id),
+                        **fields), o.identity)
+
+    def commit(self, meta: AveragingPart) -> bytes:
+        return self._record(PartCommitment, group=meta.group, partition=meta.partition, numel=meta.numel,
+                            codec=meta.codec, digest=meta.digest, weight=meta.weight)
+
+    def sign_receipt(self, meta: AveragingPart, commitments: list[bytes], output_digest: str) -> bytes:
+        return self._record(ReductionReceipt, group=meta.group, partition=meta.partition, numel=meta.numel,
+                            codec=meta.codec, aggregator=self.owner.aggregator.name, commitments=commitments,
+                            output_digest=output_digest)
+
+    def check_receipt(self, reducer: str, meta: AveragingPart, commitment: bytes, reply: AveragingReply):
+        try:
+            opened = open_receipt(reply.receipt, self.owner.run_id)
+        except ProtocolError as e:
+            raise RoundFailed(f"reducer {reducer} sent an invalid receipt: {e}") from None
+        r = opened.receipt
+        if r.p2p_id != reducer or (r.group, r.partition) != (meta.group, meta.partition):
+            raise RoundFailed(f"reducer {reducer} sent a receipt for another peer, group or partition")
+        if r.output_digest != reply.digest:
+            raise RoundFailed(f"reducer {reducer}'s receipt signs another aggregate than the one it sent")
+        if reply.accepted and commitment not in r.commitments:
+            raise RoundFailed(f"reducer {reducer}'s receipt leaves out this peer's accepted part")
+        self.owner.learn_key(reducer, opened.signer)
+        return opened
+
+
+class AuditMixin:
+    """Needs ``identity``, ``run_id``, ``audit_probability``, ``aggregator``, ``policy``, ``bans``, ``attack``,
+    ``phase_timeout`` and ``wire`` (set by :meth:`_init_audit` and the robust mixin)."""
+
+    def _init_audit(self, identity: Optional[Identity], run_id: str, audit_probability: float) -> None:
+        self.identity = identity or Identity.generate()
+        self.run_id, self.audit_probability = run_id, audit_probability
+        self.accountant = _SigningAccountant(self)
+        self.keys: dict[str, bytes] = {}  # libp2p id -> Ed25519 key, learned over authenticated streams
+        self._phases: OrderedDict[str, dict] = OrderedDict()  # phase key -> parts sent, receipts, aggregates
+        self._evidence: OrderedDict[tuple[str, int], tuple] = OrderedDict()
+        self._seen_accusations: set[str] = set()
+        self._poller: Optional[asyncio.Task] = None
+        self.audits_done = 0
+
+    def learn_key(self, p2p_id: str, key: bytes) -> None:
+        known = self.keys.setdefault(p2p_id, key)
+        if known != key:
+            logger.warning(f"{p2p_id} signs with a new key; keeping the first one it used")
+
+    def open_commitment(self, sender: str, meta: AveragingPart) -> Optional[str]:
+        """Check a received part's commitment; returns the reason to refuse it, or None."""
+        try:
+            c, key = open_record(meta.commitment, PartCommitment, run_id=self.run_id)
+        except ProtocolError as e:
+            return f"invalid commitment: {e}"
+        if (c.p2p_id, c.group, c.partition, c.numel, c.codec, c.digest, c.weight) != (
+                sender, meta.group, meta.partition, meta.numel, meta.codec, meta.digest, meta.weight):
+            return "commitment does not match the part"
+        self.learn_key(sender, key)
+        return None
+
+    # ---- after each phase: keep what audits need, audit our share ------------------------------------------
+    def after_phase(self, key: str, outcome, peers: list[str], senders, codec) -> None:
+        self._phases[key] = {"sent": outcome.sent_parts, "receipts": outcome.receipts, "aggregates": outcome.aggregates}
+        while len(self._phases) > KEEP_PHASES:
+            self._phases.popitem(last=False)
+        digests = {j: r.receipt.output_digest for j, r in outcome.receipts.items()}
+        plan = audit_plan(key, digests, peers, sorted(senders), self.audit_probability)
+        me = str(self.peer_id)
+        for j, auditor in plan.items():
+            if auditor == me:
+                asyncio.create_task(self._audit(key, j, peers[j], codec))
+
+    async def _audit(self, key: str, j: int, reducer: str, codec) -> None:
+        phase = self._phases.get(key)
+        opened: OpenedReceipt = phase["receipts"][j]
+        me = str(self.peer_id)
+        parts, missing = [], []
+        for c in opened.commitments:
+            if c.p2p_id == me:
+                parts.append(phase["sent"][j])
+                continue
+            tensors = await self._fetch(c.p2p_id, "rpc_audit_part", AuditRequest(group=key, partition=j))
+            if tensors is None or digest(tensors) != c.digest:
+                missing.append(c.p2p_id)
+            parts.append(tensors)
+        self.audits_done += 1
+        if missing:
+            logger.warning(f"audit of partition {j} ({reducer}) inconclusive: {missing} did not reveal their parts")
+            for p in missing:
+                self.bans.penalize(p, self.bans.policy.reject_penalty, "did not reveal its part when audited")
+            return
+        aggregate = phase["aggregates"][j]
+        loop = asyncio.get_running_loop()
+        received = codec.decode(aggregate, opened.receipt.numel)
+        recomputed = await loop.run_in_executor(None, recompute, opened, parts, codec, self.aggregator, self.policy)
+        ok, rel = matches(received, recomputed, codec)
+        if self.attack is not None and getattr(self.attack, "accuse_always", False):
+            ok = False  # the false-accuser attack (tests only)
+        if ok:
+            return
+        reason = f"aggregate of partition {j} differs from the recomputation by {rel:.3g} of its norm"
+        logger.warning(f"audit: reducer {reducer} lied: {reason}")
+        self.bans.ban(reducer, f"audit: {reason}")
+        self._evidence[(key, j)] = (aggregate, parts)
+        while len(self._evidence) > 4 * KEEP_PHASES:
+            self._evidence.popitem(last=False)
+        accusation = seal(Accusation(run_id=self.run_id, peer_id=self.identity.peer_id, time=get_dht_time(),
+                                     p2p_id=me, accused=reducer, receipt=opened.raw, reason=reason),
+                          self.identity)
+        await self.dht.store(accusations_key(self.prefix), subkey=f"{me}/{key}/{j}", value=accusation,
+                             expiration_time=get_dht_time() + self.bans.policy.ban_s, return_future=True)
+
+    async def _fetch(self, peer: str, method: str, request: AuditRequest, evidence: bool = False):
+        """Call an audit RPC; returns the tensors (or ``(reply, tensors)`` with ``evidence``), None on failure."""
+        try:
+            stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+
+            async def call():
+                stream = await getattr(stub, method)(stream_out(runtime_pb2.ExpertRequest, pack_message(request), [],
+                                                                self.wire))
+                metadata, tensors = await gather(stream, counter=self.wire)
+                return unpack_message(metadata, AuditReply), tensors
+            reply, tensors = await asyncio.wait_for(call(), 2 * self.phase_timeout)
+        except Exception as e:
+            logger.debug(f"{method} to {peer} failed: {e!r}")
+            return None
+        if reply.error:
+            return None
+        return (reply, tensors) if evidence else tensors
+
+    async def rpc_audit_part(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                             ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """The encoded part this peer sent for an audited partition."""
+        reply, out = AuditReply(error="unknown phase or partition"), []
+        try:
+            metadata, _ = await asyncio.wait_for(gather(stream, max_bytes=1 << 16, counter=self.wire), self.phase_timeout)
+            req = unpack_message(metadata, AuditRequest)
+            part = self._phases.get(req.group, {}).get("sent", {}).get(req.partition)
+            if part is not None:
+                reply, out = AuditReply(parts=1, tensors_per_part=len(part)), part
+        except (ProtocolError, asyncio.TimeoutError) as e:
+            reply = AuditReply(error=f"bad request: {e}")
+        async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), out, self.wire):
+            yield msg
+
+    async def rpc_audit_evidence(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                                 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Evidence behind an accusation: the encoded aggregate, then every committed part in receipt order."""
+        reply, out = AuditReply(error="no evidence for this partition"), []
+        try:
+            metadata, _ = await asyncio.wait_for(gather(stream, max_bytes=1 << 16, counter=self.wire), self.phase_timeout)
+            req = unpack_message(metadata, AuditRequest)
+            found = self._evidence.get((req.group, req.partition))
+            if found is not None:
+                aggregate, parts = found
+                reply = AuditReply(parts=len(parts), tensors_per_part=len(aggregate))
+                out = list(aggregate) + [t for p in parts for t in p]
+        except (ProtocolError, asyncio.TimeoutError) as e:
+            reply = AuditReply(error=f"bad request: {e}")
+        async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), out, self.wire):
+            yield msg
+
+    # ---- everybody else's accusations --------------------------------------------------------------------
+    def start_accusation_poller(self) -> None:
+        if self._poller is None:
+            self._poller = asyncio.create_task(self._poll_accusations())
+
+    async def _poll_accusations(self) -> None:
+        tries: dict[str, int] = {}
+        while True:
+            try:
+                found = await self.dht.get(accusations_key(self.prefix), latest=True, return_future=True)
+                entries = found.value if found is not None and isinstance(found.value, dict) else {}
+                for subkey, item in entries.items():
+                    if subkey in self._seen_accusations:
+                        continue
+                    verdict = await self._verify_accusation(item.value)
+                    tries[subkey] = tries.get(subkey, 0) + 1
+                    if verdict is not None or tries[subkey] >= 3:
+                        self._seen_accusations.add(subkey)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.debug(f"reading accusations failed: {e!r}")
+            await asyncio.sleep(POLL_S)
+
+    async def _verify_accusation(self, blob) -> Optional[bool]:
+        """Check one accusation; True: reducer banned, False: accuser banned, None: could not check (yet)."""
+        try:
+            acc, _ = open_record(blob, Accusation, run_id=self.run_id)
+        except ProtocolError as e:
+            logger.debug(f"ignoring a malformed accusation: {e}")
+            return False
+        me = str(self.peer_id)
+        if acc.p2p_id == me or acc.accused == me or self.bans.is_banned(acc.accused):
+            return True
+        try:
+            opened = open_receipt(acc.receipt, self.run_id)
+        except ProtocolError as e:
+            self.bans.ban(acc.p2p_id, f"published an accusation with an invalid receipt: {e}")
+            return False
+        if opened.receipt.p2p_id != acc.accused:
+            self.bans.ban(acc.p2p_id, "accused a peer of a receipt it did not sign")
+            return False
+        if self.keys.get(acc.accused) != opened.signer:
+            logger.info(f"cannot check the accusation against {acc.accused}: its key is unknown here")
+            return None
+        got = await self._fetch(acc.p2p_id, "rpc_audit_evidence",
+                                AuditRequest(group=opened.receipt.group, partition=opened.receipt.partition),
+                                evidence=True)
+        if got is None:
+            return None
+        reply, tensors = got
+        t = reply.tensors_per_part
+        if t < 1 or len(tensors) != t * (reply.parts + 1) or reply.parts != len(opened.commitments):
+            self.bans.ban(acc.p2p_id, "served malformed evidence for its accusation")
+            return False
+        aggregate, parts = tensors[:t], [tensors[t * (i + 1):t * (i + 2)] for i in range(reply.parts)]
+        try:
+            codec = make_codec(opened.receipt.codec)
+            guilty, why = await asyncio.get_running_loop().run_in_executor(
+                None, verify_evidence, opened, aggregate, parts, codec, self.aggregator, self.policy)
+        except (ProtocolError, ValueError) as e:
+            self.bans.ban(acc.p2p_id, f"its evidence does not match the signed receipt: {e}")
+            return False
+        if guilty:
+            logger.warning(f"verified the accusation by {acc.p2p_id}: banning {acc.accused}: {why}")
+            self.bans.ban(acc.accused, f"verified accusation: {why}")
+            return True
+        logger.warning(f"refuted the accusation by {acc.p2p_id} against {acc.accused}: {why}; banning the accuser")
+        self.bans.ban(acc.p2p_id, f"false accusation: {why}")
+        return False
+
