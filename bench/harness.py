@@ -11,7 +11,10 @@ One round of :func:`train` is what a stage's servers do in one epoch, with the n
   phases; partition ``j`` is reduced by :func:`~swarm.averaging.reducer.reduce_partition` over the parts as
   decoded from the wire encoding, and its encoded aggregate (corrupted if peer ``j`` is a lying reducer) is
   what every peer receives — exactly the data path of :mod:`swarm.averaging.allreduce`;
-* verdicts go to a :class:`~swarm.averaging.bans.BanBook`; banned peers leave the group;
+* verdicts go to a :class:`~swarm.averaging.bans.BanBook`; each partition is audited with probability
+  ``audit_probability`` by the peer :func:`~swarm.averaging.audit.audit_plan` draws (signatures and the
+  evidence exchange are left out: the auditor's comparison and its outcome are the same); banned peers leave
+  the group;
 * AdamW steps on the aggregate.
 
 Bytes here are the encoded tensors' sizes; the benchmarks count real wire bytes with real averagers.
@@ -29,7 +32,9 @@ from typing import Optional
 import torch
 
 from swarm.averaging.aggregation import make_aggregator
+from swarm.averaging.allreduce import digest
 from swarm.averaging.attacks import TRAINER_ATTACKS, make_attack
+from swarm.averaging.audit import audit_plan, matches
 from swarm.averaging.bans import BanBook, BanPolicy, worst
 from swarm.averaging.compression import PhaseResult, make_compressor
 from swarm.averaging.contributions import TrainerContributions
@@ -56,12 +61,12 @@ num_shards = 16
 [tokenizer]
 train_bytes = 1500000
 [optim]
-lr = 3e-3
+lr = 2e-3
 warmup_epochs = 5
-total_epochs = 120
+total_epochs = 150
 [training]
 micro_batch_size = 8
-target_batch_size = 56
+target_batch_size = 112
 """
 
 
@@ -75,7 +80,7 @@ def bench_spec(**averaging) -> RunSpec:
 
 @dataclass
 class HarnessResult:
-    val_loss: float
+    val_loss: float  # nats/token on held-out text, mean of the last 3 evaluations (every EVAL_EVERY rounds)
     rounds: int
     samples: int
     banned_at: dict = field(default_factory=dict)  # peer index -> round it was banned
@@ -91,7 +96,10 @@ def _grad(model, inputs, targets) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _val_loss(model, dataset, spec, batches: int = 24) -> float:
+EVAL_EVERY = 5  # the reported validation loss is the mean of the evaluations at the last 3 multiples of this
+
+
+def _val_loss(model, dataset, spec, batches: int = 32) -> float:
     b = spec.training.micro_batch_size
     n = min(batches, dataset.num_samples("val") // b)
     with torch.no_grad():
@@ -102,7 +110,7 @@ def _val_loss(model, dataset, spec, batches: int = 24) -> float:
 
 def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0, attack: Optional[str] = None,
           aggregator: str = "centered_clip", compression: str = "none", rank: int = 4, rounds: int = 60,
-          checks: bool = True, seed: int = 0) -> HarnessResult:
+          checks: bool = True, audit_probability: float = 0.25, seed: int = 0) -> HarnessResult:
     """Train ``rounds`` epochs with ``peers`` simulated servers, the last ``byzantine`` of them attackers.
 
     ``checks=False`` turns the reducer's norm check and bans off (plain averaging: the control).
@@ -123,17 +131,18 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
     compressors = [make_compressor(compression, rank=rank) for _ in range(peers)]
     b = spec.training.micro_batch_size
     per_peer = max(1, spec.training.target_batch_size // (b * peers))
-    gen = torch.Generator().manual_seed(seed)
+    # one data stream per peer: honest peers see the same samples whether or not attackers are present
+    gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(peers)]
     n_train = dataset.num_samples("train")
     result = HarnessResult(val_loss=float("nan"), rounds=rounds, samples=0)
-    bytes_sent = 0
+    bytes_sent, evals = 0, []
     for r in range(rounds):
         active = [i for i in range(peers) if not book.is_banned(str(i))]
         grads = {}
         for i in active:
             acc = None
             for _ in range(per_peer):
-                batch = dataset.batch(torch.randint(0, n_train, (b,), generator=gen).tolist())
+                batch = dataset.batch(torch.randint(0, n_train, (b,), generator=gens[i]).tolist())
                 x, y = batch[:, :-1], batch[:, 1:]
                 if trainer_mode and i in attackers:
                     x, y = attackers[i].corrupt_batch(x, y, spec.model.vocab_size)
@@ -150,7 +159,8 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
                 contrib.add(str(i), grads[i], per_peer * b)
             averaged = contrib.combine(params)
         else:
-            averaged, sent = _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed)
+            averaged, sent = _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed,
+                                         audit_probability if checks else 0.0)
             bytes_sent += sent
             for ban_peer in book.banned():
                 result.banned_at.setdefault(int(ban_peer), r + 1)
@@ -158,14 +168,16 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
             p.grad = g.clone()
         opt.step()
         sched.step()
+        if r >= rounds - 3 * EVAL_EVERY and (rounds - 1 - r) % EVAL_EVERY == 0:
+            evals.append(_val_loss(model, dataset, spec))
     result.honest_banned = sum(1 for p in result.banned_at if p not in attackers)
     result.bytes_per_round = bytes_sent / max(1, rounds)
-    result.val_loss = _val_loss(model, dataset, spec)
+    result.val_loss = sum(evals) / len(evals)
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed):
+def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed, audit_probability):
     """One averaging round among ``active`` peers; returns (averaged tensors, encoded bytes peer 0 sent)."""
     honest = [i for i in active if i not in attackers]
     honest_flat = torch.stack([torch.cat([t.flatten() for t in grads[i]]) for i in honest])
@@ -181,6 +193,7 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
     verdicts: dict = {}
     sent_bytes = 0
     outputs = {}
+    outputs_by_partition: dict = {}
     while phases:
         any_phase = next(iter(phases.values()))
         codec, numel = any_phase.codec, any_phase.vector.numel()
@@ -205,12 +218,16 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
                     verdicts.setdefault(s, []).append(v)
             except NoValidParts:
                 out = torch.zeros(b - a)
+            honest_out = out
             if j in attackers:
                 out = attackers[j].corrupt_aggregate(out)
             encoded = codec.encode(out)
             if j == active[0]:
                 sent_bytes += (len(active) - 1) * sum(t.numel() * t.element_size() for t in encoded)
             aggregate[a:b] = codec.decode(encoded, b - a)
+            outputs_by_partition[j] = (digest(encoded), aggregate[a:b].clone(), honest_out)
+        _audit(outputs_by_partition, active, attackers, codec, book, audit_probability, f"{seed}:{r}:{len(outputs)}")
+        outputs_by_partition.clear()
         next_phases = {}
         for i in active:
             try:
@@ -221,6 +238,23 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
     book.record_round({s: worst(vs) for s, vs in verdicts.items()})
     reference = next(i for i in active if i not in attackers) if any(i not in attackers for i in active) else active[0]
     return outputs[reference], sent_bytes
+
+
+def _audit(outputs, active, attackers, codec, book, probability, group):
+    """The audit of :mod:`swarm.averaging.audit` on one phase: the planned auditor recomputes a partition
+    (here: compares with what an honest reducer returned) and a confirmed mismatch bans the reducer; a false
+    accusation is refuted by the other peers and bans the accuser."""
+    peers = [str(i) for i in active]
+    plan = audit_plan(group, {active.index(j): d for j, (d, _, _) in outputs.items()}, peers, peers, probability)
+    for index, auditor in plan.items():
+        j = active[index]
+        _, received, honest_out = outputs[j]
+        lying = not matches(received, honest_out, codec)[0]
+        accuser = int(auditor) in attackers and getattr(attackers[int(auditor)], "accuse_always", False)
+        if lying and int(auditor) not in attackers:
+            book.ban(str(j), "audit: wrong aggregate")
+        elif accuser and not lying:
+            book.ban(auditor, "false accusation")
 
 
 def _unflat(flat, like):

@@ -1,6 +1,6 @@
 """Attacks x aggregators with 2 of 7 peers Byzantine: final validation loss next to the clean run's.
 
-    python bench/robustness.py [--rounds 80] [--attacks sign_flip,noise,...] [--aggregators mean,centered_clip]
+    python bench/robustness.py [--rounds 100] [--attacks sign_flip,noise,...] [--aggregators mean,centered_clip]
 
 Runs the in-process harness (``bench/harness.py``: the real compressor, reducer, aggregator, ban and attack
 code with the network taken out) on a 2-layer GPT over Shakespeare. For every aggregator the baseline is
@@ -35,7 +35,7 @@ PEERS, BYZANTINE = 7, 2
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=80, help="averaging rounds (epochs) per configuration")
+    ap.add_argument("--rounds", type=int, default=100, help="averaging rounds (epochs) per configuration")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--aggregators", default="mean,median,trimmed_mean,centered_clip")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("SWARM_CACHE_DIR", ROOT / ".test-cache")))

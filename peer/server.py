@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 
 from swarm import __version__
 from swarm.averaging import build_stage_optimizer
+from swarm.averaging.attacks import make_attack
 from swarm.config import PeerSettings
 from swarm.directory import connect_run, visible_maddrs
 from swarm.identity import Identity
@@ -67,7 +68,11 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
 
         directory.announce_server(info(ServerState.JOINING), identity)
         logger.info("[%s stage=%d] joining run %s, throughput %.1f samples/s", me, stage, run_id, throughput)
-        optimizer = server.optimizer = build_stage_optimizer(spec, run_id, stage, dht, module)
+        attack = make_attack(settings.byzantine)
+        if attack is not None:
+            logger.warning("[%s stage=%d] BYZANTINE TEST MODE: this server runs the %r attack", me, stage, attack.name)
+        optimizer = server.optimizer = build_stage_optimizer(spec, run_id, stage, dht, module, attack=attack,
+                                                             identity=identity)
         if any(s.state == ServerState.ONLINE and s.peer_id != me for s in directory.servers(stage)):
             logger.info("[%s stage=%d] loading state from live servers of the stage", me, stage)
             optimizer.load_state_from_peers()

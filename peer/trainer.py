@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from swarm.averaging.attacks import make_attack
 from swarm.config import PeerSettings
 from swarm.data import prepare_dataset
 from swarm.directory import connect_run
@@ -41,7 +42,10 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             p2p = await dht.replicate_p2p()
-            pipeline = RemotePipeline(spec, directory.run_id, directory, p2p)
+            attack = make_attack(settings.byzantine)
+            if attack is not None:
+                logger.warning("[%s trainer] BYZANTINE TEST MODE: running the %r attack", identity.peer_id, attack.name)
+            pipeline = RemotePipeline(spec, directory.run_id, directory, p2p, attack=attack)
             trainer = Trainer(spec, directory.run_id, directory, identity, pipeline, dataset, shard,
                               concurrency=concurrency, max_samples=max_samples, loss_log=loss_log)
             await trainer.run(stop)

@@ -119,6 +119,10 @@ class TrainingSpec(_Section):
     target_batch_size: int = Field(
         64, ge=1, description="Samples the servers of a stage process together per epoch (then average and step)."
     )
+    activation_compression: Literal["none", "float16", "blockwise8bit"] = Field(
+        "blockwise8bit", description="Codec of activations and their gradients between stages: 'blockwise8bit' "
+        "sends a quarter of the bytes (per-block absmax, ~0.4% error); 'none' sends fp32 (exact).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingSpec":
@@ -167,6 +171,11 @@ class AveragingSpec(_Section):
     ban_threshold: float = Field(
         3.0, gt=0, description="Ban score at which a peer is excluded (+1 per rejected part, +0.5 per flag, x0.9 "
         "per round).",
+    )
+    audit_probability: float = Field(
+        0.25, ge=0, le=1, description="Chance that each partition of an averaging round is audited by a random "
+        "peer (recomputed from the committed parts). Costs that fraction of one extra all-reduce download; "
+        "raise it if you suspect lying reducers.",
     )
     microbatch_clip_ratio: float = Field(
         5.0, ge=0, description="Clip each micro-batch gradient at this multiple of the recent median norm before "
@@ -285,6 +294,10 @@ class PeerSettings(BaseSettings):
     client_mode: bool = Field(False, description="Do not accept incoming connections (behind NAT); implies trainer.")
     identity_file: Optional[Path] = Field(None, description="Ed25519 key of this peer (default <cache_dir>/identity.key).")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default).")
+    byzantine: Optional[str] = Field(
+        None, description="TESTS AND BENCHMARKS ONLY: make this peer attack the run (an attack name of "
+        "swarm.averaging.attacks). Never set it on a real peer.",
+    )
 
     def identity_path(self) -> Path:
         return self.identity_file or self.cache_dir / "identity.key"

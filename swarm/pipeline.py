@@ -25,7 +25,7 @@ from swarm.directory import RunDirectory
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
 from swarm.routing import NoServerError, Router
 from swarm.stage import StageServer
-from swarm.transport import gather, stream_out
+from swarm.transport import ACTIVATION_CODECS, gather, pack_tensors, stream_out, unpack_tensors
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,8 +45,10 @@ class RemotePipeline:
     """
 
     def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, p2p: P2P, router: Optional[Router] = None,
-                 *, max_attempts: int = 8, refresh_s: float = 2.0):
+                 *, max_attempts: int = 8, refresh_s: float = 2.0, attack=None):
         self.spec, self.run_id, self.directory, self.p2p = spec, run_id, directory, p2p
+        self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
+        self.attack = attack  # a Byzantine trainer (tests and benchmarks only)
         self.router = router or Router(ban_s=spec.timeouts.ban_s, ban_max_s=spec.timeouts.ban_max_s)
         self.max_attempts, self.refresh_s = max_attempts, refresh_s
         self.num_stages = spec.model.num_stages
@@ -61,14 +63,18 @@ class RemotePipeline:
             cached = self._servers[stage] = (time.monotonic(), found)
         return cached[1]
 
-    async def _rpc(self, server: ServerInfo, method: str, meta: bytes, tensors: list[torch.Tensor],
+    async def _rpc(self, server: ServerInfo, method: str, msg, tensors: list[torch.Tensor],
                    timeout: float) -> tuple[StageResponse, list[torch.Tensor]]:
+        """Call ``method`` with ``msg`` (its float tensors sent with this pipeline's activation codec)."""
         stub = StageServer.get_stub(self.p2p, PeerID.from_base58(server.p2p_id), namespace=self.run_id)
+        meta = pack_message(msg.model_copy(update={"codec": self.codec}))
 
         async def call():
-            responses = await getattr(stub, method)(stream_out(runtime_pb2.ExpertRequest, meta, tensors))
+            responses = await getattr(stub, method)(
+                stream_out(runtime_pb2.ExpertRequest, meta, pack_tensors(tensors, self.codec)))
             reply, out = await gather(responses)
-            return unpack_message(reply, StageResponse), out
+            reply = unpack_message(reply, StageResponse)
+            return reply, unpack_tensors(out, reply.codec)
 
         return await asyncio.wait_for(call(), timeout)
 
@@ -112,10 +118,12 @@ class RemotePipeline:
         mode = "train" if train else "eval"
         work = float(batch.shape[0])
         inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        if self.attack is not None and train:
+            inputs, targets = self.attack.corrupt_batch(inputs, targets, self.spec.model.vocab_size)
         acts, route = [inputs], []
         t = self.spec.timeouts
         for k in range(self.num_stages - 1):
-            meta = pack_message(ForwardRequest(run_id=self.run_id, stage=k, mb_id=mb_id, mode=mode))
+            meta = ForwardRequest(run_id=self.run_id, stage=k, mb_id=mb_id, mode=mode)
 
             async def fwd(s: ServerInfo, k=k, meta=meta):
                 _, out = await self._rpc(s, "rpc_forward", meta, [acts[k]], t.forward_s)
@@ -126,7 +134,7 @@ class RemotePipeline:
             route.append(server)
 
         last = self.num_stages - 1
-        meta = pack_message(ForwardRequest(run_id=self.run_id, stage=last, mb_id=mb_id, mode=mode))
+        meta = ForwardRequest(run_id=self.run_id, stage=last, mb_id=mb_id, mode=mode)
 
         async def fwd_last(s: ServerInfo):
             reply, out = await self._rpc(s, "rpc_forward", meta, [acts[-1], targets], t.forward_s + t.backward_s)
@@ -138,6 +146,8 @@ class RemotePipeline:
         if not train:
             return loss
         for k in reversed(range(self.num_stages - 1)):
+            if self.attack is not None and grad is not None:
+                grad = self.attack.corrupt_grad(grad)
             bwd = self._backward_fn(k, mb_id, grad, acts[k], forward_peer=route[k].peer_id)
             grad = (await self._on_stage(k, work, bwd, prefer=route[k]))[0]
         return loss
@@ -158,7 +168,7 @@ class RemotePipeline:
         return bwd
 
     async def _send_backward(self, s, stage, mb_id, grad, inputs, *, with_inputs: bool, timeout: float):
-        meta = pack_message(BackwardRequest(run_id=self.run_id, stage=stage, mb_id=mb_id, with_inputs=with_inputs))
+        meta = BackwardRequest(run_id=self.run_id, stage=stage, mb_id=mb_id, with_inputs=with_inputs)
         _, out = await self._rpc(s, "rpc_backward", meta, [grad, inputs] if with_inputs else [grad], timeout)
         return out[0] if out else None
 

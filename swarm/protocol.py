@@ -246,6 +246,7 @@ class ForwardRequest(_Schema):
     stage: int = Field(ge=0)
     mb_id: str = Field(min_length=1, max_length=128)
     mode: Literal["train", "eval"] = "train"
+    codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 
 
 class BackwardRequest(_Schema):
@@ -259,6 +260,7 @@ class BackwardRequest(_Schema):
     stage: int = Field(ge=0)
     mb_id: str = Field(min_length=1, max_length=128)
     with_inputs: bool = False
+    codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 
 
 class StageResponse(_Schema):
@@ -266,6 +268,7 @@ class StageResponse(_Schema):
 
     loss: Optional[float] = None
     epoch: int = 0
+    codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 
 
 class AveragingPart(_Schema):

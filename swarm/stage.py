@@ -34,7 +34,7 @@ from hivemind.utils.performance_ema import PerformanceEMA
 from swarm.config import RunSpec
 from swarm.model import build_stage, lm_loss
 from swarm.protocol import BackwardRequest, ForwardRequest, StageResponse, pack_message, unpack_message
-from swarm.transport import gather, stream_out
+from swarm.transport import ACTIVATION_CODECS, gather, pack_tensors, stream_out, unpack_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class StageServer(ServicerBase):
         self.rounds, self.round_seconds = 0, 0.0
         self.epoch_listeners: list = []
         self.max_batch = 8 * spec.training.micro_batch_size
+        self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
 
     @property
     def epoch(self) -> int:
@@ -274,11 +275,11 @@ class StageServer(ServicerBase):
         meta, tensors = await gather(requests)
         req = unpack_message(meta, cls)
         self._check_request(req.run_id, req.stage)
-        return req, tensors
+        return req, unpack_tensors(tensors, req.codec)
 
     def _respond(self, tensor: Optional[torch.Tensor], loss: Optional[float] = None):
-        reply = pack_message(StageResponse(loss=loss, epoch=self.epoch))
-        return stream_out(runtime_pb2.ExpertResponse, reply, [] if tensor is None else [tensor])
+        reply = pack_message(StageResponse(loss=loss, epoch=self.epoch, codec=self.codec))
+        return stream_out(runtime_pb2.ExpertResponse, reply, [] if tensor is None else pack_tensors([tensor], self.codec))
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext

@@ -71,6 +71,14 @@ def tiny_spec(tiny_spec_path: Path) -> RunSpec:
     return RunSpec.from_toml(tiny_spec_path)
 
 
+@pytest.fixture
+def exact_spec_path(tmp_path: Path) -> Path:
+    """The tiny spec with fp32 activations between stages: the swarm's math equals the reference's."""
+    path = tmp_path / "exact.toml"
+    path.write_text(TINY_SPEC.replace("target_batch_size = 32\n", "target_batch_size = 32\nactivation_compression = \"none\"\n"))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(cache_dir: Path, tmp_path_factory):
     from swarm.data import prepare_dataset

@@ -7,7 +7,7 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
-from swarm.config import PROTOCOL_VERSION
+from swarm.config import PROTOCOL_VERSION, RunSpec
 from swarm.directory import RunDirectory
 from swarm.model import build_stage, lm_loss
 from swarm.pipeline import RemotePipeline
@@ -33,9 +33,9 @@ def info(dht, stage):
 
 
 @pytest.mark.timeout(120)
-def test_stage_rpcs_and_refusals(dhts, tiny_spec):
+def test_stage_rpcs_and_refusals(dhts, exact_spec_path):
     server_dht, client_dht = dhts
-    spec = tiny_spec
+    spec = RunSpec.from_toml(exact_spec_path)
     servers = [StageServer(spec, RUN, k) for k in range(2)]
 
     async def main():
@@ -49,7 +49,7 @@ def test_stage_rpcs_and_refusals(dhts, tiny_spec):
         async def call(stage, method, msg, tensors):
             pipe.run_id = f"{RUN}/{stage}"  # namespace of that stage's handlers in this test
             try:
-                return await pipe._rpc(s0 if stage == 0 else s1, method, pack_message(msg), tensors, 20)
+                return await pipe._rpc(s0 if stage == 0 else s1, method, msg, tensors, 20)
             finally:
                 pipe.run_id = RUN
 

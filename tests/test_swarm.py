@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+from swarm.config import RunSpec
+
 from swarm.data import prepare_dataset
 from swarm.reference import train_reference
 from tests.scenario import Scenario, make_swarm
@@ -70,11 +72,13 @@ def test_status_cli_reads_a_live_swarm(swarm):
         assert bad.returncode == 2 and "bad run address" in bad.stderr
 
 
-def test_swarm_tracks_single_process_reference(tiny_spec, tiny_spec_path, tmp_path, cache_dir, tiny_dataset):
-    """One server per stage, one trainer, one micro-batch in flight: the same math as the reference loop."""
+def test_swarm_tracks_single_process_reference(exact_spec_path, tmp_path, cache_dir, tiny_dataset):
+    """One server per stage, one trainer, one micro-batch in flight, fp32 activations: the same math as the
+    reference loop."""
+    tiny_spec = RunSpec.from_toml(exact_spec_path)
     samples = 6 * tiny_spec.training.target_batch_size
     log = tmp_path / "losses.jsonl"
-    with make_swarm(tiny_spec_path, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+    with make_swarm(exact_spec_path, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
         sc.servers(per_stage=1).trainers(1, "--concurrency", "1", "--max-samples", str(samples), "--loss-log", str(log))
         trainer = next(p for p in sw.peers if p.role == "trainer")
         sc.wait(lambda: not trainer.alive(), 300, "the trainer to finish its samples")

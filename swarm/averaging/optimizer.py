@@ -119,7 +119,7 @@ class StageOptimizer(hivemind.Optimizer):
         )
 
 
-def averaging_components(spec: RunSpec, attack=None) -> dict:
+def averaging_components(spec: RunSpec, attack=None, identity=None, run_id: str = "local") -> dict:
     """Keyword arguments of :class:`~swarm.averaging.averager.RobustGradientAverager` from the spec's
     ``[averaging]`` section (the state averager takes the same minus the compressor, attack and clip ratio)."""
     avg = spec.averaging
@@ -133,19 +133,24 @@ def averaging_components(spec: RunSpec, attack=None) -> dict:
         phase_timeout=avg.next_chunk_timeout,
         attack=attack,
         clip_ratio=avg.microbatch_clip_ratio,
+        identity=identity,
+        run_id=run_id,
+        audit_probability=avg.audit_probability,
     )
 
 
 def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.DHT, module: torch.nn.Module,
-                          *, client_mode: bool = False, attack=None) -> StageOptimizer:
+                          *, client_mode: bool = False, attack=None, identity=None) -> StageOptimizer:
     """hivemind.Optimizer for ``module`` (stage ``stage``), configured from the spec.
 
     Gradients and state are averaged by our robust all-reduce (:mod:`swarm.averaging.averager`); ``attack``
-    makes this server Byzantine (tests and benchmarks only).
+    makes this server Byzantine (tests and benchmarks only); ``identity`` (the peer's Ed25519 key) signs its
+    averaging commitments, receipts and accusations.
     """
     avg = spec.averaging
-    components = averaging_components(spec, attack)
-    state_kwargs = {k: components[k] for k in ("aggregator", "policy", "ban_policy", "phase_timeout")}
+    components = averaging_components(spec, attack, identity, run_id)
+    state_kwargs = {k: components[k] for k in ("aggregator", "policy", "ban_policy", "phase_timeout", "identity",
+                                               "run_id", "audit_probability")}
     return StageOptimizer(
         state_averager_kwargs=state_kwargs,
         dht=dht,
