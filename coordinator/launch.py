@@ -78,12 +78,13 @@ class LocalSwarm:
         env.update(self.extra_env)
         return env
 
-    def _spawn(self, name: str, role: str, module: str, args: list[str]) -> Peer:
+    def _spawn(self, name: str, role: str, module: str, args: list[str], env: Optional[dict[str, str]] = None) -> Peer:
         identity = Identity.load_or_create(self.workdir / "keys" / f"{name}.key")
         log = self.workdir / "logs" / f"{name}.log"
         with open(log, "ab") as fh:
             proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=self._env(name), start_new_session=True)
+                                    stdin=subprocess.DEVNULL, env=self._env(name) | (env or {}),
+                                    start_new_session=True)
         return Peer(name, role, proc, log, identity)
 
     def start_coordinator(self, timeout: float = 60.0) -> str:
@@ -102,12 +103,14 @@ class LocalSwarm:
         self.address = addr_file.read_text().strip()
         return self.address
 
-    def start_peer(self, role: str, *extra: str, name: Optional[str] = None) -> Peer:
-        """Start ``swarm-peer join <address> --role <role> <extra...>``."""
+    def start_peer(self, role: str, *extra: str, name: Optional[str] = None,
+                   env: Optional[dict[str, str]] = None) -> Peer:
+        """Start ``swarm-peer join <address> --role <role> <extra...>`` (``env``: extra SWARM_* settings)."""
         if self.address is None:
             raise RuntimeError("start the coordinator first")
         self._count += 1
-        peer = self._spawn(name or f"{role}{self._count}", role, "peer", ["join", self.address, "--role", role, *extra])
+        peer = self._spawn(name or f"{role}{self._count}", role, "peer", ["join", self.address, "--role", role, *extra],
+                           env)
         self.peers.append(peer)
         return peer
 

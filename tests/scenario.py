@@ -46,10 +46,14 @@ class Scenario:
         return self.wait(lambda: min(self.epochs()) >= epoch, timeout, f"every stage at epoch {epoch}")
 
     # ---- peers ----------------------------------------------------------------------------------------
-    def servers(self, per_stage: int, timeout: float = 120.0) -> "Scenario":
+    def servers(self, per_stage: int, timeout: float = 120.0, byzantine: Optional[str] = None) -> "Scenario":
+        """Start ``per_stage`` servers per stage, one after another; with ``byzantine`` (an attack name) the
+        last server of each stage attacks the run."""
         for i in range(per_stage * self.num_stages):  # one after another, as volunteers join
             stage = i % self.num_stages
-            peer = self.swarm.start_peer("server", "--stage", str(stage))
+            bad = byzantine is not None and i >= (per_stage - 1) * self.num_stages
+            peer = self.swarm.start_peer("server", "--stage", str(stage), name=f"byzantine{i}" if bad else None,
+                                         env={"SWARM_BYZANTINE": byzantine} if bad else None)
             self.stage_of[peer.name] = stage
             self.wait(lambda pid=peer.peer_id, k=stage: any(s.peer_id == pid and s.state == ServerState.ONLINE
                                                             for s in self.directory.servers(k)),

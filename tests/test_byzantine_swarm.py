@@ -1,0 +1,52 @@
+"""A real multi-process swarm with a Byzantine server: it is rejected, banned, shown banned, and routed around."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from swarm.protocol import ServerState
+from tests.conftest import TINY_SPEC
+from tests.scenario import Scenario, make_swarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ONE_STAGE = (TINY_SPEC.replace("stage_layers = [1, 1]", "stage_layers = [2]")
+             .replace("[averaging]\n", '[averaging]\naggregator = "centered_clip"\ncompression = "blockwise8bit"\n'))
+
+
+def test_a_noisy_server_is_banned_by_its_stage_and_routed_around(tmp_path, cache_dir, tiny_dataset):
+    spec_path = tmp_path / "one-stage.toml"
+    spec_path.write_text(ONE_STAGE)
+    with make_swarm(spec_path, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+        sc.servers(per_stage=3, byzantine="noise").trainers(1, "--concurrency", "2")
+        bad = next(p for p in sw.peers if p.name.startswith("byzantine"))
+        bad_p2p = lambda: next(s.p2p_id for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
+
+        def honest_ban_it():
+            honest = [s for s in sc.directory.servers(0) if s.peer_id != bad.peer_id and s.state == ServerState.ONLINE]
+            return len(honest) == 2 and all(bad_p2p() in s.banned for s in honest)
+
+        sc.wait(honest_ban_it, 300, "both honest servers to ban the noisy one")
+        reasons = [s.banned[bad_p2p()] for s in sc.directory.servers(0) if bad_p2p() in s.banned]
+        assert all("exceeds" in r for r in reasons), reasons  # rejected for its norm, scored, banned
+        honest = [s for s in sc.directory.servers(0) if s.peer_id != bad.peer_id]
+        assert all(s.averaging.get("rejected", 0) >= 3 for s in honest)
+        assert not any(h.p2p_id in s.banned for s in honest for h in honest), "an honest server was banned"
+
+        done = subprocess.run([sys.executable, "-m", "coordinator", "status", sw.address, "--json"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        peers = {p["peer_id"]: p for p in json.loads(done.stdout)["peers"]}
+        assert peers[bad.peer_id]["banned"] is True and peers[bad.peer_id]["banned_by"] == 2
+        assert all(not p["banned"] for pid, p in peers.items() if p["role"] == "server" and pid != bad.peer_id)
+
+        # the trainer routes around it: its sample count stops growing while training goes on
+        frozen = next(s.samples for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
+        before = sc.trainer_samples()
+        sc.wait(lambda: sc.trainer_samples() >= before + 64, 180, "training to go on")
+        after = next(s.samples for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
+        assert after - frozen <= 8, "the trainer kept routing to a banned server"
+        losses = [t.loss for t in sc.directory.trainers()]
+        assert all(loss is not None and loss < 6.0 for loss in losses), losses  # ln(512) = 6.24 at the start
