@@ -9,9 +9,9 @@ Both share this machine's cores, so ``ratio`` = swarm / local throughput is the 
 processes, RPCs and averaging rounds on one box, not a network figure.
 
 Prints one JSON line: ``local_tokens_per_s, swarm_tokens_per_s, ratio, avg_round_s`` (mean seconds of an
-epoch transition on a server: matchmaking + all-reduce + optimizer step), ``bytes_per_round`` (payload one
-server sends in a gradient all-reduce, computed from the stage's gradient size, the codec's bytes per value
-and the butterfly all-reduce's 2 (n-1)/n factor; not counted on the wire), and the counts behind them.
+epoch transition on a server: matchmaking + all-reduce + optimizer step), ``bytes_per_round`` (bytes a
+server sent plus received per gradient all-reduce phase, counted at the transport
+and published in its ServerInfo), and the counts behind them.
 """
 
 from __future__ import annotations
@@ -31,12 +31,8 @@ from coordinator.launch import LocalSwarm  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
 from swarm.directory import connect_run  # noqa: E402
-from swarm.model import build_stage  # noqa: E402
 from swarm.protocol import ServerState  # noqa: E402
 from swarm.reference import train_reference  # noqa: E402
-
-BYTES_PER_VALUE = {"none": 4, "float16": 2, "uniform8bit": 1}
-
 
 def wait(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
@@ -68,8 +64,11 @@ def run_swarm(spec_path: Path, spec: RunSpec, cache_dir: Path, samples: int, per
         finally:
             dht.shutdown()
     rounds = [s for s in servers if s.rounds]
+    wire = sum(s.averaging.get("sent", 0) + s.averaging.get("received", 0) for s in servers)
+    phases = sum(s.averaging.get("phases", 0) for s in servers)
     return {
         "seconds": seconds, "tokens": tokens,
+        "bytes_per_phase": wire / phases if phases else 0.0,
         "avg_round_s": sum(s.round_s * s.rounds for s in rounds) / max(1, sum(s.rounds for s in rounds)),
         "epochs": min(s.epoch for s in servers) if servers else 0,
     }
@@ -93,15 +92,12 @@ def main() -> None:
     swarm_tps = swarm["tokens"] / swarm["seconds"]
 
     n = args.servers_per_stage
-    numel = max(sum(p.numel() for p in build_stage(spec.model, k).parameters()) for k in range(spec.model.num_stages))
-    bytes_per_round = int(2 * (n - 1) / n * numel * BYTES_PER_VALUE[spec.averaging.compression])
     print(json.dumps({
         "local_tokens_per_s": round(local_tps, 1),
         "swarm_tokens_per_s": round(swarm_tps, 1),
         "ratio": round(swarm_tps / local_tps, 3),
         "avg_round_s": round(swarm["avg_round_s"], 3),
-        "bytes_per_round": bytes_per_round,
-        "bytes_method": "computed: 2*(n-1)/n * largest stage's gradient numel * codec bytes/value, per server",
+        "bytes_per_round": int(swarm["bytes_per_phase"]),
         "tokens": {"local": local.tokens, "swarm": swarm["tokens"]},
         "epochs": {"local": local.epochs, "swarm": swarm["epochs"]},
         "servers_per_stage": n, "trainers": args.trainers, "stages": spec.model.num_stages,
