@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-averaging clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/swarm_vs_local.py
+
+bench-averaging: $(STAMP)   # ~30 min on 2 cores
+	$(BIN)/python bench/compression.py
+	$(BIN)/python bench/robustness.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -169,36 +169,41 @@ class AuditMixin:
             return None
         return (reply, tensors) if evidence else tensors
 
+    async def _serve_audit(self, stream, lookup) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Answer an :class:`AuditRequest` with ``lookup(request) -> (AuditReply, tensors)``."""
+        try:
+            metadata, _ = await asyncio.wait_for(gather(stream, max_bytes=1 << 16, counter=self.wire),
+                                                 self.phase_timeout)
+            reply, out = lookup(unpack_message(metadata, AuditRequest))
+        except (ProtocolError, asyncio.TimeoutError) as e:
+            reply, out = AuditReply(error=f"bad request: {e}"), []
+        async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), out, self.wire):
+            yield msg
+
     async def rpc_audit_part(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                              ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The encoded part this peer sent for an audited partition."""
-        reply, out = AuditReply(error="unknown phase or partition"), []
-        try:
-            metadata, _ = await asyncio.wait_for(gather(stream, max_bytes=1 << 16, counter=self.wire), self.phase_timeout)
-            req = unpack_message(metadata, AuditRequest)
+        def lookup(req: AuditRequest):
             part = self._phases.get(req.group, {}).get("sent", {}).get(req.partition)
-            if part is not None:
-                reply, out = AuditReply(parts=1, tensors_per_part=len(part)), part
-        except (ProtocolError, asyncio.TimeoutError) as e:
-            reply = AuditReply(error=f"bad request: {e}")
-        async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), out, self.wire):
+            if part is None:
+                return AuditReply(error="unknown phase or partition"), []
+            return AuditReply(parts=1, tensors_per_part=len(part)), part
+
+        async for msg in self._serve_audit(stream, lookup):
             yield msg
 
     async def rpc_audit_evidence(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                  ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Evidence behind an accusation: the encoded aggregate, then every committed part in receipt order."""
-        reply, out = AuditReply(error="no evidence for this partition"), []
-        try:
-            metadata, _ = await asyncio.wait_for(gather(stream, max_bytes=1 << 16, counter=self.wire), self.phase_timeout)
-            req = unpack_message(metadata, AuditRequest)
+        def lookup(req: AuditRequest):
             found = self._evidence.get((req.group, req.partition))
-            if found is not None:
-                aggregate, parts = found
-                reply = AuditReply(parts=len(parts), tensors_per_part=len(aggregate))
-                out = list(aggregate) + [t for p in parts for t in p]
-        except (ProtocolError, asyncio.TimeoutError) as e:
-            reply = AuditReply(error=f"bad request: {e}")
-        async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), out, self.wire):
+            if found is None:
+                return AuditReply(error="no evidence for this partition"), []
+            aggregate, parts = found
+            return (AuditReply(parts=len(parts), tensors_per_part=len(aggregate)),
+                    list(aggregate) + [t for p in parts for t in p])
+
+        async for msg in self._serve_audit(stream, lookup):
             yield msg
 
     # ---- everybody else's accusations --------------------------------------------------------------------
