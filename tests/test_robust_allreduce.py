@@ -164,3 +164,25 @@ def test_a_false_accusation_is_refuted_and_bans_the_accuser_not_the_honest_reduc
         # every honest peer but the one it accused (which cannot verify a claim about itself) refutes it
         assert sum(accuser in rep["banned"] for rep in reports) >= n - 2, reports
         assert all("false accusation" in rep["banned"][accuser] for rep in reports if accuser in rep["banned"])
+
+
+@pytest.mark.timeout(60)
+def test_after_a_failed_round_a_server_steps_on_its_own_gradient_not_zeros():
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
+    try:
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+        av = RobustGradientAverager(params, dht=dht, prefix="fallback", start=False)
+        grads = _grads(2, seed=3)
+        for g in grads:
+            for p, t in zip(params, g):
+                p.grad = t.clone()
+            av.contributor = "t0"
+            av.accumulate_grads_(batch_size=4)
+        av.load_accumulators_into_averager_()  # what GradientAverager.step does before the round ...
+        av.reset_accumulated_grads_()          # ... and after handing the gradient to it
+        av.load_accumulators_into_averager_()  # hivemind's fallback after a failed round
+        with av.get_tensors() as tensors:
+            for k, t in enumerate(tensors):
+                assert torch.allclose(t, (grads[0][k] + grads[1][k]) / 2, atol=1e-6)
+    finally:
+        dht.shutdown()

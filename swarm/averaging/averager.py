@@ -269,6 +269,7 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
                           audit_probability)
         self.contributions = TrainerContributions(aggregator=self.aggregator, clip_ratio=clip_ratio)
         self.contributor = "local"
+        self._last_local: Optional[list[torch.Tensor]] = None
         super().__init__(parameters, dht=dht, prefix=prefix, **kwargs)
 
     @torch.no_grad()
@@ -276,11 +277,18 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
         self.local_samples_accumulated += batch_size
         self.local_times_accumulated += 1
         self._accumulators_used_in_step = False
+        self._last_local = None
         self.contributions.add(self.contributor, list(self._grads_from_parameters()), batch_size)
 
     @torch.no_grad()
     def load_accumulators_into_averager_(self):
-        combined = self.contributions.combine(self.parameters)
+        """Put this server's combined gradient into the averaged buffers. hivemind calls this again after a
+        failed round, when the accumulators were already reset: the epoch's combined gradient is kept for that,
+        so the server then steps on its own gradient (hivemind 1.1.12 would step on zeros)."""
+        if not self.contributions.accounts and self._last_local is not None:
+            combined = self._last_local
+        else:
+            combined = self._last_local = self.contributions.combine(self.parameters)
         with self.get_tensors() as averaged_grads:
             for avg, g in zip(averaged_grads, combined):
                 avg.copy_(g)
