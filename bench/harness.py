@@ -2,7 +2,7 @@
 
 One round of :func:`train` is what a stage's servers do in one epoch, with the network taken out:
 
-* every peer computes the gradient of its own micro-batches (the whole model is one stage; all honest peers
+* every peer computes the gradient of its own micro-batches (all stages chained as one; all honest peers
   hold the same parameters, since the robust all-reduce hands every honest peer bit-identical results);
 * Byzantine peers corrupt theirs (:mod:`swarm.averaging.attacks`; ALIE and IPM see the honest gradients);
   with ``byzantine_trainers`` the attackers are trainers instead, feeding one server whose
@@ -119,7 +119,7 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
     start = time.perf_counter()
     torch.manual_seed(seed)
     dataset = prepare_dataset(spec, cache_dir)
-    model = build_stage(spec.model, 0)
+    model = torch.nn.Sequential(*[build_stage(spec.model, k) for k in range(spec.model.num_stages)])
     opt = make_torch_optimizer(spec.optim, model.parameters())
     sched = make_scheduler(spec.optim, opt)
     params = list(model.parameters())

@@ -173,10 +173,10 @@ class Accountant:
 
 @dataclass
 class PhaseOutcome:
-    """A completed phase: the :class:`PhaseResult`, what each reducer said about this peer's parts, the
-    opened receipts and the encoded parts this peer sent and aggregates it received, per partition."""
+    """A phase's :class:`PhaseResult` (None until it completes), what each reducer said about this peer's
+    parts, the opened receipts and the encoded parts this peer sent and aggregates it received, per partition."""
 
-    result: PhaseResult
+    result: Optional[PhaseResult]
     replies: dict = field(default_factory=dict)
     receipts: dict = field(default_factory=dict)
     sent_parts: dict = field(default_factory=dict)
@@ -185,18 +185,21 @@ class PhaseOutcome:
 
 async def run_phase(phase: Phase, *, group: str, me: str, peers: Sequence[str], fractions: Sequence[float],
                     weight: float, reducer: Optional[PartitionReducer], send: SendFn,
-                    accountant: Accountant = Accountant()) -> PhaseOutcome:
+                    accountant: Accountant = Accountant(), outcome: Optional[PhaseOutcome] = None) -> PhaseOutcome:
     """Run one phase as sender (and as reducer through ``reducer``, registered by the caller).
 
     :param peers: the group's peer ids in partition order; ``fractions`` their shares (0 for client peers).
     :param send: streams a part to a remote reducer and returns its reply and encoded aggregate.
+    :param outcome: filled as the phase goes (the caller may serve the parts it holds to auditors meanwhile).
     :raises RoundFailed: some partition has no aggregate, or its reducer's receipt is invalid.
     """
     vector, codec = phase.vector.detach().float().contiguous(), phase.codec
     bounds = partition_bounds(vector.numel(), fractions, codec.block)
     aggregate = torch.empty_like(vector)
     sent = torch.empty_like(vector)
-    outcome = PhaseOutcome(PhaseResult(aggregate=aggregate, sent=sent))
+    if outcome is None:
+        outcome = PhaseOutcome(PhaseResult(aggregate=aggregate, sent=sent))
+    outcome.result = PhaseResult(aggregate=aggregate, sent=sent)
 
     async def one(j: int, a: int, b: int) -> None:
         encoded = codec.encode(vector[a:b])

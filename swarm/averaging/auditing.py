@@ -18,7 +18,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.averaging.allreduce import Accountant, RoundFailed, digest
+from swarm.averaging.allreduce import Accountant, PhaseOutcome, RoundFailed, digest
 from swarm.averaging.audit import OpenedReceipt, audit_plan, matches, open_receipt, recompute, verify_evidence
 from swarm.averaging.compression import make_codec
 from swarm.identity import Identity
@@ -99,11 +99,16 @@ class AuditMixin:
         self.learn_key(sender, key)
         return None
 
-    # ---- after each phase: keep what audits need, audit our share ------------------------------------------
-    def after_phase(self, key: str, outcome, peers: list[str], senders, codec) -> None:
-        self._phases[key] = {"sent": outcome.sent_parts, "receipts": outcome.receipts, "aggregates": outcome.aggregates}
+    # ---- each phase: keep what audits need, audit our share ------------------------------------------------
+    def begin_phase(self, key: str) -> PhaseOutcome:
+        """Register the phase before it runs, so that parts can be served to auditors as soon as they are sent
+        (other peers may finish the phase and audit before this one does)."""
+        outcome = self._phases[key] = PhaseOutcome(result=None)
         while len(self._phases) > KEEP_PHASES:
             self._phases.popitem(last=False)
+        return outcome
+
+    def after_phase(self, key: str, outcome: PhaseOutcome, peers: list[str], senders, codec) -> None:
         digests = {j: r.receipt.output_digest for j, r in outcome.receipts.items()}
         plan = audit_plan(key, digests, peers, sorted(senders), self.audit_probability)
         me = str(self.peer_id)
@@ -113,12 +118,12 @@ class AuditMixin:
 
     async def _audit(self, key: str, j: int, reducer: str, codec) -> None:
         phase = self._phases.get(key)
-        opened: OpenedReceipt = phase["receipts"][j]
+        opened: OpenedReceipt = phase.receipts[j]
         me = str(self.peer_id)
         parts, missing = [], []
         for c in opened.commitments:
             if c.p2p_id == me:
-                parts.append(phase["sent"][j])
+                parts.append(phase.sent_parts[j])
                 continue
             tensors = await self._fetch(c.p2p_id, "rpc_audit_part", AuditRequest(group=key, partition=j))
             if tensors is None or digest(tensors) != c.digest:
@@ -127,10 +132,10 @@ class AuditMixin:
         self.audits_done += 1
         if missing:
             logger.warning(f"audit of partition {j} ({reducer}) inconclusive: {missing} did not reveal their parts")
-            for p in missing:
-                self.bans.penalize(p, self.bans.policy.reject_penalty, "did not reveal its part when audited")
+            for p in missing:  # a flag's weight: a slow or restarting honest peer must not be banned for it
+                self.bans.penalize(p, self.bans.policy.flag_penalty, "did not reveal its part when audited")
             return
-        aggregate = phase["aggregates"][j]
+        aggregate = phase.aggregates[j]
         loop = asyncio.get_running_loop()
         received = codec.decode(aggregate, opened.receipt.numel)
         recomputed = await loop.run_in_executor(None, recompute, opened, parts, codec, self.aggregator, self.policy)
@@ -184,7 +189,8 @@ class AuditMixin:
                              ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The encoded part this peer sent for an audited partition."""
         def lookup(req: AuditRequest):
-            part = self._phases.get(req.group, {}).get("sent", {}).get(req.partition)
+            phase = self._phases.get(req.group)
+            part = phase.sent_parts.get(req.partition) if phase is not None else None
             if part is None:
                 return AuditReply(error="unknown phase or partition"), []
             return AuditReply(parts=1, tensors_per_part=len(part)), part

@@ -177,8 +177,9 @@ class RobustAllReduceMixin(AuditMixin):
                         corrupt=self.attack.corrupt_aggregate if self.attack is not None else None,
                         sign_receipt=lambda commitments, out, m=mine: self.accountant.sign_receipt(m, commitments, out))
                     self._future_for(key).set_result(reducer)
-                outcome = await run_phase(phase, group=key, me=me, peers=peers, fractions=fractions, weight=weight,
-                                          reducer=reducer, send=self._send, accountant=self.accountant)
+                outcome = self.begin_phase(key)
+                await run_phase(phase, group=key, me=me, peers=peers, fractions=fractions, weight=weight,
+                                reducer=reducer, send=self._send, accountant=self.accountant, outcome=outcome)
                 self.wire.phases += 1
                 self.after_phase(key, outcome, peers, senders, phase.codec)
                 for peer, reply in outcome.replies.items():
