@@ -1,12 +1,13 @@
 """Bytes on the wire per averaging round and validation loss, for each compressor against uncompressed fp32.
 
-    python bench/compression.py [--spec runs/demo.toml] [--rounds 100] [--rank 4] [--wire-rounds 2]
+    python bench/compression.py [--spec runs/demo.toml] [--rounds 100] [--rank 4] [--wire-rounds 3]
 
 Bytes: real averagers (hivemind DHT, p2pd, matchmaking, :class:`~swarm.averaging.averager.
 RobustGradientAverager`) of 3 peers on loopback average gradients shaped like the spec's largest stage;
 ``bytes_per_round`` is what one peer sent plus received in a round, counted at the transport
 (``WireStats``), and ``ratio`` is the uncompressed run's bytes over the compressor's, both measured here.
-Loss: the in-process harness (``bench/harness.py``; the same compressor code with its error feedback) trains
+Audits are off for the byte count (with ``audit_probability`` p they add about p x one partition download per
+phase, whatever the codec). Loss: the in-process harness (``bench/harness.py``; the same compressor code with its error feedback) trains
 the spec's whole model with 4 peers for ``rounds`` epochs on the same samples per compressor;
 ``baseline_val_loss`` is the uncompressed run's.
 
@@ -48,7 +49,7 @@ def wire_bytes(shapes, compression: str, rank: int, rounds: int, peers: int = 3)
             dhts.append(DHT(initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()], **kw))
         for dht in dhts:
             params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-            avs.append(RobustGradientAverager(params, dht=dht, prefix=f"bench-{compression}",
+            avs.append(RobustGradientAverager(params, dht=dht, prefix=f"bench-{compression}", audit_probability=0.0,
                                               compressor=make_compressor(compression, rank=rank),
                                               target_group_size=peers, min_matchmaking_time=2.0,
                                               request_timeout=1.0, allreduce_timeout=60, start=True))
@@ -77,7 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", type=Path, default=ROOT / "runs" / "demo.toml")
     ap.add_argument("--rounds", type=int, default=100, help="training epochs per compressor (harness)")
-    ap.add_argument("--wire-rounds", type=int, default=2, help="averaging rounds measured on the wire")
+    ap.add_argument("--wire-rounds", type=int, default=3, help="averaging rounds measured on the wire")
     ap.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
     ap.add_argument("--compressors", default=",".join(COMPRESSORS))
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("SWARM_CACHE_DIR", ROOT / ".test-cache")))

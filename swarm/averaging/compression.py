@@ -200,8 +200,11 @@ class PowerSGD(Compressor):
     """Rank-``rank`` PowerSGD with error feedback (Vogels et al. 2019, Algorithm 1 + sec. 3 error feedback).
 
     A tensor is compressed as a matrix ``(shape[0], numel / shape[0])`` when ``rank * (rows + cols)`` is at most
-    half its size; others ("small": biases, norms) travel uncompressed in fp16 in the second phase. ``Q`` is
-    drawn from ``seed`` each round, so a peer needs no state from previous groups to take part.
+    half its size; others ("small": biases, norms) travel uncompressed in fp16 in the second phase. ``Q``
+    starts from this peer's aggregated ``Q`` of its previous round (warm start, Vogels et al. sec. 3: one power
+    iteration per round refines the subspace over rounds), or is drawn from ``seed`` when the peer has none.
+    Peers whose ``Q`` differ (a newcomer) still compute a valid result: ``P`` is agreed in the first phase
+    and the second computes the mean of ``M_i^T P``, so the output is the mean gradient projected on ``P``.
     Per round and matrix the wire carries ``rank * (rows + cols)`` values in fp16 instead of ``rows * cols``.
     """
 
@@ -211,6 +214,7 @@ class PowerSGD(Compressor):
         self.name, self.rank = f"powersgd{rank}", rank
         self.codec = Float16Codec()
         self.residuals: dict[int, torch.Tensor] = {}
+        self.warm_q: dict[int, torch.Tensor] = {}
 
     def _is_matrix(self, t: torch.Tensor) -> bool:
         if t.dim() < 2:
@@ -228,7 +232,11 @@ class PowerSGD(Compressor):
             r = self.residuals.get(i)
             m[i] = t + r if r is not None and r.shape == t.shape else t.clone()
         gen = torch.Generator().manual_seed(seed & 0x7FFFFFFF)
-        qs = {i: torch.randn(m[i].shape[1], self.rank, generator=gen) for i in mats}
+        qs = {}
+        for i in mats:
+            warm = self.warm_q.get(i)
+            fresh = torch.randn(m[i].shape[1], self.rank, generator=gen)  # drawn anyway: same stream on every peer
+            qs[i] = warm if warm is not None and warm.shape == fresh.shape else fresh
         ps = [m[i] @ qs[i] for i in mats]
         result = yield Phase(_flat(ps), self.codec)
         p_agg = {}
@@ -247,6 +255,7 @@ class PowerSGD(Compressor):
         out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
         for i, q_i, q_a in zip(mats, q_local, q_agg):
             self.residuals[i] = m[i] - p_agg[i] @ q_i.T
+            self.warm_q[i] = q_a.float().clone()
             out[i] = (p_agg[i] @ q_a.T).reshape(tensors[i].shape).to(tensors[i].dtype)
         self.residuals[-1] = small_vec - result.sent[nq:]
         for i, t in zip(small, _unflat(result.aggregate[nq:], small_local)):
@@ -255,6 +264,7 @@ class PowerSGD(Compressor):
 
     def reset(self):
         self.residuals.clear()
+        self.warm_q.clear()
 
 
 COMPRESSIONS = ("none", "float16", "blockwise8bit", "powersgd")
