@@ -83,11 +83,14 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
 
         def on_epoch(epoch: int) -> None:
             lr = optimizer.opt.param_groups[0]["lr"]
+            wire = optimizer.grad_averager.wire.snapshot()
             logger.info(
-                "[%s stage=%d epoch=%d] loss=%s samples/s=%.2f samples=%d peers=%d lr=%.2e",
+                "[%s stage=%d epoch=%d] loss=%s samples/s=%.2f samples=%d peers=%d lr=%.2e "
+                "avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d",
                 me, stage, epoch, f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-",
                 server.throughput.samples_per_second, server.samples,
                 optimizer.tracker.global_progress.num_peers, lr,
+                wire["sent"] + wire["received"], wire["failed"], wire["rejected"], wire["flagged"],
             )
 
         server.epoch_listeners.append(on_epoch)
