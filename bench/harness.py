@@ -36,7 +36,7 @@ from swarm.averaging.allreduce import digest
 from swarm.averaging.attacks import TRAINER_ATTACKS, make_attack
 from swarm.averaging.audit import audit_plan, matches
 from swarm.averaging.bans import BanBook, BanPolicy, worst
-from swarm.averaging.compression import PhaseResult, make_compressor
+from swarm.averaging.compression import PhaseResult, flatten, make_compressor, unflatten
 from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.optimizer import make_scheduler, make_torch_optimizer
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, partition_bounds, reduce_partition
@@ -180,13 +180,12 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
 def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed, audit_probability):
     """One averaging round among ``active`` peers; returns (averaged tensors, encoded bytes peer 0 sent)."""
     honest = [i for i in active if i not in attackers]
-    honest_flat = torch.stack([torch.cat([t.flatten() for t in grads[i]]) for i in honest])
+    honest_flat = torch.stack([flatten(grads[i]) for i in honest])
     inputs = {}
     for i in active:
         tensors = grads[i]
         if i in attackers:
-            flat = attackers[i].corrupt_part(torch.cat([t.flatten() for t in tensors]), r, honest=honest_flat)
-            tensors = _unflat(flat, tensors)
+            tensors = unflatten(attackers[i].corrupt_part(flatten(tensors), r, honest=honest_flat), tensors)
         inputs[i] = tensors
     gens = {i: compressors[i].phases(inputs[i], seed * 100003 + r) for i in active}
     phases = {i: next(g) for i, g in gens.items()}
@@ -256,10 +255,3 @@ def _audit(outputs, active, attackers, codec, book, probability, group):
         elif accuser and not lying:
             book.ban(auditor, "false accusation")
 
-
-def _unflat(flat, like):
-    out, o = [], 0
-    for t in like:
-        out.append(flat[o:o + t.numel()].view_as(t))
-        o += t.numel()
-    return out

@@ -34,7 +34,7 @@ from swarm.averaging.allreduce import (PartitionReducer, RoundFailed, WireStats,
 from swarm.averaging.attacks import Attack
 from swarm.averaging.auditing import AuditMixin
 from swarm.averaging.bans import BanBook, BanPolicy, worst
-from swarm.averaging.compression import Compressor, make_compressor
+from swarm.averaging.compression import Compressor, flatten, make_compressor, unflatten
 from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.reducer import ReducePolicy, partition_bounds
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
@@ -156,20 +156,17 @@ class RobustAllReduceMixin(AuditMixin):
         me = str(self.peer_id)
         self._round += 1
         if self.attack is not None:  # a Byzantine peer corrupts its gradient, then compresses it as usual
-            flat = torch.cat([t.flatten() for t in tensors])
-            flat = self.attack.corrupt_part(flat, self._round)
-            tensors = [flat[o - t.numel():o].view_as(t) for t, o in
-                       zip(tensors, torch.tensor([t.numel() for t in tensors]).cumsum(0).tolist())]
+            tensors = unflatten(self.attack.corrupt_part(flatten(tensors), self._round), tensors)
         gen = self.compressor.phases(tensors, seed)
         phase, index, verdicts = next(gen), 0, {}
         try:
             while True:
                 key = f"{group}:{index}"
                 reducer = None
-                bounds_me = peers.index(me)
-                if fractions[bounds_me] > 0:
-                    numel = self._partition_size(phase, fractions, bounds_me)
-                    mine = AveragingPart(group=key, partition=bounds_me, weight=0.0, numel=numel,
+                my_index = peers.index(me)
+                if fractions[my_index] > 0:
+                    numel = self._partition_size(phase, fractions, my_index)
+                    mine = AveragingPart(group=key, partition=my_index, weight=0.0, numel=numel,
                                          codec=phase.codec.name, digest="")
                     reducer = PartitionReducer(
                         numel=numel, senders=senders, codec=phase.codec, aggregator=self.aggregator,

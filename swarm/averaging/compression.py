@@ -150,11 +150,13 @@ class PhaseResult:
 PhaseGenerator = Generator[Phase, PhaseResult, list[torch.Tensor]]
 
 
-def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate tensors into one float32 vector."""
     return torch.cat([t.detach().float().flatten() for t in tensors]) if tensors else torch.zeros(0)
 
 
-def _unflat(vector: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def unflatten(vector: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Cut a vector back into tensors shaped (and typed) like ``like``."""
     out, offset = [], 0
     for t in like:
         out.append(vector[offset:offset + t.numel()].view_as(t).to(t.dtype))
@@ -184,13 +186,13 @@ class ElementwiseCompressor(Compressor):
         self.residual: torch.Tensor | None = None
 
     def phases(self, tensors, seed):
-        vector = _flat(tensors)
+        vector = flatten(tensors)
         if self.error_feedback and self.residual is not None and self.residual.shape == vector.shape:
             vector = vector + self.residual
         result = yield Phase(vector, self.codec)
         if self.error_feedback:
             self.residual = vector - result.sent
-        return _unflat(result.aggregate, tensors)
+        return unflatten(result.aggregate, tensors)
 
     def reset(self):
         self.residual = None
@@ -238,27 +240,27 @@ class PowerSGD(Compressor):
             fresh = torch.randn(m[i].shape[1], self.rank, generator=gen)  # drawn anyway: same stream on every peer
             qs[i] = warm if warm is not None and warm.shape == fresh.shape else fresh
         ps = [m[i] @ qs[i] for i in mats]
-        result = yield Phase(_flat(ps), self.codec)
+        result = yield Phase(flatten(ps), self.codec)
         p_agg = {}
-        for i, p in zip(mats, _unflat(result.aggregate, ps)):
+        for i, p in zip(mats, unflatten(result.aggregate, ps)):
             p_agg[i] = torch.linalg.qr(p.float(), mode="reduced").Q  # orthonormal columns (rows, rank)
         q_local = [m[i].T @ p_agg[i] for i in mats]
         small_local = [tensors[i].detach().float() for i in small]
-        small_vec = _flat(small_local)
+        small_vec = flatten(small_local)
         r_small = self.residuals.get(-1)
         if r_small is not None and r_small.shape == small_vec.shape:
             small_vec = small_vec + r_small
-        vector = torch.cat([_flat(q_local), small_vec])
+        vector = torch.cat([flatten(q_local), small_vec])
         result = yield Phase(vector, self.codec)
         nq = vector.numel() - small_vec.numel()
-        q_agg = _unflat(result.aggregate[:nq], q_local)
+        q_agg = unflatten(result.aggregate[:nq], q_local)
         out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
         for i, q_i, q_a in zip(mats, q_local, q_agg):
             self.residuals[i] = m[i] - p_agg[i] @ q_i.T
             self.warm_q[i] = q_a.float().clone()
             out[i] = (p_agg[i] @ q_a.T).reshape(tensors[i].shape).to(tensors[i].dtype)
         self.residuals[-1] = small_vec - result.sent[nq:]
-        for i, t in zip(small, _unflat(result.aggregate[nq:], small_local)):
+        for i, t in zip(small, unflatten(result.aggregate[nq:], small_local)):
             out[i] = t.view_as(tensors[i]).to(tensors[i].dtype)
         return out
 
