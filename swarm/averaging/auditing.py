@@ -76,7 +76,7 @@ class AuditMixin:
         self.run_id, self.audit_probability = run_id, audit_probability
         self.accountant = _SigningAccountant(self)
         self.keys: dict[str, bytes] = {}  # libp2p id -> Ed25519 key, learned over authenticated streams
-        self._phases: OrderedDict[str, dict] = OrderedDict()  # phase key -> parts sent, receipts, aggregates
+        self._phases: OrderedDict[str, PhaseOutcome] = OrderedDict()  # the last phases: parts sent, receipts, ...
         self._evidence: OrderedDict[tuple[str, int], tuple] = OrderedDict()
         self._seen_accusations: set[str] = set()
         self._poller: Optional[asyncio.Task] = None
@@ -114,10 +114,18 @@ class AuditMixin:
         me = str(self.peer_id)
         for j, auditor in plan.items():
             if auditor == me:
-                asyncio.create_task(self._audit(key, j, peers[j], codec))
+                asyncio.create_task(self._audit_logged(key, j, peers[j], codec))
+
+    async def _audit_logged(self, key: str, j: int, reducer: str, codec) -> None:
+        try:
+            await self._audit(key, j, reducer, codec)
+        except Exception:  # an audit is a background check: it must never take the averager down
+            logger.exception(f"auditing partition {j} of {key} ({reducer}) failed")
 
     async def _audit(self, key: str, j: int, reducer: str, codec) -> None:
         phase = self._phases.get(key)
+        if phase is None or j not in phase.receipts:
+            return  # evicted by newer phases before this task ran
         opened: OpenedReceipt = phase.receipts[j]
         me = str(self.peer_id)
         parts, missing = [], []
