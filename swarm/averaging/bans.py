@@ -6,7 +6,7 @@ and ``flag_penalty`` for a flagged one (see :mod:`swarm.averaging.reducer`), the
 returned a wrong aggregate (a verified accusation, :mod:`swarm.averaging.audit`) is banned at once.
 
 With the defaults a peer rejected in every round is banned after 4 rounds, one flagged in every round after
-8; an honest peer flagged by chance once in a while decays back towards zero.
+9; an honest peer flagged by chance once in a while decays back towards zero.
 """
 
 from __future__ import annotations
