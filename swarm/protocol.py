@@ -146,6 +146,35 @@ def accusations_key(prefix: str) -> str:
     return f"{prefix}/accusations"
 
 
+class FragmentEntry(BaseModel):
+    """One erasure-coded fragment of a checkpoint shard and the peers that hold it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    index: int = Field(ge=0, lt=256)
+    sha256: str = Field(min_length=64, max_length=64)
+    holders: list[str] = Field(default_factory=list, max_length=64, description="Peer ids holding the fragment.")
+
+
+class CheckpointManifest(Record):
+    """What a stage's checkpoint at ``epoch`` is and where its fragments live (:mod:`swarm.checkpoint`),
+    under :func:`checkpoints_key`, sub-key ``str(epoch)``. ``parent`` is the shard hash of the stage's previous
+    checkpoint, so committed states form a hash chain."""
+
+    kind: Literal["manifest"] = "manifest"
+    stage: int = Field(ge=0)
+    epoch: int = Field(ge=0)
+    shard_sha256: str = Field(min_length=64, max_length=64)
+    size: int = Field(ge=0, description="Shard bytes.")
+    k: int = Field(ge=1, le=256, description="Fragments needed to restore.")
+    n: int = Field(ge=1, le=256, description="Fragments made.")
+    fragments: list[FragmentEntry] = Field(default_factory=list, max_length=256)
+    parent: str = Field("", max_length=64)
+
+
+def checkpoints_key(run_id: str, stage: int) -> str:
+    return f"{run_id}/checkpoints/{stage}"
+
+
 class TrainerInfo(Record):
     """A trainer's progress under :func:`trainers_key`."""
 

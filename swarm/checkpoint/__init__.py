@@ -1,0 +1,9 @@
+"""Checkpoints of stage states: safetensors shards, erasure-coded fragments, signed manifests."""
+
+from swarm.checkpoint.erasure import Fragment, FragmentError, join_fragments, split_into_fragments
+from swarm.checkpoint.shard import ShardError, StageShard, decode_shard, encode_shard
+
+__all__ = [
+    "Fragment", "FragmentError", "join_fragments", "split_into_fragments",
+    "ShardError", "StageShard", "decode_shard", "encode_shard",
+]
