@@ -2,8 +2,10 @@
 
 from swarm.checkpoint.erasure import Fragment, FragmentError, join_fragments, split_into_fragments
 from swarm.checkpoint.shard import ShardError, StageShard, decode_shard, encode_shard
+from swarm.checkpoint.store import FragmentStore, StoreFull, StoredFragment
 
 __all__ = [
     "Fragment", "FragmentError", "join_fragments", "split_into_fragments",
     "ShardError", "StageShard", "decode_shard", "encode_shard",
+    "FragmentStore", "StoreFull", "StoredFragment",
 ]

@@ -1,0 +1,131 @@
+"""A peer's on-disk store of checkpoint fragments: bounded, verified, surviving restarts.
+
+Layout: ``<root>/<run_id>/stage<k>/epoch<e>/<index>.frag`` holding the fragment's bytes, the file name's
+index and the manifest's SHA-256 identifying it (``<index>.sha256`` beside it). Writes are atomic (temporary
+file, ``fsync``, rename), so a crash never leaves a half-written fragment that looks whole; reads verify the
+hash, and a corrupt file is deleted and reported. The store never exceeds ``max_bytes``: a write that would
+is refused with :class:`StoreFull` (after old epochs beyond ``keep_epochs`` per stage were collected), and
+``OSError`` from a full disk becomes the same error, naming the setting to change.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from swarm.checkpoint.erasure import Fragment, FragmentError
+
+
+class StoreFull(OSError):
+    """The fragment would exceed the store's byte budget or the disk is full."""
+
+
+@dataclass(frozen=True)
+class StoredFragment:
+    run_id: str
+    stage: int
+    epoch: int
+    index: int
+    sha256: str
+    size: int
+
+
+class FragmentStore:
+    """Fragments this peer holds for others.
+
+    :param root: directory (created), e.g. ``<SWARM_CACHE_DIR>/fragments``.
+    :param max_bytes: budget for all fragments in bytes.
+    :param keep_epochs: per (run, stage), fragments of older epochs than the newest ``keep_epochs`` are deleted.
+    """
+
+    def __init__(self, root: Path, max_bytes: int, keep_epochs: int = 2):
+        if max_bytes <= 0 or keep_epochs < 1:
+            raise ValueError("max_bytes must be > 0 and keep_epochs >= 1")
+        self.root, self.max_bytes, self.keep_epochs = Path(root), max_bytes, keep_epochs
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _dir(self, run_id: str, stage: int, epoch: int) -> Path:
+        if not run_id or "/" in run_id or run_id.startswith("."):
+            raise ValueError(f"bad run id {run_id!r}")
+        return self.root / run_id / f"stage{stage}" / f"epoch{epoch}"
+
+    def used_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.root.rglob("*.frag"))
+
+    def put(self, run_id: str, stage: int, epoch: int, fragment: Fragment) -> StoredFragment:
+        """Verify and store ``fragment``; returns what is stored.
+
+        :raises FragmentError: the bytes do not match the fragment's hash.
+        :raises StoreFull: over ``max_bytes`` even after collecting old epochs, or the disk is full.
+        """
+        folder = self._dir(run_id, stage, epoch)
+        fragment.verify()
+        self.collect(run_id, stage, newest=epoch)
+        if self.used_bytes() + len(fragment.data) > self.max_bytes:
+            raise StoreFull(errno.ENOSPC, f"storing {len(fragment.data)} bytes would exceed the fragment budget of "
+                                          f"{self.max_bytes} bytes; raise SWARM_FRAGMENT_MAX_BYTES or free disk")
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{fragment.index}.frag"
+        try:
+            _atomic_write(path, fragment.data)
+            _atomic_write(folder / f"{fragment.index}.sha256", fragment.sha256.encode())
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(e.errno, f"disk full while storing a fragment under {self.root}; free space or "
+                                         "lower SWARM_FRAGMENT_MAX_BYTES") from None
+            raise
+        return StoredFragment(run_id, stage, epoch, fragment.index, fragment.sha256, len(fragment.data))
+
+    def get(self, run_id: str, stage: int, epoch: int, index: int) -> Fragment:
+        """Read and verify a fragment.
+
+        :raises FileNotFoundError: not held here.
+        :raises FragmentError: the file no longer matches its hash (it is deleted).
+        """
+        folder = self._dir(run_id, stage, epoch)
+        data = (folder / f"{index}.frag").read_bytes()
+        sha = (folder / f"{index}.sha256").read_text().strip()
+        fragment = Fragment(index, data, sha)
+        try:
+            fragment.verify()
+        except FragmentError:
+            (folder / f"{index}.frag").unlink(missing_ok=True)
+            (folder / f"{index}.sha256").unlink(missing_ok=True)
+            raise
+        return fragment
+
+    def held(self) -> Iterator[StoredFragment]:
+        """Every fragment on disk (to re-announce after a restart); unreadable entries are skipped."""
+        for frag in sorted(self.root.glob("*/stage*/epoch*/*.frag")):
+            try:
+                run_id, stage, epoch = frag.parts[-4], int(frag.parts[-3][5:]), int(frag.parts[-2][5:])
+                sha = frag.with_suffix(".sha256").read_text().strip()
+                yield StoredFragment(run_id, stage, epoch, int(frag.stem), sha, frag.stat().st_size)
+            except (ValueError, OSError):
+                continue
+
+    def collect(self, run_id: str, stage: int, newest: int) -> list[int]:
+        """Delete epochs of (run, stage) older than the newest ``keep_epochs`` (counting ``newest``); returns
+        the epochs deleted."""
+        folder = self._dir(run_id, stage, newest).parent
+        if not folder.exists():
+            return []
+        epochs = sorted({int(p.name[5:]) for p in folder.glob("epoch*") if p.name[5:].isdigit()} | {newest})
+        doomed = [e for e in epochs[:-self.keep_epochs] if e != newest]
+        for e in doomed:
+            shutil.rmtree(folder / f"epoch{e}", ignore_errors=True)
+        return doomed
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
