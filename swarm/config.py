@@ -202,6 +202,30 @@ class TimeoutSpec(_Section):
     record_ttl_s: float = Field(30.0, gt=1, description="Lifetime of DHT records; peers re-announce at a third of it.")
 
 
+class CheckpointSpec(_Section):
+    """Checkpoints of every stage, erasure-coded and spread over the swarm (:mod:`swarm.checkpoint`)."""
+
+    interval_epochs: int = Field(
+        10, ge=1, description="Epochs between checkpoints of a stage. Lower loses less work on a crash, costs "
+        "more traffic and disk.",
+    )
+    fragments_needed: int = Field(
+        4, ge=1, le=256, description="k: fragments any restore needs. Each fragment is 1/k of the stage's state.",
+    )
+    fragments_total: int = Field(
+        8, ge=1, le=256, description="n: fragments made and placed on distinct peers; n - k holders may vanish. "
+        "Disk across the swarm is n/k times the state.",
+    )
+    keep: int = Field(2, ge=1, description="Checkpoints per stage kept; older ones are garbage-collected.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CheckpointSpec":
+        if self.fragments_needed > self.fragments_total:
+            raise ValueError(f"fragments_needed={self.fragments_needed} > fragments_total={self.fragments_total}; "
+                             "raise fragments_total")
+        return self
+
+
 class RunSpec(_Section):
     """The whole run: everything every peer must agree on. Loaded from one TOML file."""
 
@@ -213,6 +237,7 @@ class RunSpec(_Section):
     optim: OptimSpec = OptimSpec()
     training: TrainingSpec = TrainingSpec()
     averaging: AveragingSpec = AveragingSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
     timeouts: TimeoutSpec = TimeoutSpec()
 
     @field_validator("name")
@@ -294,6 +319,9 @@ class PeerSettings(BaseSettings):
     client_mode: bool = Field(False, description="Do not accept incoming connections (behind NAT); implies trainer.")
     identity_file: Optional[Path] = Field(None, description="Ed25519 key of this peer (default <cache_dir>/identity.key).")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default).")
+    fragment_max_bytes: int = Field(
+        2 << 30, gt=0, description="Disk budget (bytes) for checkpoint fragments this peer holds for the swarm.",
+    )
     byzantine: Optional[str] = Field(
         None, description="TESTS AND BENCHMARKS ONLY: make this peer attack the run (an attack name of "
         "swarm.averaging.attacks). Never set it on a real peer.",
