@@ -87,7 +87,7 @@ def test_powersgd_is_exact_on_low_rank_matrices_and_sends_few_bytes():
 
 def test_make_compressor_names():
     for name in ("none", "float16", "blockwise8bit", "powersgd"):
-        assert make_compressor(name).name.startswith(name.replace("none", "none"))
+        assert make_compressor(name).name.startswith(name)
     with pytest.raises(ValueError, match="choose one of"):
         make_compressor("zip")
     with pytest.raises(ValueError, match="rank"):
