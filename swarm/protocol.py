@@ -357,3 +357,29 @@ def unpack_message(data: bytes, cls: Type[S]) -> S:
     if len(data) > MAX_METADATA_BYTES:
         raise ProtocolError(f"message metadata of {len(data)} bytes exceeds {MAX_METADATA_BYTES}")
     return _parse(data, cls, "message")
+
+
+class FragmentPut(_Schema):
+    """Ask a peer to hold a checkpoint fragment (``rpc_put_fragment``); tensors: the bytes as uint8 ``(size,)``."""
+
+    run_id: str
+    stage: int = Field(ge=0)
+    epoch: int = Field(ge=0)
+    index: int = Field(ge=0, lt=256)
+    sha256: str = Field(min_length=64, max_length=64)
+
+
+class FragmentGet(_Schema):
+    """Ask a holder for a fragment (``rpc_get_fragment``)."""
+
+    run_id: str
+    stage: int = Field(ge=0)
+    epoch: int = Field(ge=0)
+    index: int = Field(ge=0, lt=256)
+
+
+class FragmentReply(_Schema):
+    """``error`` empty: done (for a get, the fragment's bytes follow as uint8 and ``sha256`` names them)."""
+
+    error: str = Field("", max_length=512)
+    sha256: str = Field("", max_length=64)

@@ -1,0 +1,122 @@
+"""Fragment transfer between peers: ``rpc_put_fragment`` / ``rpc_get_fragment`` over hivemind's libp2p streams.
+
+A peer serving a :class:`FragmentStore` accepts fragments for its run (verified by hash, within its disk
+budget) and serves the ones it holds. Clients verify what they get: a holder that serves bytes not matching
+the hash it was given is caught (:class:`~swarm.checkpoint.erasure.FragmentError`) before the bytes are used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from swarm.checkpoint.erasure import Fragment, FragmentError
+from swarm.checkpoint.store import FragmentStore, StoreFull
+from swarm.protocol import FragmentGet, FragmentPut, FragmentReply, ProtocolError, pack_message, unpack_message
+from swarm.transport import gather, stream_out
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class FragmentService(ServicerBase):
+    """Serves ``store`` for run ``run_id`` (register with ``add_p2p_handlers(p2p, namespace=run_id)``)."""
+
+    def __init__(self, store: FragmentStore, run_id: str):
+        self.store, self.run_id = store, run_id
+
+    async def _reply(self, reply: FragmentReply, data: bytes = b"") -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), [_bytes_tensor(data)] if data else []):
+            yield msg
+
+    async def rpc_put_fragment(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                               ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Store a fragment; replies with an error naming the cause (wrong run, hash, full store)."""
+        try:
+            metadata, tensors = await gather(stream, max_bytes=self.store.max_bytes)
+            req = unpack_message(metadata, FragmentPut)
+            if req.run_id != self.run_id:
+                raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
+            if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+                raise ProtocolError("a fragment travels as one uint8 vector")
+            fragment = Fragment(req.index, tensors[0].numpy().tobytes(), req.sha256)
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.store.put, req.run_id, req.stage, req.epoch, fragment)
+            reply = FragmentReply(sha256=req.sha256)
+        except (ProtocolError, FragmentError, StoreFull, ValueError) as e:
+            reply = FragmentReply(error=str(e)[:512])
+        async for msg in self._reply(reply):
+            yield msg
+
+    async def rpc_get_fragment(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                               ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Serve a fragment this peer holds (verified on read)."""
+        data = b""
+        try:
+            metadata, _ = await gather(stream, max_bytes=1 << 16)
+            req = unpack_message(metadata, FragmentGet)
+            fragment = await asyncio.get_running_loop().run_in_executor(
+                None, self.store.get, req.run_id, req.stage, req.epoch, req.index)
+            reply, data = FragmentReply(sha256=fragment.sha256), fragment.data
+        except FileNotFoundError:
+            reply = FragmentReply(error="fragment not held here")
+        except (ProtocolError, FragmentError, ValueError) as e:
+            reply = FragmentReply(error=str(e)[:512])
+        async for msg in self._reply(reply, data):
+            yield msg
+
+
+async def _call(call, peer: str, run_id: str, timeout: float):
+    try:
+        return await asyncio.wait_for(call(), timeout)
+    except asyncio.TimeoutError:
+        raise FragmentError(f"{peer} did not answer within {timeout:.0f} s") from None
+    except (ProtocolError, FragmentError):
+        raise
+    except Exception as e:  # libp2p: unreachable peer, or no handler for this run on it
+        raise FragmentError(f"{peer} is unreachable or serves no fragments of run {run_id} "
+                            f"({type(e).__name__}: {str(e)[:200]})") from None
+
+
+async def put_fragment(p2p: P2P, peer: str, run_id: str, stage: int, epoch: int, fragment: Fragment,
+                       timeout: float = 60.0) -> None:
+    """Hand ``fragment`` to ``peer`` (libp2p id).
+
+    :raises FragmentError: the holder refused (its reason), is unreachable, or does not serve this run.
+    """
+    stub = FragmentService.get_stub(p2p, PeerID.from_base58(peer), namespace=run_id)
+    meta = pack_message(FragmentPut(run_id=run_id, stage=stage, epoch=epoch, index=fragment.index,
+                                    sha256=fragment.sha256))
+
+    async def call():
+        stream = await stub.rpc_put_fragment(stream_out(runtime_pb2.ExpertRequest, meta, [_bytes_tensor(fragment.data)]))
+        return unpack_message((await gather(stream, max_bytes=1 << 16))[0], FragmentReply)
+    reply = await _call(call, peer, run_id, timeout)
+    if reply.error:
+        raise FragmentError(f"{peer} refused fragment {fragment.index}: {reply.error}")
+
+
+async def get_fragment(p2p: P2P, peer: str, run_id: str, stage: int, epoch: int, index: int, sha256: str,
+                       timeout: float = 60.0) -> Fragment:
+    """Fetch fragment ``index`` from ``peer`` and verify it against the manifest's ``sha256``.
+
+    :raises FragmentError: the holder does not have it, is unreachable, or served bytes that do not match.
+    """
+    stub = FragmentService.get_stub(p2p, PeerID.from_base58(peer), namespace=run_id)
+    meta = pack_message(FragmentGet(run_id=run_id, stage=stage, epoch=epoch, index=index))
+
+    async def call():
+        stream = await stub.rpc_get_fragment(stream_out(runtime_pb2.ExpertRequest, meta, []))
+        return await gather(stream, max_bytes=1 << 31)
+    metadata, tensors = await _call(call, peer, run_id, timeout)
+    reply = unpack_message(metadata, FragmentReply)
+    if reply.error:
+        raise FragmentError(f"{peer} cannot serve fragment {index}: {reply.error}")
+    fragment = Fragment(index, tensors[0].numpy().tobytes() if tensors else b"", sha256)
+    fragment.verify()
+    return fragment
