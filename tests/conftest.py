@@ -86,3 +86,16 @@ def tiny_dataset(cache_dir: Path, tmp_path_factory):
     path = tmp_path_factory.mktemp("spec") / "tiny.toml"
     path.write_text(TINY_SPEC)
     return prepare_dataset(RunSpec.from_toml(path), cache_dir)
+
+
+@pytest.fixture
+def dhts():
+    """Two hivemind DHT nodes on loopback in this process (real p2pd daemons): ``(a, b)``, b bootstrapped from a."""
+    from hivemind import DHT
+
+    kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
+    a = DHT(**kw)
+    b = DHT(initial_peers=[str(m) for m in a.get_visible_maddrs()], **kw)
+    yield a, b
+    b.shutdown()
+    a.shutdown()

@@ -4,23 +4,12 @@ import asyncio
 import random
 
 import pytest
-from hivemind import DHT
 
 from swarm.checkpoint.erasure import Fragment, FragmentError, split_into_fragments
 from swarm.checkpoint.service import FragmentService, get_fragment, put_fragment
 from swarm.checkpoint.store import FragmentStore
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
-
-
-@pytest.fixture
-def dhts():
-    kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
-    a = DHT(**kw)
-    b = DHT(initial_peers=[str(m) for m in a.get_visible_maddrs()], **kw)
-    yield a, b
-    b.shutdown()
-    a.shutdown()
 
 
 @pytest.mark.timeout(120)

@@ -4,7 +4,6 @@ import asyncio
 
 import pytest
 import torch
-from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from swarm.config import PROTOCOL_VERSION, RunSpec
@@ -15,16 +14,6 @@ from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, ServerSt
 from swarm.stage import StageServer
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
-
-
-@pytest.fixture
-def dhts():
-    kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
-    a = DHT(**kw)
-    b = DHT(initial_peers=[str(m) for m in a.get_visible_maddrs()], **kw)
-    yield a, b
-    b.shutdown()
-    a.shutdown()
 
 
 def info(dht, stage):
