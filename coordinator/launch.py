@@ -2,7 +2,8 @@
 
 Used by ``swarm-coordinator demo``, the integration tests and the benchmarks. Every peer runs in its own
 session (process group) so that stopping it also stops its DHT, averager and p2pd children; each gets its own
-identity file and a private temp folder (p2pd and torch shared-memory sockets, removed on close), and all share one data cache. :meth:`LocalSwarm.close`
+identity file, fragment store (kept across restarts of the same name, as on a real disk) and a private temp folder
+(p2pd and torch shared-memory sockets, removed on close), and all share one data cache. :meth:`LocalSwarm.close`
 stops everything (SIGTERM, then SIGKILL after a grace period) and reaps it, also on Ctrl-C.
 """
 
@@ -17,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from swarm.config import RunSpec
 from swarm.identity import Identity
@@ -73,6 +74,7 @@ class LocalSwarm:
         env.update(
             SWARM_CACHE_DIR=str(self.cache_dir), SWARM_HOST="127.0.0.1", SWARM_PORT="0",
             SWARM_IDENTITY_FILE=str(self.workdir / "keys" / f"{name}.key"), TMPDIR=str(tmp),
+            SWARM_FRAGMENT_DIR=str(self.workdir / "fragments" / name),
             PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         )
         env.update(self.extra_env)
@@ -87,13 +89,16 @@ class LocalSwarm:
                                     start_new_session=True)
         return Peer(name, role, proc, log, identity)
 
-    def start_coordinator(self, timeout: float = 60.0) -> str:
-        """Start ``swarm-coordinator serve``; returns the run address once it is published."""
+    def start_coordinator(self, timeout: float = 60.0, peers: Sequence[str] = ()) -> str:
+        """Start ``swarm-coordinator serve`` (joining the live swarm through ``peers``, multiaddrs, when it is a
+        restart); returns the run address once it is published."""
         key = self.workdir / "keys" / "coordinator.key"
         Identity.load_or_create(key)
         addr_file = self.workdir / "run_address"
         addr_file.unlink(missing_ok=True)
         args = ["serve", str(self.spec_path), "--key", str(key), "--host", "127.0.0.1", "--address-file", str(addr_file)]
+        for maddr in peers:
+            args += ["--peer", maddr]
         self.coordinator = self._spawn("coordinator", "coordinator", "coordinator", args)
         deadline = time.monotonic() + timeout
         while not addr_file.exists():

@@ -1,12 +1,17 @@
-"""Lifecycle of a stage server: join, pick a stage, measure, load state, serve, re-announce, drain.
+"""Lifecycle of a stage server: join, hold fragments, pick a stage, restore, serve, rebalance, drain.
 
-1. Join the run's DHT and fetch the verified spec (:func:`swarm.directory.connect_run`).
+1. Join the run's DHT and fetch the verified spec (:func:`swarm.directory.connect_run`); start the fragment
+   keeper (:mod:`swarm.checkpoint.keeper`), which serves and re-announces the fragments on this peer's disk
+   for the whole life of the process, whatever stage it serves.
 2. Pick a stage (``--stage`` or the bottleneck stage, :func:`swarm.routing.choose_stage`), build its module,
    measure throughput (samples/s), announce ``joining``.
-3. Create the stage's collaborative optimizer; if the stage has online servers, download their state.
-4. Register the RPCs on libp2p and announce ``online`` every ``record_ttl_s / 3`` seconds, re-publishing the
-   signed spec too, so the run outlives its coordinator.
-5. On SIGTERM/SIGINT: announce ``draining``, stop taking work, shut down the optimizer and the DHT.
+3. Create the stage's collaborative optimizer and restore its state: from live servers of the stage if any,
+   else from the newest checkpoint (:class:`swarm.checkpoint.lifecycle.StageCheckpoints`).
+4. Register the stage RPCs and announce ``online`` every ``record_ttl_s / 3`` seconds, re-publishing the
+   signed spec too, so the run outlives its coordinator. Commit checkpoints, follow rollback orders, and, if
+   the stage was not pinned, move to a stage that lacks throughput more (:mod:`swarm.rebalance`): drain,
+   then go back to step 2 for the new stage.
+5. On SIGTERM/SIGINT: announce ``draining``, stop taking work, shut down the optimizer, keeper and DHT.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ from hivemind.utils import get_dht_time
 from swarm import __version__
 from swarm.averaging import build_stage_optimizer
 from swarm.averaging.attacks import make_attack
-from swarm.config import PeerSettings
-from swarm.directory import connect_run, visible_maddrs
+from swarm.checkpoint import FragmentStore
+from swarm.checkpoint.keeper import FragmentKeeper
+from swarm.checkpoint.lifecycle import RestoreError, StageCheckpoints
+from swarm.config import PeerSettings, RunSpec
+from swarm.directory import RunDirectory, connect_run, visible_maddrs
 from swarm.identity import Identity
 from swarm.model import build_stage
 from swarm.protocol import ServerInfo, ServerState
+from swarm.rebalance import plan_move
 from swarm.routing import choose_stage
 from swarm.stage import StageServer
 
@@ -35,51 +44,100 @@ logger = logging.getLogger("swarm.peer")
 
 
 def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None) -> None:
-    """Serve one stage of the run at ``address`` until SIGTERM/SIGINT."""
+    """Serve a stage of the run at ``address`` until SIGTERM/SIGINT."""
     identity = Identity.load_or_create(settings.identity_path())
     if settings.threads:
         torch.set_num_threads(settings.threads)
     dht, directory, spec, sealed_spec = connect_run(address, settings, client_mode=False)
-    run_id, me = directory.run_id, identity.peer_id
-    optimizer = None
     try:
         num_stages = spec.model.num_stages
-        if stage is None:
-            stage = choose_stage(spec.model, directory.all_servers(num_stages))
-        elif not 0 <= stage < num_stages:
-            raise SystemExit(f"--stage {stage} is out of range: run {run_id} has stages 0..{num_stages - 1}")
-        module = build_stage(spec.model, stage)
-        server = StageServer(spec, run_id, stage, module)
-        throughput = server.measure_throughput()
-        p2p_id = str(dht.peer_id)
-        maddrs = visible_maddrs(dht)
+        if stage is not None and not 0 <= stage < num_stages:
+            raise SystemExit(f"--stage {stage} is out of range: run {directory.run_id} has stages 0..{num_stages - 1}")
+        store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep)
+        keeper = FragmentKeeper(spec, directory, identity, store)
+        asyncio.run(_main(spec, dht, directory, identity, sealed_spec, keeper, settings, stage))
+    finally:
+        dht.shutdown()
+        logger.info("[%s] stopped", identity.peer_id)
 
-        def info(state: ServerState) -> ServerInfo:
-            opt = server.optimizer
-            banned, counters = averaging_report(opt)
-            return ServerInfo(
-                run_id=run_id, peer_id=me, time=get_dht_time(), stage=stage, state=state,
-                throughput=server.throughput.samples_per_second,
-                p2p_id=p2p_id, maddrs=maddrs, epoch=server.epoch, samples=server.samples,
-                loss=server.loss_ema, peers_in_last_round=opt.tracker.global_progress.num_peers if opt else 0,
-                fingerprints=server.fingerprints, round_s=server.mean_round_s, rounds=server.rounds,
-                version=__version__, banned=banned, averaging=counters,
-            )
 
-        directory.announce_server(info(ServerState.JOINING), identity)
-        logger.info("[%s stage=%d] joining run %s, throughput %.1f samples/s", me, stage, run_id, throughput)
-        attack = make_attack(settings.byzantine)
-        if attack is not None:
-            logger.warning("[%s stage=%d] BYZANTINE TEST MODE: this server runs the %r attack", me, stage, attack.name)
-        optimizer = server.optimizer = build_stage_optimizer(spec, run_id, stage, dht, module, attack=attack,
-                                                             identity=identity)
-        if any(s.state == ServerState.ONLINE and s.peer_id != me for s in directory.servers(stage)):
+async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity, sealed_spec: bytes,
+                keeper: FragmentKeeper, settings: PeerSettings, pinned: Optional[int]) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    p2p = await dht.replicate_p2p()
+    await keeper.start(p2p)
+    keeping = asyncio.create_task(keeper.run(stop))
+    try:
+        stage = pinned
+        while not stop.is_set():
+            if stage is None:
+                stage = await loop.run_in_executor(
+                    None, lambda: choose_stage(spec.model, directory.all_servers(spec.model.num_stages)))
+            stage = await _serve_stage(spec, dht, p2p, directory, identity, sealed_spec, keeper, settings, stage,
+                                       movable=pinned is None, stop=stop)
+    finally:
+        stop.set()
+        await keeping
+        await keeper.stop()
+
+
+async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identity: Identity, sealed_spec: bytes,
+                       keeper: FragmentKeeper, settings: PeerSettings, stage: int, *, movable: bool,
+                       stop: asyncio.Event) -> Optional[int]:
+    """Serve ``stage`` until ``stop`` (returns None) or a move is planned (returns the new stage)."""
+    loop = asyncio.get_running_loop()
+    io = lambda fn, *a: loop.run_in_executor(None, fn, *a)  # noqa: E731
+    run_id, me = directory.run_id, identity.peer_id
+    keeper.stage = stage
+    module = build_stage(spec.model, stage)
+    server = StageServer(spec, run_id, stage, module)
+    throughput = await io(server.measure_throughput)
+    checkpoints = StageCheckpoints(keeper, server, identity)
+    p2p_id, maddrs = str(dht.peer_id), visible_maddrs(dht)
+
+    def info(state: ServerState) -> ServerInfo:
+        opt = server.optimizer
+        banned, counters = averaging_report(opt)
+        return ServerInfo(
+            run_id=run_id, peer_id=me, time=get_dht_time(), stage=stage, state=state,
+            throughput=server.throughput.samples_per_second, p2p_id=p2p_id, maddrs=maddrs, epoch=server.epoch,
+            samples=server.samples, loss=server.loss_ema,
+            peers_in_last_round=opt.tracker.global_progress.num_peers if opt else 0,
+            fingerprints=server.fingerprints, round_s=server.mean_round_s, rounds=server.rounds,
+            version=__version__, banned=banned, averaging=counters, lineage=checkpoints.lineage[0],
+            restored=checkpoints.restored, lr_scale=checkpoints.lr_scale,
+        )
+
+    await io(directory.announce_server, info(ServerState.JOINING), identity)
+    logger.info("[%s stage=%d] joining run %s, throughput %.1f samples/s", me, stage, run_id, throughput)
+    attack = make_attack(settings.byzantine)
+    if attack is not None:
+        logger.warning("[%s stage=%d] BYZANTINE TEST MODE: this server runs the %r attack", me, stage, attack.name)
+    # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
+    optimizer = server.optimizer = build_stage_optimizer(spec, run_id, stage, dht, module, attack=attack,
+                                                         identity=identity)
+    handlers = False
+    try:
+        checkpoints.loop = loop
+        try:
+            source = await checkpoints.restore_at_start()
+        except RestoreError as e:
+            logger.error("[%s stage=%d] %s", me, stage, e)
+            stop.set()
+            raise SystemExit(3) from None
+        if source == "peers":
             logger.info("[%s stage=%d] loading state from live servers of the stage", me, stage)
-            optimizer.load_state_from_peers()
+            await io(optimizer.load_state_from_peers)
+            await io(checkpoints.after_peer_load)
+        elif source == "fresh":
+            logger.info("[%s stage=%d] no live server and no checkpoint: starting from the initial parameters", me, stage)
         # publish our progress record now, so the stage's servers count us before the first epoch ends
         # (otherwise a server that reaches the target first sees a group of one and steps alone)
         optimizer.tracker.report_local_progress(optimizer.local_epoch, 0)
-        _wait_until_counted(optimizer, directory, stage, me)
+        await io(_wait_until_counted, optimizer, directory, stage, me)
 
         def on_epoch(epoch: int) -> None:
             lr = optimizer.opt.param_groups[0]["lr"]
@@ -93,13 +151,61 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
                 wire["sent"] + wire["received"], wire["failed"], wire["rejected"], wire["flagged"],
             )
 
-        server.epoch_listeners.append(on_epoch)
-        asyncio.run(_serve(server, dht, directory, identity, sealed_spec, info))
+        server.epoch_listeners += [on_epoch, checkpoints.on_epoch]
+        await server.add_p2p_handlers(p2p, namespace=run_id)
+        handlers = True
+        return await _announce_until_done(spec, server, directory, identity, sealed_spec, checkpoints, info,
+                                          movable=movable, stop=stop)
     finally:
-        if optimizer is not None:
-            optimizer.shutdown()
-        dht.shutdown()
-        logger.info("[%s] stopped", me)
+        await checkpoints.close()
+        optimizer.shutdown()
+        if handlers:
+            await server.remove_p2p_handlers(p2p, namespace=run_id)
+        server.shutdown()
+
+
+async def _announce_until_done(spec: RunSpec, server: StageServer, directory: RunDirectory, identity: Identity,
+                               sealed_spec: bytes, checkpoints: StageCheckpoints, info, *, movable: bool,
+                               stop: asyncio.Event) -> Optional[int]:
+    loop = asyncio.get_running_loop()
+    me, stage = identity.peer_id, server.stage
+    leave = asyncio.Event()  # set by stop or by a planned move
+    period = directory.ttl / 3
+    logger.info("[%s stage=%d epoch=%d] online", me, stage, server.epoch)
+    tasks = [asyncio.create_task(server.watch_epochs(leave)), asyncio.create_task(checkpoints.watch(leave))]
+    online_since, next_check, target = time.monotonic(), time.monotonic() + spec.rebalance.period_s, None
+    try:
+        while not (leave.is_set() or stop.is_set()):
+            await loop.run_in_executor(None, directory.announce_server, info(ServerState.ONLINE), identity)
+            await loop.run_in_executor(None, directory.publish_spec, sealed_spec)
+            if movable and spec.rebalance.enabled and time.monotonic() >= next_check:
+                next_check = time.monotonic() + spec.rebalance.period_s
+                if time.monotonic() - online_since >= spec.rebalance.min_dwell_s:
+                    servers = await loop.run_in_executor(None, directory.all_servers, spec.model.num_stages)
+                    target = plan_move(me, stage, servers, spec.rebalance.min_gain)
+                    if target is not None:
+                        logger.info("[%s stage=%d epoch=%d] rebalancing: moving to stage %d, which lacks throughput",
+                                    me, stage, server.epoch, target)
+                        break
+            try:
+                await asyncio.wait_for(_either(stop, leave), period)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        logger.info("[%s stage=%d] draining", me, stage)
+        leave.set()
+        await asyncio.gather(*tasks)
+        await loop.run_in_executor(None, directory.announce_server, info(ServerState.DRAINING), identity)
+    return None if stop.is_set() else target
+
+
+async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
+    waits = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 def averaging_report(optimizer) -> tuple[dict[str, str], dict[str, int]]:
@@ -122,30 +228,3 @@ def _wait_until_counted(optimizer, directory, stage: int, me: str, timeout: floa
     expected = 1 + sum(s.peer_id != me and s.state != ServerState.DRAINING for s in directory.servers(stage))
     while optimizer.tracker.global_progress.num_peers < expected and time.monotonic() < deadline:
         time.sleep(0.2)
-
-
-async def _serve(server: StageServer, dht, directory, identity: Identity, sealed_spec: bytes, info) -> None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    p2p = await dht.replicate_p2p()
-    await server.add_p2p_handlers(p2p, namespace=directory.run_id)
-    period = directory.ttl / 3
-    logger.info("[%s stage=%d epoch=%d] online", identity.peer_id, server.stage, server.epoch)
-    watcher = asyncio.create_task(server.watch_epochs(stop))
-    try:
-        while not stop.is_set():
-            await loop.run_in_executor(None, directory.announce_server, info(ServerState.ONLINE), identity)
-            await loop.run_in_executor(None, directory.publish_spec, sealed_spec)
-            try:
-                await asyncio.wait_for(stop.wait(), period)
-            except asyncio.TimeoutError:
-                pass
-    finally:
-        logger.info("[%s stage=%d] draining", identity.peer_id, server.stage)
-        stop.set()
-        await watcher
-        await loop.run_in_executor(None, directory.announce_server, info(ServerState.DRAINING), identity)
-        await server.remove_p2p_handlers(p2p, namespace=directory.run_id)
-        server.shutdown()

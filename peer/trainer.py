@@ -16,7 +16,7 @@ from swarm.data import prepare_dataset
 from swarm.directory import connect_run
 from swarm.identity import Identity
 from swarm.pipeline import RemotePipeline
-from swarm.trainer import Trainer, claim_shard
+from swarm.trainer import Trainer, claim_shard, resume_position
 
 logger = logging.getLogger("swarm.peer")
 
@@ -32,9 +32,10 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
         dataset = prepare_dataset(spec, settings.cache_dir)
         if shard is None:
             shard = claim_shard(directory, spec.data.num_shards, identity.peer_id)
-        logger.info("[%s trainer] run %s, data share %d/%d, %d samples per pass, tokenizer %s",
+        position = resume_position(directory, shard, spec.model.num_stages)
+        logger.info("[%s trainer] run %s, data share %d/%d, %d samples per pass, resuming at sample %d, tokenizer %s",
                     identity.peer_id, directory.run_id, shard, spec.data.num_shards,
-                    dataset.num_samples() // spec.data.num_shards, dataset.tokenizer_sha256[:16])
+                    dataset.num_samples() // spec.data.num_shards, position, dataset.tokenizer_sha256[:16])
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
@@ -47,7 +48,7 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
                 logger.warning("[%s trainer] BYZANTINE TEST MODE: running the %r attack", identity.peer_id, attack.name)
             pipeline = RemotePipeline(spec, directory.run_id, directory, p2p, attack=attack)
             trainer = Trainer(spec, directory.run_id, directory, identity, pipeline, dataset, shard,
-                              concurrency=concurrency, max_samples=max_samples, loss_log=loss_log)
+                              concurrency=concurrency, max_samples=max_samples, loss_log=loss_log, position=position)
             await trainer.run(stop)
 
         asyncio.run(main())

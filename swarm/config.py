@@ -217,6 +217,10 @@ class CheckpointSpec(_Section):
         "Disk across the swarm is n/k times the state.",
     )
     keep: int = Field(2, ge=1, description="Checkpoints per stage kept; older ones are garbage-collected.")
+    restore_timeout_s: float = Field(
+        180.0, gt=0, description="Seconds a server with no live peer of its stage waits for enough fragment "
+        "holders of the stage's newest checkpoint before it gives up (it never silently starts from scratch).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "CheckpointSpec":
@@ -224,6 +228,34 @@ class CheckpointSpec(_Section):
             raise ValueError(f"fragments_needed={self.fragments_needed} > fragments_total={self.fragments_total}; "
                              "raise fragments_total")
         return self
+
+
+class RollbackSpec(_Section):
+    """Automatic rollback on a loss spike (:mod:`swarm.checkpoint.rollback`), the OPT-175B logbook's manual
+    remedy: return every stage to its last good checkpoint and lower the learning rate."""
+
+    enabled: bool = Field(True, description="Watch the training loss and roll back on a spike.")
+    window_epochs: int = Field(
+        10, ge=2, description="Epochs in the loss's moving average (EMA with alpha = 2 / (window + 1)).",
+    )
+    margin: float = Field(
+        0.5, gt=0, description="A spike: an epoch's mean training loss above (1 + margin) x the moving average. "
+        "Lower catches smaller spikes but risks rolling back on noise.",
+    )
+    warmup_epochs: int = Field(5, ge=1, description="Epochs of loss seen before spikes are judged (and after a rollback).")
+    lr_factor: float = Field(0.5, gt=0, le=1, description="Learning-rate multiplier applied at each rollback.")
+
+
+class RebalanceSpec(_Section):
+    """Servers move to the stage that most lacks throughput (SWARM, Ryabinin et al. 2023, sec. 3.3)."""
+
+    enabled: bool = Field(True, description="Let servers that were not pinned to a stage (no --stage) move.")
+    period_s: float = Field(30.0, gt=0, description="Seconds between a server's checks.")
+    min_gain: float = Field(
+        0.25, ge=0, description="Hysteresis: move only if the slowest stage's throughput rises by this fraction. "
+        "Higher moves less often; 0 may oscillate.",
+    )
+    min_dwell_s: float = Field(60.0, ge=0, description="Seconds a server stays on a stage before it may move again.")
 
 
 class RunSpec(_Section):
@@ -238,6 +270,8 @@ class RunSpec(_Section):
     training: TrainingSpec = TrainingSpec()
     averaging: AveragingSpec = AveragingSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    rollback: RollbackSpec = RollbackSpec()
+    rebalance: RebalanceSpec = RebalanceSpec()
     timeouts: TimeoutSpec = TimeoutSpec()
 
     @field_validator("name")
@@ -322,6 +356,10 @@ class PeerSettings(BaseSettings):
     fragment_max_bytes: int = Field(
         2 << 30, gt=0, description="Disk budget (bytes) for checkpoint fragments this peer holds for the swarm.",
     )
+    fragment_dir: Optional[Path] = Field(
+        None, description="Where held fragments live (default <cache_dir>/fragments). Keep it across restarts: "
+        "the swarm resumes from these files if every peer dies.",
+    )
     byzantine: Optional[str] = Field(
         None, description="TESTS AND BENCHMARKS ONLY: make this peer attack the run (an attack name of "
         "swarm.averaging.attacks). Never set it on a real peer.",
@@ -329,3 +367,6 @@ class PeerSettings(BaseSettings):
 
     def identity_path(self) -> Path:
         return self.identity_file or self.cache_dir / "identity.key"
+
+    def fragment_path(self) -> Path:
+        return self.fragment_dir or self.cache_dir / "fragments"

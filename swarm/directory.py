@@ -19,15 +19,22 @@ from hivemind.utils import get_dht_time
 from swarm.config import PeerSettings, RunSpec, SpecError
 from swarm.identity import Identity, derive_run_id
 from swarm.protocol import (
+    CheckpointManifest,
     ProtocolError,
     Record,
+    RollbackOrder,
     ServerInfo,
     SpecRecord,
+    StorageInfo,
     TrainerInfo,
+    checkpoints_key,
+    manifest_subkey,
     open_record,
+    rollback_key,
     seal,
     spec_key,
     stage_key,
+    storage_key,
     trainers_key,
 )
 
@@ -75,7 +82,8 @@ def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, clie
 
 
 class RunDirectory:
-    """Signed records of one run in the DHT: the spec, stage servers, trainers."""
+    """Signed records of one run in the DHT: the spec, stage servers, trainers, fragment holders, checkpoint
+    manifests and rollback orders."""
 
     def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float = 30.0):
         self.dht, self.run_id, self.ttl = dht, run_id, ttl
@@ -133,7 +141,9 @@ class RunDirectory:
     def announce_trainer(self, info: TrainerInfo, identity: Identity) -> bool:
         return self.announce(trainers_key(self.run_id), info, identity)
 
-    def _read(self, key: str, cls: Type[R]) -> list[R]:
+    def read_sealed(self, key: str, cls: Type[R]) -> list[tuple[R, bytes]]:
+        """Verified records under ``key`` with their sealed bytes (to re-publish verbatim); bad ones are logged
+        with their cause and skipped."""
         found = self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
@@ -144,8 +154,15 @@ class RunDirectory:
             except ProtocolError as e:
                 logger.warning("dropped a record under %s/%s: %s", key, subkey, e)
                 continue
-            out.append(rec)
+            out.append((rec, item.value))
         return out
+
+    def _read(self, key: str, cls: Type[R]) -> list[R]:
+        return [rec for rec, _ in self.read_sealed(key, cls)]
+
+    def store_sealed(self, key: str, subkey: str, sealed: bytes) -> bool:
+        """Store sealed bytes (signed by anyone, e.g. a manifest's writer) for ``ttl`` seconds."""
+        return bool(self.dht.store(key, sealed, get_dht_time() + self.ttl, subkey=subkey))
 
     def servers(self, stage: int) -> list[ServerInfo]:
         """Verified, unexpired ServerInfo records of ``stage``, any state."""
@@ -156,6 +173,25 @@ class RunDirectory:
 
     def trainers(self) -> list[TrainerInfo]:
         return self._read(trainers_key(self.run_id), TrainerInfo)
+
+    def storage(self) -> list[StorageInfo]:
+        """Verified StorageInfo records: the fragment holders alive now."""
+        return self._read(storage_key(self.run_id), StorageInfo)
+
+    def manifests(self, stage: int) -> list[tuple[CheckpointManifest, bytes]]:
+        """Verified manifests of ``stage`` (newest epoch first) with their sealed bytes."""
+        found = [(m, b) for m, b in self.read_sealed(checkpoints_key(self.run_id, stage), CheckpointManifest)
+                 if m.stage == stage]
+        return sorted(found, key=lambda mb: (-mb[0].epoch, mb[0].peer_id))
+
+    def publish_manifest(self, manifest: CheckpointManifest, sealed: bytes) -> bool:
+        return self.store_sealed(checkpoints_key(self.run_id, manifest.stage),
+                                 manifest_subkey(manifest.epoch, manifest.peer_id), sealed)
+
+    def rollback_orders(self) -> list[tuple[RollbackOrder, bytes]]:
+        """Verified rollback orders, newest generation first."""
+        return sorted(self.read_sealed(rollback_key(self.run_id), RollbackOrder),
+                      key=lambda ob: (-ob[0].generation, -ob[0].time))
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

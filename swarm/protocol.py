@@ -1,7 +1,7 @@
 """Every DHT record and wire message of the protocol, as typed, versioned schemas (msgpack on the wire).
 
 DHT records live under keys namespaced by run id (:func:`spec_key`, :func:`stage_key`,
-:func:`trainers_key`), one sub-key per peer (its peer id), and expire (``timeouts.record_ttl_s``). Each
+:func:`trainers_key`, ...), one sub-key per peer (its peer id; a manifest's is ``<epoch>:<peer id>``), and expire (``timeouts.record_ttl_s``). Each
 value is a *sealed* record: ``msgpack({"p": payload, "k": ed25519_public_key, "s": signature(payload)})``
 where the payload is the msgpack of a :class:`Record` subclass. :func:`open_record` checks the size, the
 signature, the protocol version, the run id, and that the signer owns the sub-key, before a record is used;
@@ -74,6 +74,17 @@ class SpecRecord(Record):
     spec_hash: str
 
 
+class RestoreReport(BaseModel):
+    """A restore of a stage's state from checkpoint fragments."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    epoch: int = Field(ge=0)
+    shard_sha256: str = Field(max_length=64)
+    bit_exact: bool = Field(description="The state re-captured after loading hashes to the manifest's shard hash.")
+    seconds: float = Field(ge=0, description="From the first manifest lookup to the loaded state.")
+    fragments_bad: int = Field(0, ge=0, description="Fragments refused for a wrong hash (their holders banned).")
+
+
 class ServerInfo(Record):
     """A stage server's announcement under :func:`stage_key`."""
 
@@ -100,6 +111,11 @@ class ServerInfo(Record):
         default_factory=dict, description="Averaging counters: bytes sent/received on the wire, phases, failed "
         "rounds, parts rejected and flagged by this server as a reducer.",
     )
+    lineage: str = Field("", max_length=64, description="Shard hash of the newest checkpoint the server's state "
+                         "descends from (it wrote it, restored it, or it was the stage's newest when it loaded).")
+    restored: Optional[RestoreReport] = Field(None, description="How the server's state was restored from "
+                                              "checkpoint fragments, if it was.")
+    lr_scale: float = Field(1.0, gt=0, description="Learning-rate multiplier after loss-spike rollbacks.")
 
 
 class PartCommitment(Record):
@@ -147,18 +163,23 @@ def accusations_key(prefix: str) -> str:
 
 
 class FragmentEntry(BaseModel):
-    """One erasure-coded fragment of a checkpoint shard and the peers that hold it."""
+    """One erasure-coded fragment of a checkpoint shard and the peers it was first placed on."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     index: int = Field(ge=0, lt=256)
     sha256: str = Field(min_length=64, max_length=64)
-    holders: list[str] = Field(default_factory=list, max_length=64, description="Peer ids holding the fragment.")
+    holders: list[str] = Field(default_factory=list, max_length=64,
+                               description="Peer ids (stable, Ed25519) the writer placed the fragment on.")
 
 
 class CheckpointManifest(Record):
-    """What a stage's checkpoint at ``epoch`` is and where its fragments live (:mod:`swarm.checkpoint`),
-    under :func:`checkpoints_key`, sub-key ``str(epoch)``. ``parent`` is the shard hash of the stage's previous
-    checkpoint, so committed states form a hash chain."""
+    """What a stage's checkpoint at ``epoch`` is and where its fragments were placed (:mod:`swarm.checkpoint`).
+
+    Stored under :func:`checkpoints_key`, sub-key :func:`manifest_subkey` (epoch and writer), signed by the
+    writer and re-published verbatim by the fragments' holders, so it outlives its writer. ``parent`` is the
+    shard hash of the checkpoint the writer's state descends from, so committed states form a hash chain.
+    Which peers hold a fragment *now* is in their :class:`StorageInfo` records.
+    """
 
     kind: Literal["manifest"] = "manifest"
     stage: int = Field(ge=0)
@@ -169,10 +190,55 @@ class CheckpointManifest(Record):
     n: int = Field(ge=1, le=256, description="Fragments made.")
     fragments: list[FragmentEntry] = Field(default_factory=list, max_length=256)
     parent: str = Field("", max_length=64)
+    parent_epoch: int = Field(-1, ge=-1)
+    loss: Optional[float] = Field(None, description="The writer's training loss EMA (last stage only).")
+    data_position: dict[int, int] = Field(default_factory=dict, description="Data share -> samples its trainer "
+                                          "had consumed when the checkpoint was written (trainers resume there).")
 
 
 def checkpoints_key(run_id: str, stage: int) -> str:
     return f"{run_id}/checkpoints/{stage}"
+
+
+def manifest_subkey(epoch: int, peer_id: str) -> str:
+    """Sub-key of a manifest: ``<epoch>:<writer peer id>`` (one per epoch and writer)."""
+    return f"{epoch}:{peer_id}"
+
+
+class StorageInfo(Record):
+    """A fragment holder's announcement under :func:`storage_key`: where to reach it, its free budget and
+    the fragments it holds (verified on its disk when stored)."""
+
+    kind: Literal["storage"] = "storage"
+    p2p_id: str = Field(max_length=128, description="libp2p id serving rpc_get_fragment / rpc_put_fragment.")
+    free_bytes: int = Field(ge=0, description="Fragment budget left (bytes).")
+    stage: int = Field(-1, ge=-1, description="Stage the peer serves (-1: none, e.g. the coordinator).")
+    held: list[tuple[int, int, int, str]] = Field(
+        default_factory=list, max_length=1024,
+        description="Fragments held, as [stage, epoch, index, first 16 hex digits of the fragment's SHA-256].")
+    banned: dict[str, str] = Field(default_factory=dict, description="Peer ids that served corrupt fragments "
+                                   "to this peer -> reason (at most 32); never fetched from or placed on again.")
+
+
+def storage_key(run_id: str) -> str:
+    return f"{run_id}/storage"
+
+
+class RollbackOrder(Record):
+    """A swarm-wide order to return every stage to its checkpoint at or before ``epoch`` and scale the
+    learning rate by ``lr_scale`` (cumulative), issued by a last-stage server that saw the loss spike (see
+    :mod:`swarm.checkpoint.rollback`). Stored under :func:`rollback_key`, sub-key the issuer's peer id."""
+
+    kind: Literal["rollback"] = "rollback"
+    epoch: int = Field(ge=0, description="Newest epoch whose checkpoint is still good.")
+    detected_epoch: int = Field(ge=0)
+    lr_scale: float = Field(gt=0, le=1, description="Learning-rate multiplier after this rollback (cumulative).")
+    generation: int = Field(ge=1, description="Rollbacks so far, this one included.")
+    reason: str = Field("", max_length=512)
+
+
+def rollback_key(run_id: str) -> str:
+    return f"{run_id}/rollback"
 
 
 class TrainerInfo(Record):
@@ -183,6 +249,8 @@ class TrainerInfo(Record):
     loss: Optional[float] = None
     initial_loss: Optional[float] = None
     samples: int = Field(0, ge=0)
+    position: int = Field(0, ge=0, description="Samples of its data share consumed since the run began (a trainer "
+                          "resumes from the position recorded in the newest checkpoint manifest).")
     tokens: int = Field(0, ge=0)
     samples_per_s: float = Field(0.0, ge=0)
     failures: int = Field(0, ge=0, description="Micro-batch attempts that failed and were retried.")
@@ -255,6 +323,8 @@ def open_record(
         raise ProtocolError(f"record is for run {record.run_id!r}, not {run_id!r}")
     if cls is not SpecRecord:
         owner = peer_id_of(key)
+        if subkey is not None and cls is CheckpointManifest:
+            subkey = subkey.rpartition(":")[2] if subkey == manifest_subkey(record.epoch, owner) else ""
         if record.peer_id != owner or (subkey is not None and subkey != owner):
             raise ProtocolError("record names a peer id its signer does not own")
     return record, key
@@ -370,12 +440,20 @@ class FragmentPut(_Schema):
 
 
 class FragmentGet(_Schema):
-    """Ask a holder for a fragment (``rpc_get_fragment``)."""
+    """Ask a holder for a fragment (``rpc_get_fragment``); ``sha256`` names the one the manifest lists."""
 
     run_id: str
     stage: int = Field(ge=0)
     epoch: int = Field(ge=0)
     index: int = Field(ge=0, lt=256)
+    sha256: str = Field("", max_length=64)
+
+
+class ManifestPut(_Schema):
+    """Hand a holder the sealed manifest of a checkpoint it holds fragments of (``rpc_put_manifest``), so it
+    can re-publish the manifest after every other peer is gone; tensors: the sealed bytes as uint8 ``(size,)``."""
+
+    run_id: str
 
 
 class FragmentReply(_Schema):

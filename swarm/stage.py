@@ -85,6 +85,8 @@ class StageServer(ServicerBase):
         self.fingerprints: dict[int, list[float]] = {}
         self.rounds, self.round_seconds = 0, 0.0
         self.epoch_listeners: list = []
+        self._epoch_losses: list[float] = []
+        self.epoch_loss: Optional[float] = None  # mean training loss of the last finished epoch (last stage)
         self.max_batch = 8 * spec.training.micro_batch_size
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
 
@@ -143,6 +145,7 @@ class StageServer(ServicerBase):
             loss.backward()
         value = loss.item()
         self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
+        self._epoch_losses.append(value)
         grad = leaf.grad if leaf.requires_grad else None
         self._accumulate(key[0], x.shape[0], time.perf_counter() - start)
         self._finish(key, (grad, value))
@@ -244,6 +247,8 @@ class StageServer(ServicerBase):
         self.rounds += 1
         self.round_seconds += seconds
         epoch = self.optimizer.local_epoch
+        losses, self._epoch_losses = self._epoch_losses, []
+        self.epoch_loss = sum(losses) / len(losses) if losses else None
         self.fingerprints[epoch] = parameter_fingerprint(self.module)
         for old in sorted(self.fingerprints)[:-4]:
             del self.fingerprints[old]
@@ -265,6 +270,10 @@ class StageServer(ServicerBase):
             p.grad = None
         self.throughput.update(task_size=b, interval=best)
         return b / best
+
+    async def compute(self, fn, *args):
+        """Run ``fn(*args)`` on the compute thread, between micro-batches (state changes go through here)."""
+        return await self._compute(fn, *args)
 
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -3,7 +3,9 @@
 A trainer claims a data share (the lowest one no other live trainer announces), walks that share of each
 pass in a seeded order (:func:`swarm.data.shard_order`), and keeps ``concurrency`` micro-batches in flight
 through :class:`~swarm.pipeline.RemotePipeline`. Every ``record_ttl_s / 3`` seconds it publishes a signed
-:class:`~swarm.protocol.TrainerInfo` and logs one fixed-key line.
+:class:`~swarm.protocol.TrainerInfo` (with its position in the share's stream, which checkpoints record) and
+logs one fixed-key line. A trainer that (re)joins a run with checkpoints resumes its share at the position
+the newest manifest recorded (:func:`resume_position`).
 """
 
 from __future__ import annotations
@@ -37,13 +39,29 @@ def claim_shard(directory: RunDirectory, num_shards: int, peer_id: str) -> int:
     return free[0] if free else int(peer_id.encode().hex(), 16) % num_shards
 
 
-def micro_batches(dataset: TokenDataset, spec: RunSpec, shard: int, start_pass: int = 0) -> Iterator[list[int]]:
-    """Endless lists of sample indices (``micro_batch_size`` each) of ``shard``, pass after pass."""
+def micro_batches(dataset: TokenDataset, spec: RunSpec, shard: int, position: int = 0) -> Iterator[list[int]]:
+    """Endless lists of sample indices (``micro_batch_size`` each) of ``shard``, pass after pass, starting
+    after the first ``position`` samples of the share's stream (a resumed trainer continues there)."""
     b = spec.training.micro_batch_size
-    for p in itertools.count(start_pass):
+    per_pass = None
+    for p in itertools.count(0):
         order = shard_order(dataset.num_samples("train"), shard, spec.data.num_shards, spec.data.seed, p)
+        per_pass = per_pass or max(b, len(order) - len(order) % b)
+        if position >= per_pass:  # skip whole passes without building their batches
+            position -= per_pass
+            continue
         for i in range(0, len(order) - b + 1, b):
+            if position > 0:
+                position -= b
+                continue
             yield order[i : i + b]
+
+
+def resume_position(directory: RunDirectory, shard: int, num_stages: int) -> int:
+    """Samples of data share ``shard`` consumed as of the newest checkpoint manifest of any stage (0 if none)."""
+    newest = [m for k in range(num_stages) for m, _ in directory.manifests(k)[:1]]
+    newest.sort(key=lambda m: -m.epoch)
+    return next((m.data_position[shard] for m in newest if shard in m.data_position), 0)
 
 
 class Trainer:
@@ -54,11 +72,12 @@ class Trainer:
 
     def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, identity: Identity,
                  pipeline: RemotePipeline, dataset: TokenDataset, shard: int, *, concurrency: int = 1,
-                 max_samples: Optional[int] = None, loss_log: Optional[Path] = None):
+                 max_samples: Optional[int] = None, loss_log: Optional[Path] = None, position: int = 0):
         self.spec, self.run_id, self.directory, self.identity = spec, run_id, directory, identity
         self.pipeline, self.dataset, self.shard = pipeline, dataset, shard
         self.concurrency, self.max_samples, self.loss_log = concurrency, max_samples, loss_log
         self.samples = self.tokens = self.steps = 0
+        self.start_position = position
         self.first_losses: list[float] = []  # the first few, for initial_loss
         self.loss_ema: Optional[float] = None
         self._started = time.monotonic()
@@ -97,7 +116,8 @@ class Trainer:
         elapsed = max(time.monotonic() - self._started, 1e-6)
         return TrainerInfo(
             run_id=self.run_id, peer_id=self.identity.peer_id, time=get_dht_time(), shard=self.shard,
-            loss=self.loss_ema, initial_loss=self.initial_loss, samples=self.samples, tokens=self.tokens,
+            loss=self.loss_ema, initial_loss=self.initial_loss, samples=self.samples,
+            position=self.start_position + self.samples, tokens=self.tokens,
             samples_per_s=self.samples / elapsed, failures=self.pipeline.failures,
             bytes_sent=GLOBAL_COUNTER.sent, bytes_received=GLOBAL_COUNTER.received, version=__version__,
         )
@@ -125,7 +145,7 @@ class Trainer:
     async def run(self, stop: asyncio.Event, grace_s: float = 5.0) -> None:
         """Train until ``stop`` is set; micro-batches still in flight ``grace_s`` seconds later are abandoned."""
         self._started = time.monotonic()
-        batches = micro_batches(self.dataset, self.spec, self.shard)
+        batches = micro_batches(self.dataset, self.spec, self.shard, self.start_position)
         reporter = asyncio.create_task(self._report(stop))
         workers = [asyncio.create_task(self._worker(batches, stop)) for _ in range(self.concurrency)]
         try:

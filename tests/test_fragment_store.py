@@ -47,3 +47,18 @@ def test_budget_and_retention(tmp_path):
         store.put("run-x", 0, 3, frags[1])
     with pytest.raises(ValueError, match="bad run id"):
         store.put("../etc", 0, 1, frags[0])
+
+
+def test_retention_never_drops_a_committed_checkpoint_for_uncommitted_ones(tmp_path):
+    frags = _fragments()
+    store = FragmentStore(tmp_path, max_bytes=1 << 20, keep_epochs=1)
+    store.put("run-x", 0, 10, frags[0])
+    store.save_manifest("run-x", 0, 10, b"sealed-10")
+    store.put("run-x", 0, 20, frags[0])  # a writer died before committing epoch 20
+    store.put("run-x", 0, 30, frags[0])  # ... and 30 is being written: 20 goes, committed 10 stays
+    assert sorted(h.epoch for h in store.held()) == [10, 30]
+    store.save_manifest("run-x", 0, 30, b"sealed-30")
+    assert store.collect("run-x", 0) == [10]
+    assert [(s, e, m) for s, e, m in store.committed("run-x")] == [(0, 30, b"sealed-30")]
+    with pytest.raises(FileNotFoundError):
+        store.save_manifest("run-x", 0, 40, b"sealed-40")

@@ -59,8 +59,28 @@ def make_stage_torch_optimizer(optim: OptimSpec, params) -> torch.optim.Optimize
     return opt
 
 
-def make_scheduler(optim: OptimSpec, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_at_epoch, optim))
+class Schedule:
+    """The learning-rate multiplier at an epoch: :func:`lr_at_epoch` times ``scale`` (lowered by loss-spike
+    rollbacks, :mod:`swarm.checkpoint.rollback`)."""
+
+    def __init__(self, optim: OptimSpec, scale: float = 1.0):
+        self.optim, self.scale = optim, scale
+
+    def __call__(self, epoch: int) -> float:
+        return lr_at_epoch(self.optim, epoch) * self.scale
+
+
+def make_scheduler(optim: OptimSpec, opt: torch.optim.Optimizer,
+                   schedule: Schedule | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, schedule or Schedule(optim))
+
+
+def set_lr_scale(optimizer: "StageOptimizer", scale: float) -> None:
+    """Set the rollback learning-rate multiplier and apply it to the current epoch's learning rate now."""
+    optimizer.schedule.scale = scale
+    scheduler = optimizer.state_averager.scheduler
+    for group, base in zip(optimizer.opt.param_groups, scheduler.base_lrs):
+        group["lr"] = base * optimizer.schedule(scheduler.last_epoch)
 
 
 class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
@@ -98,8 +118,9 @@ class StageOptimizer(hivemind.Optimizer):
             self.scheduled_grads = None
         return super()._begin_averaging_gradients(grad_scaler)
 
-    def __init__(self, *, state_averager_kwargs: dict, **kwargs):
+    def __init__(self, *, state_averager_kwargs: dict, schedule: Schedule, **kwargs):
         self._robust_state_kwargs = state_averager_kwargs
+        self.schedule = schedule
         super().__init__(**kwargs)
 
     def _make_state_averager(self, **kwargs) -> RobustStateAverager:
@@ -151,13 +172,15 @@ def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.
     components = averaging_components(spec, attack, identity, run_id)
     state_kwargs = {k: components[k] for k in ("aggregator", "policy", "ban_policy", "phase_timeout", "identity",
                                                "run_id", "audit_probability")}
+    schedule = Schedule(spec.optim)
     return StageOptimizer(
         state_averager_kwargs=state_kwargs,
+        schedule=schedule,
         dht=dht,
         run_id=f"{run_id}-stage{stage}",
         params=module.parameters(),
         optimizer=partial(make_stage_torch_optimizer, spec.optim),
-        scheduler=partial(make_scheduler, spec.optim),
+        scheduler=partial(make_scheduler, spec.optim, schedule=schedule),
         target_batch_size=spec.training.target_batch_size,
         batch_size_per_step=spec.training.micro_batch_size,
         matchmaking_time=avg.matchmaking_time,

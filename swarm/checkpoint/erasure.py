@@ -16,7 +16,12 @@ from zfec.easyfec import Decoder, Encoder
 
 
 class FragmentError(ValueError):
-    """Fragments that are too few, corrupt (hash mismatch), duplicated or inconsistent."""
+    """Fragments that are too few, corrupt (hash mismatch), duplicated or inconsistent, or a holder that
+    cannot serve or take one."""
+
+
+class CorruptFragment(FragmentError):
+    """Fragment bytes that do not match their hash (the holder that served them is banned)."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,7 @@ class Fragment:
 
     def verify(self) -> None:
         if hashlib.sha256(self.data).hexdigest() != self.sha256:
-            raise FragmentError(f"fragment {self.index} does not match its hash; its holder served corrupt data")
+            raise CorruptFragment(f"fragment {self.index} does not match its hash; its holder served corrupt data")
 
 
 def split_into_fragments(blob: bytes, k: int, n: int) -> list[Fragment]:

@@ -16,7 +16,18 @@ from hivemind.proto import runtime_pb2
 
 from swarm.checkpoint.erasure import Fragment, FragmentError
 from swarm.checkpoint.store import FragmentStore, StoreFull
-from swarm.protocol import FragmentGet, FragmentPut, FragmentReply, ProtocolError, pack_message, unpack_message
+from swarm.protocol import (
+    MAX_RECORD_BYTES,
+    CheckpointManifest,
+    FragmentGet,
+    FragmentPut,
+    FragmentReply,
+    ManifestPut,
+    ProtocolError,
+    open_record,
+    pack_message,
+    unpack_message,
+)
 from swarm.transport import gather, stream_out
 
 
@@ -53,6 +64,37 @@ class FragmentService(ServicerBase):
         async for msg in self._reply(reply):
             yield msg
 
+    def accept_manifest(self, sealed: bytes) -> CheckpointManifest:
+        """Verify a sealed manifest against the fragments held here and save it (commits the checkpoint).
+
+        :raises ProtocolError: bad signature, other run, or it lists none of the held fragments' hashes.
+        """
+        manifest, _ = open_record(sealed, CheckpointManifest, run_id=self.run_id)
+        listed = {f.index: f.sha256 for f in manifest.fragments}
+        held = [h for h in self.store.held() if (h.run_id, h.stage, h.epoch) == (self.run_id, manifest.stage, manifest.epoch)]
+        if not held or any(listed.get(h.index) != h.sha256 for h in held):
+            raise ProtocolError(f"the manifest of stage {manifest.stage} epoch {manifest.epoch} does not list the "
+                                "fragments held here")
+        self.store.save_manifest(self.run_id, manifest.stage, manifest.epoch, sealed)
+        return manifest
+
+    async def rpc_put_manifest(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                               ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Take the sealed manifest of a checkpoint this peer holds fragments of."""
+        try:
+            metadata, tensors = await gather(stream, max_bytes=MAX_RECORD_BYTES)
+            req = unpack_message(metadata, ManifestPut)
+            if req.run_id != self.run_id:
+                raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
+            if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+                raise ProtocolError("a manifest travels as one uint8 vector")
+            await asyncio.get_running_loop().run_in_executor(None, self.accept_manifest, tensors[0].numpy().tobytes())
+            reply = FragmentReply()
+        except (ProtocolError, FileNotFoundError, ValueError) as e:
+            reply = FragmentReply(error=str(e)[:512])
+        async for msg in self._reply(reply):
+            yield msg
+
     async def rpc_get_fragment(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Serve a fragment this peer holds (verified on read)."""
@@ -62,6 +104,8 @@ class FragmentService(ServicerBase):
             req = unpack_message(metadata, FragmentGet)
             fragment = await asyncio.get_running_loop().run_in_executor(
                 None, self.store.get, req.run_id, req.stage, req.epoch, req.index)
+            if req.sha256 and fragment.sha256 != req.sha256:  # another checkpoint of the same epoch (a race)
+                raise FileNotFoundError
             reply, data = FragmentReply(sha256=fragment.sha256), fragment.data
         except FileNotFoundError:
             reply = FragmentReply(error="fragment not held here")
@@ -101,6 +145,22 @@ async def put_fragment(p2p: P2P, peer: str, run_id: str, stage: int, epoch: int,
         raise FragmentError(f"{peer} refused fragment {fragment.index}: {reply.error}")
 
 
+async def put_manifest(p2p: P2P, peer: str, run_id: str, sealed: bytes, timeout: float = 30.0) -> None:
+    """Hand the sealed manifest to ``peer``, a holder of its fragments.
+
+    :raises FragmentError: the holder refused (its reason) or is unreachable.
+    """
+    stub = FragmentService.get_stub(p2p, PeerID.from_base58(peer), namespace=run_id)
+    meta = pack_message(ManifestPut(run_id=run_id))
+
+    async def call():
+        stream = await stub.rpc_put_manifest(stream_out(runtime_pb2.ExpertRequest, meta, [_bytes_tensor(sealed)]))
+        return unpack_message((await gather(stream, max_bytes=1 << 16))[0], FragmentReply)
+    reply = await _call(call, peer, run_id, timeout)
+    if reply.error:
+        raise FragmentError(f"{peer} refused the manifest: {reply.error}")
+
+
 async def get_fragment(p2p: P2P, peer: str, run_id: str, stage: int, epoch: int, index: int, sha256: str,
                        timeout: float = 60.0) -> Fragment:
     """Fetch fragment ``index`` from ``peer`` and verify it against the manifest's ``sha256``.
@@ -108,7 +168,7 @@ async def get_fragment(p2p: P2P, peer: str, run_id: str, stage: int, epoch: int,
     :raises FragmentError: the holder does not have it, is unreachable, or served bytes that do not match.
     """
     stub = FragmentService.get_stub(p2p, PeerID.from_base58(peer), namespace=run_id)
-    meta = pack_message(FragmentGet(run_id=run_id, stage=stage, epoch=epoch, index=index))
+    meta = pack_message(FragmentGet(run_id=run_id, stage=stage, epoch=epoch, index=index, sha256=sha256))
 
     async def call():
         stream = await stub.rpc_get_fragment(stream_out(runtime_pb2.ExpertRequest, meta, []))
@@ -118,5 +178,5 @@ async def get_fragment(p2p: P2P, peer: str, run_id: str, stage: int, epoch: int,
     if reply.error:
         raise FragmentError(f"{peer} cannot serve fragment {index}: {reply.error}")
     fragment = Fragment(index, tensors[0].numpy().tobytes() if tensors else b"", sha256)
-    fragment.verify()
+    fragment.verify()  # CorruptFragment: the holder served bytes that are not the fragment
     return fragment

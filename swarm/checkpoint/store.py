@@ -1,11 +1,16 @@
 """A peer's on-disk store of checkpoint fragments: bounded, verified, surviving restarts.
 
 Layout: ``<root>/<run_id>/stage<k>/epoch<e>/<index>.frag`` holding the fragment's bytes, the file name's
-index and the manifest's SHA-256 identifying it (``<index>.sha256`` beside it). Writes are atomic (temporary
-file, ``fsync``, rename), so a crash never leaves a half-written fragment that looks whole; reads verify the
-hash, and a corrupt file is deleted and reported. The store never exceeds ``max_bytes``: a write that would
-is refused with :class:`StoreFull` (after old epochs beyond ``keep_epochs`` per stage were collected), and
+index and the manifest's SHA-256 identifying it (``<index>.sha256`` beside it), and ``manifest.bin``: the
+sealed manifest of the checkpoint, once its writer handed it over (the checkpoint is then *committed* here).
+Writes are atomic (temporary file, ``fsync``, rename), so a crash never leaves a half-written fragment that
+looks whole; reads verify the hash, and a corrupt file is deleted and reported. The store never exceeds
+``max_bytes``: a write that would is refused with :class:`StoreFull` (after old epochs were collected), and
 ``OSError`` from a full disk becomes the same error, naming the setting to change.
+
+Retention per (run, stage): the newest ``keep_epochs`` committed epochs, plus at most ``keep_epochs``
+uncommitted epochs newer than those (checkpoints still being written); everything else is deleted, so an
+old committed checkpoint is never dropped for a newer one that was never committed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from swarm.checkpoint.erasure import Fragment, FragmentError
 
 class StoreFull(OSError):
     """The fragment would exceed the store's byte budget or the disk is full."""
+
+
+class SlotTaken(ValueError):
+    """A different fragment with the same (run, stage, epoch, index) is held already (two writers raced)."""
 
 
 @dataclass(frozen=True)
@@ -60,16 +69,26 @@ class FragmentStore:
         """Verify and store ``fragment``; returns what is stored.
 
         :raises FragmentError: the bytes do not match the fragment's hash.
+        :raises SlotTaken: a fragment with another hash is held in that slot (kept: the first one wins).
         :raises StoreFull: over ``max_bytes`` even after collecting old epochs, or the disk is full.
         """
         folder = self._dir(run_id, stage, epoch)
         fragment.verify()
+        path = folder / f"{fragment.index}.frag"
+        try:
+            held = (folder / f"{fragment.index}.sha256").read_text().strip()
+        except OSError:
+            held = None
+        if held == fragment.sha256 and path.exists():
+            return StoredFragment(run_id, stage, epoch, fragment.index, fragment.sha256, len(fragment.data))
+        if held is not None and path.exists():
+            raise SlotTaken(f"fragment {fragment.index} of stage {stage} epoch {epoch} is already held here for "
+                            "another checkpoint of that epoch; place this one on another peer")
         self.collect(run_id, stage, newest=epoch)
         if self.used_bytes() + len(fragment.data) > self.max_bytes:
             raise StoreFull(errno.ENOSPC, f"storing {len(fragment.data)} bytes would exceed the fragment budget of "
                                           f"{self.max_bytes} bytes; raise SWARM_FRAGMENT_MAX_BYTES or free disk")
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{fragment.index}.frag"
         try:
             _atomic_write(path, fragment.data)
             _atomic_write(folder / f"{fragment.index}.sha256", fragment.sha256.encode())
@@ -99,6 +118,31 @@ class FragmentStore:
             raise
         return fragment
 
+    def save_manifest(self, run_id: str, stage: int, epoch: int, sealed: bytes) -> None:
+        """Keep the sealed manifest of a checkpoint this peer holds fragments of (commits it here)."""
+        folder = self._dir(run_id, stage, epoch)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"no fragments of stage {stage} epoch {epoch} are held here")
+        _atomic_write(folder / "manifest.bin", sealed)
+
+    def manifest(self, run_id: str, stage: int, epoch: int) -> bytes | None:
+        """The sealed manifest saved for (run, stage, epoch), or None."""
+        try:
+            return (self._dir(run_id, stage, epoch) / "manifest.bin").read_bytes()
+        except OSError:
+            return None
+
+    def committed(self, run_id: str) -> Iterator[tuple[int, int, bytes]]:
+        """``(stage, epoch, sealed manifest)`` of every committed checkpoint held for ``run_id``."""
+        for path in sorted(self.root.glob(f"{run_id}/stage*/epoch*/manifest.bin")):
+            try:
+                yield int(path.parts[-3][5:]), int(path.parts[-2][5:]), path.read_bytes()
+            except (ValueError, OSError):
+                continue
+
+    def free_bytes(self) -> int:
+        return max(0, self.max_bytes - self.used_bytes())
+
     def held(self) -> Iterator[StoredFragment]:
         """Every fragment on disk (to re-announce after a restart); unreadable entries are skipped."""
         for frag in sorted(self.root.glob("*/stage*/epoch*/*.frag")):
@@ -109,14 +153,20 @@ class FragmentStore:
             except (ValueError, OSError):
                 continue
 
-    def collect(self, run_id: str, stage: int, newest: int) -> list[int]:
-        """Delete epochs of (run, stage) older than the newest ``keep_epochs`` (counting ``newest``); returns
-        the epochs deleted."""
-        folder = self._dir(run_id, stage, newest).parent
+    def collect(self, run_id: str, stage: int, newest: int | None = None) -> list[int]:
+        """Apply the retention rule (module docstring) to (run, stage), counting ``newest`` (an epoch about to
+        be written) as uncommitted; returns the epochs deleted."""
+        folder = self._dir(run_id, stage, 0).parent
         if not folder.exists():
             return []
-        epochs = sorted({int(p.name[5:]) for p in folder.glob("epoch*") if p.name[5:].isdigit()} | {newest})
-        doomed = [e for e in epochs[:-self.keep_epochs] if e != newest]
+        epochs = {int(p.name[5:]) for p in folder.glob("epoch*") if p.name[5:].isdigit()}
+        committed = sorted(e for e in epochs if (folder / f"epoch{e}" / "manifest.bin").exists())
+        kept = set(committed[-self.keep_epochs:])
+        floor = max(kept, default=-1)
+        pending = sorted(e for e in epochs | ({newest} if newest is not None else set())
+                         if e > floor and e not in kept)
+        kept |= set(pending[-self.keep_epochs:])
+        doomed = sorted(e for e in epochs if e not in kept and e != newest)
         for e in doomed:
             shutil.rmtree(folder / f"epoch{e}", ignore_errors=True)
         return doomed

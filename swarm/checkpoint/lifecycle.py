@@ -1,0 +1,297 @@
+"""A stage server's checkpoint duties: restore at start, commit every interval, follow rollback orders.
+
+* **Restore** (:meth:`StageCheckpoints.restore_at_start`): with live servers of the stage the caller loads
+  their state (hivemind ``load_state_from_peers``); otherwise the stage's newest committed checkpoint is
+  fetched from any ``k`` verified fragments. If the swarm shows checkpoints but too few holders yet (every
+  peer is restarting), the server waits up to ``checkpoint.restore_timeout_s`` for them; only then does it
+  fall back to an older restorable checkpoint, logging the epochs lost. With no checkpoint anywhere (a new
+  run) it starts from the spec's initial parameters.
+* **Commit** (:meth:`StageCheckpoints.on_epoch`): every ``checkpoint.interval_epochs`` epochs the state is
+  captured on the compute thread (a consistent copy between micro-batches) and, if this server is the
+  stage's writer (the online server with the lowest peer id), committed by
+  :func:`~swarm.checkpoint.writer.write_checkpoint` with ``parent`` = the checkpoint the state descends from.
+* **Rollback** (:meth:`StageCheckpoints.watch`): see :mod:`swarm.checkpoint.rollback`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import warnings
+from typing import Optional
+
+from hivemind.utils import get_dht_time
+
+from swarm.averaging.optimizer import set_lr_scale
+from swarm.checkpoint.catalog import CheckpointView, newest_restorable
+from swarm.checkpoint.erasure import FragmentError
+from swarm.checkpoint.keeper import FragmentKeeper
+from swarm.checkpoint.rollback import LossSpikeDetector
+from swarm.checkpoint.shard import ShardError, decode_shard, encode_shard
+from swarm.checkpoint.state import capture_stage_state, restore_stage_state
+from swarm.checkpoint.writer import CheckpointError, write_checkpoint
+from swarm.protocol import RestoreReport, RollbackOrder, ServerState, rollback_key
+
+logger = logging.getLogger(__name__)
+
+
+class RestoreError(RuntimeError):
+    """No live server of the stage and no restorable checkpoint although the run has checkpoints."""
+
+
+class StageCheckpoints:
+    """Checkpoint duties of the server ``server`` (a :class:`~swarm.stage.StageServer` with its optimizer)."""
+
+    def __init__(self, keeper: FragmentKeeper, server, identity):
+        self.keeper, self.server, self.identity = keeper, server, identity
+        self.spec, self.directory, self.me = keeper.spec, keeper.directory, identity.peer_id
+        self.stage = server.stage
+        self.lineage: tuple[str, int] = ("", -1)
+        self._restored_lineage: Optional[tuple[str, int]] = None
+        self.restored: Optional[RestoreReport] = None
+        self.generation, self.order_sealed = 0, None
+        self._order_scale, self._order_issuer = 1.0, ""
+        self.detector = LossSpikeDetector(self.spec.rollback)
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self._writing = False
+        self.committed = 0
+        self._pending: set = set()  # futures of commits and rollback orders scheduled from the compute thread
+
+    @property
+    def optimizer(self):
+        return self.server.optimizer
+
+    @property
+    def lr_scale(self) -> float:
+        return self.optimizer.schedule.scale if self.optimizer is not None else 1.0
+
+    def _tag(self) -> str:
+        return f"[{self.me} stage={self.stage} epoch={self.server.epoch}]"
+
+    # ---- restore ---------------------------------------------------------------------------------------
+    def _others_online(self) -> bool:
+        return any(s.state == ServerState.ONLINE and s.peer_id != self.me for s in self.directory.servers(self.stage))
+
+    def _evidence(self) -> bool:
+        """Has this run ever committed a checkpoint (on our disk, or visible in the DHT)?"""
+        return any(True for _ in self.keeper.store.committed(self.keeper.run_id)) or any(
+            s.held for s in self.directory.storage())
+
+    async def restore_at_start(self) -> str:
+        """Decide where the state comes from and restore it if from a checkpoint.
+
+        :returns: ``"peers"`` (the caller loads from live servers), ``"checkpoint"`` or ``"fresh"``.
+        :raises RestoreError: checkpoints exist but none became restorable within ``restore_timeout_s``.
+        """
+        io = self.keeper._io
+        orders = await io(self.directory.rollback_orders)
+        if orders:
+            self._adopt_order(*orders[0])
+        started = time.monotonic()
+        timeout = self.spec.checkpoint.restore_timeout_s
+        evidence = await io(self._evidence)
+        last_note = 0.0
+        while True:
+            if await io(self._others_online):
+                return "peers"
+            views = (await self.keeper.views())[self.stage]
+            best = newest_restorable(views)
+            newest = views[0] if views else None
+            waited = time.monotonic() - started
+            if best is not None and (best.manifest.epoch == newest.manifest.epoch or waited > timeout):
+                if best.manifest.epoch != newest.manifest.epoch:
+                    logger.error("%s checkpoint epoch %d has only %d of %d fragments alive after %.0f s; restoring "
+                                 "epoch %d instead: epochs %d..%d are lost", self._tag(), newest.manifest.epoch,
+                                 newest.fragments_alive, newest.manifest.k, waited, best.manifest.epoch,
+                                 best.manifest.epoch + 1, newest.manifest.epoch)
+                try:
+                    await self.restore_from(best, set_epoch=True)
+                    return "checkpoint"
+                except (FragmentError, ShardError) as e:
+                    logger.warning("%s restoring epoch %d failed (%s); retrying", self._tag(), best.manifest.epoch, e)
+            elif newest is None and (not evidence or waited > min(timeout, 3 * self.directory.ttl)):
+                if evidence:
+                    logger.warning("%s the run has checkpoints but none of stage %d appeared within %.0f s; starting "
+                                   "from the initial parameters", self._tag(), self.stage, waited)
+                return "fresh"
+            elif waited > timeout:
+                raise RestoreError(
+                    f"stage {self.stage} has no live server and its checkpoints have too few fragments alive "
+                    f"(newest: epoch {newest.manifest.epoch}, {newest.fragments_alive} of {newest.manifest.k} needed) "
+                    f"after {waited:.0f} s; start the peers that hold its fragments (their SWARM_FRAGMENT_DIR)")
+            if time.monotonic() - last_note > 10:
+                last_note = time.monotonic()
+                logger.info("%s no live server of the stage; waiting for checkpoint holders (%s)", self._tag(),
+                            f"epoch {newest.manifest.epoch}: {newest.fragments_alive}/{newest.manifest.k} fragments "
+                            "alive" if newest else "no manifest yet")
+            await asyncio.sleep(1.0)
+
+    async def restore_from(self, view: CheckpointView, *, set_epoch: bool) -> RestoreReport:
+        """Fetch ``view``'s shard and load it into the stage's module and optimizer (on the compute thread).
+
+        :param set_epoch: also set the optimizer's epoch (and schedule) to the checkpoint's (at start-up; a
+            rollback keeps the epoch counter).
+        """
+        m = view.manifest
+        started = time.monotonic()
+        logger.info("%s restoring from checkpoint epoch %d (sha256 %s, %d bytes, %d of %d fragments alive)",
+                    self._tag(), m.epoch, m.shard_sha256[:16], m.size, view.fragments_alive, m.n)
+
+        def progress(done: int, needed: int, received: int) -> None:
+            logger.info("%s restore: fragment %d/%d fetched, %.2f MB", self._tag(), done, needed, received / 1e6)
+
+        blob, bad = await self.keeper.fetch(view, progress)
+        shard = await self.keeper._io(decode_shard, blob, m.shard_sha256)
+        if shard.run_id != self.keeper.run_id or shard.stage != self.stage or shard.epoch != m.epoch:
+            raise ShardError(f"the shard is run {shard.run_id} stage {shard.stage} epoch {shard.epoch}, "
+                             f"not what its manifest says")
+        with warnings.catch_warnings():  # hivemind steps the schedule before any optimizer step: expected here
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            recaptured = await self.server.compute(self._load, shard, set_epoch)
+        report = RestoreReport(epoch=m.epoch, shard_sha256=m.shard_sha256, bit_exact=recaptured == m.shard_sha256,
+                               seconds=round(time.monotonic() - started, 3), fragments_bad=bad)
+        self.restored = report
+        self._restored_lineage = self.lineage = (m.shard_sha256, m.epoch)
+        logger.info("%s restored checkpoint epoch %d in %.1f s (bit-exact: %s, corrupt fragments refused: %d)",
+                    self._tag(), m.epoch, report.seconds, report.bit_exact, bad)
+        return report
+
+    def _load(self, shard, set_epoch: bool) -> str:
+        """(compute thread) Load ``shard``; returns the SHA-256 of the state captured right after."""
+        opt = self.optimizer
+        restore_stage_state(shard, self.server.module, opt.opt)
+        if set_epoch:
+            opt.state_averager.local_epoch = shard.epoch
+            opt.state_averager._update_scheduler()  # hivemind: steps the schedule up to local_epoch
+            opt.tracker.report_local_progress(shard.epoch, 0)
+            opt.state_averager.state_sharing_priority = shard.epoch
+            opt.grad_averager.state_sharing_priority = shard.epoch
+            if self.generation == 0 and shard.meta.get("rollback_generation"):
+                self.generation = int(shard.meta["rollback_generation"])
+                set_lr_scale(opt, float(shard.meta.get("lr_scale", 1.0)))
+        opt.grad_averager.reset_accumulated_grads_()
+        _, sha = encode_shard(capture_stage_state(shard.run_id, shard.stage, shard.epoch, self.server.module,
+                                                  opt.opt, shard.meta))
+        return sha
+
+    def after_peer_load(self) -> None:
+        """After loading from live servers: the state descends from the stage's newest checkpoint."""
+        newest = next(iter(self.directory.manifests(self.stage)), None)
+        if newest is not None and newest[0].epoch <= self.server.epoch:
+            self.lineage = (newest[0].shard_sha256, newest[0].epoch)
+        if self.optimizer is not None and self.order_sealed is not None:
+            set_lr_scale(self.optimizer, self._order_scale)
+
+    # ---- commit ----------------------------------------------------------------------------------------
+    def on_epoch(self, epoch: int) -> None:
+        """(compute thread, after each epoch) judge the loss; capture the state when a checkpoint is due."""
+        if self.loop is None:
+            return
+        loss = self.server.epoch_loss
+        if self.spec.rollback.enabled and self.server.is_last and loss is not None and self.detector.update(loss):
+            logger.warning("%s loss spike: epoch mean %.4f > (1 + %.2f) x moving average %.4f", self._tag(), loss,
+                           self.spec.rollback.margin, self.detector.average)
+            self._schedule(self.issue_rollback(epoch, loss))
+        if epoch == 0 or epoch % self.spec.checkpoint.interval_epochs or self._writing:
+            return
+        meta = {"lr_scale": self.lr_scale, "rollback_generation": self.generation,
+                "samples": epoch * self.spec.training.target_batch_size}
+        shard = capture_stage_state(self.keeper.run_id, self.stage, epoch, self.server.module, self.optimizer.opt, meta)
+        self._writing = True
+        self._schedule(self._commit(shard))
+
+    def _schedule(self, coro) -> None:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Let a checkpoint being committed finish (bounded by ``timeout`` seconds), then cancel the rest."""
+        pending = [asyncio.wrap_future(f) for f in list(self._pending)]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=timeout)
+            for f in late:
+                f.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
+    def _parent(self, epoch: int) -> tuple[str, int]:
+        if self._restored_lineage is not None:
+            return self._restored_lineage
+        for manifest, _ in self.directory.manifests(self.stage):
+            if manifest.epoch < epoch:
+                return manifest.shard_sha256, manifest.epoch
+        return "", -1
+
+    def _is_writer(self) -> bool:
+        online = [s.peer_id for s in self.directory.servers(self.stage) if s.state == ServerState.ONLINE]
+        return min(online + [self.me]) == self.me
+
+    async def _commit(self, shard) -> None:
+        io = self.keeper._io
+        try:
+            if not await io(self._is_writer):
+                return
+            parent = await io(self._parent, shard.epoch)
+            position = {t.shard: t.position for t in await io(self.directory.trainers)}
+            manifest, _ = await write_checkpoint(self.keeper, shard, parent=parent, loss=self.server.loss_ema,
+                                                 data_position=position)
+            self.lineage, self._restored_lineage = (manifest.shard_sha256, manifest.epoch), None
+            self.committed += 1
+        except CheckpointError as e:
+            logger.warning("%s checkpoint of epoch %d not committed: %s", self._tag(), shard.epoch, e)
+        except Exception:
+            logger.exception("%s writing the checkpoint of epoch %d failed", self._tag(), shard.epoch)
+        finally:
+            self._writing = False
+
+    # ---- rollback --------------------------------------------------------------------------------------
+    def _adopt_order(self, order: RollbackOrder, sealed: bytes) -> None:
+        self.generation, self.order_sealed = order.generation, sealed
+        self._order_scale, self._order_issuer = order.lr_scale, order.peer_id
+        if self.optimizer is not None:
+            set_lr_scale(self.optimizer, order.lr_scale)
+
+    async def issue_rollback(self, detected_epoch: int, loss: float) -> None:
+        order = RollbackOrder(run_id=self.keeper.run_id, peer_id=self.me, time=get_dht_time(),
+                              epoch=max(0, detected_epoch - 1), detected_epoch=detected_epoch,
+                              lr_scale=self.lr_scale * self.spec.rollback.lr_factor, generation=self.generation + 1,
+                              reason=f"epoch {detected_epoch} mean loss {loss:.4f} > (1 + {self.spec.rollback.margin}) "
+                                     f"x moving average {self.detector.average:.4f}")
+        await self.keeper._io(self.directory.announce, rollback_key(self.keeper.run_id), order, self.identity)
+        logger.warning("%s issued rollback #%d to epoch <= %d, lr scale %.3g: %s", self._tag(), order.generation,
+                       order.epoch, order.lr_scale, order.reason)
+
+    async def watch(self, stop: asyncio.Event, period_s: float = 2.0) -> None:
+        """Apply new rollback orders and keep the applied one published, until ``stop``."""
+        io = self.keeper._io
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), period_s)
+                break
+            except asyncio.TimeoutError:
+                pass
+            try:
+                orders = await io(self.directory.rollback_orders)
+                if orders and orders[0][0].generation > self.generation:
+                    await self.apply_rollback(*orders[0])
+                if self.order_sealed is not None:
+                    await io(self.directory.store_sealed, rollback_key(self.keeper.run_id),
+                             self._order_issuer, self.order_sealed)
+            except Exception:
+                logger.exception("%s following rollback orders failed", self._tag())
+
+    async def apply_rollback(self, order: RollbackOrder, sealed: bytes) -> None:
+        """Restore the newest checkpoint at or before ``order.epoch`` and scale the learning rate."""
+        views = (await self.keeper.views())[self.stage]
+        view = newest_restorable(views, max_epoch=order.epoch)
+        logger.warning("%s rollback #%d (%s): restoring %s, lr scale %.3g", self._tag(), order.generation,
+                       order.reason, f"checkpoint epoch {view.manifest.epoch}" if view else "nothing (no checkpoint "
+                       "at or before that epoch; lowering the learning rate only)", order.lr_scale)
+        if view is not None:
+            try:
+                await self.restore_from(view, set_epoch=False)
+            except (FragmentError, ShardError) as e:
+                logger.error("%s rollback restore failed (%s); lowering the learning rate only", self._tag(), e)
+        await self.server.compute(self._adopt_order, order, sealed)
+        self.detector.reset()

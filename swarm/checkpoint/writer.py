@@ -1,0 +1,80 @@
+"""Commit a stage's checkpoint to the swarm: encode, erasure-code, place, hand over the manifest, publish.
+
+A checkpoint is *committed* once at least ``k`` of its fragments sit on holders that also took its signed
+manifest (so it can be restored, and re-published, even if its writer and the DHT's copy are gone); only
+then is the manifest published in the DHT. Fragments that found no holder are left to repair
+(:meth:`~swarm.checkpoint.keeper.FragmentKeeper.repair`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional
+
+from hivemind.utils import get_dht_time
+
+from swarm.checkpoint.erasure import split_into_fragments
+from swarm.checkpoint.keeper import FragmentKeeper
+from swarm.checkpoint.shard import StageShard, encode_shard
+from swarm.protocol import CheckpointManifest, FragmentEntry, StorageInfo, seal
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that could not be committed (too few holders took its fragments or manifest)."""
+
+
+async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent: tuple[str, int] = ("", -1),
+                           loss: Optional[float] = None,
+                           data_position: Optional[dict[int, int]] = None) -> tuple[CheckpointManifest, bytes]:
+    """Commit ``shard`` (see the module docstring); returns the manifest and its sealed bytes.
+
+    :param parent: ``(shard sha256, epoch)`` of the checkpoint the state descends from (hash chain).
+    :raises CheckpointError: fewer than ``k`` fragments were placed with their manifest; nothing is published.
+    """
+    ckpt = keeper.spec.checkpoint
+    start = time.perf_counter()
+    blob, sha = await keeper._io(encode_shard, shard)
+    fragments = await keeper._io(split_into_fragments, blob, ckpt.fragments_needed, ckpt.fragments_total)
+    storage = [s for s in await keeper._io(keeper.directory.storage) if s.peer_id != keeper.me]
+    storage.append(keeper.storage_info())
+    placed = await keeper.place(shard.stage, shard.epoch, fragments, storage=storage)
+    if len(placed) < ckpt.fragments_needed:
+        raise CheckpointError(f"only {len(placed)} of {len(fragments)} fragments of stage {shard.stage} epoch "
+                              f"{shard.epoch} found a holder ({ckpt.fragments_needed} needed); start more peers or "
+                              "raise their SWARM_FRAGMENT_MAX_BYTES")
+    manifest = CheckpointManifest(
+        run_id=keeper.run_id, peer_id=keeper.me, time=get_dht_time(), stage=shard.stage, epoch=shard.epoch,
+        shard_sha256=sha, size=len(blob), k=ckpt.fragments_needed, n=ckpt.fragments_total,
+        fragments=[FragmentEntry(index=f.index, sha256=f.sha256, holders=[placed[f.index]] if f.index in placed else [])
+                   for f in fragments],
+        parent=parent[0], parent_epoch=parent[1], loss=loss, data_position=dict(data_position or {}),
+    )
+    sealed = seal(manifest, keeper.identity)
+    by_peer: dict[str, StorageInfo] = {s.peer_id: s for s in storage}
+    holders = sorted(set(placed.values()))
+    results = await asyncio.gather(*(keeper.hand_manifest(by_peer[p], sealed) for p in holders), return_exceptions=True)
+    took = {p for p, r in zip(holders, results) if not isinstance(r, BaseException)}
+    for p, r in zip(holders, results):
+        if isinstance(r, BaseException):
+            logger.info("[%s] %s did not take the manifest of stage %d epoch %d: %s", keeper.me, p, shard.stage,
+                        shard.epoch, r)
+    committed = sum(1 for holder in placed.values() if holder in took)
+    if committed < ckpt.fragments_needed:
+        raise CheckpointError(f"only {committed} fragments of stage {shard.stage} epoch {shard.epoch} sit on holders "
+                              f"that took the manifest ({ckpt.fragments_needed} needed)")
+    if not await keeper._io(keeper.directory.publish_manifest, manifest, sealed):
+        logger.warning("[%s] could not store the manifest of stage %d epoch %d in the DHT; its holders will "
+                       "re-publish it", keeper.me, shard.stage, shard.epoch)
+    await keeper._io(keeper.announce)
+    logger.info("[%s stage=%d epoch=%d] checkpoint committed: %d bytes sha256=%s, %d/%d fragments on %d peers "
+                "(%d needed), parent %s, %.2f s", keeper.me, shard.stage, shard.epoch, len(blob), sha[:16],
+                len(placed), len(fragments), len(holders), ckpt.fragments_needed, parent[0][:16] or "-",
+                time.perf_counter() - start)
+    return manifest, sealed
+
+
+__all__ = ["CheckpointError", "write_checkpoint"]

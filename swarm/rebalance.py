@@ -1,0 +1,58 @@
+"""Adaptive rebalancing: a server moves to the stage that most lacks throughput, with hysteresis.
+
+SWARM parallelism (Ryabinin et al., ICML 2023, sec. 3.3) moves peers from the fastest stages to the
+pipeline's bottleneck; its public code never shipped it. Petals (Borzunov et al., 2023, sec. 3.2) uses the
+same idea to choose blocks for inference servers. Here, every ``rebalance.period_s`` each movable server
+evaluates :func:`plan_move` on the announced throughputs (samples/s) of the online and joining servers:
+
+* the pipeline's throughput is its slowest stage's, ``min_k T_k`` with ``T_k`` the sum over stage ``k``'s
+  servers;
+* moving server ``i`` (throughput ``t_i``) from stage ``s`` to the bottleneck ``b`` gives
+  ``T_s - t_i`` and ``T_b + t_i``; the move is made only if the new minimum is at least
+  ``(1 + min_gain)`` times the old one, and a server never leaves a stage it serves alone;
+* only the stage's server whose move helps most (ties: lowest peer id) moves in a period, so a crowd does
+  not stampede to the bottleneck and back.
+
+The reverse move cannot also pass the gain test, so the swarm does not oscillate; ``min_dwell_s`` between
+moves of one server bounds churn when throughputs are noisy. A moving server drains, restores the new stage's
+state (from its live servers or its checkpoint) and only then announces itself online there.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from swarm.protocol import ServerInfo, ServerState
+
+
+def stage_supply(servers: dict[int, list[ServerInfo]]) -> dict[int, float]:
+    """Samples/s per stage from its online and joining servers."""
+    return {k: sum(s.throughput for s in group if s.state != ServerState.DRAINING) for k, group in servers.items()}
+
+
+def plan_move(me: str, stage: int, servers: dict[int, list[ServerInfo]], min_gain: float) -> Optional[int]:
+    """The stage server ``me`` (serving ``stage``) should move to now, or None (see the module docstring)."""
+    supply = stage_supply(servers)
+    if not supply or stage not in supply:
+        return None
+    live = [s for s in servers[stage] if s.state != ServerState.DRAINING]
+    if len(live) < 2 or all(s.peer_id != me for s in live):
+        return None
+    bottleneck = min((k for k in supply if k != stage), key=lambda k: (supply[k], k), default=None)
+    if bottleneck is None:
+        return None
+    current = min(supply.values())
+
+    def after(s: ServerInfo) -> float:
+        moved = dict(supply)
+        moved[stage] -= s.throughput
+        moved[bottleneck] += s.throughput
+        return min(moved.values())
+
+    gains = {s.peer_id: after(s) for s in live}
+    top = max(gains.values())
+    chosen = min(pid for pid, g in gains.items() if g >= top * (1 - 1e-9))
+    if chosen != me or top <= current or top < (1 + min_gain) * current:
+        return None
+    return bottleneck
+
