@@ -58,10 +58,10 @@ def micro_batches(dataset: TokenDataset, spec: RunSpec, shard: int, position: in
 
 
 def resume_position(directory: RunDirectory, shard: int, num_stages: int) -> int:
-    """Samples of data share ``shard`` consumed as of the newest checkpoint manifest of any stage (0 if none)."""
+    """Samples of data share ``shard`` consumed as recorded by the stages' newest checkpoint manifests (the
+    largest of them; 0 if none records the share)."""
     newest = [m for k in range(num_stages) for m, _ in directory.manifests(k)[:1]]
-    newest.sort(key=lambda m: -m.epoch)
-    return next((m.data_position[shard] for m in newest if shard in m.data_position), 0)
+    return max((m.data_position.get(shard, 0) for m in newest), default=0)
 
 
 class Trainer:

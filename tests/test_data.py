@@ -33,6 +33,17 @@ def test_shakespeare_dataset(tiny_dataset, tiny_spec):
     assert len(first) == tiny_spec.training.micro_batch_size
 
 
+def test_a_resumed_trainer_continues_its_share_where_the_checkpoint_says(tiny_dataset, tiny_spec):
+    import itertools
+
+    b = tiny_spec.training.micro_batch_size
+    per_pass = tiny_dataset.num_samples("train") // tiny_spec.data.num_shards // b  # micro-batches per pass
+    stream = list(itertools.islice(micro_batches(tiny_dataset, tiny_spec, shard=1), 2 * per_pass + 8))
+    for position in (0, 3 * b, per_pass * b, (per_pass + 2) * b, (2 * per_pass + 1) * b):
+        resumed = list(itertools.islice(micro_batches(tiny_dataset, tiny_spec, shard=1, position=position), 5))
+        assert resumed == stream[position // b: position // b + 5], position
+
+
 def test_tokenizer_is_deterministic_and_text_is_real(tiny_spec, cache_dir, tmp_path):
     docs = load_documents("shakespeare", cache_dir, max_bytes=50_000)
     assert any("thou" in text.lower() for _, text in docs)

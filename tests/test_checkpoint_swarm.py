@@ -1,0 +1,97 @@
+"""Checkpoints in real multi-process swarms: resume after every peer died, and loss-spike rollback."""
+
+import signal
+import time
+
+import pytest
+
+from swarm.protocol import ServerState
+from tests.conftest import TINY_SPEC
+from tests.scenario import Scenario, make_swarm
+
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(600)]
+
+CHECKPOINTS = """
+[checkpoint]
+interval_epochs = 2
+fragments_needed = 2
+fragments_total = 3
+restore_timeout_s = 120
+"""
+
+
+def _spec(tmp_path, extra: str = "") -> str:
+    path = tmp_path / "ckpt.toml"
+    path.write_text(TINY_SPEC.replace("[timeouts]", CHECKPOINTS + extra + "[timeouts]"))
+    return path
+
+
+def _newest(sc, stage):
+    found = sc.directory.manifests(stage)
+    return found[0][0] if found else None
+
+
+def test_every_peer_dies_and_the_run_resumes_from_fragments(tmp_path, cache_dir, tiny_dataset):
+    with make_swarm(_spec(tmp_path), tmp_path, cache_dir) as sw:
+        with Scenario(sw) as sc:
+            sc.servers(per_stage=1).trainers(1)
+            sc.wait(lambda: all((m := _newest(sc, k)) is not None and m.epoch >= 6 and m.data_position.get(0)
+                                for k in range(2)), 240, "three checkpoints of every stage, with a data position")
+            trainer = next(p for p in sw.peers if p.role == "trainer")
+            sw.stop(trainer)  # no more epochs: the newest checkpoints stay the newest
+            time.sleep(3 * sc.directory.ttl / 3)
+            committed = {k: _newest(sc, k) for k in range(2)}
+            for peer in [p for p in sw.peers if p.alive()] + [sw.coordinator]:
+                sw.kill(peer, signal.SIGKILL)
+        # a fresh DHT: nothing survives but the fragment files on the peers' disks
+        with Scenario(sw) as sc:
+            for name, stage in (("server1", 0), ("server2", 1)):
+                sc.stage_of[sw.start_peer("server", "--stage", str(stage), name=name).name] = stage
+
+            def restored(k):
+                return [s for s in sc.directory.servers(k) if s.state == ServerState.ONLINE and s.restored]
+
+            sc.wait(lambda: all(restored(k) for k in range(2)), 240, "both stages restored from fragments")
+            for k in range(2):
+                report = restored(k)[0].restored
+                assert report.shard_sha256 == committed[k].shard_sha256 and report.epoch == committed[k].epoch
+                assert report.bit_exact, f"stage {k} state after loading does not hash to its checkpoint"
+            sc.trainers(1)
+            sc.wait(lambda: all((m := _newest(sc, k)) is not None and m.epoch > committed[k].epoch for k in range(2)),
+                    240, "a new checkpoint of every stage")
+            for k in range(2):
+                newest = _newest(sc, k)
+                chain = {m.epoch: m for m, _ in sc.directory.manifests(k)}
+                nxt = chain[min(e for e in chain if e > committed[k].epoch)]
+                assert (nxt.parent, nxt.parent_epoch) == (committed[k].shard_sha256, committed[k].epoch), \
+                    f"stage {k}: the hash chain skips the committed epoch {committed[k].epoch}"
+                assert newest.data_position, "trainers' data positions are recorded"
+            trainer = next(p for p in sw.peers if p.role == "trainer" and p.alive())
+            position = max(committed[k].data_position[0] for k in range(2))
+            assert f"resuming at sample {position}," in trainer.log.read_text(), \
+                "the trainer did not resume its data share where the newest checkpoint says"
+
+
+def test_a_loss_spike_rolls_every_stage_back_and_lowers_the_learning_rate(tmp_path, cache_dir, tiny_dataset):
+    rollback = "[rollback]\nwindow_epochs = 4\nmargin = 0.15\nwarmup_epochs = 4\nlr_factor = 0.5\n"
+    with make_swarm(_spec(tmp_path, rollback), tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+        sc.servers(per_stage=1).trainers(1).until_epoch(10)
+        for k in range(2):
+            assert all(s.lr_scale == 1.0 for s in sc.directory.servers(k))
+        # bad data: a trainer whose targets are all wrong makes the training loss jump
+        bad = sw.start_peer("trainer", "--shard", "1", "--concurrency", "4", env={"SWARM_BYZANTINE": "label_flip"})
+        sc.wait(lambda: sc.directory.rollback_orders(), 180, "a rollback order")
+        sw.stop(bad)
+        order = sc.directory.rollback_orders()[0][0]
+        assert order.generation == 1 and order.lr_scale == 0.5 and "moving average" in order.reason
+
+        def rolled_back(k):
+            return [s for s in sc.directory.servers(k) if s.state == ServerState.ONLINE and s.lr_scale == 0.5
+                    and s.restored is not None and s.restored.epoch <= order.epoch]
+
+        try:
+            sc.wait(lambda: all(rolled_back(k) for k in range(2)), 120, "every stage rolled back")
+        except TimeoutError:
+            raise AssertionError(sc.log_warnings()) from None
+        epochs = sc.epochs()
+        sc.until_epoch(max(epochs) + 2)  # training goes on with the lower learning rate
