@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-averaging clean
+.PHONY: demo test test-scenarios bench bench-averaging bench-chaos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-scenarios: $(STAMP)   # long checkpoint/chaos scenarios (~10 min on 2 cores); CI runs them after `make test`
+	$(BIN)/python -m pytest -m scenario $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/swarm_vs_local.py

@@ -5,6 +5,8 @@ Examples::
     swarm-coordinator init runs/demo.toml                 # key runs/demo.key + signed spec, prints the run id
     swarm-coordinator serve runs/demo.toml --port 31337   # prints the run address for peers
     swarm-coordinator status <run address> [--json]
+    swarm-coordinator checkpoints <run address> [--json]
+    swarm-coordinator export <run address> ./model      # newest complete checkpoint -> PyTorch / transformers
     swarm-coordinator demo --seconds 300 [--json]         # a local swarm on loopback, then a summary
 """
 
@@ -75,15 +77,8 @@ def status(address: str = typer.Argument(..., help="Run address."),
            timeout: float = typer.Option(30.0, help="Seconds to find the run.")) -> None:
     """Show the run's stages, servers and trainers. Exit code 1 if a stage has no online server."""
     from coordinator.status import render, snapshot
-    from peer.logs import configure_logging
-    from swarm.directory import RunAddressError, connect_run
 
-    configure_logging("WARNING")
-    try:
-        dht, directory, spec, _ = connect_run(address, PeerSettings(host="127.0.0.1"), timeout=timeout)
-    except (RunAddressError, SpecError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2 if isinstance(e, RunAddressError) else 1) from None
+    dht, directory, spec, _ = _connect(address, timeout)
     try:
         snap = snapshot(directory, spec)
     finally:
@@ -93,6 +88,71 @@ def status(address: str = typer.Argument(..., help="Run address."),
     else:
         render(snap)
     raise typer.Exit(0 if snap["healthy"] else 1)
+
+
+def _connect(address: str, timeout: float):
+    """``connect_run`` for a CLI command: exit 2 on a bad address, 1 if the run cannot be found."""
+    from peer.logs import configure_logging
+    from swarm.directory import RunAddressError, connect_run
+
+    configure_logging("WARNING")
+    try:
+        return connect_run(address, PeerSettings(host="127.0.0.1"), timeout=timeout)
+    except (RunAddressError, SpecError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2 if isinstance(e, RunAddressError) else 1) from None
+
+
+@app.command()
+def checkpoints(address: str = typer.Argument(..., help="Run address."),
+                as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+                timeout: float = typer.Option(30.0, help="Seconds to find the run.")) -> None:
+    """List the run's checkpoints: epoch, stages complete, fragments and replicas alive, age; and the holders.
+    Exit code 1 if no epoch is complete (restorable for every stage)."""
+    from coordinator.checkpoints import listing, render
+
+    dht, directory, spec, _ = _connect(address, timeout)
+    try:
+        snap = listing(directory, spec)
+    finally:
+        dht.shutdown()
+    if as_json:
+        typer.echo(json.dumps(snap))
+    else:
+        render(snap)
+    raise typer.Exit(0 if snap["newest_complete"] is not None else 1)
+
+
+@app.command()
+def export(address: str = typer.Argument(..., help="Run address."),
+           out_dir: Path = typer.Argument(..., help="Directory to write (model.safetensors, config.json, "
+                                          "tokenizer.json, hf/ for Hugging Face transformers)."),
+           epoch: Optional[int] = typer.Option(None, help="Export this complete epoch (default: the newest)."),
+           prompt: str = typer.Option("ROMEO:", help="Text to continue with the exported model."),
+           tokens: int = typer.Option(40, min=0, help="Tokens to generate after the prompt."),
+           as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+           timeout: float = typer.Option(30.0, help="Seconds to find the run.")) -> None:
+    """Assemble the newest complete checkpoint into one model directory, reload it with plain PyTorch and
+    generate text from it. The mapping to Hugging Face GPT-2 is documented in docs/checkpoints.md."""
+    from coordinator.checkpoints import export_and_sample
+    from swarm.checkpoint import FragmentError
+    from swarm.data import prepare_dataset
+
+    dht, directory, spec, _ = _connect(address, timeout)
+    try:
+        tokenizer = prepare_dataset(spec, PeerSettings().cache_dir).tokenizer_json
+        result = export_and_sample(directory, spec, out_dir, tokenizer, prompt, tokens, epoch,
+                                   progress=None if as_json else lambda line: typer.echo(line, err=True))
+    except (LookupError, FragmentError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        dht.shutdown()
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        typer.echo(f"exported epoch {result['epoch']} of {result['run_id']} to {result['dir']}"
+                   f"{' (with hf/ for transformers)' if result['hf'] else ''}\n{prompt}{result['sample']}")
 
 
 @app.command()

@@ -134,6 +134,7 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
             await io(checkpoints.after_peer_load)
         elif source == "fresh":
             logger.info("[%s stage=%d] no live server and no checkpoint: starting from the initial parameters", me, stage)
+            await server.compute(checkpoints.catch_up)
         # publish our progress record now, so the stage's servers count us before the first epoch ends
         # (otherwise a server that reaches the target first sees a group of one and steps alone)
         optimizer.tracker.report_local_progress(optimizer.local_epoch, 0)
@@ -222,9 +223,12 @@ def averaging_report(optimizer) -> tuple[dict[str, str], dict[str, int]]:
     return {p: r[:200] for p, r in sorted(banned.items())[:32]}, counters
 
 
-def _wait_until_counted(optimizer, directory, stage: int, me: str, timeout: float = 10.0) -> None:
-    """Wait (bounded) until the progress tracker sees as many servers as the directory lists for the stage."""
+def _wait_until_counted(optimizer, directory, stage: int, me: str, timeout: float = 5.0) -> None:
+    """Wait (bounded) until the progress tracker counts the stage's other online servers (those announced in
+    the last third of a record TTL, plus a second: older records may be a dead server's)."""
     deadline = time.monotonic() + timeout
-    expected = 1 + sum(s.peer_id != me and s.state != ServerState.DRAINING for s in directory.servers(stage))
+    fresh = get_dht_time() - directory.ttl / 3 - 1.0
+    expected = 1 + sum(s.peer_id != me and s.state == ServerState.ONLINE and s.time >= fresh
+                       for s in directory.servers(stage))
     while optimizer.tracker.global_progress.num_peers < expected and time.monotonic() < deadline:
         time.sleep(0.2)

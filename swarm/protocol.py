@@ -362,6 +362,13 @@ class BackwardRequest(_Schema):
     codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 
 
+class PingRequest(_Schema):
+    """Is this stage server alive and serving (``rpc_ping``)? Answered with a tensor-less StageResponse."""
+
+    run_id: str
+    stage: int = Field(ge=0)
+
+
 class StageResponse(_Schema):
     """Reply to a stage RPC; tensors: outputs (forward) or input gradients (backward / last stage train)."""
 

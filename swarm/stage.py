@@ -9,6 +9,8 @@ RPCs (streams of ``runtime_pb2.ExpertRequest``, namespace ``<run_id>``; see :mod
 * ``rpc_backward`` — :class:`~swarm.protocol.BackwardRequest`. Uses the cached graph, or recomputes the
   forward from inputs sent along (a retry on a server that did not run the forward), backpropagates the
   output gradient and returns the input gradient.
+* ``rpc_ping`` — :class:`~swarm.protocol.PingRequest`: answers with its epoch, so a peer can tell a live
+  server from a stale record (:func:`is_serving`).
 
 All compute runs on one worker thread, in arrival order. After each backward the micro-batch's parameter
 gradients are handed to the stage's hivemind.Optimizer (:mod:`swarm.averaging.optimizer`), which averages
@@ -33,7 +35,14 @@ from hivemind.utils.performance_ema import PerformanceEMA
 
 from swarm.config import RunSpec
 from swarm.model import build_stage, lm_loss
-from swarm.protocol import BackwardRequest, ForwardRequest, StageResponse, pack_message, unpack_message
+from swarm.protocol import (
+    BackwardRequest,
+    ForwardRequest,
+    PingRequest,
+    StageResponse,
+    pack_message,
+    unpack_message,
+)
 from swarm.transport import ACTIVATION_CODECS, gather, pack_tensors, stream_out, unpack_tensors
 
 logger = logging.getLogger(__name__)
@@ -315,8 +324,34 @@ class StageServer(ServicerBase):
         async for msg in self._respond(grad):
             yield msg
 
+    async def rpc_ping(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        await self._receive(requests, PingRequest)
+        async for msg in self._respond(None):
+            yield msg
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["StageServer", "StageError", "parameter_fingerprint"]
+async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:
+    """True if ``server`` (a :class:`~swarm.protocol.ServerInfo`) answers ``rpc_ping`` within ``timeout``
+    seconds: its record is not a stale one left by a process that died (a restarted peer keeps its peer id
+    but gets a new libp2p id)."""
+    from hivemind.p2p import PeerID
+
+    stub = StageServer.get_stub(p2p, PeerID.from_base58(server.p2p_id), namespace=run_id)
+    meta = pack_message(PingRequest(run_id=run_id, stage=server.stage))
+
+    async def call():
+        return unpack_message((await gather(await stub.rpc_ping(stream_out(runtime_pb2.ExpertRequest, meta, []))))[0],
+                              StageResponse)
+    try:
+        await asyncio.wait_for(call(), timeout)
+        return True
+    except Exception:
+        return False
+
+
+__all__ = ["StageServer", "StageError", "is_serving", "parameter_fingerprint"]

@@ -70,6 +70,31 @@ def test_every_peer_dies_and_the_run_resumes_from_fragments(tmp_path, cache_dir,
             position = max(committed[k].data_position[0] for k in range(2))
             assert f"resuming at sample {position}," in trainer.log.read_text(), \
                 "the trainer did not resume its data share where the newest checkpoint says"
+            _check_cli(sw.address, tmp_path / "export", cache_dir)
+
+
+def _check_cli(address, out_dir, cache_dir):
+    """`checkpoints --json` lists a complete epoch; `export` writes a model that generates text."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SWARM_CACHE_DIR=str(cache_dir))
+    run = [sys.executable, "-m", "coordinator"]
+    done = subprocess.run(run + ["checkpoints", address, "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    listing = json.loads(done.stdout)
+    newest = listing["newest_complete"]
+    row = next(r for r in listing["checkpoints"] if r["epoch"] == newest)
+    assert row["stages_complete"] == 2 and row["fragments_alive"] >= 4 and row["age_s"] >= 0
+    assert {h["stage"] for h in listing["holders"]} >= {-1, 0, 1}, "servers and the coordinator hold fragments"
+    done = subprocess.run(run + ["export", address, str(out_dir), "--tokens", "12", "--json"], capture_output=True,
+                          text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["epoch"] >= newest and result["hf"] and result["sample"].strip()
+    assert (out_dir / "model.safetensors").exists() and (out_dir / "hf" / "model.safetensors").exists()
 
 
 def test_a_loss_spike_rolls_every_stage_back_and_lowers_the_learning_rate(tmp_path, cache_dir, tiny_dataset):

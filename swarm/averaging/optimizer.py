@@ -191,7 +191,10 @@ def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.
         delay_state_averaging=False,
         grad_averager_factory=partial(RobustGradientAverager, **components),
         client_mode=client_mode,
-        tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25),
+        # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors and
+        # its restarted successor stop counting it soon
+        tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25,
+                          metadata_expiration=2 * spec.timeouts.record_ttl_s),
         averager_opts=dict(request_timeout=1.0, min_vector_size=0),
         verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
     )

@@ -32,6 +32,7 @@ from swarm.checkpoint.shard import ShardError, decode_shard, encode_shard
 from swarm.checkpoint.state import capture_stage_state, restore_stage_state
 from swarm.checkpoint.writer import CheckpointError, write_checkpoint
 from swarm.protocol import RestoreReport, RollbackOrder, ServerState, rollback_key
+from swarm.stage import is_serving
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,13 @@ class StageCheckpoints:
         return f"[{self.me} stage={self.stage} epoch={self.server.epoch}]"
 
     # ---- restore ---------------------------------------------------------------------------------------
-    def _others_online(self) -> bool:
-        return any(s.state == ServerState.ONLINE and s.peer_id != self.me for s in self.directory.servers(self.stage))
+    async def _others_online(self) -> bool:
+        """Does another server of the stage answer? (Records alone may be stale: a peer killed a moment ago
+        is still listed online, and a restarted one keeps its peer id.)"""
+        servers = await self.keeper._io(self.directory.servers, self.stage)
+        candidates = [s for s in servers if s.state == ServerState.ONLINE and s.peer_id != self.me]
+        answers = await asyncio.gather(*(is_serving(self.keeper.p2p, s, self.keeper.run_id) for s in candidates))
+        return any(answers)
 
     def _evidence(self) -> bool:
         """Has this run ever committed a checkpoint (on our disk, or visible in the DHT)?"""
@@ -93,7 +99,7 @@ class StageCheckpoints:
         evidence = await io(self._evidence)
         last_note = 0.0
         while True:
-            if await io(self._others_online):
+            if await self._others_online():
                 return "peers"
             views = (await self.keeper.views())[self.stage]
             best = newest_restorable(views)
@@ -146,9 +152,7 @@ class StageCheckpoints:
         if shard.run_id != self.keeper.run_id or shard.stage != self.stage or shard.epoch != m.epoch:
             raise ShardError(f"the shard is run {shard.run_id} stage {shard.stage} epoch {shard.epoch}, "
                              f"not what its manifest says")
-        with warnings.catch_warnings():  # hivemind steps the schedule before any optimizer step: expected here
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            recaptured = await self.server.compute(self._load, shard, set_epoch)
+        recaptured = await self.server.compute(self._load, shard, set_epoch)
         report = RestoreReport(epoch=m.epoch, shard_sha256=m.shard_sha256, bit_exact=recaptured == m.shard_sha256,
                                seconds=round(time.monotonic() - started, 3), fragments_bad=bad)
         self.restored = report
@@ -162,11 +166,7 @@ class StageCheckpoints:
         opt = self.optimizer
         restore_stage_state(shard, self.server.module, opt.opt)
         if set_epoch:
-            opt.state_averager.local_epoch = shard.epoch
-            opt.state_averager._update_scheduler()  # hivemind: steps the schedule up to local_epoch
-            opt.tracker.report_local_progress(shard.epoch, 0)
-            opt.state_averager.state_sharing_priority = shard.epoch
-            opt.grad_averager.state_sharing_priority = shard.epoch
+            self.catch_up(shard.epoch)
             if self.generation == 0 and shard.meta.get("rollback_generation"):
                 self.generation = int(shard.meta["rollback_generation"])
                 set_lr_scale(opt, float(shard.meta.get("lr_scale", 1.0)))
@@ -174,6 +174,29 @@ class StageCheckpoints:
         _, sha = encode_shard(capture_stage_state(shard.run_id, shard.stage, shard.epoch, self.server.module,
                                                   opt.opt, shard.meta))
         return sha
+
+    def catch_up(self, epoch: int = 0) -> int:
+        """(compute thread) Set the optimizer's epoch to ``epoch`` or, if later, the stage's collaborative epoch.
+
+        Progress records of dead servers outlive them for a while; a server restored at an older epoch would
+        otherwise take itself for out of sync and try, forever, to download the state from those dead peers
+        (hivemind ``load_state_from_peers``). Epoch numbers are never reused: the epochs lost since the
+        checkpoint are skipped, and the hash chain (``parent_epoch``) shows the jump. Returns the epoch set.
+        """
+        opt = self.optimizer
+        target = max(epoch, opt.local_epoch, opt.tracker.global_epoch)
+        if target != opt.local_epoch:
+            if target > epoch:
+                logger.info("%s skipping to the stage's epoch %d (the checkpoint is of epoch %d)", self._tag(), target,
+                            epoch)
+            opt.state_averager.local_epoch = target
+            with warnings.catch_warnings():  # stepping the schedule before any optimizer step is expected here
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                opt.state_averager._update_scheduler()  # hivemind: steps the schedule up to local_epoch
+        opt.tracker.report_local_progress(target, 0)
+        opt.state_averager.state_sharing_priority = target
+        opt.grad_averager.state_sharing_priority = target
+        return target
 
     def after_peer_load(self) -> None:
         """After loading from live servers: the state descends from the stage's newest checkpoint."""

@@ -49,6 +49,7 @@ class TokenDataset:
     val: np.ndarray
     seq_len: int
     tokenizer_sha256: str
+    tokenizer_json: str = ""  # the ``tokenizers`` JSON (exported beside a model, decodes generated text)
 
     def num_samples(self, split: str = "train") -> int:
         return max(0, (len(getattr(self, split)) - 1) // self.seq_len)
@@ -129,7 +130,7 @@ def prepare_dataset(spec: RunSpec, cache_dir: Path) -> TokenDataset:
         tmp.replace(path)
         return arr
 
-    ds = TokenDataset(_tokens("train", train_texts), _tokens("val", val_texts), d.seq_len, tok_sha)
+    ds = TokenDataset(_tokens("train", train_texts), _tokens("val", val_texts), d.seq_len, tok_sha, tok.to_str())
     if ds.num_samples("train") < 1 or ds.num_samples("val") < 1:
         raise CorpusError(
             f"corpus gives {ds.num_samples('train')} train / {ds.num_samples('val')} validation samples of "

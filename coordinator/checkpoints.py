@@ -1,0 +1,142 @@
+"""``swarm-coordinator checkpoints`` and ``export``: what the swarm holds, and the newest complete model.
+
+``checkpoints --json`` shape (stable; new keys may be added)::
+
+    {"run_id", "newest_complete": epoch | null,
+     "checkpoints": [{"epoch", "stages_complete", "stages", "fragments_alive", "fragments", "replicas",
+                      "age_s", "parts": [{"stage", "writer", "shard_sha256", "parent", "size", "k", "n",
+                                          "fragments_alive", "replicas", "restorable", "missing"}]}],
+     "holders": [{"peer_id", "stage", "free_bytes", "fragments", "banned"}]}
+
+An epoch is *complete* when every stage has a restorable checkpoint at it (at least ``k`` fragments on live
+holders).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from swarm.checkpoint import FragmentStore, decode_shard
+from swarm.checkpoint.catalog import CheckpointView, checkpoint_views
+from swarm.checkpoint.export import export_model, generate, load_exported
+from swarm.checkpoint.keeper import FragmentKeeper
+from swarm.config import RunSpec
+from swarm.directory import RunDirectory
+from swarm.identity import Identity
+
+logger = logging.getLogger("swarm.coordinator")
+
+
+def _views(directory: RunDirectory, spec: RunSpec) -> dict[int, list[CheckpointView]]:
+    storage = directory.storage()
+    return {k: checkpoint_views(directory.manifests(k), storage) for k in range(spec.model.num_stages)}
+
+
+def complete_epochs(views: dict[int, list[CheckpointView]]) -> list[int]:
+    """Epochs at which every stage has a restorable checkpoint, newest first."""
+    per_stage = [{v.manifest.epoch for v in group if v.restorable} for group in views.values()]
+    return sorted(set.intersection(*per_stage) if per_stage else set(), reverse=True)
+
+
+def listing(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
+    """The ``checkpoints --json`` object (module docstring)."""
+    views = _views(directory, spec)
+    by_epoch: dict[int, list[CheckpointView]] = {}
+    for group in views.values():
+        for v in group:
+            by_epoch.setdefault(v.manifest.epoch, []).append(v)
+    rows = []
+    for epoch in sorted(by_epoch, reverse=True):
+        group = sorted(by_epoch[epoch], key=lambda v: (v.manifest.stage, -v.fragments_alive))
+        best = {}
+        for v in group:
+            best.setdefault(v.manifest.stage, v)
+        rows.append({
+            "epoch": epoch, "stages": spec.model.num_stages,
+            "stages_complete": sum(v.restorable for v in best.values()),
+            "fragments_alive": sum(v.fragments_alive for v in best.values()),
+            "fragments": sum(v.manifest.n for v in best.values()),
+            "replicas": sum(v.replicas for v in best.values()),
+            "age_s": round(min(v.age_s for v in group), 1),
+            "parts": [{"stage": v.manifest.stage, "writer": v.manifest.peer_id, "shard_sha256": v.manifest.shard_sha256,
+                       "parent": v.manifest.parent, "size": v.manifest.size, "k": v.manifest.k, "n": v.manifest.n,
+                       "fragments_alive": v.fragments_alive, "replicas": v.replicas, "restorable": v.restorable,
+                       "missing": v.missing} for v in group],
+        })
+    holders = [{"peer_id": s.peer_id, "stage": s.stage, "free_bytes": s.free_bytes, "fragments": len(s.held),
+                "banned": s.banned} for s in sorted(directory.storage(), key=lambda s: s.peer_id)]
+    complete = complete_epochs(views)
+    return {"run_id": directory.run_id, "newest_complete": complete[0] if complete else None, "checkpoints": rows,
+            "holders": holders}
+
+
+def render(snap: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table("epoch", "stages complete", "fragments alive", "replicas", "age (s)", "shards",
+                  title=f"checkpoints of {snap['run_id']} (newest complete: {snap['newest_complete']})")
+    for row in snap["checkpoints"]:
+        table.add_row(str(row["epoch"]), f"{row['stages_complete']}/{row['stages']}",
+                      f"{row['fragments_alive']}/{row['fragments']}", str(row["replicas"]), str(row["age_s"]),
+                      " ".join(f"{p['stage']}:{p['shard_sha256'][:8]}" for p in row["parts"]))
+    console.print(table)
+    holders = Table("holder", "stage", "fragments", "free (MB)", "banned", title="fragment holders")
+    for h in snap["holders"]:
+        holders.add_row(h["peer_id"], str(h["stage"]) if h["stage"] >= 0 else "-", str(h["fragments"]),
+                        f"{h['free_bytes'] / 1e6:.0f}", ", ".join(h["banned"]) or "-")
+    console.print(holders)
+
+
+async def fetch_complete(directory: RunDirectory, spec: RunSpec, p2p, epoch: Optional[int] = None,
+                         progress: Optional[Callable[[str], None]] = None):
+    """``(epoch, shards)`` of the newest complete checkpoint (or of ``epoch``), every fragment verified.
+
+    :raises LookupError: no complete checkpoint (or not at ``epoch``).
+    """
+    loop = asyncio.get_running_loop()
+    views = await loop.run_in_executor(None, _views, directory, spec)
+    complete = complete_epochs(views)
+    if not complete or (epoch is not None and epoch not in complete):
+        raise LookupError(f"no complete checkpoint{f' at epoch {epoch}' if epoch is not None else ''} (complete: "
+                          f"{complete or 'none'}); see `swarm-coordinator checkpoints`")
+    epoch = complete[0] if epoch is None else epoch
+    with tempfile.TemporaryDirectory() as tmp:
+        keeper = FragmentKeeper(spec, directory, Identity.generate(), FragmentStore(Path(tmp), 1))
+        keeper.p2p = p2p
+        shards = []
+        for k, group in views.items():
+            view = max((v for v in group if v.manifest.epoch == epoch and v.restorable), key=lambda v: v.fragments_alive)
+
+            def report(done, needed, received, k=k):
+                if progress:
+                    progress(f"stage {k}: fragment {done}/{needed} ({received / 1e6:.2f} MB)")
+            blob, _ = await keeper.fetch(view, report)
+            shards.append(decode_shard(blob, view.manifest.shard_sha256, run_id=directory.run_id, stage=k))
+    return epoch, shards
+
+
+def export_and_sample(directory: RunDirectory, spec: RunSpec, out_dir: Path, tokenizer_json: str,
+                      prompt: str, tokens: int, epoch: Optional[int] = None,
+                      progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Fetch, export, reload with plain PyTorch and sample ``tokens`` tokens after ``prompt``.
+
+    :raises LookupError: no complete checkpoint. :raises FragmentError: too few fragments could be fetched.
+    """
+    from tokenizers import Tokenizer
+
+    async def fetch():
+        return await fetch_complete(directory, spec, await directory.dht.replicate_p2p(), epoch, progress)
+
+    epoch, shards = asyncio.run(fetch())
+    export_model(spec.model, shards, out_dir, run_id=directory.run_id, tokenizer_json=tokenizer_json)
+    model_spec, model = load_exported(out_dir)
+    tok = Tokenizer.from_str(tokenizer_json)
+    ids = generate(model, model_spec, tok.encode(prompt).ids, new_tokens=tokens)
+    return {"run_id": directory.run_id, "epoch": epoch, "dir": str(out_dir), "hf": (Path(out_dir) / "hf").exists(),
+            "prompt": prompt, "sample": tok.decode(ids)}
