@@ -120,3 +120,36 @@ def test_a_loss_spike_rolls_every_stage_back_and_lowers_the_learning_rate(tmp_pa
             raise AssertionError(sc.log_warnings()) from None
         epochs = sc.epochs()
         sc.until_epoch(max(epochs) + 2)  # training goes on with the lower learning rate
+
+
+def test_a_server_moves_to_a_stage_that_lost_its_servers(tmp_path, cache_dir, tiny_dataset):
+    rebalance = "[rebalance]\nperiod_s = 3.0\nmin_dwell_s = 5.0\nmin_gain = 0.25\n"
+    with make_swarm(_spec(tmp_path, rebalance), tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+        for _ in range(3):  # unpinned: each picks the bottleneck stage when it joins
+            peer = sw.start_peer("server")
+            sc.wait(lambda pid=peer.peer_id: any(s.peer_id == pid and s.state == ServerState.ONLINE
+                                                 for k in range(2) for s in sc.directory.servers(k)), 120,
+                    f"{peer.name} online")
+        sc.trainers(1)
+        sc.wait(lambda: all(_newest(sc, k) is not None for k in range(2)), 180, "a checkpoint of every stage")
+        where = {s.peer_id: k for k in range(2) for s in sc.directory.servers(k) if s.state == ServerState.ONLINE}
+        lone = next(k for k in range(2) if list(where.values()).count(k) == 1)
+        victim = next(p for p in sw.peers if where.get(p.peer_id) == lone)
+        sc.kill(victim)
+
+        def moved():
+            return [s for s in sc.directory.servers(lone) if s.state == ServerState.ONLINE
+                    and s.peer_id != victim.peer_id and where.get(s.peer_id) == 1 - lone]
+
+        try:
+            sc.wait(lambda: moved(), 150, f"a server of stage {1 - lone} to move to stage {lone}")
+        except TimeoutError:
+            raise AssertionError(sc.log_warnings()) from None
+        mover = moved()[0]
+        assert mover.restored is not None and mover.restored.bit_exact, "the mover restores the stage's checkpoint"
+        assert any(s.peer_id not in (mover.peer_id, victim.peer_id) and s.state == ServerState.ONLINE
+                   for s in sc.directory.servers(1 - lone)), "its old stage keeps a server"
+        epochs = sc.epochs()
+        sc.until_epoch(max(epochs) + 2, timeout=180)
+        time.sleep(2 * sc.directory.ttl)  # hysteresis: nobody moves back
+        assert {s.peer_id for s in sc.directory.servers(lone) if s.state == ServerState.ONLINE} >= {mover.peer_id}

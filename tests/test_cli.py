@@ -10,6 +10,8 @@ EXPECTED = {
     "swarm-coordinator init": ["key", "spec_path"],
     "swarm-coordinator serve": ["address_file", "host", "key", "log_level", "peers", "port", "spec_path"],
     "swarm-coordinator status": ["address", "as_json", "timeout"],
+    "swarm-coordinator checkpoints": ["address", "as_json", "timeout"],
+    "swarm-coordinator export": ["address", "as_json", "epoch", "out_dir", "prompt", "timeout", "tokens"],
     "swarm-coordinator demo": ["as_json", "keep", "log_level", "seconds", "servers_per_stage", "spec_path", "trainers"],
 }
 

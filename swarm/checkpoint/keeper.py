@@ -52,7 +52,7 @@ class FragmentKeeper:
                  *, stage: int = -1, rng: Optional[random.Random] = None):
         self.spec, self.directory, self.identity, self.store = spec, directory, identity, store
         self.run_id, self.me, self.stage = directory.run_id, identity.peer_id, stage
-        self.service = FragmentService(store, directory.run_id)
+        self.service = FragmentService(store, directory.run_id, on_manifest=directory.publish_manifest)
         self.bans: dict[str, str] = {}
         self.p2p: Optional[P2P] = None
         self.repairs = 0
@@ -81,7 +81,8 @@ class FragmentKeeper:
                 except Exception:
                     logger.exception("[%s] fragment keeper tick failed", self.me)
 
-    async def _io(self, fn, *args):
+    async def io(self, fn, *args):
+        """Run the blocking ``fn(*args)`` (DHT access, disk) in the default executor."""
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     # ---- one round -------------------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class FragmentKeeper:
         self.directory.announce(storage_key(self.run_id), self.storage_info(), self.identity)
 
     async def tick(self, repair: bool = True) -> None:
-        await self._io(self._publish_held)
+        await self.io(self._publish_held)
         views = await self.views()
         await self._adopt(views)
         if repair:
@@ -120,12 +121,24 @@ class FragmentKeeper:
             self.store.collect(self.run_id, stage)
         self.announce()
 
+    def known_manifests(self, stage: int) -> list[CheckpointManifest]:
+        """Manifests of ``stage`` in the DHT and on this peer's disk (the DHT may lag behind a commit)."""
+        found = {m.shard_sha256: m for m, _ in self.directory.manifests(stage)}
+        for k, _, sealed in self.store.committed(self.run_id):
+            if k == stage:
+                try:
+                    manifest, _ = open_record(sealed, CheckpointManifest, run_id=self.run_id)
+                except ProtocolError:
+                    continue
+                found.setdefault(manifest.shard_sha256, manifest)
+        return list(found.values())
+
     async def views(self) -> dict[int, list[CheckpointView]]:
         """Checkpoints of every stage with their live holders, newest first."""
-        storage = await self._io(self.directory.storage)
+        storage = await self.io(self.directory.storage)
         out = {}
         for stage in range(self.spec.model.num_stages):
-            manifests = await self._io(self.directory.manifests, stage)
+            manifests = await self.io(self.directory.manifests, stage)
             out[stage] = checkpoint_views(manifests, storage)
         return out
 
@@ -136,7 +149,7 @@ class FragmentKeeper:
                 m = view.manifest
                 if self.me in view.holders and self.store.manifest(self.run_id, m.stage, m.epoch) is None:
                     try:
-                        await self._io(self.service.accept_manifest, view.sealed)
+                        await self.io(self.service.accept_manifest, view.sealed)
                     except (ProtocolError, OSError) as e:
                         logger.debug("not adopting the manifest of stage %d epoch %d: %s", m.stage, m.epoch, e)
 
@@ -150,7 +163,7 @@ class FragmentKeeper:
         """Place ``fragment`` on ``holder`` (this peer's own store if it is us). Raises FragmentError."""
         if holder.peer_id == self.me:
             try:
-                await self._io(self.store.put, self.run_id, stage, epoch, fragment)
+                await self.io(self.store.put, self.run_id, stage, epoch, fragment)
             except (OSError, ValueError) as e:
                 raise FragmentError(f"this peer cannot hold fragment {fragment.index}: {e}") from None
         else:
@@ -161,7 +174,7 @@ class FragmentKeeper:
         sha = next(f.sha256 for f in manifest.fragments if f.index == index)
         if holder.peer_id == self.me:
             try:
-                fragment = await self._io(self.store.get, self.run_id, manifest.stage, manifest.epoch, index)
+                fragment = await self.io(self.store.get, self.run_id, manifest.stage, manifest.epoch, index)
             except OSError as e:
                 raise FragmentError(f"fragment {index} is not on this peer's disk: {e}") from None
             if fragment.sha256 != sha:
@@ -176,7 +189,7 @@ class FragmentKeeper:
 
     async def hand_manifest(self, holder: StorageInfo, sealed: bytes) -> None:
         if holder.peer_id == self.me:
-            await self._io(self.service.accept_manifest, sealed)
+            await self.io(self.service.accept_manifest, sealed)
         else:
             await put_manifest(self.p2p, holder.p2p_id, self.run_id, sealed)
 
@@ -191,11 +204,12 @@ class FragmentKeeper:
         :raises FragmentError: fewer than ``k`` fragments could be fetched.
         """
         m = view.manifest
-        by_peer = {s.peer_id: s for s in (storage if storage is not None else await self._io(self.directory.storage))}
+        by_peer = {s.peer_id: s for s in (storage if storage is not None else await self.io(self.directory.storage))}
         tries = {i: [by_peer[p] for p in sorted(holders, key=lambda p: (p != self.me, self.rng.random()))
                      if p in by_peer and p not in self.bans]
                  for i, holders in view.alive.items()}
-        order = sorted((i for i in tries if tries[i]), key=lambda i: (len(tries[i]) == 0, self.rng.random()))
+        # indices on this peer's disk first (no transfer), the rest in random order (spreads the load)
+        order = sorted((i for i in tries if tries[i]), key=lambda i: (tries[i][0].peer_id != self.me, self.rng.random()))
         got: dict[int, Fragment] = {}
         bad, received = 0, 0
 
@@ -223,7 +237,7 @@ class FragmentKeeper:
         if len(got) < m.k:
             raise FragmentError(f"only {len(got)} of the {m.k} fragments needed for stage {m.stage} epoch {m.epoch} "
                                 f"could be fetched ({bad} corrupt); wait for more holders to come online")
-        blob = await self._io(join_fragments, list(got.values()), m.k, m.n, m.size, m.shard_sha256)
+        blob = await self.io(join_fragments, list(got.values()), m.k, m.n, m.size, m.shard_sha256)
         return blob, bad
 
     # ---- placement and repair --------------------------------------------------------------------------
@@ -263,13 +277,13 @@ class FragmentKeeper:
     async def repair(self, view: CheckpointView) -> int:
         """Restore the missing fragments of ``view`` onto new holders; returns how many were placed."""
         m = view.manifest
-        storage = await self._io(self.directory.storage)
+        storage = await self.io(self.directory.storage)
         try:
             blob, _ = await self.fetch(view, storage=storage)
         except FragmentError as e:
             logger.warning("[%s] cannot repair stage %d epoch %d: %s", self.me, m.stage, m.epoch, e)
             return 0
-        fragments = await self._io(split_into_fragments, blob, m.k, m.n)
+        fragments = await self.io(split_into_fragments, blob, m.k, m.n)
         wanted = {f.index: f.sha256 for f in m.fragments}
         missing = [f for f in fragments if f.index in view.missing and wanted.get(f.index) == f.sha256]
         placed = await self.place(m.stage, m.epoch, missing, storage=storage, exclude=view.holders,
@@ -288,5 +302,5 @@ class FragmentKeeper:
         self.repairs += len(placed)
         logger.info("[%s stage=%d epoch=%d] repaired checkpoint: fragments %s re-placed on %s (%d of %d alive before)",
                     self.me, m.stage, m.epoch, sorted(placed), sorted(set(placed.values())), view.fragments_alive, m.n)
-        await self._io(self.announce)
+        await self.io(self.announce)
         return len(placed)

@@ -50,6 +50,7 @@ class StageCheckpoints:
         self.stage = server.stage
         self.lineage: tuple[str, int] = ("", -1)
         self._restored_lineage: Optional[tuple[str, int]] = None
+        self._skipped: set[str] = set()  # shard hashes newer than the last restore (not ancestors of our state)
         self.restored: Optional[RestoreReport] = None
         self.generation, self.order_sealed = 0, None
         self._order_scale, self._order_issuer = 1.0, ""
@@ -74,7 +75,7 @@ class StageCheckpoints:
     async def _others_online(self) -> bool:
         """Does another server of the stage answer? (Records alone may be stale: a peer killed a moment ago
         is still listed online, and a restarted one keeps its peer id.)"""
-        servers = await self.keeper._io(self.directory.servers, self.stage)
+        servers = await self.keeper.io(self.directory.servers, self.stage)
         candidates = [s for s in servers if s.state == ServerState.ONLINE and s.peer_id != self.me]
         answers = await asyncio.gather(*(is_serving(self.keeper.p2p, s, self.keeper.run_id) for s in candidates))
         return any(answers)
@@ -90,7 +91,7 @@ class StageCheckpoints:
         :returns: ``"peers"`` (the caller loads from live servers), ``"checkpoint"`` or ``"fresh"``.
         :raises RestoreError: checkpoints exist but none became restorable within ``restore_timeout_s``.
         """
-        io = self.keeper._io
+        io = self.keeper.io
         orders = await io(self.directory.rollback_orders)
         if orders:
             self._adopt_order(*orders[0])
@@ -148,7 +149,7 @@ class StageCheckpoints:
             logger.info("%s restore: fragment %d/%d fetched, %.2f MB", self._tag(), done, needed, received / 1e6)
 
         blob, bad = await self.keeper.fetch(view, progress)
-        shard = await self.keeper._io(decode_shard, blob, m.shard_sha256)
+        shard = await self.keeper.io(decode_shard, blob, m.shard_sha256)
         if shard.run_id != self.keeper.run_id or shard.stage != self.stage or shard.epoch != m.epoch:
             raise ShardError(f"the shard is run {shard.run_id} stage {shard.stage} epoch {shard.epoch}, "
                              f"not what its manifest says")
@@ -157,6 +158,8 @@ class StageCheckpoints:
                                seconds=round(time.monotonic() - started, 3), fragments_bad=bad)
         self.restored = report
         self._restored_lineage = self.lineage = (m.shard_sha256, m.epoch)
+        self._skipped = {k.shard_sha256 for k in await self.keeper.io(self.keeper.known_manifests, self.stage)
+                         if k.epoch > m.epoch}
         logger.info("%s restored checkpoint epoch %d in %.1f s (bit-exact: %s, corrupt fragments refused: %d)",
                     self._tag(), m.epoch, report.seconds, report.bit_exact, bad)
         return report
@@ -239,27 +242,33 @@ class StageCheckpoints:
             await asyncio.gather(*late, return_exceptions=True)
 
     def _parent(self, epoch: int) -> tuple[str, int]:
-        if self._restored_lineage is not None:
-            return self._restored_lineage
-        for manifest, _ in self.directory.manifests(self.stage):
-            if manifest.epoch < epoch:
-                return manifest.shard_sha256, manifest.epoch
-        return "", -1
+        """The checkpoint the state at ``epoch`` descends from: the stage's newest committed one before
+        ``epoch`` (the servers of a stage stay in sync, so a checkpoint another server committed counts),
+        except those skipped by this server's last restore (newer than what it restored: a fallback to an
+        older checkpoint, or a rollback), which the state does not descend from."""
+        floor = self._restored_lineage[1] if self._restored_lineage is not None else -1
+        candidates = [m for m in self.keeper.known_manifests(self.stage)
+                      if floor <= m.epoch < epoch and m.shard_sha256 not in self._skipped]
+        best = max(candidates, key=lambda m: (m.epoch, m.time), default=None)
+        if best is not None:
+            return best.shard_sha256, best.epoch
+        return self._restored_lineage or ("", -1)
 
     def _is_writer(self) -> bool:
         online = [s.peer_id for s in self.directory.servers(self.stage) if s.state == ServerState.ONLINE]
         return min(online + [self.me]) == self.me
 
     async def _commit(self, shard) -> None:
-        io = self.keeper._io
+        io = self.keeper.io
         try:
             if not await io(self._is_writer):
                 return
             parent = await io(self._parent, shard.epoch)
             position = {t.shard: t.position for t in await io(self.directory.trainers)}
+            shard.meta["data_position"] = {str(k): v for k, v in sorted(position.items())}  # part of the state
             manifest, _ = await write_checkpoint(self.keeper, shard, parent=parent, loss=self.server.loss_ema,
                                                  data_position=position)
-            self.lineage, self._restored_lineage = (manifest.shard_sha256, manifest.epoch), None
+            self.lineage = (manifest.shard_sha256, manifest.epoch)
             self.committed += 1
         except CheckpointError as e:
             logger.warning("%s checkpoint of epoch %d not committed: %s", self._tag(), shard.epoch, e)
@@ -281,13 +290,13 @@ class StageCheckpoints:
                               lr_scale=self.lr_scale * self.spec.rollback.lr_factor, generation=self.generation + 1,
                               reason=f"epoch {detected_epoch} mean loss {loss:.4f} > (1 + {self.spec.rollback.margin}) "
                                      f"x moving average {self.detector.average:.4f}")
-        await self.keeper._io(self.directory.announce, rollback_key(self.keeper.run_id), order, self.identity)
+        await self.keeper.io(self.directory.announce, rollback_key(self.keeper.run_id), order, self.identity)
         logger.warning("%s issued rollback #%d to epoch <= %d, lr scale %.3g: %s", self._tag(), order.generation,
                        order.epoch, order.lr_scale, order.reason)
 
     async def watch(self, stop: asyncio.Event, period_s: float = 2.0) -> None:
         """Apply new rollback orders and keep the applied one published, until ``stop``."""
-        io = self.keeper._io
+        io = self.keeper.io
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), period_s)

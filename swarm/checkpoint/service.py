@@ -38,8 +38,10 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 class FragmentService(ServicerBase):
     """Serves ``store`` for run ``run_id`` (register with ``add_p2p_handlers(p2p, namespace=run_id)``)."""
 
-    def __init__(self, store: FragmentStore, run_id: str):
-        self.store, self.run_id = store, run_id
+    def __init__(self, store: FragmentStore, run_id: str, on_manifest=None):
+        """:param on_manifest: called with ``(manifest, sealed)`` after a manifest is saved (e.g. to publish it
+        in the DHT at once, so a checkpoint is visible even if its writer dies before publishing it)."""
+        self.store, self.run_id, self.on_manifest = store, run_id, on_manifest
 
     async def _reply(self, reply: FragmentReply, data: bytes = b"") -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), [_bytes_tensor(data)] if data else []):
@@ -76,6 +78,8 @@ class FragmentService(ServicerBase):
             raise ProtocolError(f"the manifest of stage {manifest.stage} epoch {manifest.epoch} does not list the "
                                 "fragments held here")
         self.store.save_manifest(self.run_id, manifest.stage, manifest.epoch, sealed)
+        if self.on_manifest is not None:
+            self.on_manifest(manifest, sealed)
         return manifest
 
     async def rpc_put_manifest(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext

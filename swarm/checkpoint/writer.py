@@ -37,9 +37,9 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
     """
     ckpt = keeper.spec.checkpoint
     start = time.perf_counter()
-    blob, sha = await keeper._io(encode_shard, shard)
-    fragments = await keeper._io(split_into_fragments, blob, ckpt.fragments_needed, ckpt.fragments_total)
-    storage = [s for s in await keeper._io(keeper.directory.storage) if s.peer_id != keeper.me]
+    blob, sha = await keeper.io(encode_shard, shard)
+    fragments = await keeper.io(split_into_fragments, blob, ckpt.fragments_needed, ckpt.fragments_total)
+    storage = [s for s in await keeper.io(keeper.directory.storage) if s.peer_id != keeper.me]
     storage.append(keeper.storage_info())
     placed = await keeper.place(shard.stage, shard.epoch, fragments, storage=storage)
     if len(placed) < ckpt.fragments_needed:
@@ -66,10 +66,10 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
     if committed < ckpt.fragments_needed:
         raise CheckpointError(f"only {committed} fragments of stage {shard.stage} epoch {shard.epoch} sit on holders "
                               f"that took the manifest ({ckpt.fragments_needed} needed)")
-    if not await keeper._io(keeper.directory.publish_manifest, manifest, sealed):
+    if not await keeper.io(keeper.directory.publish_manifest, manifest, sealed):
         logger.warning("[%s] could not store the manifest of stage %d epoch %d in the DHT; its holders will "
                        "re-publish it", keeper.me, shard.stage, shard.epoch)
-    await keeper._io(keeper.announce)
+    await keeper.io(keeper.announce)
     logger.info("[%s stage=%d epoch=%d] checkpoint committed: %d bytes sha256=%s, %d/%d fragments on %d peers "
                 "(%d needed), parent %s, %.2f s", keeper.me, shard.stage, shard.epoch, len(blob), sha[:16],
                 len(placed), len(fragments), len(holders), ckpt.fragments_needed, parent[0][:16] or "-",

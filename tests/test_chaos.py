@@ -1,0 +1,24 @@
+"""A short run of bench/chaos.py: random SIGKILLs of servers, trainers and the coordinator, stage wipes, and a
+final kill of every peer; no committed epoch may be lost and the final state must come back bit-exact."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from chaos import SPEC, run_chaos  # noqa: E402
+
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(900)]
+
+
+def test_short_chaos_loses_no_committed_epoch(cache_dir, tiny_dataset):
+    spec = SPEC.replace("target_batch_size = 64", "target_batch_size = 32").replace("interval_epochs = 3",
+                                                                                      "interval_epochs = 2")
+    result = run_chaos(90, seed=1, cache_dir=cache_dir, spec_text=spec, min_gap=8.0, max_gap=14.0)
+    assert result["kills"] >= 6, result  # the first four events cover a server, a stage wipe, the coordinator, a trainer
+    assert result["committed_checkpoints"] >= 4 and result["epochs"] >= 3, result
+    assert result["lost_epochs"] == 0, result
+    assert result["restored_bit_exact"] is True, result
+    assert len(result["recoveries"]) >= 3 and result["recovery_s_max"] < 120, result  # a wipe + the final kill-all
