@@ -224,11 +224,8 @@ def averaging_report(optimizer) -> tuple[dict[str, str], dict[str, int]]:
 
 
 def _wait_until_counted(optimizer, directory, stage: int, me: str, timeout: float = 5.0) -> None:
-    """Wait (bounded) until the progress tracker counts the stage's other online servers (those announced in
-    the last third of a record TTL, plus a second: older records may be a dead server's)."""
+    """Wait (bounded) until the progress tracker counts the stage's other live servers."""
     deadline = time.monotonic() + timeout
-    fresh = get_dht_time() - directory.ttl / 3 - 1.0
-    expected = 1 + sum(s.peer_id != me and s.state == ServerState.ONLINE and s.time >= fresh
-                       for s in directory.servers(stage))
+    expected = 1 + sum(s.peer_id != me for s in directory.fresh_servers(stage))
     while optimizer.tracker.global_progress.num_peers < expected and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -255,8 +255,9 @@ class StageCheckpoints:
         return self._restored_lineage or ("", -1)
 
     def _is_writer(self) -> bool:
-        online = [s.peer_id for s in self.directory.servers(self.stage) if s.state == ServerState.ONLINE]
-        return min(online + [self.me]) == self.me
+        """The stage's writer is its live server with the lowest peer id (stale records of dead servers do
+        not count, or a killed writer would block checkpoints until its record expired)."""
+        return min([s.peer_id for s in self.directory.fresh_servers(self.stage)] + [self.me]) == self.me
 
     async def _commit(self, shard) -> None:
         io = self.keeper.io
