@@ -30,5 +30,8 @@ bench-averaging: $(STAMP)   # ~30 min on 2 cores
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/robustness.py
 
+bench-chaos: $(STAMP)   # ~6 min: random SIGKILLs, stage wipes, a final kill of every peer; JSON last line
+	$(BIN)/python bench/chaos.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info
