@@ -55,5 +55,22 @@ def join(
                     loss_log=loss_log)
 
 
+@app.command()
+def status(probe: bool = typer.Option(False, "--probe", help="Exit 0 if healthy, 1 if not, printing one line "
+                                      "(the container HEALTHCHECK)."),
+           as_json: bool = typer.Option(False, "--json", help="Print the heartbeat as one JSON object.")) -> None:
+    """Health of the peer running with this SWARM_CACHE_DIR, from its heartbeat file (exit 1 if unhealthy)."""
+    import json
+
+    from peer.heartbeat import probe as read_probe
+
+    healthy, reason, beat = read_probe(PeerSettings().cache_dir)
+    if as_json:
+        typer.echo(json.dumps({"healthy": healthy, "reason": reason, **beat}))
+    else:
+        typer.echo(("healthy: " if healthy else "unhealthy: ") + reason, err=not healthy and not probe)
+    raise typer.Exit(0 if healthy else 1)
+
+
 def main() -> None:
     app()

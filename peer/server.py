@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from hivemind.utils import get_dht_time
 
+from peer.heartbeat import write_heartbeat
 from swarm import __version__
 from swarm.averaging import build_stage_optimizer
 from swarm.averaging.attacks import make_attack
@@ -111,7 +112,12 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
             restored=checkpoints.restored, lr_scale=checkpoints.lr_scale,
         )
 
+    def beat(state: ServerState) -> None:
+        write_heartbeat(settings.cache_dir, peer_id=me, role="server", stage=stage, state=str(state),
+                        epoch=server.epoch, ttl_s=directory.ttl)
+
     await io(directory.announce_server, info(ServerState.JOINING), identity)
+    beat(ServerState.JOINING)
     logger.info("[%s stage=%d] joining run %s, throughput %.1f samples/s", me, stage, run_id, throughput)
     attack = make_attack(settings.byzantine)
     if attack is not None:
@@ -155,7 +161,7 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
         server.epoch_listeners += [on_epoch, checkpoints.on_epoch]
         await server.add_p2p_handlers(p2p, namespace=run_id)
         handlers = True
-        return await _announce_until_done(spec, server, directory, identity, sealed_spec, checkpoints, info,
+        return await _announce_until_done(spec, server, directory, identity, sealed_spec, checkpoints, info, beat,
                                           movable=movable, stop=stop)
     finally:
         await checkpoints.close()
@@ -166,7 +172,7 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
 
 
 async def _announce_until_done(spec: RunSpec, server: StageServer, directory: RunDirectory, identity: Identity,
-                               sealed_spec: bytes, checkpoints: StageCheckpoints, info, *, movable: bool,
+                               sealed_spec: bytes, checkpoints: StageCheckpoints, info, beat, *, movable: bool,
                                stop: asyncio.Event) -> Optional[int]:
     loop = asyncio.get_running_loop()
     me, stage = identity.peer_id, server.stage
@@ -178,6 +184,7 @@ async def _announce_until_done(spec: RunSpec, server: StageServer, directory: Ru
     try:
         while not (leave.is_set() or stop.is_set()):
             await loop.run_in_executor(None, directory.announce_server, info(ServerState.ONLINE), identity)
+            beat(ServerState.ONLINE)
             await loop.run_in_executor(None, directory.publish_spec, sealed_spec)
             if movable and spec.rebalance.enabled and time.monotonic() >= next_check:
                 next_check = time.monotonic() + spec.rebalance.period_s
@@ -197,6 +204,7 @@ async def _announce_until_done(spec: RunSpec, server: StageServer, directory: Ru
         leave.set()
         await asyncio.gather(*tasks)
         await loop.run_in_executor(None, directory.announce_server, info(ServerState.DRAINING), identity)
+        beat(ServerState.DRAINING)
     return None if stop.is_set() else target
 
 

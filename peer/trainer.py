@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from peer.heartbeat import write_heartbeat
 from swarm.averaging.attacks import make_attack
 from swarm.config import PeerSettings
 from swarm.data import prepare_dataset
@@ -48,7 +49,10 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
                 logger.warning("[%s trainer] BYZANTINE TEST MODE: running the %r attack", identity.peer_id, attack.name)
             pipeline = RemotePipeline(spec, directory.run_id, directory, p2p, attack=attack)
             trainer = Trainer(spec, directory.run_id, directory, identity, pipeline, dataset, shard,
-                              concurrency=concurrency, max_samples=max_samples, loss_log=loss_log, position=position)
+                              concurrency=concurrency, max_samples=max_samples, loss_log=loss_log, position=position,
+                              on_report=lambda info: write_heartbeat(
+                                  settings.cache_dir, peer_id=identity.peer_id, role="trainer", stage=-1,
+                                  state="training", epoch=0, ttl_s=spec.timeouts.record_ttl_s, samples=info.samples))
             await trainer.run(stop)
 
         asyncio.run(main())

@@ -285,7 +285,11 @@ class StageServer(ServicerBase):
         return await self._compute(fn, *args)
 
     async def _compute(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except RuntimeError:  # the pool is shut down: a request that arrived while the server drains
+            raise StageError(f"stage {self.stage} server is shutting down; retry on another server") from None
+        return await future
 
     # ---- RPC handlers ------------------------------------------------------------------------------
     async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], cls):

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from hivemind.utils import get_dht_time
 
@@ -72,12 +72,14 @@ class Trainer:
 
     def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, identity: Identity,
                  pipeline: RemotePipeline, dataset: TokenDataset, shard: int, *, concurrency: int = 1,
-                 max_samples: Optional[int] = None, loss_log: Optional[Path] = None, position: int = 0):
+                 max_samples: Optional[int] = None, loss_log: Optional[Path] = None, position: int = 0,
+                 on_report: Optional[Callable[[TrainerInfo], None]] = None):
         self.spec, self.run_id, self.directory, self.identity = spec, run_id, directory, identity
         self.pipeline, self.dataset, self.shard = pipeline, dataset, shard
         self.concurrency, self.max_samples, self.loss_log = concurrency, max_samples, loss_log
         self.samples = self.tokens = self.steps = 0
         self.start_position = position
+        self.on_report = on_report  # called with each TrainerInfo published (the app's heartbeat)
         self.first_losses: list[float] = []  # the first few, for initial_loss
         self.loss_ema: Optional[float] = None
         self._started = time.monotonic()
@@ -128,6 +130,8 @@ class Trainer:
         while True:
             info = self.info()
             await loop.run_in_executor(None, self.directory.announce_trainer, info, self.identity)
+            if self.on_report is not None:
+                self.on_report(info)
             stages = [await self.pipeline.servers(k) for k in range(self.spec.model.num_stages)]
             epochs = [max((s.epoch for s in group), default=0) for group in stages]
             logger.info(

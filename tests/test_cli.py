@@ -7,6 +7,7 @@ from peer.cli import app as peer_app
 
 EXPECTED = {
     "swarm-peer join": ["address", "concurrency", "log_level", "loss_log", "max_samples", "role", "shard", "stage"],
+    "swarm-peer status": ["as_json", "probe"],
     "swarm-coordinator init": ["key", "spec_path"],
     "swarm-coordinator serve": ["address_file", "host", "key", "log_level", "peers", "port", "spec_path"],
     "swarm-coordinator status": ["address", "as_json", "timeout"],
@@ -37,3 +38,25 @@ def test_bad_spec_exits_2(tmp_path):
     result = CliRunner().invoke(coordinator_app, ["init", str(bad)])
     assert result.exit_code == 2
     assert "model" in result.output and "make them agree" in result.output
+
+
+def test_peer_status_probe_reads_the_heartbeat(tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from peer.cli import app
+    from peer.heartbeat import write_heartbeat
+
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path))
+    runner = CliRunner()
+    result = runner.invoke(app, ["status", "--probe"])
+    assert result.exit_code == 1 and "no heartbeat" in result.output
+    write_heartbeat(tmp_path, peer_id="p", role="server", stage=1, state="online", epoch=7, ttl_s=30.0)
+    result = runner.invoke(app, ["status", "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["epoch"] == 7
+    write_heartbeat(tmp_path, peer_id="p", role="server", stage=1, state="draining", epoch=7, ttl_s=30.0)
+    assert runner.invoke(app, ["status", "--probe"]).exit_code == 1
+    write_heartbeat(tmp_path, peer_id="p", role="server", stage=1, state="online", epoch=7, ttl_s=0.0)
+    result = runner.invoke(app, ["status", "--probe"])
+    assert result.exit_code == 1 and "stuck or stopped" in result.output

@@ -1,0 +1,109 @@
+"""Build the peer image with podman and check that a peer container joins a local run and serves.
+
+    python docker/check.py        # `make container-check`; needs root (apt-get, debootstrap) or podman + a base image
+
+Steps: (1) a base image: ``localhost/swarm-base:bookworm`` from ``debootstrap`` + ``podman import`` unless it
+exists (no registry is reachable here); (2) a wheelhouse in docker/wheels (``pip wheel .``: the project and
+every dependency, so the build needs no network); (3) ``hadolint`` on the Dockerfile; (4) ``podman build
+--runtime runc --network=none --format docker``; (5) a local run on the host (coordinator + a stage-1 server +
+a trainer) and a peer *container* serving stage 0 through ``--network=host``: it must come online, training
+must advance two epochs through it, its HEALTHCHECK command (``swarm-peer status --probe``) must pass, and
+``podman stop`` (SIGTERM: drain) must end it with exit code 0.
+Prints one JSON line with the seconds each step took.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BASE = "localhost/swarm-base:bookworm"
+IMAGE = "localhost/swarm-peer:check"
+PODMAN = ["podman"]
+RUN = ["--runtime", "runc", "--pull=never", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+
+
+def sh(*cmd: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), check=True, **kw)
+
+
+def base_image() -> None:
+    if subprocess.run(PODMAN + ["image", "exists", BASE]).returncode == 0:
+        return
+    if shutil.which("debootstrap") is None:
+        sh("apt-get", "install", "-y", "-q", "debootstrap")
+    with tempfile.TemporaryDirectory() as root:
+        sh("debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm", root,
+           "http://deb.debian.org/debian", stdout=subprocess.DEVNULL)
+        tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
+        sh(*PODMAN, "import", "-", BASE, stdin=tar.stdout, stdout=subprocess.DEVNULL)
+        tar.wait()
+
+
+def main() -> None:
+    timings = {}
+    t = time.monotonic()
+    if shutil.which("podman") is None or shutil.which("runc") is None:
+        sh("apt-get", "install", "-y", "-q", "podman", "runc")
+    base_image()
+    timings["base_image_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    sh(sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(ROOT / "docker" / "wheels"), str(ROOT))
+    timings["wheels_s"] = round(time.monotonic() - t, 1)
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    sh(hadolint, str(ROOT / "docker" / "Dockerfile"))
+    t = time.monotonic()
+    sh(*PODMAN, "build", "--runtime", "runc", "--network=none", "--format", "docker", "-f", "docker/Dockerfile",
+       "--build-arg", f"BASE_IMAGE={BASE}", "-t", IMAGE, ".", cwd=ROOT, stdout=subprocess.DEVNULL)
+    timings["build_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    timings.update(run_check())
+    timings["run_s"] = round(time.monotonic() - t, 1)
+    print(json.dumps(timings))
+
+
+def run_check() -> dict:
+    from coordinator.launch import LocalSwarm
+    from tests.conftest import TINY_SPEC
+    from tests.scenario import Scenario
+
+    work = Path(tempfile.mkdtemp(prefix="swarm-container-"))
+    (work / "tiny.toml").write_text(TINY_SPEC)
+    cache = work / "cache"  # the container's /cache: a copy of the test data cache, owned by its user (uid 10001)
+    shutil.copytree(ROOT / ".test-cache", cache, ignore=shutil.ignore_patterns("fragments", "identity.key"))
+    sh("chown", "-R", "10001:10001", str(cache))
+    name = "swarm-peer-check"
+    with LocalSwarm(work / "tiny.toml", work / "swarm", ROOT / ".test-cache") as swarm, Scenario(swarm) as sc:
+        swarm.start_peer("server", "--stage", "1")
+        cmd = PODMAN + ["run", *RUN, "--rm", "--name", name, "--network=host", "-v", f"{cache}:/cache",
+                        "-e", "SWARM_HOST=127.0.0.1", "-e", "SWARM_PORT=0", "-e", "SWARM_IDENTITY_FILE=/tmp/peer.key",
+                        "-e", "SWARM_FRAGMENT_DIR=/tmp/fragments", IMAGE, "join", swarm.address, "--stage", "0"]
+        log = open(work / "container.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            sc.wait(lambda: any(s.state == "online" for s in sc.directory.servers(0)), 300, "the container online")
+            served = [s.peer_id for s in sc.directory.servers(0)]
+            sc.trainers(1).until_epoch(2, timeout=240)
+            epochs = sc.epochs()
+            health = subprocess.run(PODMAN + ["exec", name, "swarm-peer", "status", "--probe"], capture_output=True,
+                                    text=True)
+            if health.returncode != 0:
+                raise SystemExit(f"the HEALTHCHECK command fails in the running container: {health.stdout}{health.stderr}")
+        finally:
+            subprocess.run(PODMAN + ["stop", "-t", "30", name], capture_output=True)
+            code = proc.wait(60)
+        if code != 0:
+            raise SystemExit(f"the peer container exited with {code} after SIGTERM; see {work / 'container.log'}")
+        return {"container_peer": served[0], "epochs": epochs, "exit_code": code}
+
+
+if __name__ == "__main__":
+    main()
