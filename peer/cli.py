@@ -5,6 +5,8 @@ Examples::
     swarm-peer join demo-abcdefghijklmnop@/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
     swarm-peer join <run address> --role trainer
     SWARM_HOST=127.0.0.1 SWARM_CACHE_DIR=/cache swarm-peer join <run address> --stage 1
+    swarm-peer check [<run address>] [--json]      # preflight; every failure prints its fix
+    swarm-peer status --probe                      # health of the running peer (container HEALTHCHECK)
 """
 
 from __future__ import annotations
@@ -53,6 +55,29 @@ def join(
 
         run_trainer(address, settings, shard=shard, concurrency=concurrency, max_samples=max_samples,
                     loss_log=loss_log)
+
+
+@app.command()
+def check(address: Optional[str] = typer.Argument(None, help="Run address: also check the run's spec, protocol "
+                                                  "version and clock skew."),
+          as_json: bool = typer.Option(False, "--json", help="Print one JSON object: {ok, checks: [{name, ok, "
+                                       "detail, fix}]}."),
+          timeout: float = typer.Option(30.0, help="Seconds to find the run.")) -> None:
+    """Preflight: Python and torch, device and memory, cache, identity, fragment disk, port, reachability,
+    and with ADDRESS the run itself. Exit code 1 if a check fails; each failure prints its fix."""
+    import json
+
+    from peer.logs import configure_logging
+    from peer.preflight import as_dict, run_checks
+
+    configure_logging("ERROR")
+    checks = run_checks(PeerSettings(), address, timeout)
+    if as_json:
+        typer.echo(json.dumps(as_dict(checks)))
+    else:
+        for c in checks:
+            typer.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<14} {c.detail}" + (f"\n     fix: {c.fix}" if c.fix else ""))
+    raise typer.Exit(0 if all(c.ok for c in checks) else 1)
 
 
 @app.command()

@@ -8,6 +8,7 @@ from peer.cli import app as peer_app
 EXPECTED = {
     "swarm-peer join": ["address", "concurrency", "log_level", "loss_log", "max_samples", "role", "shard", "stage"],
     "swarm-peer status": ["as_json", "probe"],
+    "swarm-peer check": ["address", "as_json", "timeout"],
     "swarm-coordinator init": ["key", "spec_path"],
     "swarm-coordinator serve": ["address_file", "host", "key", "log_level", "peers", "port", "spec_path"],
     "swarm-coordinator status": ["address", "as_json", "timeout"],

@@ -53,7 +53,8 @@ def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
             raise AssertionError(f"servers of a stage never agreed: {seen}\n{sc.log_warnings()}") from None
 
 
-def test_status_cli_reads_a_live_swarm(swarm):
+def test_status_and_check_clis_read_a_live_swarm(swarm):
+    import os
     import subprocess
     import sys
 
@@ -70,6 +71,13 @@ def test_status_cli_reads_a_live_swarm(swarm):
         bad = subprocess.run([sys.executable, "-m", "coordinator", "status", "not-an-address"],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "bad run address" in bad.stderr
+        env = dict(os.environ, SWARM_HOST="127.0.0.1", SWARM_CLIENT_MODE="1",
+                   SWARM_CACHE_DIR=str(swarm.workdir / "check-cache"), SWARM_FRAGMENT_MAX_BYTES=str(1 << 20))
+        done = subprocess.run([sys.executable, "-m", "peer", "check", swarm.address, "--json"], capture_output=True,
+                              text=True, timeout=120, env=env)
+        checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+        assert checks["run"]["ok"] and "spec verified" in checks["run"]["detail"], checks
+        assert checks["clock"]["ok"], checks["clock"]
 
 
 def test_swarm_tracks_single_process_reference(exact_spec_path, tmp_path, cache_dir, tiny_dataset):

@@ -1,0 +1,51 @@
+"""`swarm-peer check`: each failure names its cause and its fix; the JSON shape and exit codes."""
+
+import json
+
+from typer.testing import CliRunner
+
+from peer.cli import app
+from peer.preflight import as_dict, run_checks
+from swarm.config import PeerSettings
+
+
+def test_a_healthy_loopback_machine_passes_the_local_checks_but_not_reachability(tmp_path):
+    settings = PeerSettings(cache_dir=tmp_path, host="127.0.0.1", port=0, fragment_max_bytes=1 << 20)
+    checks = {c.name: c for c in run_checks(settings)}
+    for name in ("python", "torch", "cache", "identity", "fragment disk", "port"):
+        assert checks[name].ok, checks[name]
+    assert not checks["reachability"].ok and "SWARM_ANNOUNCE_HOST" in checks["reachability"].fix
+    client = {c.name: c for c in run_checks(settings.model_copy(update={"client_mode": True}))}
+    assert client["reachability"].ok and "trainer" in client["reachability"].detail
+
+
+def test_failures_name_the_setting_to_change(tmp_path):
+    import socket
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        port = busy.getsockname()[1]
+        settings = PeerSettings(cache_dir=blocker / "cache", host="127.0.0.1", port=port,
+                                fragment_dir=tmp_path / "fragments", fragment_max_bytes=1 << 60,
+                                identity_file=tmp_path / "id.key")
+        checks = {c.name: c for c in run_checks(settings)}
+    assert not checks["cache"].ok and "SWARM_CACHE_DIR" in checks["cache"].fix
+    assert not checks["fragment disk"].ok and "SWARM_FRAGMENT_MAX_BYTES" in checks["fragment disk"].fix
+    assert not checks["port"].ok and "SWARM_PORT" in checks["port"].fix
+    assert as_dict(list(checks.values()))["ok"] is False
+
+
+def test_check_cli_json_and_exit_codes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SWARM_HOST", "127.0.0.1")
+    monkeypatch.setenv("SWARM_CLIENT_MODE", "1")
+    monkeypatch.setenv("SWARM_FRAGMENT_MAX_BYTES", str(1 << 20))
+    runner = CliRunner()
+    result = runner.invoke(app, ["check", "--json"])
+    report = json.loads(result.output)
+    assert set(report) == {"ok", "checks"} and {"name", "ok", "detail", "fix"} <= set(report["checks"][0])
+    assert result.exit_code == (0 if report["ok"] else 1)
+    bad = runner.invoke(app, ["check", "not-an-address", "--json"])
+    assert bad.exit_code == 1 and "bad run address" in bad.output
