@@ -7,7 +7,8 @@ exists (no registry is reachable here); (2) a wheelhouse in docker/wheels (``pip
 every dependency, so the build needs no network); (3) ``hadolint`` on the Dockerfile; (4) ``podman build
 --runtime runc --network=none --format docker``; (5) a local run on the host (coordinator + a stage-1 server +
 a trainer) and a peer *container* serving stage 0 through ``--network=host``: it must come online, training
-must advance two epochs through it, its HEALTHCHECK command (``swarm-peer status --probe``) must pass, and
+must advance two epochs through it, its HEALTHCHECK command (``swarm-peer status --probe``) must pass, it must serve Prometheus metrics on
+port 9100, and
 ``podman stop`` (SIGTERM: drain) must end it with exit code 0.
 Prints one JSON line with the seconds each step took.
 """
@@ -97,6 +98,10 @@ def run_check() -> dict:
                                     text=True)
             if health.returncode != 0:
                 raise SystemExit(f"the HEALTHCHECK command fails in the running container: {health.stdout}{health.stderr}")
+            import urllib.request  # the image serves Prometheus metrics on SWARM_METRICS_PORT=9100 (host network)
+            scraped = urllib.request.urlopen("http://127.0.0.1:9100/metrics", timeout=10).read().decode()
+            if "swarm_epoch{" not in scraped:
+                raise SystemExit("the container serves no swarm_epoch metric on :9100/metrics")
         finally:
             subprocess.run(PODMAN + ["stop", "-t", "30", name], capture_output=True)
             code = proc.wait(60)

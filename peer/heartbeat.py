@@ -1,4 +1,5 @@
-"""The peer's heartbeat file: what ``swarm-peer status`` (and a container HEALTHCHECK) reads.
+"""What a running peer reports on its own machine: the heartbeat file that ``swarm-peer status`` (and a
+container HEALTHCHECK) reads, and its Prometheus metrics endpoint (:func:`start_metrics`).
 
 The running peer rewrites ``<SWARM_CACHE_DIR>/peer-status.json`` (atomically) at every announcement:
 ``{"peer_id", "role", "stage", "state", "epoch", "time", "ttl_s"}`` (time: Unix seconds). A heartbeat older
@@ -13,6 +14,9 @@ import os
 import time
 from pathlib import Path
 from typing import Optional
+
+from swarm.config import PeerSettings
+from swarm.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
 FILENAME = "peer-status.json"
@@ -54,3 +58,16 @@ def probe(cache_dir: Path, now: Optional[float] = None) -> tuple[bool, str, dict
     if beat.get("state") not in HEALTHY_STATES:
         return False, f"the peer is {beat.get('state')}", beat
     return True, f"{beat.get('role')} {beat.get('state')}, heartbeat {age:.0f} s old", beat
+
+
+def start_metrics(run_id: str, peer_id: str, role: str, settings: PeerSettings) -> PeerMetrics:
+    """The peer's Prometheus metrics, served on ``SWARM_METRICS_PORT`` if set (a taken port is logged, not fatal)."""
+    metrics = PeerMetrics(run_id, peer_id, role)
+    if settings.metrics_port:
+        try:
+            metrics.serve(settings.metrics_port, settings.host)
+            logger.info("[%s] Prometheus metrics on http://%s:%d/metrics", peer_id, settings.host, settings.metrics_port)
+        except OSError as e:
+            logger.error("[%s] cannot serve metrics on port %d (%s); choose another SWARM_METRICS_PORT",
+                         peer_id, settings.metrics_port, e.strerror)
+    return metrics

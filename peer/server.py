@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from hivemind.utils import get_dht_time
 
-from peer.heartbeat import write_heartbeat
+from peer.heartbeat import start_metrics, write_heartbeat
 from swarm import __version__
 from swarm.averaging import build_stage_optimizer
 from swarm.averaging.attacks import make_attack
@@ -35,6 +35,7 @@ from swarm.checkpoint.lifecycle import RestoreError, StageCheckpoints
 from swarm.config import PeerSettings, RunSpec
 from swarm.directory import RunDirectory, connect_run, visible_maddrs
 from swarm.identity import Identity
+from swarm.metrics import PeerMetrics
 from swarm.model import build_stage
 from swarm.protocol import ServerInfo, ServerState
 from swarm.rebalance import plan_move
@@ -56,14 +57,15 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
             raise SystemExit(f"--stage {stage} is out of range: run {directory.run_id} has stages 0..{num_stages - 1}")
         store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep)
         keeper = FragmentKeeper(spec, directory, identity, store)
-        asyncio.run(_main(spec, dht, directory, identity, sealed_spec, keeper, settings, stage))
+        metrics = start_metrics(directory.run_id, identity.peer_id, "server", settings)
+        asyncio.run(_main(spec, dht, directory, identity, sealed_spec, keeper, settings, stage, metrics))
     finally:
         dht.shutdown()
         logger.info("[%s] stopped", identity.peer_id)
 
 
 async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity, sealed_spec: bytes,
-                keeper: FragmentKeeper, settings: PeerSettings, pinned: Optional[int]) -> None:
+                keeper: FragmentKeeper, settings: PeerSettings, pinned: Optional[int], metrics: PeerMetrics) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -78,7 +80,7 @@ async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity,
                 stage = await loop.run_in_executor(
                     None, lambda: choose_stage(spec.model, directory.all_servers(spec.model.num_stages)))
             stage = await _serve_stage(spec, dht, p2p, directory, identity, sealed_spec, keeper, settings, stage,
-                                       movable=pinned is None, stop=stop)
+                                       metrics, movable=pinned is None, stop=stop)
     finally:
         stop.set()
         await keeping
@@ -86,8 +88,8 @@ async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity,
 
 
 async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identity: Identity, sealed_spec: bytes,
-                       keeper: FragmentKeeper, settings: PeerSettings, stage: int, *, movable: bool,
-                       stop: asyncio.Event) -> Optional[int]:
+                       keeper: FragmentKeeper, settings: PeerSettings, stage: int, metrics: PeerMetrics, *,
+                       movable: bool, stop: asyncio.Event) -> Optional[int]:
     """Serve ``stage`` until ``stop`` (returns None) or a move is planned (returns the new stage)."""
     loop = asyncio.get_running_loop()
     io = lambda fn, *a: loop.run_in_executor(None, fn, *a)  # noqa: E731
@@ -112,9 +114,13 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
             restored=checkpoints.restored, lr_scale=checkpoints.lr_scale,
         )
 
-    def beat(state: ServerState) -> None:
+    def beat(state: ServerState, record: Optional[ServerInfo] = None) -> None:
+        """Heartbeat file and Prometheus metrics, after each announcement."""
         write_heartbeat(settings.cache_dir, peer_id=me, role="server", stage=stage, state=str(state),
                         epoch=server.epoch, ttl_s=directory.ttl)
+        if record is not None:
+            metrics.update_server(record)
+            metrics.update_storage(keeper.storage_info())
 
     await io(directory.announce_server, info(ServerState.JOINING), identity)
     beat(ServerState.JOINING)
@@ -183,8 +189,9 @@ async def _announce_until_done(spec: RunSpec, server: StageServer, directory: Ru
     online_since, next_check, target = time.monotonic(), time.monotonic() + spec.rebalance.period_s, None
     try:
         while not (leave.is_set() or stop.is_set()):
-            await loop.run_in_executor(None, directory.announce_server, info(ServerState.ONLINE), identity)
-            beat(ServerState.ONLINE)
+            record = info(ServerState.ONLINE)
+            await loop.run_in_executor(None, directory.announce_server, record, identity)
+            beat(ServerState.ONLINE, record)
             await loop.run_in_executor(None, directory.publish_spec, sealed_spec)
             if movable and spec.rebalance.enabled and time.monotonic() >= next_check:
                 next_check = time.monotonic() + spec.rebalance.period_s

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from peer.heartbeat import write_heartbeat
+from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.averaging.attacks import make_attack
 from swarm.config import PeerSettings
 from swarm.data import prepare_dataset
@@ -38,6 +38,14 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
                     identity.peer_id, directory.run_id, shard, spec.data.num_shards,
                     dataset.num_samples() // spec.data.num_shards, position, dataset.tokenizer_sha256[:16])
 
+        metrics = start_metrics(directory.run_id, identity.peer_id, "trainer", settings)
+
+        def report(info) -> None:
+            """Heartbeat file and Prometheus metrics, after each announcement."""
+            write_heartbeat(settings.cache_dir, peer_id=identity.peer_id, role="trainer", stage=-1, state="training",
+                            epoch=0, ttl_s=spec.timeouts.record_ttl_s, samples=info.samples)
+            metrics.update_trainer(info)
+
         async def main() -> None:
             loop = asyncio.get_running_loop()
             stop = asyncio.Event()
@@ -50,9 +58,7 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
             pipeline = RemotePipeline(spec, directory.run_id, directory, p2p, attack=attack)
             trainer = Trainer(spec, directory.run_id, directory, identity, pipeline, dataset, shard,
                               concurrency=concurrency, max_samples=max_samples, loss_log=loss_log, position=position,
-                              on_report=lambda info: write_heartbeat(
-                                  settings.cache_dir, peer_id=identity.peer_id, role="trainer", stage=-1,
-                                  state="training", epoch=0, ttl_s=spec.timeouts.record_ttl_s, samples=info.samples))
+                              on_report=report)
             await trainer.run(stop)
 
         asyncio.run(main())

@@ -360,6 +360,9 @@ class PeerSettings(BaseSettings):
         None, description="Where held fragments live (default <cache_dir>/fragments). Keep it across restarts: "
         "the swarm resumes from these files if every peer dies.",
     )
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port serving Prometheus metrics at /metrics (0: off; containers use 9100).",
+    )
     byzantine: Optional[str] = Field(
         None, description="TESTS AND BENCHMARKS ONLY: make this peer attack the run (an attack name of "
         "swarm.averaging.attacks). Never set it on a real peer.",
