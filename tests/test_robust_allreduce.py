@@ -102,7 +102,7 @@ def test_a_byzantine_peer_is_bounded_and_banned(aggregator, attack, compression)
     with averagers(n, aggregator=aggregator, compression=compression, attack=attack, attackers=1,
                    flag_penalty=1.0) as avs:
         honest_ids = {str(av.peer_id) for av in avs[:-1]}
-        errors, groups_seen = [], []
+        errors, groups_seen, failed = [], [], []
         attacker = str(avs[-1].peer_id)
         for r in range(8):
             if r >= 4 and aggregator == "mean":
@@ -111,6 +111,11 @@ def test_a_byzantine_peer_is_bounded_and_banned(aggregator, attack, compression)
                 break  # banned and left out of a group
             grads = _grads(n, seed=10 + r)
             outs, groups = one_round(avs, grads, [8] * n)
+            if not all(groups[: n - 1]):
+                # the round failed for an honest peer (on a loaded box a reducer can miss its deadline: every
+                # member then keeps its own gradient, no partial result): nothing to compare this round
+                failed.append(groups)
+                continue
             groups_seen.append(groups[0])
             honest_mean = torch.cat([torch.stack([g[k] for g in grads[:-1]]).mean(0).flatten()
                                      for k in range(len(SHAPES))])
@@ -118,6 +123,7 @@ def test_a_byzantine_peer_is_bounded_and_banned(aggregator, attack, compression)
                 assert all(torch.equal(a, b) for a, b in zip(out, outs[0])), "honest peers disagree"
             got = torch.cat([t.flatten() for t in outs[0]])
             errors.append(float((got - honest_mean).norm() / honest_mean.norm()))
+        assert len(failed) <= 2 and errors, f"too many failed rounds: {failed}"
         reports = [av.report() for av in avs[:-1]]
         if aggregator == "mean":
             assert max(errors) > 1.0, f"the mean should be captured by {attack}: {errors}"
