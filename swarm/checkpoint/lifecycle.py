@@ -57,7 +57,6 @@ class StageCheckpoints:
         self.detector = LossSpikeDetector(self.spec.rollback)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._writing = False
-        self.committed = 0
         self._pending: set = set()  # futures of commits and rollback orders scheduled from the compute thread
 
     @property
@@ -270,7 +269,6 @@ class StageCheckpoints:
             manifest, _ = await write_checkpoint(self.keeper, shard, parent=parent, loss=self.server.loss_ema,
                                                  data_position=position)
             self.lineage = (manifest.shard_sha256, manifest.epoch)
-            self.committed += 1
         except CheckpointError as e:
             logger.warning("%s checkpoint of epoch %d not committed: %s", self._tag(), shard.epoch, e)
         except Exception:
