@@ -41,7 +41,8 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
             tmp.write_text(address + "\n")
             tmp.replace(address_file)
         logger.info("serving run %s (spec %s)", run_id, spec.spec_hash()[:16])
-        store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep)
+        store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep,
+                              grace_s=2 * spec.timeouts.record_ttl_s)
         keeper = FragmentKeeper(spec, directory, key, store)
         asyncio.run(_serve(directory, keeper, sealed, dht, stop))
     finally:

@@ -55,7 +55,8 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
         num_stages = spec.model.num_stages
         if stage is not None and not 0 <= stage < num_stages:
             raise SystemExit(f"--stage {stage} is out of range: run {directory.run_id} has stages 0..{num_stages - 1}")
-        store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep)
+        store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep,
+                              grace_s=2 * spec.timeouts.record_ttl_s)
         keeper = FragmentKeeper(spec, directory, identity, store)
         metrics = start_metrics(directory.run_id, identity.peer_id, "server", settings)
         asyncio.run(_main(spec, dht, directory, identity, sealed_spec, keeper, settings, stage, metrics))

@@ -1,5 +1,8 @@
 """The on-disk fragment store: verified reads, budget, retention, restarts."""
 
+import os
+import time
+
 import pytest
 
 from swarm.checkpoint.erasure import FragmentError, split_into_fragments
@@ -62,3 +65,20 @@ def test_retention_never_drops_a_committed_checkpoint_for_uncommitted_ones(tmp_p
     assert [(s, e, m) for s, e, m in store.committed("run-x")] == [(0, 30, b"sealed-30")]
     with pytest.raises(FileNotFoundError):
         store.save_manifest("run-x", 0, 40, b"sealed-40")
+
+
+def test_a_checkpoint_pushed_out_recently_stays_while_the_budget_allows(tmp_path):
+    frags = _fragments()
+    store = FragmentStore(tmp_path, max_bytes=len(frags[0].data) * 2, keep_epochs=1, grace_s=60)
+    for epoch in (10, 20):
+        store.put("run-x", 0, epoch, frags[0])
+        store.save_manifest("run-x", 0, epoch, b"sealed")
+    # epoch 10 left the newest keep_epochs a moment ago: a server may be restoring it (or rolling back to it)
+    assert store.collect("run-x", 0) == []
+    store.put("run-x", 0, 30, frags[0])  # over budget with the grace: epoch 10 goes after all
+    assert sorted(h.epoch for h in store.held()) == [20, 30]
+    store.save_manifest("run-x", 0, 30, b"sealed")
+    assert store.collect("run-x", 0) == []
+    long_ago = time.time() - 61  # epoch 30 was committed here more than grace_s ago: 20's grace is over
+    os.utime(tmp_path / "run-x" / "stage0" / "epoch30" / "manifest.bin", (long_ago, long_ago))
+    assert store.collect("run-x", 0) == [20]

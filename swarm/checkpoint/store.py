@@ -10,7 +10,9 @@ looks whole; reads verify the hash, and a corrupt file is deleted and reported. 
 
 Retention per (run, stage): the newest ``keep_epochs`` committed epochs, plus at most ``keep_epochs``
 uncommitted epochs newer than those (checkpoints still being written); everything else is deleted, so an
-old committed checkpoint is never dropped for a newer one that was never committed.
+old committed checkpoint is never dropped for a newer one that was never committed. An epoch pushed out of
+the newest ``keep_epochs`` less than ``grace_s`` ago stays while the budget allows: a server may be fetching
+it right now, or be about to follow a rollback order to it that the DHT has not delivered yet.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -49,12 +52,14 @@ class FragmentStore:
     :param root: directory (created), e.g. ``<SWARM_CACHE_DIR>/fragments``.
     :param max_bytes: budget for all fragments in bytes.
     :param keep_epochs: per (run, stage), fragments of older epochs than the newest ``keep_epochs`` are deleted.
+    :param grace_s: seconds an epoch pushed out of the newest ``keep_epochs`` is still kept (budget allowing);
+        peers pass twice the run's DHT record TTL, the horizon of what other peers may still act on.
     """
 
-    def __init__(self, root: Path, max_bytes: int, keep_epochs: int = 2):
-        if max_bytes <= 0 or keep_epochs < 1:
-            raise ValueError("max_bytes must be > 0 and keep_epochs >= 1")
-        self.root, self.max_bytes, self.keep_epochs = Path(root), max_bytes, keep_epochs
+    def __init__(self, root: Path, max_bytes: int, keep_epochs: int = 2, grace_s: float = 0.0):
+        if max_bytes <= 0 or keep_epochs < 1 or grace_s < 0:
+            raise ValueError("max_bytes must be > 0, keep_epochs >= 1 and grace_s >= 0")
+        self.root, self.max_bytes, self.keep_epochs, self.grace_s = Path(root), max_bytes, keep_epochs, grace_s
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _dir(self, run_id: str, stage: int, epoch: int) -> Path:
@@ -85,6 +90,8 @@ class FragmentStore:
             raise SlotTaken(f"fragment {fragment.index} of stage {stage} epoch {epoch} is already held here for "
                             "another checkpoint of that epoch; place this one on another peer")
         self.collect(run_id, stage, newest=epoch)
+        if self.used_bytes() + len(fragment.data) > self.max_bytes:
+            self.collect(run_id, stage, newest=epoch, grace=False)
         if self.used_bytes() + len(fragment.data) > self.max_bytes:
             raise StoreFull(errno.ENOSPC, f"storing {len(fragment.data)} bytes would exceed the fragment budget of "
                                           f"{self.max_bytes} bytes; raise SWARM_FRAGMENT_MAX_BYTES or free disk")
@@ -153,15 +160,23 @@ class FragmentStore:
             except (ValueError, OSError):
                 continue
 
-    def collect(self, run_id: str, stage: int, newest: int | None = None) -> list[int]:
+    def collect(self, run_id: str, stage: int, newest: int | None = None, grace: bool = True) -> list[int]:
         """Apply the retention rule (module docstring) to (run, stage), counting ``newest`` (an epoch about to
-        be written) as uncommitted; returns the epochs deleted."""
+        be written) as uncommitted; ``grace=False`` ignores ``grace_s``. Returns the epochs deleted."""
         folder = self._dir(run_id, stage, 0).parent
         if not folder.exists():
             return []
         epochs = {int(p.name[5:]) for p in folder.glob("epoch*") if p.name[5:].isdigit()}
         committed = sorted(e for e in epochs if (folder / f"epoch{e}" / "manifest.bin").exists())
         kept = set(committed[-self.keep_epochs:])
+        if grace and self.grace_s > 0:
+            now = time.time()
+            for older, pusher in zip(committed, committed[self.keep_epochs:]):
+                try:  # ``pusher``'s commit here pushed ``older`` out of the newest keep_epochs
+                    if now - (folder / f"epoch{pusher}" / "manifest.bin").stat().st_mtime < self.grace_s:
+                        kept.add(older)
+                except OSError:
+                    continue
         floor = max(kept, default=-1)
         pending = sorted(e for e in epochs | ({newest} if newest is not None else set())
                          if e > floor and e not in kept)
