@@ -4,7 +4,10 @@ Examples::
 
     swarm-coordinator init runs/demo.toml                 # key runs/demo.key + signed spec, prints the run id
     swarm-coordinator serve runs/demo.toml --port 31337   # prints the run address for peers
-    swarm-coordinator status <run address> [--json]
+    swarm-coordinator status <run address> [--json] [--watch 5] [--plot loss.png]
+    swarm-coordinator stages|peers <run address> [--json] [--watch 5]
+    swarm-coordinator ban <run address> <peer id> --key runs/demo.key [--reason "..."]   # and unban
+    swarm-coordinator monitor <run address> --metrics-port 9100   # observer: Prometheus for the whole run
     swarm-coordinator checkpoints <run address> [--json]
     swarm-coordinator export <run address> ./model      # newest complete checkpoint -> PyTorch / transformers
     swarm-coordinator demo --seconds 300 [--json]         # a local swarm on loopback, then a summary
@@ -60,6 +63,8 @@ def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
           port: int = typer.Option(0, help="Listen port (0: any free one)."),
           peers: list[str] = typer.Option([], "--peer", help="Other bootstrap multiaddrs to join."),
           address_file: Optional[Path] = typer.Option(None, help="Also write the run address to this file."),
+          metrics_port: Optional[int] = typer.Option(None, min=1, max=65535, help="Serve the whole run's Prometheus "
+                                                     "metrics on this port (default: SWARM_METRICS_PORT, else off)."),
           log_level: str = typer.Option("INFO")) -> None:
     """Bootstrap the run's DHT, publish the signed spec and print the run address (first line of stdout)."""
     from coordinator.serve import serve as serve_run
@@ -68,26 +73,152 @@ def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
     configure_logging(log_level)
     spec = _load_spec(spec_path)
     ident = Identity.load_or_create(_key_path(spec_path, key))
-    serve_run(spec, ident, PeerSettings(host=host, port=port), peers, address_file)
+    settings = PeerSettings(host=host, port=port, **({"metrics_port": metrics_port} if metrics_port else {}))
+    serve_run(spec, ident, settings, peers, address_file)
+
+
+_JSON = typer.Option(False, "--json", help="Print one JSON object (with --watch: one JSON line per refresh).")
+_WATCH = typer.Option(0.0, "--watch", min=0, help="Refresh every this many seconds until Ctrl-C (0: once).")
+_TIMEOUT = typer.Option(30.0, help="Seconds to find the run.")
+
+
+def _show(what: str, address: str, as_json: bool, every_s: float, timeout: float, plot: Optional[Path] = None) -> None:
+    """Take a snapshot (or keep taking them) and print it; exit 0 if healthy, 1 if not."""
+    from rich.console import Console
+
+    from coordinator.monitor import watch
+    from coordinator.status import snapshot
+    from coordinator.views import render, write_loss_png
+
+    dht, directory, spec, _ = _connect(address, timeout)
+    console = Console()
+    try:
+        take = lambda: snapshot(directory, spec)  # noqa: E731
+        if every_s > 0:
+            def show(snap):
+                console.clear()
+                render(snap, what, console)
+            snap = watch(take, show, every_s, as_json=as_json)
+        else:
+            snap = take()
+            if as_json:
+                typer.echo(json.dumps(snap if what == "status" else {what: snap[what], "healthy": snap["healthy"]}))
+            else:
+                render(snap, what, console)
+        if plot is not None and snap:
+            try:
+                write_loss_png(snap["run"]["loss_history"], plot, title=f"{snap['run']['run_id']}: training loss")
+            except (ValueError, ImportError) as e:
+                typer.echo(f"error: {e}", err=True)
+                raise typer.Exit(1) from None
+            typer.echo(f"wrote {plot}", err=True)
+    finally:
+        dht.shutdown()
+    raise typer.Exit(0 if snap and snap["healthy"] else 1)
 
 
 @app.command()
-def status(address: str = typer.Argument(..., help="Run address."),
-           as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-           timeout: float = typer.Option(30.0, help="Seconds to find the run.")) -> None:
-    """Show the run's stages, servers and trainers. Exit code 1 if a stage has no online server."""
-    from coordinator.status import render, snapshot
+def status(address: str = typer.Argument(..., help="Run address."), as_json: bool = _JSON, watch: float = _WATCH,
+           plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the loss curve to this PNG file."),
+           timeout: float = _TIMEOUT) -> None:
+    """Run summary (epoch, loss, validation loss, tokens, samples/s, ETA, peers), loss plot, stages, peers.
+    Exit code 1 if a stage has no online server. JSON keys: run, stages, peers, healthy (docs/monitoring.md)."""
+    _show("status", address, as_json, watch, timeout, plot)
+
+
+@app.command()
+def stages(address: str = typer.Argument(..., help="Run address."), as_json: bool = _JSON, watch: float = _WATCH,
+           timeout: float = _TIMEOUT) -> None:
+    """Per stage: servers (online, lagging), throughput, demand, epoch, last averaging round. Exit 1 if a
+    stage has no online server. JSON: {stages, healthy}."""
+    _show("stages", address, as_json, watch, timeout)
+
+
+@app.command()
+def peers(address: str = typer.Argument(..., help="Run address."), as_json: bool = _JSON, watch: float = _WATCH,
+          timeout: float = _TIMEOUT) -> None:
+    """Per peer: id, name, version, role, stage, state, direct or relayed, samples/s, contribution, last seen,
+    flagged/rejected parts, bans. Exit 1 if a stage has no online server. JSON: {peers, healthy}."""
+    _show("peers", address, as_json, watch, timeout)
+
+
+def _ban_list(address: str, key: Path, timeout: float, **change) -> None:
+    from swarm.banlist import update_bans
+
+    try:
+        coordinator = Identity.load(key)
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: cannot read the run key: {e}", err=True)
+        raise typer.Exit(2) from None
+    dht, directory, spec, _ = _connect(address, timeout)
+    try:
+        record = update_bans(directory, coordinator, **change)
+    except (PermissionError, ValueError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        dht.shutdown()
+    typer.echo(json.dumps({"banned": record.banned}))
+
+
+def _peer_p2p_id(address: str, peer: str, timeout: float) -> str:
+    """The libp2p id a peer's records name ('' if it is not listed now)."""
+    dht, directory, spec, _ = _connect(address, timeout)
+    try:
+        for group in directory.all_servers(spec.model.num_stages).values():
+            for s in group:
+                if s.peer_id == peer:
+                    return s.p2p_id
+        return next((t.p2p_id for t in directory.trainers() if t.peer_id == peer), "")
+    finally:
+        dht.shutdown()
+
+
+_KEY = typer.Option(..., "--key", help="The run key (Ed25519) that created the run, e.g. runs/demo.key.")
+
+
+@app.command()
+def ban(address: str = typer.Argument(..., help="Run address."),
+        peer: str = typer.Argument(..., help="Peer id to ban (as `swarm-coordinator peers` lists it)."),
+        reason: str = typer.Option("banned by the run's operator", help="Shown to the peer and in `peers`."),
+        key: Path = _KEY, timeout: float = _TIMEOUT) -> None:
+    """Publish a signed ban: trainers stop routing to PEER, servers refuse its requests and averaging, keepers
+    its fragments; PEER itself stops (exit code 4). Prints the ban list as JSON."""
+    _ban_list(address, key, timeout, ban=(peer, reason, _peer_p2p_id(address, peer, timeout)))
+
+
+@app.command()
+def unban(address: str = typer.Argument(..., help="Run address."),
+          peer: str = typer.Argument(..., help="Peer id to take off the ban list."),
+          key: Path = _KEY, timeout: float = _TIMEOUT) -> None:
+    """Lift a ban (the peer may join again). Prints the ban list as JSON."""
+    _ban_list(address, key, timeout, unban=peer)
+
+
+@app.command()
+def monitor(address: str = typer.Argument(..., help="Run address."),
+            metrics_port: int = typer.Option(9100, min=1, max=65535, help="Port of /metrics."),
+            host: str = typer.Option("0.0.0.0", help="Address /metrics listens on."),
+            every: float = typer.Option(10.0, min=1, help="Seconds between DHT reads."),
+            timeout: float = _TIMEOUT) -> None:
+    """Observe a run without taking part (a client-mode DHT node: stores nothing, accepts no connections) and
+    serve the whole run's Prometheus metrics (swarm_run_*, swarm_stage_*, swarm_peer_*) until Ctrl-C."""
+    from coordinator.monitor import RunMetrics, watch
+    from coordinator.status import snapshot
 
     dht, directory, spec, _ = _connect(address, timeout)
     try:
-        snap = snapshot(directory, spec)
+        metrics = RunMetrics(directory.run_id)
+        try:
+            metrics.serve(metrics_port, host)
+        except OSError as e:
+            typer.echo(f"error: cannot serve metrics on port {metrics_port} ({e.strerror}); pick another "
+                       "--metrics-port", err=True)
+            raise typer.Exit(1) from None
+        typer.echo(f"serving metrics of run {directory.run_id} on http://{host}:{metrics_port}/metrics", err=True)
+        watch(lambda: snapshot(directory, spec), metrics.update, every)
     finally:
         dht.shutdown()
-    if as_json:
-        typer.echo(json.dumps(snap))
-    else:
-        render(snap)
-    raise typer.Exit(0 if snap["healthy"] else 1)
 
 
 def _connect(address: str, timeout: float):

@@ -3,7 +3,9 @@ holds checkpoint fragments like any other peer.
 
 It is not a parameter server: peers re-publish the signed spec themselves, so training goes on without it.
 Its fragment store (``SWARM_FRAGMENT_DIR``, default ``<SWARM_CACHE_DIR>/fragments``) survives restarts like
-a server's, so a restarted coordinator re-announces its fragments and their manifests.
+a server's, so a restarted coordinator re-announces its fragments and their manifests. With
+``SWARM_METRICS_PORT`` (or ``serve --metrics-port``) it serves the whole run's Prometheus metrics
+(:class:`coordinator.monitor.RunMetrics`), refreshed every ``record_ttl_s / 3`` seconds.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
+from coordinator.monitor import RunMetrics
+from coordinator.status import snapshot
 from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.config import PeerSettings, RunSpec
@@ -34,6 +38,7 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
         signal.signal(sig, lambda *_: stop.set())
     try:
         directory = RunDirectory(dht, run_id, ttl=spec.timeouts.record_ttl_s)
+        directory.verify_spec(sealed)  # sets the run key: the ban list it re-publishes must be signed by it
         address = format_run_address(run_id, visible_maddrs(dht))
         print(address, flush=True)
         if address_file is not None:
@@ -44,12 +49,28 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
         store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep,
                               grace_s=2 * spec.timeouts.record_ttl_s)
         keeper = FragmentKeeper(spec, directory, key, store)
-        asyncio.run(_serve(directory, keeper, sealed, dht, stop))
+        metrics = None
+        if settings.metrics_port:
+            metrics = RunMetrics(run_id)
+            try:
+                metrics.serve(settings.metrics_port, settings.host)
+                logger.info("Prometheus metrics of the run on http://%s:%d/metrics", settings.host, settings.metrics_port)
+            except OSError as e:
+                logger.error("cannot serve metrics on port %d (%s); choose another SWARM_METRICS_PORT",
+                             settings.metrics_port, e.strerror)
+                metrics = None
+        
+        def observe() -> None:
+            if metrics is not None:
+                metrics.update(snapshot(directory, spec))
+
+        asyncio.run(_serve(directory, keeper, sealed, dht, stop, observe))
     finally:
         dht.shutdown()
 
 
-async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes, dht, stop: threading.Event) -> None:
+async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes, dht, stop: threading.Event,
+                 observe: Callable[[], None]) -> None:
     loop = asyncio.get_running_loop()
     await keeper.start(await dht.replicate_p2p())
     period = directory.ttl / 3
@@ -61,6 +82,10 @@ async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes,
                 await keeper.tick()
             except Exception:
                 logger.exception("fragment keeper tick failed")
+            try:
+                await loop.run_in_executor(None, observe)
+            except Exception:
+                logger.exception("updating the run's metrics failed")
             for _ in range(int(period / 0.25)):
                 if stop.is_set():
                     break

@@ -1,89 +1,155 @@
-"""A snapshot of a run read from its DHT records: stages, servers, trainers; as a dict or rich tables.
+"""A snapshot of a run from its signed DHT records (servers, trainers, ban list), as a dict or rich tables.
 
-``status --json`` shape (stable; new keys may be added)::
+The records every peer re-publishes each ``record_ttl_s / 3`` seconds are the run's metrics records: a
+server's :class:`~swarm.protocol.ServerInfo` (throughput, epoch, loss, averaging counters, bans, history of
+epoch times and losses), a trainer's :class:`~swarm.protocol.TrainerInfo` (samples, tokens, loss, validation
+loss). Nothing is trusted that is not signed by its peer; records expire with ``record_ttl_s``.
 
-    {"run": {"run_id", "name", "spec_hash", "num_stages", "tokens", "samples_per_s", "loss"},
-     "stages": [{"stage", "servers_online", "servers", "throughput", "epoch"}],
-     "peers": [{"peer_id", "role", "stage", "state", "epoch", "throughput", "samples", "loss", "version",
-                # servers also: "p2p_id", "banned" (by most of its stage), "banned_by" (servers), "ban_reasons",
-                # "rejected_parts", "flagged_parts" (as a reducer), "averaging_bytes", "failed_rounds"
+``status --json`` shape (stable: keys are only ever added)::
+
+    {"run": {"run_id", "name", "spec_hash", "num_stages", "epoch", "total_epochs", "progress", "eta_s",
+             "tokens", "samples_per_s", "loss", "train_loss", "val_loss", "loss_history": [[epoch, loss]],
+             "peers": {"online", "joining", "lagging", "paused", "draining", "trainers", "banned"}},
+     "stages": [{"stage", "servers_online", "servers", "throughput", "demand", "epoch", "lagging",
+                 "last_round": {"group_size", "round_s"}}],
+     "peers": [{"peer_id", "name", "version", "role", "stage", "state", "reachability", "epoch",
+                "throughput", "samples_per_s", "samples", "contribution", "last_seen_s", "lagging", "loss",
+                "rejected_parts", "flagged_parts", "banned", "banned_by_coordinator",
+                # servers also: "p2p_id", "banned_by" (servers of its stage), "ban_reasons",
+                #   "averaging_bytes", "failed_rounds"
+                # trainers also: "tokens", "initial_loss", "val_loss", "shard", "failures",
+                #   "bytes_sent", "bytes_received"
                 }],
      "healthy": bool}
+
+Units: seconds, samples/s, nats/token; ``contribution`` and ``progress`` are fractions in [0, 1]. A server's
+contribution is its share of the samples its stage's listed servers processed; a trainer's, its share of
+the trainers' samples/s. ``eta_s`` is the time to ``optim.total_epochs`` (the end of the learning-rate
+schedule) at the slowest stage's recent epoch rate; ``None`` until two epochs were seen. A peer *lags* when
+its record is older than a re-announce period plus slack, or a server is more than one epoch behind its stage.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
+
+from hivemind.utils import get_dht_time
 
 from swarm.config import RunSpec
 from swarm.directory import RunDirectory
-from swarm.protocol import ServerState
-from swarm.routing import banned_by_stage
+from swarm.protocol import ServerInfo, ServerState, TrainerInfo
+from swarm.routing import banned_by_stage, stage_demand
 
 
-def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
-    """Read every stage's servers and the trainers once and summarise them."""
-    servers = directory.all_servers(spec.model.num_stages)
-    trainers = directory.trainers()
-    stages, peers = [], []
-    for k, group in servers.items():
-        online = [s for s in group if s.state == ServerState.ONLINE]
-        stages.append({
-            "stage": k, "servers_online": len(online), "servers": len(group),
-            "throughput": round(sum(s.throughput for s in online), 3),
-            "epoch": max((s.epoch for s in group), default=0),
-        })
-        others = {s.p2p_id: [o for o in online if o.p2p_id != s.p2p_id] for s in group}
-        shunned = banned_by_stage(group)
-        peers += [{
-            "peer_id": s.peer_id, "role": "server", "stage": k, "state": str(s.state), "epoch": s.epoch,
-            "throughput": round(s.throughput, 3), "samples": s.samples, "loss": s.loss, "version": s.version,
-            "p2p_id": s.p2p_id, "banned": s.p2p_id in shunned,
-            "banned_by": sum(s.p2p_id in o.banned for o in others[s.p2p_id]),
-            "ban_reasons": sorted({o.banned[s.p2p_id] for o in others[s.p2p_id] if s.p2p_id in o.banned}),
-            "rejected_parts": s.averaging.get("rejected", 0), "flagged_parts": s.averaging.get("flagged", 0),
-            "averaging_bytes": s.averaging.get("sent", 0) + s.averaging.get("received", 0),
-            "failed_rounds": s.averaging.get("failed", 0),
-        } for s in group]
-    peers += [{
-        "peer_id": t.peer_id, "role": "trainer", "stage": None, "state": "online", "epoch": None,
-        "throughput": round(t.samples_per_s, 3), "samples": t.samples, "loss": t.loss, "version": t.version,
-        "tokens": t.tokens, "initial_loss": t.initial_loss, "shard": t.shard, "failures": t.failures,
-        "bytes_sent": t.bytes_sent, "bytes_received": t.bytes_received,
-    } for t in trainers]
-    losses = [t.loss for t in trainers if t.loss is not None]
+def _lag(directory: RunDirectory, record_time: float, now: float, slack_s: float = 2.0) -> bool:
+    return now - record_time > directory.ttl / 3 + slack_s
+
+
+def _epoch_rate(history: list[tuple[int, float, Optional[float]]]) -> Optional[float]:
+    """Epochs per second over the newest half of a server's history (at least two points)."""
+    recent = history[len(history) // 2:] if len(history) >= 4 else history
+    if len(recent) < 2 or recent[-1][1] <= recent[0][1]:
+        return None
+    return (recent[-1][0] - recent[0][0]) / (recent[-1][1] - recent[0][1])
+
+
+def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], shunned: set[str], stage_samples: int,
+                stage_epoch: int, banned: dict[str, str], now: float, directory: RunDirectory) -> dict[str, Any]:
+    others = [o for o in online if o.p2p_id != s.p2p_id]
     return {
-        "run": {
-            "run_id": directory.run_id, "name": spec.name, "spec_hash": spec.spec_hash(),
-            "num_stages": spec.model.num_stages, "tokens": sum(t.tokens for t in trainers),
-            "samples_per_s": round(sum(t.samples_per_s for t in trainers), 3),
-            "loss": sum(losses) / len(losses) if losses else None,
-        },
-        "stages": stages,
-        "peers": peers,
-        "healthy": all(s["servers_online"] > 0 for s in stages),
+        "peer_id": s.peer_id, "name": s.name, "version": s.version, "role": "server", "stage": k,
+        "state": str(s.state), "reachability": s.reachability, "epoch": s.epoch,
+        "throughput": round(s.throughput, 3), "samples_per_s": round(s.throughput, 3), "samples": s.samples,
+        "contribution": round(s.samples / stage_samples, 4) if stage_samples else 0.0,
+        "last_seen_s": round(max(0.0, now - s.time), 1),
+        "lagging": _lag(directory, s.time, now) or (s.state == ServerState.ONLINE and s.epoch < stage_epoch - 1),
+        "loss": s.loss, "p2p_id": s.p2p_id, "banned": s.p2p_id in shunned or s.peer_id in banned,
+        "banned_by_coordinator": banned.get(s.peer_id),
+        "banned_by": sum(s.p2p_id in o.banned for o in others),
+        "ban_reasons": sorted({o.banned[s.p2p_id] for o in others if s.p2p_id in o.banned}),
+        "rejected_parts": s.averaging.get("rejected", 0), "flagged_parts": s.averaging.get("flagged", 0),
+        "averaging_bytes": s.averaging.get("sent", 0) + s.averaging.get("received", 0),
+        "failed_rounds": s.averaging.get("failed", 0),
     }
 
 
-def render(snap: dict[str, Any]) -> None:
-    """Print a snapshot as rich tables (respects NO_COLOR and non-TTY output)."""
-    from rich.console import Console
-    from rich.table import Table
+def _trainer_row(t: TrainerInfo, total_rate: float, banned: dict[str, str], now: float,
+                 directory: RunDirectory) -> dict[str, Any]:
+    return {
+        "peer_id": t.peer_id, "name": t.name, "version": t.version, "role": "trainer", "stage": None,
+        "state": t.state, "reachability": t.reachability, "epoch": None,
+        "throughput": round(t.samples_per_s, 3), "samples_per_s": round(t.samples_per_s, 3), "samples": t.samples,
+        "contribution": round(t.samples_per_s / total_rate, 4) if total_rate else 0.0,
+        "last_seen_s": round(max(0.0, now - t.time), 1), "lagging": _lag(directory, t.time, now),
+        "loss": t.loss, "banned": t.peer_id in banned, "banned_by_coordinator": banned.get(t.peer_id),
+        "rejected_parts": 0, "flagged_parts": 0, "tokens": t.tokens, "initial_loss": t.initial_loss,
+        "val_loss": t.val_loss, "shard": t.shard, "failures": t.failures, "bytes_sent": t.bytes_sent,
+        "bytes_received": t.bytes_received,
+    }
 
-    console = Console()
-    run = snap["run"]
-    loss = f"{run['loss']:.4f}" if run["loss"] is not None else "-"
-    console.print(f"run [bold]{run['run_id']}[/] · {run['num_stages']} stages · loss {loss} · "
-                  f"{run['tokens']} tokens · {run['samples_per_s']} samples/s")
-    st = Table("stage", "online", "servers", "throughput (samples/s)", "epoch", title="stages")
-    for s in snap["stages"]:
-        st.add_row(str(s["stage"]), str(s["servers_online"]), str(s["servers"]), str(s["throughput"]), str(s["epoch"]))
-    console.print(st)
-    pt = Table("peer", "role", "stage", "state", "epoch", "samples/s", "samples", "loss", "banned", title="peers")
-    for p in snap["peers"]:
-        banned = "-" if p["role"] != "server" else (f"BANNED by {p['banned_by']}" if p["banned"]
-                                                    else (f"by {p['banned_by']}" if p["banned_by"] else "no"))
-        pt.add_row(p["peer_id"], p["role"], "-" if p["stage"] is None else str(p["stage"]), p["state"],
-                   "-" if p["epoch"] is None else str(p["epoch"]), str(p["throughput"]), str(p["samples"]),
-                   "-" if p["loss"] is None else f"{p['loss']:.4f}", banned)
-    console.print(pt)
+
+def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
+    """Read every stage's servers, the trainers and the ban list once and summarise them (shape above)."""
+    servers = directory.all_servers(spec.model.num_stages)
+    trainers = directory.trainers()
+    ban_list, _ = directory.bans()
+    banned = dict(ban_list.banned) if ban_list is not None else {}
+    now = get_dht_time()
+    demand = stage_demand(spec.model)
+    stages, peers, rates = [], [], []
+    for k, group in servers.items():
+        online = [s for s in group if s.state == ServerState.ONLINE]
+        epoch = max((s.epoch for s in group), default=0)
+        stage_samples = sum(s.samples for s in group)
+        shunned = banned_by_stage(group)
+        rows = [_server_row(s, k, online, shunned, stage_samples, epoch, banned, now, directory) for s in group]
+        peers += rows
+        stage_rates = [r for r in (_epoch_rate(s.history) for s in online) if r]
+        rates.append(max(stage_rates) if stage_rates else None)
+        stages.append({
+            "stage": k, "servers_online": len(online), "servers": len(group),
+            "throughput": round(sum(s.throughput for s in online), 3), "demand": round(demand[k], 3), "epoch": epoch,
+            "lagging": sum(r["lagging"] for r in rows),
+            "last_round": {"group_size": max((s.peers_in_last_round for s in online), default=0),
+                           "round_s": round(sum(s.round_s for s in online) / len(online), 3) if online else None},
+        })
+    total_rate = sum(t.samples_per_s for t in trainers)
+    peers += [_trainer_row(t, total_rate, banned, now, directory) for t in trainers]
+    return {"run": _run_summary(directory, spec, servers, trainers, stages, peers, rates, banned),
+            "stages": stages, "peers": peers, "healthy": all(s["servers_online"] > 0 for s in stages)}
+
+
+def _run_summary(directory: RunDirectory, spec: RunSpec, servers: dict[int, list[ServerInfo]],
+                 trainers: list[TrainerInfo], stages: list[dict], peers: list[dict], rates: list,
+                 banned: dict[str, str]) -> dict[str, Any]:
+    epoch = min((s["epoch"] for s in stages), default=0)
+    total = spec.optim.total_epochs
+    known = [r for r in rates if r]
+    eta = max(0.0, (total - epoch) / min(known)) if known and len(known) == len(rates) else None
+    losses = [t.loss for t in trainers if t.loss is not None]
+    last = [s for s in servers.get(spec.model.num_stages - 1, []) if s.state == ServerState.ONLINE]
+    vals = sorted((t.val_time, t.val_loss) for t in trainers if t.val_loss is not None)
+    curve: dict[int, float] = {}
+    for s in last:
+        for e, _, loss in s.history:
+            if loss is not None:
+                curve.setdefault(e, loss)
+    count = lambda pred: sum(1 for p in peers if pred(p))  # noqa: E731
+    return {
+        "run_id": directory.run_id, "name": spec.name, "spec_hash": spec.spec_hash(),
+        "num_stages": spec.model.num_stages, "epoch": epoch, "total_epochs": total,
+        "progress": round(min(1.0, epoch / total), 4), "eta_s": round(eta, 1) if eta is not None else None,
+        "tokens": sum(t.tokens for t in trainers), "samples_per_s": round(sum(t.samples_per_s for t in trainers), 3),
+        "loss": sum(losses) / len(losses) if losses else None,
+        "train_loss": min((s.loss for s in last if s.loss is not None), default=None),
+        "val_loss": vals[-1][1] if vals else None,
+        "loss_history": [[e, round(v, 5)] for e, v in sorted(curve.items())],
+        "peers": {
+            "online": count(lambda p: p["state"] in ("online", "training") and not p["lagging"]),
+            "joining": count(lambda p: p["state"] == "joining"),
+            "lagging": count(lambda p: p["lagging"]),
+            "paused": count(lambda p: p["state"] == "paused"),
+            "draining": count(lambda p: p["state"] == "draining"),
+            "trainers": len(trainers), "banned": len(banned),
+        },
+    }

@@ -21,7 +21,7 @@ from swarm.metrics import PeerMetrics
 logger = logging.getLogger(__name__)
 FILENAME = "peer-status.json"
 _warned: list[bool] = []
-HEALTHY_STATES = ("joining", "online", "training")
+HEALTHY_STATES = ("joining", "online", "training", "paused")  # paused: by its operator, on purpose
 
 
 def write_heartbeat(cache_dir: Path, **fields) -> bool:
@@ -43,8 +43,8 @@ def write_heartbeat(cache_dir: Path, **fields) -> bool:
 
 
 def probe(cache_dir: Path, now: Optional[float] = None) -> tuple[bool, str, dict]:
-    """``(healthy, reason, heartbeat)``: healthy if the heartbeat is fresh and the peer is joining, online or
-    training."""
+    """``(healthy, reason, heartbeat)``: healthy if the heartbeat is fresh and the peer is joining, online,
+    training or paused (by its operator: a container must not be restarted for that)."""
     path = Path(cache_dir) / FILENAME
     try:
         beat = json.loads(path.read_text())

@@ -11,7 +11,11 @@
    signed spec too, so the run outlives its coordinator. Commit checkpoints, follow rollback orders, and, if
    the stage was not pinned, move to a stage that lacks throughput more (:mod:`swarm.rebalance`): drain,
    then go back to step 2 for the new stage.
-5. On SIGTERM/SIGINT: announce ``draining``, stop taking work, shut down the optimizer, keeper and DHT.
+5. ``swarm-peer pause`` (:mod:`peer.control`): drain as for a move, announce ``paused`` while keeping the
+   fragments served; ``resume`` goes back to step 2. A peer on the coordinator's ban list
+   (:mod:`swarm.banlist`) stops with exit code 4; the others refuse its RPCs and keep it out of averaging.
+6. On SIGTERM/SIGINT or ``swarm-peer drain``: announce ``draining``, stop taking work, shut down the
+   optimizer, keeper and DHT; the heartbeat says ``stopped``.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from typing import Optional
 import torch
 from hivemind.utils import get_dht_time
 
+from peer.control import follow
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm import __version__
+from swarm.aio import wait_any
 from swarm.averaging import build_stage_optimizer
 from swarm.averaging.attacks import make_attack
+from swarm.banlist import PeerBanned
 from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.lifecycle import RestoreError, StageCheckpoints
@@ -37,7 +44,7 @@ from swarm.directory import RunDirectory, connect_run, visible_maddrs
 from swarm.identity import Identity
 from swarm.metrics import PeerMetrics
 from swarm.model import build_stage
-from swarm.protocol import ServerInfo, ServerState
+from swarm.protocol import ServerInfo, ServerState, add_history
 from swarm.rebalance import plan_move
 from swarm.routing import choose_stage
 from swarm.stage import StageServer
@@ -60,38 +67,100 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
         keeper = FragmentKeeper(spec, directory, identity, store)
         metrics = start_metrics(directory.run_id, identity.peer_id, "server", settings)
         asyncio.run(_main(spec, dht, directory, identity, sealed_spec, keeper, settings, stage, metrics))
+    except PeerBanned as e:
+        logger.error("[%s] %s", identity.peer_id, e)
+        raise SystemExit(4) from None
     finally:
         dht.shutdown()
+        write_heartbeat(settings.cache_dir, peer_id=identity.peer_id, role="server", state="stopped",
+                        ttl_s=spec.timeouts.record_ttl_s)
         logger.info("[%s] stopped", identity.peer_id)
 
 
 async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity, sealed_spec: bytes,
                 keeper: FragmentKeeper, settings: PeerSettings, pinned: Optional[int], metrics: PeerMetrics) -> None:
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, pause, resumed = asyncio.Event(), asyncio.Event(), asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     p2p = await dht.replicate_p2p()
     await keeper.start(p2p)
+    keeper.run_bans.check(identity.peer_id)
+    maddrs = await loop.run_in_executor(None, visible_maddrs, dht)
     keeping = asyncio.create_task(keeper.run(stop))
+    controls = asyncio.create_task(follow(settings.cache_dir, {
+        "pause": pause.set, "resume": lambda: (pause.clear(), resumed.set()), "drain": stop.set}, stop))
     try:
         stage = pinned
         while not stop.is_set():
+            if pause.is_set():
+                resumed.clear()
+                await _paused(p2p, maddrs, directory, identity, settings, keeper, pinned if stage is None else stage,
+                              stop, resumed)
+                stage = pinned
+                continue
             if stage is None:
                 stage = await loop.run_in_executor(
                     None, lambda: choose_stage(spec.model, directory.all_servers(spec.model.num_stages)))
-            stage = await _serve_stage(spec, dht, p2p, directory, identity, sealed_spec, keeper, settings, stage,
-                                       metrics, movable=pinned is None, stop=stop)
+            moved = await _serve_stage(spec, dht, p2p, directory, identity, sealed_spec, keeper, settings, stage,
+                                       metrics, movable=pinned is None, stop=stop, pause=pause)
+            stage = moved if moved is not None else (stage if pause.is_set() else pinned)
     finally:
         stop.set()
-        await keeping
+        await asyncio.gather(keeping, controls)
         await keeper.stop()
+
+
+async def _paused(p2p, maddrs: list[str], directory: RunDirectory, identity: Identity, settings: PeerSettings,
+                  keeper: FragmentKeeper, stage: Optional[int], stop: asyncio.Event, resumed: asyncio.Event) -> None:
+    """Announce ``paused`` (fragments stay served by the keeper) until resumed or stopped."""
+    loop, me = asyncio.get_running_loop(), identity.peer_id
+    logger.info("[%s] paused: serving no stage until `swarm-peer resume`", me)
+    while not (stop.is_set() or resumed.is_set()):
+        record = ServerInfo(run_id=directory.run_id, peer_id=me, time=get_dht_time(), stage=stage or 0,
+                            state=ServerState.PAUSED, throughput=0.0, p2p_id=str(p2p.peer_id), version=__version__,
+                            name=settings.name, maddrs=maddrs, reachability=_reachability(maddrs))
+        await loop.run_in_executor(None, directory.announce_server, record, identity)
+        write_heartbeat(settings.cache_dir, peer_id=me, role="server", stage=stage, state="paused",
+                        epoch=0, ttl_s=directory.ttl)
+        keeper.run_bans.check(me)
+        try:
+            await asyncio.wait_for(wait_any(stop, resumed), directory.ttl / 3)
+        except asyncio.TimeoutError:
+            pass
+    if resumed.is_set():
+        logger.info("[%s] resuming", me)
+
+
+async def _watch_reachability(dht, maddrs: list[str], me: str, stop: asyncio.Event, period_s: float = 10.0) -> None:
+    """Keep ``maddrs`` (announced in each record) current and log how the swarm reaches this peer, once and
+    whenever that changes (an auto-relay reservation takes ~15 s after start)."""
+    loop, said = asyncio.get_running_loop(), None
+    while not stop.is_set():
+        how = _reachability(maddrs)
+        if how != said:
+            said = how
+            if how == "relayed":
+                logger.warning("[%s] the swarm reaches this peer through a relay (%s): slower; forward its port "
+                               "and set SWARM_ANNOUNCE_HOST to be reached directly", me, maddrs[0])
+            else:
+                logger.info("[%s] the swarm reaches this peer directly at %s", me, ", ".join(maddrs[:2]) or "-")
+        try:
+            await asyncio.wait_for(stop.wait(), period_s)
+        except asyncio.TimeoutError:
+            maddrs[:] = await loop.run_in_executor(None, visible_maddrs, dht)
+
+
+def _reachability(maddrs: list[str]) -> str:
+    """``relayed`` if the peer is only reachable through a libp2p circuit relay."""
+    return "relayed" if maddrs and all("/p2p-circuit" in m for m in maddrs if not m.startswith("/ip4/127.")) \
+        and any("/p2p-circuit" in m for m in maddrs) else "direct"
 
 
 async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identity: Identity, sealed_spec: bytes,
                        keeper: FragmentKeeper, settings: PeerSettings, stage: int, metrics: PeerMetrics, *,
-                       movable: bool, stop: asyncio.Event) -> Optional[int]:
-    """Serve ``stage`` until ``stop`` (returns None) or a move is planned (returns the new stage)."""
+                       movable: bool, stop: asyncio.Event, pause: asyncio.Event) -> Optional[int]:
+    """Serve ``stage`` until ``stop`` or ``pause`` (returns None) or a move is planned (returns the new stage)."""
     loop = asyncio.get_running_loop()
     io = lambda fn, *a: loop.run_in_executor(None, fn, *a)  # noqa: E731
     run_id, me = directory.run_id, identity.peer_id
@@ -100,7 +169,10 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
     server = StageServer(spec, run_id, stage, module)
     throughput = await io(server.measure_throughput)
     checkpoints = StageCheckpoints(keeper, server, identity)
-    p2p_id, maddrs = str(dht.peer_id), visible_maddrs(dht)
+    p2p_id, maddrs = str(dht.peer_id), await io(visible_maddrs, dht)
+    reach = asyncio.create_task(_watch_reachability(dht, maddrs, me, stop))
+    history: list = []  # (epoch, DHT time it began, mean loss of the epoch before), see ServerInfo.history
+    epoch_start_samples = [0]
 
     def info(state: ServerState) -> ServerInfo:
         opt = server.optimizer
@@ -112,7 +184,8 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
             peers_in_last_round=opt.tracker.global_progress.num_peers if opt else 0,
             fingerprints=server.fingerprints, round_s=server.mean_round_s, rounds=server.rounds,
             version=__version__, banned=banned, averaging=counters, lineage=checkpoints.lineage[0],
-            restored=checkpoints.restored, lr_scale=checkpoints.lr_scale,
+            restored=checkpoints.restored, lr_scale=checkpoints.lr_scale, name=settings.name,
+            reachability=_reachability(maddrs), history=history,
         )
 
     def beat(state: ServerState, record: Optional[ServerInfo] = None) -> None:
@@ -154,14 +227,19 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
         await io(_wait_until_counted, optimizer, directory, stage, me)
 
         def on_epoch(epoch: int) -> None:
+            nonlocal history
+            history = add_history(history, (epoch, get_dht_time(), server.epoch_loss))
             lr = optimizer.opt.param_groups[0]["lr"]
             wire = optimizer.grad_averager.wire.snapshot()
+            # share: this server's samples in the epoch that ended, of the stage's target batch
+            share = min(1.0, (server.samples - epoch_start_samples[0]) / spec.training.target_batch_size)
+            epoch_start_samples[0] = server.samples
             logger.info(
-                "[%s stage=%d epoch=%d] loss=%s samples/s=%.2f samples=%d peers=%d lr=%.2e "
-                "avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d",
+                "[%s stage=%d epoch=%d] loss=%s samples/s=%.2f samples=%d share=%.0f%% progress=%.1f%% peers=%d "
+                "lr=%.2e avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d",
                 me, stage, epoch, f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-",
-                server.throughput.samples_per_second, server.samples,
-                optimizer.tracker.global_progress.num_peers, lr,
+                server.throughput.samples_per_second, server.samples, 100 * share,
+                100 * min(1.0, epoch / spec.optim.total_epochs), optimizer.tracker.global_progress.num_peers, lr,
                 wire["sent"] + wire["received"], wire["failed"], wire["rejected"], wire["flagged"],
             )
 
@@ -169,8 +247,9 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
         await server.add_p2p_handlers(p2p, namespace=run_id)
         handlers = True
         return await _announce_until_done(spec, server, directory, identity, sealed_spec, checkpoints, info, beat,
-                                          movable=movable, stop=stop)
+                                          movable=movable, stop=stop, pause=pause)
     finally:
+        reach.cancel()
         await checkpoints.close()
         optimizer.shutdown()
         if handlers:
@@ -180,7 +259,7 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
 
 async def _announce_until_done(spec: RunSpec, server: StageServer, directory: RunDirectory, identity: Identity,
                                sealed_spec: bytes, checkpoints: StageCheckpoints, info, beat, *, movable: bool,
-                               stop: asyncio.Event) -> Optional[int]:
+                               stop: asyncio.Event, pause: asyncio.Event) -> Optional[int]:
     loop = asyncio.get_running_loop()
     me, stage = identity.peer_id, server.stage
     leave = asyncio.Event()  # set by stop or by a planned move
@@ -189,7 +268,8 @@ async def _announce_until_done(spec: RunSpec, server: StageServer, directory: Ru
     tasks = [asyncio.create_task(server.watch_epochs(leave)), asyncio.create_task(checkpoints.watch(leave))]
     online_since, next_check, target = time.monotonic(), time.monotonic() + spec.rebalance.period_s, None
     try:
-        while not (leave.is_set() or stop.is_set()):
+        while not (leave.is_set() or stop.is_set() or pause.is_set()):
+            _follow_bans(checkpoints.keeper.run_bans, server, me)
             record = info(ServerState.ONLINE)
             await loop.run_in_executor(None, directory.announce_server, record, identity)
             beat(ServerState.ONLINE, record)
@@ -204,7 +284,7 @@ async def _announce_until_done(spec: RunSpec, server: StageServer, directory: Ru
                                     me, stage, server.epoch, target)
                         break
             try:
-                await asyncio.wait_for(_either(stop, leave), period)
+                await asyncio.wait_for(wait_any(stop, leave, pause), period)
             except asyncio.TimeoutError:
                 pass
     finally:
@@ -213,16 +293,31 @@ async def _announce_until_done(spec: RunSpec, server: StageServer, directory: Ru
         await asyncio.gather(*tasks)
         await loop.run_in_executor(None, directory.announce_server, info(ServerState.DRAINING), identity)
         beat(ServerState.DRAINING)
-    return None if stop.is_set() else target
+    return None if stop.is_set() or pause.is_set() else target
 
 
-async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
-    waits = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
+def _follow_bans(bans, server: StageServer, me: str) -> None:
+    """Apply the coordinator's ban list (refreshed by the keeper): stop if this peer is on it, else refuse the
+    banned peers' RPCs and keep banned servers out of this server's averaging groups.
+
+    :raises PeerBanned: this peer is banned.
+    """
+    bans.check(me)
+    current = bans.current
+    blocked = {p2p: current.banned.get(peer, "banned") for peer, p2p in current.p2p_ids.items()} if current else {}
+    averager = getattr(server.optimizer, "grad_averager", None)
+    for p2p in set(blocked) - set(server.blocked):
+        logger.warning("[%s stage=%d] refusing %s: banned by the run's coordinator (%s)", me, server.stage, p2p,
+                       blocked[p2p])
+    server.blocked = blocked
+    for p2p in set(blocked) - server.banned_in_averaging:
+        if averager is None:
+            break
+        try:
+            averager.ban(p2p, f"banned by the run's coordinator: {blocked[p2p]}")
+            server.banned_in_averaging.add(p2p)
+        except Exception as e:  # the averager is busy or gone: the next announcement retries
+            logger.debug("could not ban %s in the averager: %s", p2p, e)
 
 
 def averaging_report(optimizer) -> tuple[dict[str, str], dict[str, int]]:

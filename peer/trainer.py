@@ -10,8 +10,10 @@ from typing import Optional
 
 import torch
 
+from peer.control import follow
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.averaging.attacks import make_attack
+from swarm.banlist import BanFollower, PeerBanned
 from swarm.config import PeerSettings
 from swarm.data import prepare_dataset
 from swarm.directory import connect_run
@@ -40,9 +42,13 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
 
         metrics = start_metrics(directory.run_id, identity.peer_id, "trainer", settings)
 
+        bans = BanFollower(directory)
+        bans.refresh()
+        bans.check(identity.peer_id)
+
         def report(info) -> None:
             """Heartbeat file and Prometheus metrics, after each announcement."""
-            write_heartbeat(settings.cache_dir, peer_id=identity.peer_id, role="trainer", stage=-1, state="training",
+            write_heartbeat(settings.cache_dir, peer_id=identity.peer_id, role="trainer", stage=-1, state=info.state,
                             epoch=0, ttl_s=spec.timeouts.record_ttl_s, samples=info.samples)
             metrics.update_trainer(info)
 
@@ -55,12 +61,24 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
             attack = make_attack(settings.byzantine)
             if attack is not None:
                 logger.warning("[%s trainer] BYZANTINE TEST MODE: running the %r attack", identity.peer_id, attack.name)
-            pipeline = RemotePipeline(spec, directory.run_id, directory, p2p, attack=attack)
+            pipeline = RemotePipeline(spec, directory.run_id, directory, p2p, attack=attack, bans=bans)
             trainer = Trainer(spec, directory.run_id, directory, identity, pipeline, dataset, shard,
                               concurrency=concurrency, max_samples=max_samples, loss_log=loss_log, position=position,
-                              on_report=report)
-            await trainer.run(stop)
+                              on_report=report, name=settings.name, p2p_id=str(p2p.peer_id),
+                              val_every_s=settings.val_every_s, bans=bans)
+            controls = asyncio.create_task(follow(settings.cache_dir, {
+                "pause": trainer.pause, "resume": trainer.resume, "drain": stop.set}, stop))
+            try:
+                await trainer.run(stop)
+            finally:
+                stop.set()
+                await controls
 
         asyncio.run(main())
+    except PeerBanned as e:
+        logger.error("[%s trainer] %s", identity.peer_id, e)
+        raise SystemExit(4) from None
     finally:
         dht.shutdown()
+        write_heartbeat(settings.cache_dir, peer_id=identity.peer_id, role="trainer", stage=-1, state="stopped",
+                        epoch=0, ttl_s=spec.timeouts.record_ttl_s)

@@ -351,6 +351,16 @@ class PeerSettings(BaseSettings):
     port: int = Field(0, ge=0, le=65535, description="TCP port of the P2P daemon; 0 picks a free one.")
     announce_host: Optional[str] = Field(None, description="Public address to announce when behind port forwarding.")
     client_mode: bool = Field(False, description="Do not accept incoming connections (behind NAT); implies trainer.")
+    relay: Literal["auto", "off"] = Field(
+        "auto", description="auto: if the swarm cannot reach this peer, be reached through another peer's libp2p "
+        "circuit relay (slower; the log and `status` say 'relayed'); off: never (on a firewalled host, "
+        "SWARM_CLIENT_MODE then makes it a trainer).",
+    )
+    name: str = Field("", max_length=64, description="Public name shown in the run's monitoring (e.g. your handle).")
+    val_every_s: float = Field(
+        300.0, ge=0, description="Trainers: seconds between validation-loss measurements through the swarm "
+        "(4 held-out micro-batches, forward only; 0: never).",
+    )
     identity_file: Optional[Path] = Field(None, description="Ed25519 key of this peer (default <cache_dir>/identity.key).")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default).")
     fragment_max_bytes: int = Field(

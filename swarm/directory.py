@@ -19,6 +19,7 @@ from hivemind.utils import get_dht_time
 from swarm.config import PeerSettings, RunSpec, SpecError
 from swarm.identity import Identity, derive_run_id
 from swarm.protocol import (
+    BanList,
     CheckpointManifest,
     ProtocolError,
     Record,
@@ -28,6 +29,7 @@ from swarm.protocol import (
     SpecRecord,
     StorageInfo,
     TrainerInfo,
+    bans_key,
     checkpoints_key,
     manifest_subkey,
     open_record,
@@ -66,16 +68,23 @@ def parse_run_address(address: str) -> tuple[str, list[str]]:
 
 
 def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, client_mode: bool = False) -> hivemind.DHT:
-    """Start a hivemind DHT node (its own process and p2pd) listening per ``settings``."""
+    """Start a hivemind DHT node (its own process and p2pd) listening per ``settings``.
+
+    With ``SWARM_RELAY=auto`` (default) on a non-loopback host, libp2p circuit relays are on: this node can
+    reach relayed peers and relay for others, and, if AutoNAT finds it unreachable, it reserves a slot on a
+    public peer's relay and announces that ``/p2p-circuit`` address instead (hivemind's ``use_auto_relay``).
+    """
+    loopback = settings.host in ("127.0.0.1", "localhost")
+    relay = settings.relay == "auto" and not loopback
     kwargs = dict(
         initial_peers=list(initial_peers),
         start=True,
         client_mode=client_mode,
         host_maddrs=[f"/ip4/{settings.host}/tcp/{settings.port}"],
-        use_relay=False,
-        use_auto_relay=False,
+        use_relay=relay,
+        use_auto_relay=relay and not client_mode,
     )
-    if settings.host in ("127.0.0.1", "localhost"):
+    if loopback:
         kwargs.update(nat_port_map=False, auto_nat=False)
     if settings.announce_host:
         kwargs["announce_maddrs"] = [f"/ip4/{settings.announce_host}/tcp/{settings.port}"]
@@ -88,6 +97,7 @@ class RunDirectory:
 
     def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float = 30.0):
         self.dht, self.run_id, self.ttl = dht, run_id, ttl
+        self.run_key: Optional[bytes] = None  # the coordinator's public key, once a spec verified
 
     # ---- spec ------------------------------------------------------------------------------------------
     @staticmethod
@@ -130,6 +140,7 @@ class RunDirectory:
             raise ProtocolError("spec hash does not match the spec's contents; the record is corrupted")
         if derive_run_id(spec.name, key, rec.spec_hash) != self.run_id:
             raise ProtocolError("spec was signed by a key or has a hash that does not derive this run id")
+        self.run_key = key
         return spec
 
     # ---- peers -----------------------------------------------------------------------------------------
@@ -194,6 +205,30 @@ class RunDirectory:
     def publish_manifest(self, manifest: CheckpointManifest, sealed: bytes) -> bool:
         return self.store_sealed(checkpoints_key(self.run_id, manifest.stage),
                                  manifest_subkey(manifest.epoch, manifest.peer_id), sealed)
+
+    def bans(self) -> tuple[Optional[BanList], Optional[bytes]]:
+        """The newest ban list signed by the run key, with its sealed bytes; ``(None, None)`` if there is none
+        (or the spec, hence the run key, was not fetched yet)."""
+        if self.run_key is None:
+            return None, None
+        found = self.dht.get(bans_key(self.run_id), latest=True)
+        best: tuple[Optional[BanList], Optional[bytes]] = (None, None)
+        if found is None or not isinstance(found.value, dict):
+            return best
+        for subkey, item in found.value.items():
+            try:
+                rec, _ = open_record(item.value, BanList, run_id=self.run_id, subkey=subkey, signer=self.run_key)
+            except ProtocolError as e:
+                logger.warning("dropped a ban list under %s/%s: %s", bans_key(self.run_id), subkey, e)
+                continue
+            if best[0] is None or rec.time > best[0].time:
+                best = (rec, item.value)
+        return best
+
+    def publish_bans(self, bans: BanList, sealed: bytes, ttl: Optional[float] = None) -> bool:
+        """Store a sealed ban list (the coordinator's, re-published verbatim by peers)."""
+        return bool(self.dht.store(bans_key(self.run_id), sealed, get_dht_time() + (ttl or self.ttl),
+                                   subkey=bans.peer_id))
 
     def rollback_orders(self) -> list[tuple[RollbackOrder, bytes]]:
         """Verified rollback orders, newest generation first."""

@@ -67,20 +67,30 @@ class Identity:
         return cls(Ed25519PrivateKey.generate())
 
     @classmethod
-    def load_or_create(cls, path: str | Path) -> "Identity":
-        """Load a PEM (PKCS#8) key from ``path``, creating it (mode 0600) if it does not exist.
+    def load(cls, path: str | Path) -> "Identity":
+        """Load a PEM (PKCS#8) Ed25519 key from ``path``.
 
-        Raises ValueError if the file exists but is not an unencrypted Ed25519 PEM key.
+        :raises FileNotFoundError: no such file.
+        :raises ValueError: the file is not an unencrypted Ed25519 PEM key.
+        """
+        path = Path(path)
+        try:
+            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"identity file {path} is not an unencrypted PEM key ({e}); move it away to create a new one") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ValueError(f"identity file {path} holds a {type(key).__name__}, not Ed25519; move it away to create a new one")
+        return cls(key)
+
+    @classmethod
+    def load_or_create(cls, path: str | Path) -> "Identity":
+        """Load a PEM (PKCS#8) key from ``path`` (:meth:`load`), creating it (mode 0600) if it does not exist.
+
+        :raises ValueError: the file exists but is not an unencrypted Ed25519 PEM key.
         """
         path = Path(path)
         if path.exists():
-            try:
-                key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"identity file {path} is not an unencrypted PEM key ({e}); move it away to create a new one") from None
-            if not isinstance(key, Ed25519PrivateKey):
-                raise ValueError(f"identity file {path} holds a {type(key).__name__}, not Ed25519; move it away to create a new one")
-            return cls(key)
+            return cls.load(path)
         ident = cls.generate()
         path.parent.mkdir(parents=True, exist_ok=True)
         pem = ident._key.private_bytes(

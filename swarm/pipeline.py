@@ -45,8 +45,9 @@ class RemotePipeline:
     """
 
     def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, p2p: P2P, router: Optional[Router] = None,
-                 *, max_attempts: int = 8, refresh_s: float = 2.0, attack=None):
+                 *, max_attempts: int = 8, refresh_s: float = 2.0, attack=None, bans=None):
         self.spec, self.run_id, self.directory, self.p2p = spec, run_id, directory, p2p
+        self.bans = bans  # a :class:`~swarm.banlist.BanFollower`: servers the coordinator banned are never used
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
         self.attack = attack  # a Byzantine trainer (tests and benchmarks only)
         self.router = router or Router(ban_s=spec.timeouts.ban_s, ban_max_s=spec.timeouts.ban_max_s)
@@ -60,6 +61,8 @@ class RemotePipeline:
         cached = self._servers.get(stage)
         if force or cached is None or time.monotonic() - cached[0] > self.refresh_s:
             found = await asyncio.get_running_loop().run_in_executor(None, self.directory.servers, stage)
+            if self.bans is not None:
+                found = [s for s in found if not self.bans.is_banned(s.peer_id)]
             cached = self._servers[stage] = (time.monotonic(), found)
         return cached[1]
 

@@ -50,6 +50,24 @@ class ServerState(StrEnum):
     JOINING = "joining"  # announced, loading state; not routed to
     ONLINE = "online"  # serving forward/backward
     DRAINING = "draining"  # finishing in-flight work; not routed to
+    PAUSED = "paused"  # paused by its operator (``swarm-peer pause``): holds fragments, serves nothing
+
+
+Reachability = Literal["direct", "relayed", "client"]
+"""How other peers reach a peer: at its own address, through a libp2p circuit relay, or not at all (a
+client-mode trainer, which only dials out)."""
+HISTORY_POINTS = 64
+"""Most points a server keeps in :attr:`ServerInfo.history` (older ones are thinned, see :func:`add_history`)."""
+
+
+def add_history(history: list, point: tuple, cap: int = HISTORY_POINTS) -> list:
+    """Append ``point``; past ``cap`` points drop every other one of the older half, so the list spans the
+    whole run at decreasing resolution (the newest half stays exact)."""
+    history = [*history, point]
+    if len(history) > cap:
+        half = len(history) // 2
+        history = history[:half:2] + history[half:]
+    return history
 
 
 class _Schema(BaseModel):
@@ -116,6 +134,12 @@ class ServerInfo(Record):
     restored: Optional[RestoreReport] = Field(None, description="How the server's state was restored from "
                                               "checkpoint fragments, if it was.")
     lr_scale: float = Field(1.0, gt=0, description="Learning-rate multiplier after loss-spike rollbacks.")
+    name: str = Field("", max_length=64, description="Public name its operator chose (SWARM_NAME).")
+    reachability: Reachability = "direct"
+    history: list[tuple[int, float, Optional[float]]] = Field(
+        default_factory=list, max_length=HISTORY_POINTS,
+        description="(epoch, DHT time it began, mean training loss of the epoch before or None) per epoch "
+        "transition, thinned (:func:`add_history`): the run's progress and loss curve.")
 
 
 class PartCommitment(Record):
@@ -241,6 +265,26 @@ def rollback_key(run_id: str) -> str:
     return f"{run_id}/rollback"
 
 
+MAX_BANS = 256
+
+
+class BanList(Record):
+    """Peers the run's coordinator banned (``swarm-coordinator ban``): routing, averaging, fragment placement
+    and the stage RPCs all shun them, and a banned peer stops itself. Signed by the run key (the spec's
+    signer) and stored under :func:`bans_key`, sub-key the coordinator's peer id; every peer re-publishes the
+    newest list it has, so it outlives the coordinator."""
+
+    kind: Literal["bans"] = "bans"
+    banned: dict[str, str] = Field(default_factory=dict, max_length=MAX_BANS,
+                                   description="Peer id -> reason (at most 200 characters).")
+    p2p_ids: dict[str, str] = Field(default_factory=dict, max_length=MAX_BANS,
+                                    description="Peer id -> its libp2p id when known (to refuse its connections).")
+
+
+def bans_key(run_id: str) -> str:
+    return f"{run_id}/bans"
+
+
 class TrainerInfo(Record):
     """A trainer's progress under :func:`trainers_key`."""
 
@@ -257,6 +301,13 @@ class TrainerInfo(Record):
     bytes_sent: int = Field(0, ge=0, description="Stage RPC bytes this trainer sent (tensors + metadata).")
     bytes_received: int = Field(0, ge=0, description="Stage RPC bytes this trainer received.")
     version: str = ""
+    name: str = Field("", max_length=64, description="Public name its operator chose (SWARM_NAME).")
+    p2p_id: str = Field("", max_length=128, description="libp2p id its stage requests come from.")
+    state: Literal["training", "paused", "draining"] = "training"
+    reachability: Reachability = "client"
+    val_loss: Optional[float] = Field(None, description="Mean loss on held-out micro-batches (nats/token), "
+                                      "measured every SWARM_VAL_EVERY_S seconds through the swarm.")
+    val_time: float = Field(0.0, ge=0, description="DHT time of that measurement.")
 
 
 R = TypeVar("R", bound=Record)

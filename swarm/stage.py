@@ -94,6 +94,8 @@ class StageServer(ServicerBase):
         self.fingerprints: dict[int, list[float]] = {}
         self.rounds, self.round_seconds = 0, 0.0
         self.epoch_listeners: list = []
+        self.blocked: dict[str, str] = {}  # libp2p id -> reason: peers the run's coordinator banned
+        self.banned_in_averaging: set[str] = set()  # those of them already banned in the gradient averager
         self._epoch_losses: list[float] = []
         self.epoch_loss: Optional[float] = None  # mean training loss of the last finished epoch (last stage)
         self.max_batch = 8 * spec.training.micro_batch_size
@@ -292,6 +294,11 @@ class StageServer(ServicerBase):
         return await future
 
     # ---- RPC handlers ------------------------------------------------------------------------------
+    def _admit(self, context: P2PContext) -> None:
+        reason = self.blocked.get(str(context.remote_id))
+        if reason is not None:
+            raise StageError(f"refused: the run's coordinator banned this peer ({reason})")
+
     async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], cls):
         """Gather a request stream into ``(message, tensors)``; refuses other runs, stages and versions."""
         meta, tensors = await gather(requests)
@@ -306,6 +313,7 @@ class StageServer(ServicerBase):
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        self._admit(context)
         req, tensors = await self._receive(requests, ForwardRequest)
         if len(tensors) != (2 if self.is_last else 1):
             raise StageError(f"stage {self.stage} forward takes {'inputs and targets' if self.is_last else 'inputs'}")
@@ -318,6 +326,7 @@ class StageServer(ServicerBase):
     async def rpc_backward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        self._admit(context)
         req, tensors = await self._receive(requests, BackwardRequest)
         if self.is_last:
             raise StageError("the last stage backpropagates inside rpc_forward; do not call rpc_backward on it")

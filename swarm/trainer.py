@@ -21,11 +21,13 @@ from typing import Callable, Iterator, Optional
 from hivemind.utils import get_dht_time
 
 from swarm import __version__
+from swarm.aio import wait_any
+from swarm.banlist import BanFollower, PeerBanned
 from swarm.config import RunSpec
 from swarm.data import TokenDataset, shard_order
 from swarm.directory import RunDirectory
 from swarm.identity import Identity
-from swarm.pipeline import PipelineError, RemotePipeline
+from swarm.pipeline import PipelineError, RemotePipeline, validation_loss
 from swarm.protocol import TrainerInfo
 from swarm.transport import GLOBAL_COUNTER
 
@@ -73,7 +75,8 @@ class Trainer:
     def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, identity: Identity,
                  pipeline: RemotePipeline, dataset: TokenDataset, shard: int, *, concurrency: int = 1,
                  max_samples: Optional[int] = None, loss_log: Optional[Path] = None, position: int = 0,
-                 on_report: Optional[Callable[[TrainerInfo], None]] = None):
+                 on_report: Optional[Callable[[TrainerInfo], None]] = None, name: str = "", p2p_id: str = "",
+                 val_every_s: float = 0.0, bans: Optional[BanFollower] = None):
         self.spec, self.run_id, self.directory, self.identity = spec, run_id, directory, identity
         self.pipeline, self.dataset, self.shard = pipeline, dataset, shard
         self.concurrency, self.max_samples, self.loss_log = concurrency, max_samples, loss_log
@@ -83,6 +86,24 @@ class Trainer:
         self.first_losses: list[float] = []  # the first few, for initial_loss
         self.loss_ema: Optional[float] = None
         self._started = time.monotonic()
+        self.name, self.p2p_id, self.val_every_s, self.bans = name, p2p_id, val_every_s, bans
+        self.val_loss: Optional[float] = None
+        self.val_time = 0.0
+        self.running = asyncio.Event()  # cleared while paused (:meth:`pause`)
+        self.running.set()
+        self.draining = False
+        self.error: Optional[Exception] = None  # why the trainer stopped itself (e.g. it was banned)
+
+    @property
+    def state(self) -> str:
+        return "draining" if self.draining else ("training" if self.running.is_set() else "paused")
+
+    def pause(self) -> None:
+        """Stop starting micro-batches (those in flight finish); :meth:`resume` goes on from the same position."""
+        self.running.clear()
+
+    def resume(self) -> None:
+        self.running.set()
 
     @property
     def initial_loss(self) -> Optional[float]:
@@ -91,6 +112,9 @@ class Trainer:
 
     async def _worker(self, batches: Iterator[list[int]], stop: asyncio.Event) -> None:
         while not stop.is_set():
+            if not self.running.is_set():
+                await wait_any(self.running, stop)
+                continue
             if self.max_samples is not None and self.samples >= self.max_samples:
                 stop.set()
                 return
@@ -122,22 +146,49 @@ class Trainer:
             position=self.start_position + self.samples, tokens=self.tokens,
             samples_per_s=self.samples / elapsed, failures=self.pipeline.failures,
             bytes_sent=GLOBAL_COUNTER.sent, bytes_received=GLOBAL_COUNTER.received, version=__version__,
+            name=self.name, p2p_id=self.p2p_id, state=self.state, val_loss=self.val_loss, val_time=self.val_time,
         )
+
+    async def _validate(self, stop: asyncio.Event, batches: int = 4) -> None:
+        """Measure the validation loss through the swarm every ``val_every_s`` seconds (first after one period)."""
+        while self.val_every_s > 0:
+            try:
+                await asyncio.wait_for(stop.wait(), self.val_every_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+            if not self.running.is_set():
+                continue
+            try:
+                self.val_loss, self.val_time = await validation_loss(self.pipeline, self.dataset, batches), get_dht_time()
+                logger.info("[%s trainer] val_loss=%.4f", self.identity.peer_id, self.val_loss)
+            except (PipelineError, ValueError) as e:
+                logger.warning("[%s trainer] validation loss not measured: %s", self.identity.peer_id, e)
 
     async def _report(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         period = self.spec.timeouts.record_ttl_s / 3
         while True:
+            if self.bans is not None:
+                try:
+                    await loop.run_in_executor(None, self.bans.refresh)
+                    self.bans.check(self.identity.peer_id)
+                except PeerBanned as e:
+                    self.error = e
+                    stop.set()
+                    return
             info = self.info()
             await loop.run_in_executor(None, self.directory.announce_trainer, info, self.identity)
             if self.on_report is not None:
                 self.on_report(info)
             stages = [await self.pipeline.servers(k) for k in range(self.spec.model.num_stages)]
             epochs = [max((s.epoch for s in group), default=0) for group in stages]
+            total = await loop.run_in_executor(None, self._swarm_samples_per_s)
             logger.info(
-                "[%s trainer epoch=%s] loss=%s samples=%d samples/s=%.2f failures=%d servers=%s",
+                "[%s trainer epoch=%s] loss=%s samples=%d samples/s=%.2f share=%s failures=%d servers=%s state=%s",
                 self.identity.peer_id, min(epochs), f"{info.loss:.4f}" if info.loss is not None else "-",
-                info.samples, info.samples_per_s, info.failures, "/".join(str(len(g)) for g in stages),
+                info.samples, info.samples_per_s, f"{100 * info.samples_per_s / total:.0f}%" if total else "-",
+                info.failures, "/".join(str(len(g)) for g in stages), info.state,
             )
             try:
                 await asyncio.wait_for(stop.wait(), period)
@@ -146,18 +197,32 @@ class Trainer:
             except asyncio.TimeoutError:
                 pass
 
+    def _swarm_samples_per_s(self) -> float:
+        """Samples/s of every trainer of the run (this one's share of it is its contribution)."""
+        others = sum(t.samples_per_s for t in self.directory.trainers() if t.peer_id != self.identity.peer_id)
+        return others + self.info().samples_per_s
+
     async def run(self, stop: asyncio.Event, grace_s: float = 5.0) -> None:
-        """Train until ``stop`` is set; micro-batches still in flight ``grace_s`` seconds later are abandoned."""
+        """Train until ``stop`` is set; micro-batches still in flight ``grace_s`` seconds later are abandoned.
+
+        :raises PeerBanned: the run's coordinator banned this trainer (it stopped at once).
+        """
         self._started = time.monotonic()
         batches = micro_batches(self.dataset, self.spec, self.shard, self.start_position)
         reporter = asyncio.create_task(self._report(stop))
+        validator = asyncio.create_task(self._validate(stop))
         workers = [asyncio.create_task(self._worker(batches, stop)) for _ in range(self.concurrency)]
         try:
             await stop.wait()
+            self.draining = True
             _, pending = await asyncio.wait(workers, timeout=grace_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
         finally:
             stop.set()
-            await reporter
+            validator.cancel()
+            await asyncio.gather(reporter, validator, return_exceptions=True)
+        if self.error is not None:
+            raise self.error
+

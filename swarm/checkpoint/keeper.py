@@ -27,6 +27,7 @@ from typing import Callable, Optional
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from swarm.banlist import BanFollower
 from swarm.checkpoint.catalog import CheckpointView, checkpoint_views, choose_holders, holding
 from swarm.checkpoint.erasure import CorruptFragment, Fragment, FragmentError, join_fragments, split_into_fragments
 from swarm.checkpoint.service import FragmentService, get_fragment, put_fragment, put_manifest
@@ -53,7 +54,8 @@ class FragmentKeeper:
         self.spec, self.directory, self.identity, self.store = spec, directory, identity, store
         self.run_id, self.me, self.stage = directory.run_id, identity.peer_id, stage
         self.service = FragmentService(store, directory.run_id, on_manifest=directory.publish_manifest)
-        self.bans: dict[str, str] = {}
+        self.bans: dict[str, str] = {}  # holders that served corrupt fragments to this peer
+        self.run_bans = BanFollower(directory)  # the coordinator's ban list, which this keeper re-publishes
         self.p2p: Optional[P2P] = None
         self.repairs = 0
         self.rng = rng or random.Random()
@@ -97,6 +99,7 @@ class FragmentKeeper:
         self.directory.announce(storage_key(self.run_id), self.storage_info(), self.identity)
 
     async def tick(self, repair: bool = True) -> None:
+        await self.io(self.run_bans.refresh, True)
         await self.io(self._publish_held)
         views = await self.views()
         await self._adopt(views)
@@ -154,6 +157,10 @@ class FragmentKeeper:
                         logger.debug("not adopting the manifest of stage %d epoch %d: %s", m.stage, m.epoch, e)
 
     # ---- transfers (local store or a remote holder) ----------------------------------------------------
+    def shuns(self, peer_id: str) -> bool:
+        """Banned by this keeper (corrupt fragments) or by the run's coordinator."""
+        return peer_id in self.bans or self.run_bans.is_banned(peer_id)
+
     def ban(self, peer_id: str, reason: str) -> None:
         if peer_id not in self.bans and peer_id != self.me:
             logger.warning("[%s] banned %s from fragment traffic: %s", self.me, peer_id, reason)
@@ -206,7 +213,7 @@ class FragmentKeeper:
         m = view.manifest
         by_peer = {s.peer_id: s for s in (storage if storage is not None else await self.io(self.directory.storage))}
         tries = {i: [by_peer[p] for p in sorted(holders, key=lambda p: (p != self.me, self.rng.random()))
-                     if p in by_peer and p not in self.bans]
+                     if p in by_peer and not self.shuns(p)]
                  for i, holders in view.alive.items()}
         # indices on this peer's disk first (no transfer), the rest in random order (spreads the load)
         order = sorted((i for i in tries if tries[i]), key=lambda i: (tries[i][0].peer_id != self.me, self.rng.random()))
@@ -216,7 +223,7 @@ class FragmentKeeper:
         async def one(index: int) -> None:
             nonlocal bad, received
             for holder in tries[index]:
-                if holder.peer_id in self.bans:
+                if self.shuns(holder.peer_id):
                     continue
                 try:
                     got[index] = await self.get(holder, m, index)
@@ -250,7 +257,7 @@ class FragmentKeeper:
         """
         load = load if load is not None else Counter()
         size = max((len(f.data) for f in fragments), default=0)
-        candidates = [s for s in storage if s.peer_id not in self.bans and s.p2p_id]
+        candidates = [s for s in storage if not self.shuns(s.peer_id) and s.p2p_id]
         refused: set[str] = set(exclude)
         placed: dict[int, str] = {}
         pending = list(fragments)

@@ -1,0 +1,109 @@
+"""Pause, resume and drain a running peer from its own machine (``swarm-peer pause|resume|drain``).
+
+The CLI writes a command to ``<SWARM_CACHE_DIR>/peer-control.json`` (atomically: temporary file + rename)
+and watches the peer's heartbeat (:mod:`peer.heartbeat`) until the peer shows the new state. The running
+peer polls that file every half second (:func:`follow`). A file works the same on a host, through
+``docker exec``, and on a shared volume, needs no open port, and only whoever may write the peer's cache
+folder can command it.
+
+* **pause**: a server finishes its in-flight work, leaves its stage (announced ``paused``: not routed to,
+  not averaging) and keeps holding checkpoint fragments; a trainer stops starting micro-batches.
+* **resume**: a server rejoins (loading the stage's current state from its servers or a checkpoint, as at
+  start); a trainer goes on from the same data position.
+* **drain**: what SIGTERM does: finish the current round, hand in-flight work back, leave the DHT, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+from peer.heartbeat import FILENAME as HEARTBEAT
+
+logger = logging.getLogger(__name__)
+FILENAME = "peer-control.json"
+COMMANDS = ("pause", "resume", "drain")
+WANTED = {"pause": ("paused",), "resume": ("joining", "online", "training"), "drain": ("stopped",)}
+"""Heartbeat states that show a command took effect."""
+
+
+def send(cache_dir: Path, command: str) -> str:
+    """Write ``command`` for the peer using ``cache_dir``; returns its nonce.
+
+    :raises ValueError: not one of :data:`COMMANDS`.
+    :raises OSError: the cache folder is not writable.
+    """
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}; use one of {', '.join(COMMANDS)}")
+    nonce = uuid.uuid4().hex
+    path = Path(cache_dir) / FILENAME
+    tmp = path.with_name(f".{FILENAME}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"command": command, "nonce": nonce, "time": time.time()}))
+    os.replace(tmp, path)
+    return nonce
+
+
+def wait_for(cache_dir: Path, command: str, timeout: float, since: float) -> tuple[bool, str]:
+    """Poll the heartbeat until it shows ``command`` took effect (written after ``since``, Unix seconds);
+    returns ``(done, the last state seen)``."""
+    deadline, state = time.monotonic() + timeout, "no heartbeat"
+    while True:
+        try:
+            beat = json.loads((Path(cache_dir) / HEARTBEAT).read_text())
+            state = str(beat.get("state"))
+            if float(beat.get("time", 0)) >= since and state in WANTED[command]:
+                return True, state
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            return False, state
+        time.sleep(0.25)
+
+
+class ControlChannel:
+    """The running peer's side: yields each new command once. A command written before the peer started
+    is ignored (it was meant for an earlier process)."""
+
+    def __init__(self, cache_dir: Path):
+        self.path = Path(cache_dir) / FILENAME
+        self.seen = self._read().get("nonce")
+
+    def _read(self) -> dict:
+        try:
+            found = json.loads(self.path.read_text())
+            return found if isinstance(found, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def poll(self) -> Optional[str]:
+        found = self._read()
+        if not found or found.get("nonce") == self.seen:
+            return None
+        self.seen = found.get("nonce")
+        command = found.get("command")
+        if command not in COMMANDS:
+            logger.warning("ignoring unknown control command %r in %s", command, self.path)
+            return None
+        return command
+
+
+async def follow(cache_dir: Path, handlers: dict[str, Callable[[], None]], stop: asyncio.Event,
+                 period_s: float = 0.5) -> None:
+    """Call ``handlers[command]`` for each new command until ``stop``."""
+    channel = ControlChannel(cache_dir)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), period_s)
+            return
+        except asyncio.TimeoutError:
+            pass
+        command = channel.poll()
+        if command is not None:
+            logger.info("control: %s requested", command)
+            handlers[command]()
