@@ -84,14 +84,12 @@ _TIMEOUT = typer.Option(30.0, help="Seconds to find the run.")
 
 def _show(what: str, address: str, as_json: bool, every_s: float, timeout: float, plot: Optional[Path] = None) -> None:
     """Take a snapshot (or keep taking them) and print it; exit 0 if healthy, 1 if not."""
-    from rich.console import Console
-
     from coordinator.monitor import watch
     from coordinator.status import snapshot
-    from coordinator.views import render, write_loss_png
+    from coordinator.views import make_console, render, write_loss_png
 
     dht, directory, spec, _ = _connect(address, timeout)
-    console = Console()
+    console = make_console()
     try:
         take = lambda: snapshot(directory, spec)  # noqa: E731
         if every_s > 0:

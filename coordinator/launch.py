@@ -74,11 +74,15 @@ class LocalSwarm:
         env.update(
             SWARM_CACHE_DIR=str(self.cache_dir), SWARM_HOST="127.0.0.1", SWARM_PORT="0",
             SWARM_IDENTITY_FILE=str(self.workdir / "keys" / f"{name}.key"), TMPDIR=str(tmp),
-            SWARM_FRAGMENT_DIR=str(self.workdir / "fragments" / name),
+            SWARM_FRAGMENT_DIR=str(self.workdir / "fragments" / name), SWARM_STATE_DIR=str(self.state_dir(name)),
             PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         )
         env.update(self.extra_env)
         return env
+
+    def state_dir(self, name: str) -> Path:
+        """A peer's heartbeat and control folder (``SWARM_STATE_DIR``)."""
+        return self.workdir / "state" / name
 
     def _spawn(self, name: str, role: str, module: str, args: list[str], env: Optional[dict[str, str]] = None) -> Peer:
         identity = Identity.load_or_create(self.workdir / "keys" / f"{name}.key")

@@ -27,6 +27,7 @@ contribution is its share of the samples its stage's listed servers processed; a
 the trainers' samples/s. ``eta_s`` is the time to ``optim.total_epochs`` (the end of the learning-rate
 schedule) at the slowest stage's recent epoch rate; ``None`` until two epochs were seen. A peer *lags* when
 its record is older than a re-announce period plus slack, or a server is more than one epoch behind its stage.
+A banned peer with no record left is listed with role ``unknown`` and state ``gone`` (``last_seen_s`` None).
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ def _trainer_row(t: TrainerInfo, total_rate: float, banned: dict[str, str], now:
     }
 
 
+def _gone_row(peer_id: str, reason: str) -> dict[str, Any]:
+    """A banned peer that publishes no record (it stopped, as banned peers do): listed so it can be unbanned."""
+    return {
+        "peer_id": peer_id, "name": "", "version": "", "role": "unknown", "stage": None, "state": "gone",
+        "reachability": "unknown", "epoch": None, "throughput": 0.0, "samples_per_s": 0.0, "samples": 0,
+        "contribution": 0.0, "last_seen_s": None, "lagging": False, "loss": None, "rejected_parts": 0,
+        "flagged_parts": 0, "banned": True, "banned_by_coordinator": reason,
+    }
+
+
 def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
     """Read every stage's servers, the trainers and the ban list once and summarise them (shape above)."""
     servers = directory.all_servers(spec.model.num_stages)
@@ -115,6 +126,8 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         })
     total_rate = sum(t.samples_per_s for t in trainers)
     peers += [_trainer_row(t, total_rate, banned, now, directory) for t in trainers]
+    listed = {p["peer_id"] for p in peers}
+    peers += [_gone_row(peer, reason) for peer, reason in sorted(banned.items()) if peer not in listed]
     return {"run": _run_summary(directory, spec, servers, trainers, stages, peers, rates, banned),
             "stages": stages, "peers": peers, "healthy": all(s["servers_online"] > 0 for s in stages)}
 

@@ -58,7 +58,7 @@ def peers_table(snap: dict[str, Any]) -> Table:
         state = p["state"] + (" [yellow](lagging)[/]" if p["lagging"] else "")
         table.add_row(p["peer_id"], p["name"] or "-", p["version"] or "-", p["role"],
                       "-" if p["stage"] is None else str(p["stage"]), state, p["reachability"],
-                      str(p["samples_per_s"]), f"{100 * p['contribution']:.0f}%", f"{p['last_seen_s']:.0f}s ago",
+                      str(p["samples_per_s"]), f"{100 * p['contribution']:.0f}%", "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.0f}s ago",
                       _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", banned)
     return table
 
@@ -105,9 +105,16 @@ def write_loss_png(history: list[list[float]], path: Path, title: str = "") -> N
     plt.close(fig)
 
 
+def make_console() -> Console:
+    """A console for the views: the terminal's width, or 200 columns when the output is piped (so tables stay
+    readable in logs and ``grep``)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
 def render(snap: dict[str, Any], what: str = "status", console: Optional[Console] = None) -> None:
     """Print ``status`` (summary, loss plot, stages, peers), ``stages`` or ``peers``."""
-    console = console or Console()
+    console = console or make_console()
     if what in ("status", "stages"):
         console.print(summary_line(snap))
     if what == "status":

@@ -7,6 +7,7 @@ Examples::
     SWARM_HOST=127.0.0.1 SWARM_CACHE_DIR=/cache swarm-peer join <run address> --stage 1
     swarm-peer check [<run address>] [--json]      # preflight; every failure prints its fix
     swarm-peer status --probe                      # health of the running peer (container HEALTHCHECK)
+    swarm-peer pause | resume | drain              # command the peer running with this SWARM_CACHE_DIR
 """
 
 from __future__ import annotations
@@ -84,17 +85,70 @@ def check(address: Optional[str] = typer.Argument(None, help="Run address: also 
 def status(probe: bool = typer.Option(False, "--probe", help="Exit 0 if healthy, 1 if not, printing one line "
                                       "(the container HEALTHCHECK)."),
            as_json: bool = typer.Option(False, "--json", help="Print the heartbeat as one JSON object.")) -> None:
-    """Health of the peer running with this SWARM_CACHE_DIR, from its heartbeat file (exit 1 if unhealthy)."""
+    """Health of the peer running with this SWARM_CACHE_DIR (or SWARM_STATE_DIR), from its heartbeat file (exit 1
+    if unhealthy)."""
     import json
 
     from peer.heartbeat import probe as read_probe
 
-    healthy, reason, beat = read_probe(PeerSettings().cache_dir)
+    healthy, reason, beat = read_probe(PeerSettings().state_path())
     if as_json:
         typer.echo(json.dumps({"healthy": healthy, "reason": reason, **beat}))
     else:
         typer.echo(("healthy: " if healthy else "unhealthy: ") + reason, err=not healthy and not probe)
     raise typer.Exit(0 if healthy else 1)
+
+
+def _command(command: str, wait: bool, timeout: float) -> None:
+    """Send ``command`` to the running peer and wait until its heartbeat shows it took effect."""
+    import time
+
+    from peer.control import send, wait_for
+    from peer.heartbeat import probe as read_probe
+
+    cache_dir = PeerSettings().state_path()
+    _, reason, beat = read_probe(cache_dir)
+    if not beat or beat.get("state") == "stopped":
+        typer.echo(f"error: no running peer uses {cache_dir} ({reason}); set SWARM_CACHE_DIR (or SWARM_STATE_DIR) "
+                   "to the peer's", err=True)
+        raise typer.Exit(1)
+    since = time.time()
+    try:
+        send(cache_dir, command)
+    except OSError as e:
+        typer.echo(f"error: cannot write to {cache_dir} ({e}); run this as the peer's user", err=True)
+        raise typer.Exit(1) from None
+    if not wait:
+        typer.echo(f"{command} sent to peer {beat.get('peer_id')}")
+        return
+    done, state = wait_for(cache_dir, command, timeout, since)
+    if not done:
+        typer.echo(f"error: peer {beat.get('peer_id')} is still {state} after {timeout:.0f} s", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"peer {beat.get('peer_id')} is {state}")
+
+
+_WAIT = typer.Option(True, "--wait/--no-wait", help="Wait until the peer's heartbeat shows the new state.")
+
+
+@app.command()
+def pause(wait: bool = _WAIT, timeout: float = typer.Option(120.0, help="Seconds to wait.")) -> None:
+    """Pause the running peer: a server drains, leaves its stage and keeps serving checkpoint fragments; a
+    trainer stops starting micro-batches. Exit 1 if no peer runs here or it did not pause in time."""
+    _command("pause", wait, timeout)
+
+
+@app.command()
+def resume(wait: bool = _WAIT, timeout: float = typer.Option(300.0, help="Seconds to wait (a server reloads the "
+                                                             "stage's state).")) -> None:
+    """Resume a paused peer (a server rejoins a stage, loading its current state)."""
+    _command("resume", wait, timeout)
+
+
+@app.command()
+def drain(wait: bool = _WAIT, timeout: float = typer.Option(120.0, help="Seconds to wait.")) -> None:
+    """Stop the running peer gracefully (as SIGTERM: finish the round, leave the DHT, exit 0)."""
+    _command("drain", wait, timeout)
 
 
 def main() -> None:

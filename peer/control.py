@@ -1,6 +1,7 @@
 """Pause, resume and drain a running peer from its own machine (``swarm-peer pause|resume|drain``).
 
-The CLI writes a command to ``<SWARM_CACHE_DIR>/peer-control.json`` (atomically: temporary file + rename)
+The CLI writes a command to ``peer-control.json`` in the peer's state folder (``SWARM_STATE_DIR``, default
+``SWARM_CACHE_DIR``; atomically: temporary file + rename)
 and watches the peer's heartbeat (:mod:`peer.heartbeat`) until the peer shows the new state. The running
 peer polls that file every half second (:func:`follow`). A file works the same on a host, through
 ``docker exec``, and on a shared volume, needs no open port, and only whoever may write the peer's cache

@@ -1,7 +1,8 @@
 """What a running peer reports on its own machine: the heartbeat file that ``swarm-peer status`` (and a
 container HEALTHCHECK) reads, and its Prometheus metrics endpoint (:func:`start_metrics`).
 
-The running peer rewrites ``<SWARM_CACHE_DIR>/peer-status.json`` (atomically) at every announcement:
+The running peer rewrites ``peer-status.json`` in its state folder (``SWARM_STATE_DIR``, default
+``SWARM_CACHE_DIR``; atomically) at every announcement:
 ``{"peer_id", "role", "stage", "state", "epoch", "time", "ttl_s"}`` (time: Unix seconds). A heartbeat older
 than ``ttl_s`` means the peer is stuck or gone.
 """

@@ -11,8 +11,9 @@
    signed spec too, so the run outlives its coordinator. Commit checkpoints, follow rollback orders, and, if
    the stage was not pinned, move to a stage that lacks throughput more (:mod:`swarm.rebalance`): drain,
    then go back to step 2 for the new stage.
-5. ``swarm-peer pause`` (:mod:`peer.control`): drain as for a move, announce ``paused`` while keeping the
-   fragments served; ``resume`` goes back to step 2. A peer on the coordinator's ban list
+5. ``swarm-peer pause`` (:mod:`peer.control`): announce ``paused`` (not routed to, refuses new stage
+   work, keeps its state, its place in the stage and its fragments; hivemind loads the state from the
+   stage's servers at the next step if they moved on meanwhile); ``resume`` announces ``online`` again. A peer on the coordinator's ban list
    (:mod:`swarm.banlist`) stops with exit code 4; the others refuse its RPCs and keep it out of averaging.
 6. On SIGTERM/SIGINT or ``swarm-peer drain``: announce ``draining``, stop taking work, shut down the
    optimizer, keeper and DHT; the heartbeat says ``stopped``.
@@ -72,7 +73,7 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
         raise SystemExit(4) from None
     finally:
         dht.shutdown()
-        write_heartbeat(settings.cache_dir, peer_id=identity.peer_id, role="server", state="stopped",
+        write_heartbeat(settings.state_path(), peer_id=identity.peer_id, role="server", state="stopped",
                         ttl_s=spec.timeouts.record_ttl_s)
         logger.info("[%s] stopped", identity.peer_id)
 
@@ -80,56 +81,29 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
 async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity, sealed_spec: bytes,
                 keeper: FragmentKeeper, settings: PeerSettings, pinned: Optional[int], metrics: PeerMetrics) -> None:
     loop = asyncio.get_running_loop()
-    stop, pause, resumed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    stop, pause, changed = asyncio.Event(), asyncio.Event(), asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     p2p = await dht.replicate_p2p()
     await keeper.start(p2p)
     keeper.run_bans.check(identity.peer_id)
-    maddrs = await loop.run_in_executor(None, visible_maddrs, dht)
     keeping = asyncio.create_task(keeper.run(stop))
-    controls = asyncio.create_task(follow(settings.cache_dir, {
-        "pause": pause.set, "resume": lambda: (pause.clear(), resumed.set()), "drain": stop.set}, stop))
+    controls = asyncio.create_task(follow(settings.state_path(), {
+        "pause": lambda: (pause.set(), changed.set()), "resume": lambda: (pause.clear(), changed.set()),
+        "drain": stop.set}, stop))
     try:
         stage = pinned
         while not stop.is_set():
-            if pause.is_set():
-                resumed.clear()
-                await _paused(p2p, maddrs, directory, identity, settings, keeper, pinned if stage is None else stage,
-                              stop, resumed)
-                stage = pinned
-                continue
             if stage is None:
                 stage = await loop.run_in_executor(
                     None, lambda: choose_stage(spec.model, directory.all_servers(spec.model.num_stages)))
             moved = await _serve_stage(spec, dht, p2p, directory, identity, sealed_spec, keeper, settings, stage,
-                                       metrics, movable=pinned is None, stop=stop, pause=pause)
-            stage = moved if moved is not None else (stage if pause.is_set() else pinned)
+                                       metrics, movable=pinned is None, stop=stop, pause=pause, changed=changed)
+            stage = moved if moved is not None else pinned
     finally:
         stop.set()
         await asyncio.gather(keeping, controls)
         await keeper.stop()
-
-
-async def _paused(p2p, maddrs: list[str], directory: RunDirectory, identity: Identity, settings: PeerSettings,
-                  keeper: FragmentKeeper, stage: Optional[int], stop: asyncio.Event, resumed: asyncio.Event) -> None:
-    """Announce ``paused`` (fragments stay served by the keeper) until resumed or stopped."""
-    loop, me = asyncio.get_running_loop(), identity.peer_id
-    logger.info("[%s] paused: serving no stage until `swarm-peer resume`", me)
-    while not (stop.is_set() or resumed.is_set()):
-        record = ServerInfo(run_id=directory.run_id, peer_id=me, time=get_dht_time(), stage=stage or 0,
-                            state=ServerState.PAUSED, throughput=0.0, p2p_id=str(p2p.peer_id), version=__version__,
-                            name=settings.name, maddrs=maddrs, reachability=_reachability(maddrs))
-        await loop.run_in_executor(None, directory.announce_server, record, identity)
-        write_heartbeat(settings.cache_dir, peer_id=me, role="server", stage=stage, state="paused",
-                        epoch=0, ttl_s=directory.ttl)
-        keeper.run_bans.check(me)
-        try:
-            await asyncio.wait_for(wait_any(stop, resumed), directory.ttl / 3)
-        except asyncio.TimeoutError:
-            pass
-    if resumed.is_set():
-        logger.info("[%s] resuming", me)
 
 
 async def _watch_reachability(dht, maddrs: list[str], me: str, stop: asyncio.Event, period_s: float = 10.0) -> None:
@@ -148,19 +122,24 @@ async def _watch_reachability(dht, maddrs: list[str], me: str, stop: asyncio.Eve
         try:
             await asyncio.wait_for(stop.wait(), period_s)
         except asyncio.TimeoutError:
-            maddrs[:] = await loop.run_in_executor(None, visible_maddrs, dht)
+            try:
+                maddrs[:] = await loop.run_in_executor(None, visible_maddrs, dht)
+            except Exception as e:  # the DHT process is shutting down: keep the last addresses
+                logger.debug("could not refresh the visible addresses: %s", e)
 
 
 def _reachability(maddrs: list[str]) -> str:
-    """``relayed`` if the peer is only reachable through a libp2p circuit relay."""
-    return "relayed" if maddrs and all("/p2p-circuit" in m for m in maddrs if not m.startswith("/ip4/127.")) \
-        and any("/p2p-circuit" in m for m in maddrs) else "direct"
+    """``relayed`` if every non-loopback address of the peer is a libp2p circuit through a relay."""
+    public = [m for m in maddrs if not m.startswith("/ip4/127.")]
+    return "relayed" if public and all("/p2p-circuit" in m for m in public) else "direct"
 
 
 async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identity: Identity, sealed_spec: bytes,
                        keeper: FragmentKeeper, settings: PeerSettings, stage: int, metrics: PeerMetrics, *,
-                       movable: bool, stop: asyncio.Event, pause: asyncio.Event) -> Optional[int]:
-    """Serve ``stage`` until ``stop`` or ``pause`` (returns None) or a move is planned (returns the new stage)."""
+                       movable: bool, stop: asyncio.Event, pause: asyncio.Event,
+                       changed: asyncio.Event) -> Optional[int]:
+    """Serve ``stage`` (``paused`` while ``pause`` is set; ``changed`` wakes the loop) until ``stop`` (returns None)
+    or a move is planned (returns the new stage)."""
     loop = asyncio.get_running_loop()
     io = lambda fn, *a: loop.run_in_executor(None, fn, *a)  # noqa: E731
     run_id, me = directory.run_id, identity.peer_id
@@ -190,7 +169,7 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
 
     def beat(state: ServerState, record: Optional[ServerInfo] = None) -> None:
         """Heartbeat file and Prometheus metrics, after each announcement."""
-        write_heartbeat(settings.cache_dir, peer_id=me, role="server", stage=stage, state=str(state),
+        write_heartbeat(settings.state_path(), peer_id=me, role="server", stage=stage, state=str(state),
                         epoch=server.epoch, ttl_s=directory.ttl)
         if record is not None:
             metrics.update_server(record)
@@ -247,7 +226,7 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
         await server.add_p2p_handlers(p2p, namespace=run_id)
         handlers = True
         return await _announce_until_done(spec, server, directory, identity, sealed_spec, checkpoints, info, beat,
-                                          movable=movable, stop=stop, pause=pause)
+                                          movable=movable, stop=stop, pause=pause, changed=changed)
     finally:
         reach.cancel()
         await checkpoints.close()
@@ -259,7 +238,7 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
 
 async def _announce_until_done(spec: RunSpec, server: StageServer, directory: RunDirectory, identity: Identity,
                                sealed_spec: bytes, checkpoints: StageCheckpoints, info, beat, *, movable: bool,
-                               stop: asyncio.Event, pause: asyncio.Event) -> Optional[int]:
+                               stop: asyncio.Event, pause: asyncio.Event, changed: asyncio.Event) -> Optional[int]:
     loop = asyncio.get_running_loop()
     me, stage = identity.peer_id, server.stage
     leave = asyncio.Event()  # set by stop or by a planned move
@@ -268,13 +247,17 @@ async def _announce_until_done(spec: RunSpec, server: StageServer, directory: Ru
     tasks = [asyncio.create_task(server.watch_epochs(leave)), asyncio.create_task(checkpoints.watch(leave))]
     online_since, next_check, target = time.monotonic(), time.monotonic() + spec.rebalance.period_s, None
     try:
-        while not (leave.is_set() or stop.is_set() or pause.is_set()):
+        while not (leave.is_set() or stop.is_set()):
             _follow_bans(checkpoints.keeper.run_bans, server, me)
-            record = info(ServerState.ONLINE)
+            if pause.is_set() != server.paused:
+                server.paused = pause.is_set()
+                logger.info("[%s stage=%d epoch=%d] %s", me, stage, server.epoch,
+                            "paused: taking no new work until `swarm-peer resume`" if server.paused else "resumed")
+            record = info(ServerState.PAUSED if server.paused else ServerState.ONLINE)
             await loop.run_in_executor(None, directory.announce_server, record, identity)
-            beat(ServerState.ONLINE, record)
+            beat(record.state, record)
             await loop.run_in_executor(None, directory.publish_spec, sealed_spec)
-            if movable and spec.rebalance.enabled and time.monotonic() >= next_check:
+            if movable and spec.rebalance.enabled and not server.paused and time.monotonic() >= next_check:
                 next_check = time.monotonic() + spec.rebalance.period_s
                 if time.monotonic() - online_since >= spec.rebalance.min_dwell_s:
                     servers = await loop.run_in_executor(None, directory.all_servers, spec.model.num_stages)
@@ -284,16 +267,17 @@ async def _announce_until_done(spec: RunSpec, server: StageServer, directory: Ru
                                     me, stage, server.epoch, target)
                         break
             try:
-                await asyncio.wait_for(wait_any(stop, leave, pause), period)
+                await asyncio.wait_for(wait_any(stop, leave, changed), period)
             except asyncio.TimeoutError:
                 pass
+            changed.clear()
     finally:
         logger.info("[%s stage=%d] draining", me, stage)
         leave.set()
         await asyncio.gather(*tasks)
         await loop.run_in_executor(None, directory.announce_server, info(ServerState.DRAINING), identity)
         beat(ServerState.DRAINING)
-    return None if stop.is_set() or pause.is_set() else target
+    return None if stop.is_set() else target
 
 
 def _follow_bans(bans, server: StageServer, me: str) -> None:

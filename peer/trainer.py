@@ -48,7 +48,7 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
 
         def report(info) -> None:
             """Heartbeat file and Prometheus metrics, after each announcement."""
-            write_heartbeat(settings.cache_dir, peer_id=identity.peer_id, role="trainer", stage=-1, state=info.state,
+            write_heartbeat(settings.state_path(), peer_id=identity.peer_id, role="trainer", stage=-1, state=info.state,
                             epoch=0, ttl_s=spec.timeouts.record_ttl_s, samples=info.samples)
             metrics.update_trainer(info)
 
@@ -66,7 +66,7 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
                               concurrency=concurrency, max_samples=max_samples, loss_log=loss_log, position=position,
                               on_report=report, name=settings.name, p2p_id=str(p2p.peer_id),
                               val_every_s=settings.val_every_s, bans=bans)
-            controls = asyncio.create_task(follow(settings.cache_dir, {
+            controls = asyncio.create_task(follow(settings.state_path(), {
                 "pause": trainer.pause, "resume": trainer.resume, "drain": stop.set}, stop))
             try:
                 await trainer.run(stop)
@@ -80,5 +80,5 @@ def run_trainer(address: str, settings: PeerSettings, *, shard: Optional[int] = 
         raise SystemExit(4) from None
     finally:
         dht.shutdown()
-        write_heartbeat(settings.cache_dir, peer_id=identity.peer_id, role="trainer", stage=-1, state="stopped",
+        write_heartbeat(settings.state_path(), peer_id=identity.peer_id, role="trainer", stage=-1, state="stopped",
                         epoch=0, ttl_s=spec.timeouts.record_ttl_s)

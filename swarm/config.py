@@ -370,6 +370,10 @@ class PeerSettings(BaseSettings):
         None, description="Where held fragments live (default <cache_dir>/fragments). Keep it across restarts: "
         "the swarm resumes from these files if every peer dies.",
     )
+    state_dir: Optional[Path] = Field(
+        None, description="Where the running peer writes its heartbeat (peer-status.json) and reads commands "
+        "(peer-control.json); default <cache_dir>. Give each peer its own when several share one cache.",
+    )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Port serving Prometheus metrics at /metrics (0: off; containers use 9100).",
     )
@@ -380,6 +384,9 @@ class PeerSettings(BaseSettings):
 
     def identity_path(self) -> Path:
         return self.identity_file or self.cache_dir / "identity.key"
+
+    def state_path(self) -> Path:
+        return self.state_dir or self.cache_dir
 
     def fragment_path(self) -> Path:
         return self.fragment_dir or self.cache_dir / "fragments"

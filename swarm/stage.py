@@ -96,6 +96,7 @@ class StageServer(ServicerBase):
         self.epoch_listeners: list = []
         self.blocked: dict[str, str] = {}  # libp2p id -> reason: peers the run's coordinator banned
         self.banned_in_averaging: set[str] = set()  # those of them already banned in the gradient averager
+        self.paused = False  # by its operator: new forward/backward requests are refused
         self._epoch_losses: list[float] = []
         self.epoch_loss: Optional[float] = None  # mean training loss of the last finished epoch (last stage)
         self.max_batch = 8 * spec.training.micro_batch_size
@@ -294,7 +295,11 @@ class StageServer(ServicerBase):
         return await future
 
     # ---- RPC handlers ------------------------------------------------------------------------------
-    def _admit(self, context: P2PContext) -> None:
+    def _admit(self, context: P2PContext, mb_id: Optional[str] = None) -> None:
+        """Refuse banned peers, and new work while paused (the backward of a micro-batch whose forward ran
+        here, ``mb_id``, is in-flight work and still accepted)."""
+        if self.paused and (mb_id is None or (str(context.remote_id), mb_id) not in self._cache):
+            raise StageError(f"stage {self.stage} server is paused by its operator; retry on another server")
         reason = self.blocked.get(str(context.remote_id))
         if reason is not None:
             raise StageError(f"refused: the run's coordinator banned this peer ({reason})")
@@ -326,8 +331,8 @@ class StageServer(ServicerBase):
     async def rpc_backward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        self._admit(context)
         req, tensors = await self._receive(requests, BackwardRequest)
+        self._admit(context, req.mb_id)
         if self.is_last:
             raise StageError("the last stage backpropagates inside rpc_forward; do not call rpc_backward on it")
         if len(tensors) != (2 if req.with_inputs else 1):

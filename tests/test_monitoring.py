@@ -1,0 +1,78 @@
+"""Pieces of the monitoring CLI that need no swarm: history thinning, the views, the run's Prometheus metrics."""
+
+import math
+
+import pytest
+
+from coordinator.monitor import RunMetrics, watch
+from coordinator.views import duration, loss_plot_text, write_loss_png
+from swarm.protocol import HISTORY_POINTS, add_history
+
+
+def test_history_spans_the_whole_run_at_decreasing_resolution():
+    history = []
+    for epoch in range(1000):
+        history = add_history(history, (epoch, float(epoch), 1.0))
+        assert len(history) <= HISTORY_POINTS
+    epochs = [e for e, _, _ in history]
+    assert epochs == sorted(epochs) and epochs[0] == 0 and epochs[-1] == 999
+    assert epochs[-HISTORY_POINTS // 4:] == list(range(1000 - HISTORY_POINTS // 4, 1000))  # the newest stay exact
+
+
+def test_views():
+    assert [duration(s) for s in (None, 5, 65, 7300)] == ["-", "5s", "1m05s", "2h01m"]
+    assert loss_plot_text([[0, 5.0]]) == ""
+    text = loss_plot_text([[e, 5 * math.exp(-e / 20)] for e in range(50)], width=60, height=10)
+    assert "epoch" in text and "\x1b[" not in text
+
+
+def test_loss_png(tmp_path):
+    with pytest.raises(ValueError, match="fewer than two"):
+        write_loss_png([[1, 2.0]], tmp_path / "x.png")
+    write_loss_png([[0, 5.0], [10, 4.0], [20, 3.5]], tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _snap(eta):
+    return {
+        "run": {"epoch": 7, "progress": 0.07, "eta_s": eta, "tokens": 1000, "samples_per_s": 12.5,
+                "train_loss": 4.2, "val_loss": None,
+                "peers": {"online": 3, "joining": 0, "lagging": 1, "paused": 0, "draining": 0, "trainers": 1,
+                          "banned": 0}},
+        "stages": [{"stage": 0, "servers_online": 2, "throughput": 30.0, "epoch": 7, "lagging": 1,
+                    "last_round": {"group_size": 2, "round_s": 0.5}}],
+        "peers": [{"peer_id": "a", "role": "server", "stage": 0, "samples_per_s": 15.0, "contribution": 0.5},
+                  {"peer_id": "t", "role": "trainer", "stage": None, "samples_per_s": 12.5, "contribution": 1.0}],
+        "healthy": True,
+    }
+
+
+def test_run_metrics_follow_the_snapshots():
+    metrics = RunMetrics("run-x")
+    metrics.update(_snap(eta=120.0))
+    get = metrics.registry.get_sample_value
+    assert get("swarm_run_epoch", {"run": "run-x"}) == 7
+    assert get("swarm_run_eta_seconds", {"run": "run-x"}) == 120.0
+    assert math.isnan(get("swarm_run_val_loss", {"run": "run-x"}))
+    assert get("swarm_stage_servers_online", {"run": "run-x", "stage": "0"}) == 2
+    assert get("swarm_run_peers", {"run": "run-x", "state": "lagging"}) == 1
+    assert get("swarm_peer_contribution_ratio", {"run": "run-x", "peer": "t", "role": "trainer", "stage": "-"}) == 1.0
+    snap = _snap(eta=None)
+    snap["peers"] = snap["peers"][:1]  # the trainer left: its series go
+    metrics.update(snap)
+    assert get("swarm_peer_samples_per_second", {"run": "run-x", "peer": "t", "role": "trainer", "stage": "-"}) is None
+    assert math.isnan(get("swarm_run_eta_seconds", {"run": "run-x"}))
+
+
+def test_watch_shows_each_snapshot_until_stopped():
+    import threading
+
+    stop, shown = threading.Event(), []
+
+    def show(snap):
+        shown.append(snap)
+        if len(shown) == 3:
+            stop.set()
+
+    last = watch(lambda: {"n": len(shown)}, show, 0.01, stop)
+    assert [s["n"] for s in shown] == [0, 1, 2] and last == {"n": 2}
