@@ -27,7 +27,16 @@ def _root() -> None:
     """A peer of a volunteer swarm training run."""
 
 
-@app.command()
+def _settings_help() -> str:
+    """The ``SWARM_*`` settings and their docs, for ``join --help``."""
+    lines = ["Settings (environment variables or a .env file):\n\n"]
+    for name, field in PeerSettings.model_fields.items():
+        default = field.default if field.default not in (None, "") else "-"
+        lines.append(f"SWARM_{name.upper()} (default {default}): {field.description}\n\n")
+    return "".join(lines)
+
+
+@app.command(epilog=_settings_help())
 def join(
     address: str = typer.Argument(..., help="Run address printed by `swarm-coordinator serve`: <run_id>@<multiaddr>[,...]"),
     role: Role = typer.Option(Role.SERVER, help="server: host a stage; trainer: stream data through the stages "
@@ -77,7 +86,8 @@ def check(address: Optional[str] = typer.Argument(None, help="Run address: also 
         typer.echo(json.dumps(as_dict(checks)))
     else:
         for c in checks:
-            typer.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<14} {c.detail}" + (f"\n     fix: {c.fix}" if c.fix else ""))
+            hint = f"\n     {'hint' if c.ok else 'fix'}: {c.fix}" if c.fix else ""
+            typer.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<14} {c.detail}{hint}")
     raise typer.Exit(0 if all(c.ok for c in checks) else 1)
 
 

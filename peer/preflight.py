@@ -124,9 +124,14 @@ def _reachability(settings: PeerSettings) -> Check:
         addr = ipaddress.ip_address(host if host != "0.0.0.0" else _default_ip())
     except ValueError:
         return Check("reachability", True, f"announcing {host}")
+    if addr.is_private and not addr.is_loopback and settings.relay == "auto":
+        return Check("reachability", True, f"private address {addr}: if peers outside its network cannot dial it, "
+                     "the swarm reaches this server through a public peer's relay (SWARM_RELAY=auto; slower)",
+                     "for a direct link, forward SWARM_PORT and set SWARM_ANNOUNCE_HOST to your public address")
     if addr.is_private or addr.is_loopback:
         return Check("reachability", False, f"this peer would announce {addr}, which peers outside its network "
                      "cannot dial", "forward SWARM_PORT and set SWARM_ANNOUNCE_HOST to your public address, "
+                     "set SWARM_RELAY=auto on a non-loopback SWARM_HOST to be reached through a relay, "
                      "or set SWARM_CLIENT_MODE=1 to join as a trainer")
     return Check("reachability", True, f"announcing public address {addr}")
 

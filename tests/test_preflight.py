@@ -17,6 +17,11 @@ def test_a_healthy_loopback_machine_passes_the_local_checks_but_not_reachability
     assert not checks["reachability"].ok and "SWARM_ANNOUNCE_HOST" in checks["reachability"].fix
     client = {c.name: c for c in run_checks(settings.model_copy(update={"client_mode": True}))}
     assert client["reachability"].ok and "trainer" in client["reachability"].detail
+    private = settings.model_copy(update={"host": "0.0.0.0", "announce_host": "10.1.2.3"})
+    relayed = {c.name: c for c in run_checks(private)}["reachability"]
+    assert relayed.ok and "relay" in relayed.detail and "SWARM_ANNOUNCE_HOST" in relayed.fix
+    direct_only = {c.name: c for c in run_checks(private.model_copy(update={"relay": "off"}))}["reachability"]
+    assert not direct_only.ok and "SWARM_CLIENT_MODE" in direct_only.fix
 
 
 def test_failures_name_the_setting_to_change(tmp_path):
