@@ -41,7 +41,7 @@ from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.lifecycle import RestoreError, StageCheckpoints
 from swarm.config import PeerSettings, RunSpec
-from swarm.directory import RunDirectory, connect_run, visible_maddrs
+from swarm.directory import RunDirectory, connect_run, reachability, relay_enabled, visible_maddrs
 from swarm.identity import Identity
 from swarm.metrics import PeerMetrics
 from swarm.model import build_stage
@@ -106,32 +106,28 @@ async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity,
         await keeper.stop()
 
 
-async def _watch_reachability(dht, maddrs: list[str], me: str, stop: asyncio.Event, period_s: float = 10.0) -> None:
+async def _watch_reachability(dht, maddrs: list[str], relay: bool, me: str, stop: asyncio.Event,
+                              period_s: float = 10.0) -> None:
     """Keep ``maddrs`` (announced in each record) current and log how the swarm reaches this peer, once and
     whenever that changes (an auto-relay reservation takes ~15 s after start)."""
     loop, said = asyncio.get_running_loop(), None
     while not stop.is_set():
-        how = _reachability(maddrs)
+        how = reachability(maddrs, relay)
         if how != said:
             said = how
             if how == "relayed":
-                logger.warning("[%s] the swarm reaches this peer through a relay (%s): slower; forward its port "
-                               "and set SWARM_ANNOUNCE_HOST to be reached directly", me, maddrs[0])
+                logger.warning("[%s] the swarm reaches this peer through a relay (no public address: %s): slower; "
+                               "forward its port and set SWARM_ANNOUNCE_HOST to be reached directly", me,
+                               ", ".join(maddrs[:2]) or "none")
             else:
                 logger.info("[%s] the swarm reaches this peer directly at %s", me, ", ".join(maddrs[:2]) or "-")
         try:
             await asyncio.wait_for(stop.wait(), period_s)
         except asyncio.TimeoutError:
             try:
-                maddrs[:] = await loop.run_in_executor(None, visible_maddrs, dht)
+                maddrs[:] = await loop.run_in_executor(None, visible_maddrs, dht, True)
             except Exception as e:  # the DHT process is shutting down: keep the last addresses
                 logger.debug("could not refresh the visible addresses: %s", e)
-
-
-def _reachability(maddrs: list[str]) -> str:
-    """``relayed`` if every non-loopback address of the peer is a libp2p circuit through a relay."""
-    public = [m for m in maddrs if not m.startswith("/ip4/127.")]
-    return "relayed" if public and all("/p2p-circuit" in m for m in public) else "direct"
 
 
 async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identity: Identity, sealed_spec: bytes,
@@ -149,7 +145,7 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
     throughput = await io(server.measure_throughput)
     checkpoints = StageCheckpoints(keeper, server, identity)
     p2p_id, maddrs = str(dht.peer_id), await io(visible_maddrs, dht)
-    reach = asyncio.create_task(_watch_reachability(dht, maddrs, me, stop))
+    reach = asyncio.create_task(_watch_reachability(dht, maddrs, relay_enabled(settings), me, stop))
     history: list = []  # (epoch, DHT time it began, mean loss of the epoch before), see ServerInfo.history
     epoch_start_samples = [0]
 
@@ -164,7 +160,7 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
             fingerprints=server.fingerprints, round_s=server.mean_round_s, rounds=server.rounds,
             version=__version__, banned=banned, averaging=counters, lineage=checkpoints.lineage[0],
             restored=checkpoints.restored, lr_scale=checkpoints.lr_scale, name=settings.name,
-            reachability=_reachability(maddrs), history=history,
+            reachability=reachability(maddrs, relay_enabled(settings)), history=history,
         )
 
     def beat(state: ServerState, record: Optional[ServerInfo] = None) -> None:

@@ -7,6 +7,7 @@ their cause and skipped, so a forged or malformed record never reaches routing o
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import re
@@ -67,6 +68,11 @@ def parse_run_address(address: str) -> tuple[str, list[str]]:
     return run_id, maddrs
 
 
+def relay_enabled(settings: PeerSettings) -> bool:
+    """Circuit relays are on: ``SWARM_RELAY=auto`` and a non-loopback host (a loopback swarm needs none)."""
+    return settings.relay == "auto" and settings.host not in ("127.0.0.1", "localhost")
+
+
 def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, client_mode: bool = False) -> hivemind.DHT:
     """Start a hivemind DHT node (its own process and p2pd) listening per ``settings``.
 
@@ -75,7 +81,7 @@ def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, clie
     public peer's relay and announces that ``/p2p-circuit`` address instead (hivemind's ``use_auto_relay``).
     """
     loopback = settings.host in ("127.0.0.1", "localhost")
-    relay = settings.relay == "auto" and not loopback
+    relay = relay_enabled(settings)
     kwargs = dict(
         initial_peers=list(initial_peers),
         start=True,
@@ -236,10 +242,36 @@ class RunDirectory:
                       key=lambda ob: (-ob[0].generation, -ob[0].time))
 
 
-def visible_maddrs(dht: hivemind.DHT) -> list[str]:
-    """The node's multiaddrs that others can dial, loopback last."""
-    addrs = [str(m) for m in dht.get_visible_maddrs()]
+def visible_maddrs(dht: hivemind.DHT, latest: bool = False) -> list[str]:
+    """The node's multiaddrs that others can dial, loopback last; empty while a peer that cannot listen has no
+    relay reservation yet. ``latest`` asks p2pd again (relay addresses appear after start) instead of the list
+    read at start."""
+    try:
+        addrs = [str(m) for m in dht.get_visible_maddrs(latest=latest)]
+    except ValueError:  # hivemind: "No multiaddrs found for peer ..."
+        return []
     return sorted(addrs, key=lambda a: a.startswith("/ip4/127."))
+
+
+def reachability(maddrs: Sequence[str], relay: bool = False) -> str:
+    """How peers outside this peer's network reach it: ``relayed`` if it has a libp2p circuit address, or if
+    relays are on (:func:`relay_enabled`) and none of its addresses is public (its inbound connections then come
+    through a relay; p2pd does not always list circuit addresses); else ``direct``."""
+    if any("/p2p-circuit" in m for m in maddrs):
+        return "relayed"
+    return "relayed" if relay and not any(_is_public(m) for m in maddrs) else "direct"
+
+
+def _is_public(maddr: str) -> bool:
+    parts = maddr.split("/")
+    if len(parts) < 3:
+        return False
+    if parts[1].startswith("dns"):
+        return True
+    try:
+        return parts[1] in ("ip4", "ip6") and ipaddress.ip_address(parts[2]).is_global
+    except ValueError:
+        return False
 
 
 def connect_run(address: str, settings: Optional[PeerSettings] = None, *, client_mode: bool = True,
