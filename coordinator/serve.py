@@ -59,7 +59,7 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
                 logger.error("cannot serve metrics on port %d (%s); choose another SWARM_METRICS_PORT",
                              settings.metrics_port, e.strerror)
                 metrics = None
-        
+
         def observe() -> None:
             if metrics is not None:
                 metrics.update(snapshot(directory, spec))
@@ -90,5 +90,6 @@ async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes,
                 if stop.is_set():
                     break
                 await asyncio.sleep(0.25)
+        await keeper.hand_off()  # stopping on purpose: copy its fragments to the peers first
     finally:
         await keeper.stop()

@@ -16,7 +16,8 @@
    stage's servers at the next step if they moved on meanwhile); ``resume`` announces ``online`` again. A peer on the coordinator's ban list
    (:mod:`swarm.banlist`) stops with exit code 4; the others refuse its RPCs and keep it out of averaging.
 6. On SIGTERM/SIGINT or ``swarm-peer drain``: announce ``draining``, stop taking work, shut down the
-   optimizer, keeper and DHT; the heartbeat says ``stopped``.
+   optimizer, hand the fragments it holds to other peers (at most :data:`HAND_OFF_S`), stop the keeper and
+   the DHT; the heartbeat says ``stopped``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from swarm.routing import choose_stage
 from swarm.stage import StageServer
 
 logger = logging.getLogger("swarm.peer")
+HAND_OFF_S = 20.0
+"""Seconds a draining server spends copying its fragments to other peers (container stop timeouts: 30 s+)."""
 
 
 def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None) -> None:
@@ -91,6 +94,7 @@ async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity,
     controls = asyncio.create_task(follow(settings.state_path(), {
         "pause": lambda: (pause.set(), changed.set()), "resume": lambda: (pause.clear(), changed.set()),
         "drain": stop.set}, stop))
+    drained = False
     try:
         stage = pinned
         while not stop.is_set():
@@ -100,9 +104,12 @@ async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity,
             moved = await _serve_stage(spec, dht, p2p, directory, identity, sealed_spec, keeper, settings, stage,
                                        metrics, movable=pinned is None, stop=stop, pause=pause, changed=changed)
             stage = moved if moved is not None else pinned
+        drained = True
     finally:
         stop.set()
         await asyncio.gather(keeping, controls)
+        if drained:  # a drain, not a failure: leave no checkpoint a replica short
+            await keeper.hand_off(timeout_s=HAND_OFF_S)
         await keeper.stop()
 
 

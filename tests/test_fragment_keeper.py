@@ -157,3 +157,31 @@ def test_views_count_only_live_holders_of_the_listed_hash(tiny_spec):
     chosen = [c.peer_id for c in choose_holders(peers, 4, 100, avoid_stage=0, rng=random.Random(0))]
     assert chosen[0] == "p1" and sorted(chosen[:3]) == ["p0", "p1", "p2"] and len(chosen) == 4
     assert choose_holders(peers, 2, 5000, avoid_stage=0) == []
+
+
+def test_a_draining_holder_hands_its_fragments_off(swarm_of_keepers):
+    spec, nodes = swarm_of_keepers
+    writer = nodes[0]
+
+    async def main():
+        for node in nodes:
+            await node.start(await node.directory.dht.replicate_p2p())
+            await node.tick(repair=False)
+        manifest, sealed = await write_checkpoint(writer, _shard(spec), parent=("f" * 64, 5), loss=4.2)
+        holders = {f.index: f.holders[0] for f in manifest.fragments}
+        leaver = next(n for n in nodes if n.me == holders[0])
+        for node in nodes:
+            await node.tick(repair=False)
+        assert await leaver.hand_off(timeout_s=30) == 1
+        for node in nodes:
+            await node.tick(repair=False)
+        view = (await writer.views())[1][0]
+        successors = [p for p in view.alive[0] if p != leaver.me]
+        assert successors and all(p not in set(holders.values()) for p in successors), view.alive
+        taker = next(n for n in nodes if n.me == successors[0])
+        assert taker.store.manifest(RUN, 1, 10) == sealed and taker.store.get(RUN, 1, 10, 0).sha256 == \
+            manifest.fragments[0].sha256
+        for node in nodes:
+            await node.stop()
+
+    asyncio.run(main())

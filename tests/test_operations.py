@@ -3,8 +3,12 @@ pause / resume / drain of running peers, and a signed coordinator ban that every
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -28,6 +32,41 @@ def _cli(module: str, *args: str, env=None, timeout: float = 120) -> subprocess.
 
 def _state(sc, stage, peer_id):
     return next((s.state for s in sc.directory.servers(stage) if s.peer_id == peer_id), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _watch_and_monitor(address: str, run_id: str) -> None:
+    """``status --watch --json`` prints a JSON line per refresh until Ctrl-C; ``monitor`` serves the run's
+    Prometheus metrics as an observer."""
+    watch = subprocess.Popen([sys.executable, "-m", "coordinator", "status", address, "--json", "--watch", "1"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [json.loads(watch.stdout.readline()) for _ in range(2)]
+    finally:
+        watch.send_signal(signal.SIGINT)
+    assert watch.wait(30) == 0 and all(set(snap) == {"run", "stages", "peers", "healthy"} for snap in lines)
+    port = _free_port()
+    monitor = subprocess.Popen([sys.executable, "-m", "coordinator", "monitor", address, "--metrics-port", str(port),
+                                "--host", "127.0.0.1", "--every", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, scraped = time.monotonic() + 60, ""
+        while f'swarm_run_epoch{{run="{run_id}"}}' not in scraped:
+            assert time.monotonic() < deadline and monitor.poll() is None, f"no run metrics on :{port}: {scraped}"
+            time.sleep(1.0)
+            try:
+                scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                continue
+        assert 'swarm_stage_servers_online{run="%s",stage="1"} 1.0' % run_id in scraped
+        assert 'swarm_run_healthy{run="%s"} 1.0' % run_id in scraped
+    finally:
+        monitor.send_signal(signal.SIGINT)
+        monitor.wait(30)
 
 
 def test_monitoring_pause_resume_ban_and_drain_on_a_live_swarm(tmp_path, tiny_spec_path, cache_dir, tiny_dataset):
@@ -63,6 +102,7 @@ def test_monitoring_pause_resume_ban_and_drain_on_a_live_swarm(tmp_path, tiny_sp
         done = _cli("coordinator", "status", address)
         assert done.returncode == 0 and "training loss" in done.stdout and "ETA" in done.stdout
         assert _cli("coordinator", "peers", "not-an-address").returncode == 2
+        _watch_and_monitor(address, sc.directory.run_id)
 
         # ---- pause and resume a server from its own machine -------------------------------------------
         server = sc.server(0)

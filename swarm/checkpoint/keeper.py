@@ -281,6 +281,45 @@ class FragmentKeeper:
             pending = still
         return placed
 
+    async def hand_off(self, timeout_s: float = 20.0) -> int:
+        """Before this peer leaves (a drain): copy the fragments it holds of each stage's newest ``keep``
+        checkpoints, with their manifests, to peers that hold nothing of that checkpoint, so leaving costs the
+        swarm no replica. Bounded by ``timeout_s`` (a container's stop timeout); returns the fragments placed."""
+        async def run() -> int:
+            views = await self.views()
+            storage = [s for s in await self.io(self.directory.storage) if s.peer_id != self.me]
+            by_peer, total = {s.peer_id: s for s in storage}, 0
+            for stage_views in views.values():
+                for view in stage_views[: self.spec.checkpoint.keep]:
+                    m = view.manifest
+                    mine = sorted(i for i, holders in view.alive.items() if self.me in holders)
+                    fragments = []
+                    for index in mine:
+                        try:
+                            fragments.append(await self.io(self.store.get, self.run_id, m.stage, m.epoch, index))
+                        except OSError:
+                            continue
+                    placed = await self.place(m.stage, m.epoch, fragments, storage=storage,
+                                              exclude=view.holders | {self.me},
+                                              load=Counter({p: 1 for p in view.holders}))
+                    for peer in set(placed.values()):
+                        try:
+                            await self.hand_manifest(by_peer[peer], view.sealed)
+                        except (FragmentError, ProtocolError, OSError) as e:
+                            logger.info("[%s] %s did not take the manifest of stage %d epoch %d: %s", self.me, peer,
+                                        m.stage, m.epoch, e)
+                    total += len(placed)
+            return total
+
+        try:
+            placed = await asyncio.wait_for(run(), timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("[%s] handing off fragments took over %.0f s; leaving the rest to repair", self.me,
+                           timeout_s)
+            return 0
+        logger.info("[%s] handed off %d fragments before leaving", self.me, placed)
+        return placed
+
     async def repair(self, view: CheckpointView) -> int:
         """Restore the missing fragments of ``view`` onto new holders; returns how many were placed."""
         m = view.manifest
