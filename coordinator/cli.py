@@ -90,19 +90,23 @@ def _show(what: str, address: str, as_json: bool, every_s: float, timeout: float
 
     dht, directory, spec, _ = _connect(address, timeout)
     console = make_console()
+    shape = (lambda s: s) if what == "status" else (lambda s: {what: s[what], "healthy": s["healthy"]})  # noqa: E731
+
+    def show(snap):
+        if as_json:
+            print(json.dumps(shape(snap)), flush=True)
+        else:
+            if every_s > 0:
+                console.clear()
+            render(snap, what, console)
+
     try:
         take = lambda: snapshot(directory, spec)  # noqa: E731
         if every_s > 0:
-            def show(snap):
-                console.clear()
-                render(snap, what, console)
-            snap = watch(take, show, every_s, as_json=as_json)
+            snap = watch(take, show, every_s)
         else:
             snap = take()
-            if as_json:
-                typer.echo(json.dumps(snap if what == "status" else {what: snap[what], "healthy": snap["healthy"]}))
-            else:
-                render(snap, what, console)
+            show(snap)
         if plot is not None and snap:
             try:
                 write_loss_png(snap["run"]["loss_history"], plot, title=f"{snap['run']['run_id']}: training loss")

@@ -7,7 +7,6 @@ public run. The run's own coordinator serves the same metrics with ``serve --met
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -87,19 +86,15 @@ class RunMetrics:
 
 
 def watch(take: Callable[[], dict[str, Any]], show: Callable[[dict[str, Any]], None], every_s: float,
-          stop: Optional[threading.Event] = None, as_json: bool = False) -> dict[str, Any]:
-    """Take and show a snapshot every ``every_s`` seconds until ``stop`` or Ctrl-C; returns the last one.
-    With ``as_json``, each snapshot is one JSON line on stdout (JSON Lines)."""
+          stop: Optional[threading.Event] = None) -> dict[str, Any]:
+    """Take and show a snapshot every ``every_s`` seconds until ``stop`` or Ctrl-C; returns the last one."""
     stop = stop or threading.Event()
     snap: dict[str, Any] = {}
     try:
         while not stop.is_set():
             started = time.monotonic()
             snap = take()
-            if as_json:
-                print(json.dumps(snap), flush=True)
-            else:
-                show(snap)
+            show(snap)
             stop.wait(max(0.0, every_s - (time.monotonic() - started)))
     except KeyboardInterrupt:
         pass
