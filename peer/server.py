@@ -107,7 +107,8 @@ async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity,
         drained = True
     finally:
         stop.set()
-        await asyncio.gather(keeping, controls)
+        keeping.cancel()  # a keeper tick in progress (a repair, slow DHT reads) must not hold up the drain
+        await asyncio.gather(keeping, controls, return_exceptions=True)
         if drained:  # a drain, not a failure: leave no checkpoint a replica short
             await keeper.hand_off(timeout_s=HAND_OFF_S)
         await keeper.stop()
@@ -232,11 +233,15 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
                                           movable=movable, stop=stop, pause=pause, changed=changed)
     finally:
         reach.cancel()
+        started = time.monotonic()
         await checkpoints.close()
+        commits_s = time.monotonic() - started
         optimizer.shutdown()
         if handlers:
             await server.remove_p2p_handlers(p2p, namespace=run_id)
         server.shutdown()
+        logger.info("[%s stage=%d] left the stage in %.1f s (checkpoint commits %.1f s, optimizer %.1f s)", me, stage,
+                    time.monotonic() - started, commits_s, time.monotonic() - started - commits_s)
 
 
 async def _announce_until_done(spec: RunSpec, server: StageServer, directory: RunDirectory, identity: Identity,

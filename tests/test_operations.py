@@ -136,7 +136,7 @@ def test_monitoring_pause_resume_ban_and_drain_on_a_live_swarm(tmp_path, tiny_sp
         last = sc.server(1)
         env = dict(os.environ, SWARM_STATE_DIR=str(sw.state_dir(last.name)))
         done = _cli("peer", "drain", "--timeout", "90", env=env)
-        assert done.returncode == 0 and "stopped" in done.stdout, done.stderr
+        assert done.returncode == 0 and "stopped" in done.stdout, f"{done.stderr}\n{sw.tail(last, 40)}"
         assert last.proc.wait(30) == 0
         assert _cli("peer", "status", "--probe", env=env).returncode == 1
         assert _cli("peer", "drain", "--timeout", "5", env=env).returncode == 1  # nothing runs there any more
