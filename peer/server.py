@@ -23,8 +23,11 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import signal
+import sys
+import threading
 import time
 from typing import Optional
 
@@ -54,6 +57,8 @@ from swarm.stage import StageServer
 logger = logging.getLogger("swarm.peer")
 HAND_OFF_S = 20.0
 """Seconds a draining server spends copying its fragments to other peers (container stop timeouts: 30 s+)."""
+DRAIN_DEADLINE_S = 60.0
+"""Seconds after which a drain still running logs every thread's stack (:func:`_drain_watchdog`)."""
 
 
 def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None) -> None:
@@ -107,11 +112,25 @@ async def _main(spec: RunSpec, dht, directory: RunDirectory, identity: Identity,
         drained = True
     finally:
         stop.set()
+        _drain_watchdog(identity.peer_id)
         keeping.cancel()  # a keeper tick in progress (a repair, slow DHT reads) must not hold up the drain
         await asyncio.gather(keeping, controls, return_exceptions=True)
         if drained:  # a drain, not a failure: leave no checkpoint a replica short
             await keeper.hand_off(timeout_s=HAND_OFF_S)
         await keeper.stop()
+
+
+def _drain_watchdog(me: str, deadline_s: float = DRAIN_DEADLINE_S) -> threading.Timer:
+    """If the process is still alive ``deadline_s`` after the drain began, log every thread's stack: a drain
+    that hangs (a library call without a timeout) then says where."""
+    def report() -> None:
+        logger.error("[%s] still draining after %.0f s; thread stacks follow", me, deadline_s)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    timer = threading.Timer(deadline_s, report)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 async def _watch_reachability(dht, maddrs: list[str], relay: bool, me: str, stop: asyncio.Event,
