@@ -144,7 +144,8 @@ def peers(address: str = typer.Argument(..., help="Run address."), as_json: bool
     _show("peers", address, as_json, watch, timeout)
 
 
-def _ban_list(address: str, key: Path, timeout: float, **change) -> None:
+def _ban_list(address: str, key: Path, timeout: float, peer: str, lift: bool, reason: str = "") -> None:
+    """Add ``peer`` to (or, with ``lift``, remove it from) the run's ban list, signed with the run ``key``."""
     from swarm.banlist import update_bans
 
     try:
@@ -154,7 +155,10 @@ def _ban_list(address: str, key: Path, timeout: float, **change) -> None:
         raise typer.Exit(2) from None
     dht, directory, spec, _ = _connect(address, timeout)
     try:
-        record = update_bans(directory, coordinator, **change)
+        if lift:
+            record = update_bans(directory, coordinator, unban=peer)
+        else:
+            record = update_bans(directory, coordinator, ban=(peer, reason, _p2p_id_of(directory, spec, peer)))
     except (PermissionError, ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
@@ -163,17 +167,11 @@ def _ban_list(address: str, key: Path, timeout: float, **change) -> None:
     typer.echo(json.dumps({"banned": record.banned}))
 
 
-def _peer_p2p_id(address: str, peer: str, timeout: float) -> str:
+def _p2p_id_of(directory, spec: RunSpec, peer: str) -> str:
     """The libp2p id a peer's records name ('' if it is not listed now)."""
-    dht, directory, spec, _ = _connect(address, timeout)
-    try:
-        for group in directory.all_servers(spec.model.num_stages).values():
-            for s in group:
-                if s.peer_id == peer:
-                    return s.p2p_id
-        return next((t.p2p_id for t in directory.trainers() if t.peer_id == peer), "")
-    finally:
-        dht.shutdown()
+    servers = [s for group in directory.all_servers(spec.model.num_stages).values() for s in group]
+    found = [s.p2p_id for s in servers if s.peer_id == peer] + [t.p2p_id for t in directory.trainers() if t.peer_id == peer]
+    return found[0] if found else ""
 
 
 _KEY = typer.Option(..., "--key", help="The run key (Ed25519) that created the run, e.g. runs/demo.key.")
@@ -186,7 +184,7 @@ def ban(address: str = typer.Argument(..., help="Run address."),
         key: Path = _KEY, timeout: float = _TIMEOUT) -> None:
     """Publish a signed ban: trainers stop routing to PEER, servers refuse its requests and averaging, keepers
     its fragments; PEER itself stops (exit code 4). Prints the ban list as JSON."""
-    _ban_list(address, key, timeout, ban=(peer, reason, _peer_p2p_id(address, peer, timeout)))
+    _ban_list(address, key, timeout, peer, lift=False, reason=reason)
 
 
 @app.command()
@@ -194,7 +192,7 @@ def unban(address: str = typer.Argument(..., help="Run address."),
           peer: str = typer.Argument(..., help="Peer id to take off the ban list."),
           key: Path = _KEY, timeout: float = _TIMEOUT) -> None:
     """Lift a ban (the peer may join again). Prints the ban list as JSON."""
-    _ban_list(address, key, timeout, unban=peer)
+    _ban_list(address, key, timeout, peer, lift=True)
 
 
 @app.command()

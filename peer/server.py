@@ -133,28 +133,13 @@ def _drain_watchdog(me: str, deadline_s: float = DRAIN_DEADLINE_S) -> threading.
     return timer
 
 
-async def _watch_reachability(dht, maddrs: list[str], relay: bool, me: str, stop: asyncio.Event,
-                              period_s: float = 10.0) -> None:
-    """Keep ``maddrs`` (announced in each record) current and log how the swarm reaches this peer, once and
-    whenever that changes (an auto-relay reservation takes ~15 s after start)."""
-    loop, said = asyncio.get_running_loop(), None
-    while not stop.is_set():
-        how = reachability(maddrs, relay)
-        if how != said:
-            said = how
-            if how == "relayed":
-                logger.warning("[%s] the swarm reaches this peer through a relay (no public address: %s): slower; "
-                               "forward its port and set SWARM_ANNOUNCE_HOST to be reached directly", me,
-                               ", ".join(maddrs[:2]) or "none")
-            else:
-                logger.info("[%s] the swarm reaches this peer directly at %s", me, ", ".join(maddrs[:2]) or "-")
-        try:
-            await asyncio.wait_for(stop.wait(), period_s)
-        except asyncio.TimeoutError:
-            try:
-                maddrs[:] = await loop.run_in_executor(None, visible_maddrs, dht, True)
-            except Exception as e:  # the DHT process is shutting down: keep the last addresses
-                logger.debug("could not refresh the visible addresses: %s", e)
+def _say_reachability(maddrs: list[str], relay: bool, me: str) -> None:
+    """Log how peers outside this one's network reach it (see :func:`swarm.directory.reachability`)."""
+    if reachability(maddrs, relay) == "relayed":
+        logger.warning("[%s] the swarm reaches this peer through a relay (no public address: %s): slower; forward "
+                       "its port and set SWARM_ANNOUNCE_HOST to be reached directly", me, ", ".join(maddrs[:2]) or "none")
+    else:
+        logger.info("[%s] the swarm reaches this peer directly at %s", me, ", ".join(maddrs[:2]) or "-")
 
 
 async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identity: Identity, sealed_spec: bytes,
@@ -172,7 +157,7 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
     throughput = await io(server.measure_throughput)
     checkpoints = StageCheckpoints(keeper, server, identity)
     p2p_id, maddrs = str(dht.peer_id), await io(visible_maddrs, dht)
-    reach = asyncio.create_task(_watch_reachability(dht, maddrs, relay_enabled(settings), me, stop))
+    _say_reachability(maddrs, relay_enabled(settings), me)
     history: list = []  # (epoch, DHT time it began, mean loss of the epoch before), see ServerInfo.history
     epoch_start_samples = [0]
 
@@ -251,7 +236,6 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
         return await _announce_until_done(spec, server, directory, identity, sealed_spec, checkpoints, info, beat,
                                           movable=movable, stop=stop, pause=pause, changed=changed)
     finally:
-        reach.cancel()
         started = time.monotonic()
         await checkpoints.close()
         commits_s = time.monotonic() - started

@@ -7,7 +7,6 @@ their cause and skipped, so a forged or malformed record never reaches routing o
 
 from __future__ import annotations
 
-import concurrent.futures
 import ipaddress
 import json
 import logging
@@ -243,30 +242,13 @@ class RunDirectory:
                       key=lambda ob: (-ob[0].generation, -ob[0].time))
 
 
-def visible_maddrs(dht: hivemind.DHT, latest: bool = False, timeout: float = 10.0) -> list[str]:
-    """The node's multiaddrs that others can dial, loopback last; empty while a peer that cannot listen has no
-    relay reservation yet. ``latest`` asks p2pd again (relay addresses appear after start) instead of the list
-    read at start.
-
-    :raises TimeoutError: with ``latest``, p2pd did not answer within ``timeout`` seconds (hivemind's own call
-        has no bound, and a thread stuck in it would keep the process from exiting).
-    """
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """The node's multiaddrs that others can dial, loopback last; empty for a peer that cannot listen."""
     try:
-        if latest:
-            future = dht.run_coroutine(_latest_maddrs, return_future=True)
-            found = future.result(timeout=timeout)
-        else:
-            found = dht.get_visible_maddrs()
+        addrs = [str(m) for m in dht.get_visible_maddrs()]
     except ValueError:  # hivemind: "No multiaddrs found for peer ..."
         return []
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError(f"p2pd did not list this node's addresses within {timeout:.0f} s") from None
-    addrs = [str(m) for m in found]
     return sorted(addrs, key=lambda a: a.startswith("/ip4/127."))
-
-
-async def _latest_maddrs(_dht: hivemind.DHT, node) -> list:
-    return await node.get_visible_maddrs(latest=True)
 
 
 def reachability(maddrs: Sequence[str], relay: bool = False) -> str:
