@@ -59,6 +59,10 @@ HAND_OFF_S = 20.0
 """Seconds a draining server spends copying its fragments to other peers (container stop timeouts: 30 s+)."""
 DRAIN_DEADLINE_S = 60.0
 """Seconds after which a drain still running logs every thread's stack (:func:`_drain_watchdog`)."""
+SUPPLY_STATES = (ServerState.ONLINE, ServerState.JOINING)
+"""States of the servers whose throughput rebalancing counts (freshly announced ones only: a record left by a
+server that died would otherwise hide a stage's loss for a whole record TTL, or let the last live server of a
+stage leave it)."""
 
 
 def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None) -> None:
@@ -271,7 +275,8 @@ async def _announce_until_done(spec: RunSpec, server: StageServer, directory: Ru
             if movable and spec.rebalance.enabled and not server.paused and time.monotonic() >= next_check:
                 next_check = time.monotonic() + spec.rebalance.period_s
                 if time.monotonic() - online_since >= spec.rebalance.min_dwell_s:
-                    servers = await loop.run_in_executor(None, directory.all_servers, spec.model.num_stages)
+                    servers = {k: await loop.run_in_executor(None, directory.fresh_servers, k, 1.5, SUPPLY_STATES)
+                               for k in range(spec.model.num_stages)}
                     target = plan_move(me, stage, servers, spec.rebalance.min_gain)
                     if target is not None:
                         logger.info("[%s stage=%d epoch=%d] rebalancing: moving to stage %d, which lacks throughput",

@@ -186,11 +186,13 @@ class RunDirectory:
         """Verified, unexpired ServerInfo records of ``stage``, any state."""
         return [s for s in self._read(stage_key(self.run_id, stage), ServerInfo) if s.stage == stage]
 
-    def fresh_servers(self, stage: int, slack_s: float = 1.5) -> list[ServerInfo]:
-        """ONLINE servers of ``stage`` announced within the last re-announce period (``ttl / 3``) plus
-        ``slack_s`` seconds: an older record may be left by a server that died."""
+    def fresh_servers(self, stage: int, slack_s: float = 1.5,
+                      states: tuple[ServerState, ...] = (ServerState.ONLINE,)) -> list[ServerInfo]:
+        """Servers of ``stage`` in one of ``states`` announced within the last re-announce period
+        (``ttl / 3``) plus ``slack_s`` seconds: an older record may be left by a server that died (it stays
+        listed until it expires, ``ttl`` seconds after its last announcement)."""
         oldest = get_dht_time() - self.ttl / 3 - slack_s
-        return [s for s in self.servers(stage) if s.state == ServerState.ONLINE and s.time >= oldest]
+        return [s for s in self.servers(stage) if s.state in states and s.time >= oldest]
 
     def all_servers(self, num_stages: int) -> dict[int, list[ServerInfo]]:
         return {k: self.servers(k) for k in range(num_stages)}

@@ -3,7 +3,8 @@
 SWARM parallelism (Ryabinin et al., ICML 2023, sec. 3.3) moves peers from the fastest stages to the
 pipeline's bottleneck; its public code never shipped it. Petals (Borzunov et al., 2023, sec. 3.2) uses the
 same idea to choose blocks for inference servers. Here, every ``rebalance.period_s`` each movable server
-evaluates :func:`plan_move` on the announced throughputs (samples/s) of the online and joining servers:
+evaluates :func:`plan_move` on the announced throughputs (samples/s) of the online and joining servers
+(only records announced within the last re-announce period: a dead server's record lingers until it expires):
 
 * the pipeline's throughput is its slowest stage's, ``min_k T_k`` with ``T_k`` the sum over stage ``k``'s
   servers;

@@ -305,11 +305,17 @@ class StageServer(ServicerBase):
             raise StageError(f"refused: the run's coordinator banned this peer ({reason})")
 
     async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], cls):
-        """Gather a request stream into ``(message, tensors)``; refuses other runs, stages and versions."""
+        """Gather a request stream into ``(message, tensors)``; refuses other runs, stages and versions, and
+        tensors sent with a message that carries none (:class:`PingRequest`)."""
         meta, tensors = await gather(requests)
         req = unpack_message(meta, cls)
         self._check_request(req.run_id, req.stage)
-        return req, unpack_tensors(tensors, req.codec)
+        codec = getattr(req, "codec", None)
+        if codec is None:
+            if tensors:
+                raise StageError(f"a {cls.__name__} carries no tensors, got {len(tensors)}")
+            return req, []
+        return req, unpack_tensors(tensors, codec)
 
     def _respond(self, tensor: Optional[torch.Tensor], loss: Optional[float] = None):
         reply = pack_message(StageResponse(loss=loss, epoch=self.epoch, codec=self.codec))
@@ -368,7 +374,8 @@ async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:
     try:
         await asyncio.wait_for(call(), timeout)
         return True
-    except Exception:
+    except Exception as e:  # dead, unreachable, or not serving this stage: all mean "not a source"
+        logger.debug("stage %d server %s does not answer rpc_ping: %r", server.stage, server.peer_id, e)
         return False
 
 

@@ -10,10 +10,16 @@ import signal
 import time
 from typing import Callable, Optional
 
+from hivemind.utils import get_dht_time
+
 from coordinator.launch import LocalSwarm, Peer
 from swarm.config import PeerSettings
 from swarm.directory import connect_run
 from swarm.protocol import ServerState
+
+LIFECYCLE = ("joining", "] online", "rebalancing", "draining", "restor", "loading state", "left the stage",
+             "stopped", "paused", "resumed", "rollback", "banned", "ERROR", "Error:")
+"""Substrings of the log lines :meth:`Scenario.story` keeps."""
 
 
 class Scenario:
@@ -32,8 +38,7 @@ class Scenario:
         deadline = time.monotonic() + timeout
         while not predicate():
             if time.monotonic() > deadline:
-                logs = "\n".join(f"--- {p.name}\n{self.swarm.tail(p, 15)}" for p in self.swarm.peers)
-                raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
+                raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.story()}")
             time.sleep(0.5)
         return self
 
@@ -78,6 +83,28 @@ class Scenario:
 
     def trainer_samples(self) -> int:
         return sum(t.samples for t in self.directory.trainers())
+
+    def story(self, lines: int = 14) -> str:
+        """What happened, for assertion messages (a log's tail is a screen of per-epoch lines): each peer's
+        lifecycle and error lines (the last ``lines``), and every server record this test process sees."""
+        out = []
+        for p in self.swarm.peers + ([self.swarm.coordinator] if self.swarm.coordinator else []):
+            try:
+                text = p.log.read_text(errors="replace").splitlines()
+            except FileNotFoundError:
+                text = []
+            picked = [line[:240] for line in text if any(w in line for w in LIFECYCLE)]
+            out.append(f"--- {p.name} ({p.peer_id}, {'alive' if p.alive() else 'exited'})\n" + "\n".join(picked[-lines:]))
+        names = {p.peer_id: p.name for p in self.swarm.peers}
+        try:
+            now = get_dht_time()
+            for k, group in self.directory.all_servers(self.num_stages).items():
+                rows = ", ".join(f"{names.get(s.peer_id, s.peer_id)} {s.state.value} epoch {s.epoch} "
+                                 f"{now - s.time:.0f}s ago" for s in group)
+                out.append(f"--- stage {k} records: {rows or 'none'}")
+        except Exception as e:  # the test's own DHT node is the problem: say so
+            out.append(f"--- reading the directory failed: {e!r}")
+        return "\n".join(out)
 
     def log_warnings(self) -> str:
         """Warning and error lines of every peer's log, for assertion messages."""

@@ -5,13 +5,15 @@ import asyncio
 import pytest
 import torch
 from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
 
 from swarm.config import PROTOCOL_VERSION, RunSpec
 from swarm.directory import RunDirectory
 from swarm.model import build_stage, lm_loss
 from swarm.pipeline import RemotePipeline
-from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, ServerState, pack_message
-from swarm.stage import StageServer
+from swarm.protocol import BackwardRequest, ForwardRequest, PingRequest, ServerInfo, ServerState, pack_message
+from swarm.transport import gather, stream_out
+from swarm.stage import StageServer, is_serving
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
 
@@ -89,11 +91,17 @@ def test_stage_rpcs_and_refusals(dhts, exact_spec_path):
         reply, out = await call(1, "rpc_forward", fwd(1, "eval", "mb3"), [h, y])
         assert out == [] and reply.loss is not None and servers[1].samples == 8  # eval does not accumulate
 
+        # liveness pings (restore asks them before loading state from a listed server)
+        await servers[0].add_p2p_handlers(p2p_server, namespace=RUN)
+        assert await is_serving(p2p, s0, RUN)
+        assert not await is_serving(p2p, info(server_dht, 1), RUN), "the stage-0 server does not serve stage 1"
+        assert not await is_serving(p2p, s0.model_copy(update={"p2p_id": str(client_dht.peer_id)}), RUN, 2.0)
+        stub = StageServer.get_stub(p2p, PeerID.from_base58(str(server_dht.peer_id)), namespace=RUN)
+        with pytest.raises(Exception, match="carries no tensors"):
+            await gather(await stub.rpc_ping(stream_out(runtime_pb2.ExpertRequest,
+                                                        pack_message(PingRequest(run_id=RUN, stage=0)), [x])))
+
     async def _raw(p2p, server_dht, meta, x):
-        from hivemind.proto import runtime_pb2
-
-        from swarm.transport import gather, stream_out
-
         stub = StageServer.get_stub(p2p, PeerID.from_base58(str(server_dht.peer_id)), namespace=f"{RUN}/0")
         return await gather(await stub.rpc_forward(stream_out(runtime_pb2.ExpertRequest, meta, [x])))
 

@@ -50,7 +50,7 @@ def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
         try:
             sc.wait(lambda: all(agree(k) for k in range(sc.num_stages)), 240, "the servers of each stage to agree")
         except TimeoutError:
-            raise AssertionError(f"servers of a stage never agreed: {seen}\n{sc.log_warnings()}") from None
+            raise AssertionError(f"servers of a stage never agreed: {seen}\n{sc.story()}") from None
 
 
 def test_status_and_check_clis_read_a_live_swarm(swarm):
