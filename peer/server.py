@@ -201,15 +201,17 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
         checkpoints.loop = loop
         try:
             source = await checkpoints.restore_at_start()
+            if source == "peers":
+                logger.info("[%s stage=%d] loading state from live servers of the stage", me, stage)
+                if not await io(checkpoints.load_from_peers):
+                    source = await checkpoints.restore_at_start(ask_peers=False)
+                    if source == "fresh":  # stay behind: hivemind's optimizer downloads the state when it steps
+                        source = "peers"
         except RestoreError as e:
             logger.error("[%s stage=%d] %s", me, stage, e)
             stop.set()
             raise SystemExit(3) from None
-        if source == "peers":
-            logger.info("[%s stage=%d] loading state from live servers of the stage", me, stage)
-            await io(optimizer.load_state_from_peers)
-            await io(checkpoints.after_peer_load)
-        elif source == "fresh":
+        if source == "fresh":
             logger.info("[%s stage=%d] no live server and no checkpoint: starting from the initial parameters", me, stage)
             await server.compute(checkpoints.catch_up)
         # publish our progress record now, so the stage's servers count us before the first epoch ends

@@ -1,7 +1,8 @@
 """A stage server's checkpoint duties: restore at start, commit every interval, follow rollback orders.
 
 * **Restore** (:meth:`StageCheckpoints.restore_at_start`): with live servers of the stage the caller loads
-  their state (hivemind ``load_state_from_peers``); otherwise the stage's newest committed checkpoint is
+  their state (:meth:`StageCheckpoints.load_from_peers`, hivemind ``load_state_from_peers``; a load that
+  brought nothing falls through to the checkpoint); otherwise the stage's newest committed checkpoint is
   fetched from any ``k`` verified fragments. If the swarm shows checkpoints but too few holders yet (every
   peer is restarting), the server waits up to ``checkpoint.restore_timeout_s`` for them; only then does it
   fall back to an older restorable checkpoint, logging the epochs lost. With no checkpoint anywhere (a new
@@ -56,6 +57,7 @@ class StageCheckpoints:
         self._order_scale, self._order_issuer = 1.0, ""
         self.detector = LossSpikeDetector(self.spec.rollback)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.peer_epoch = 0  # the epoch the stage's live servers announced when restore_at_start chose them
         self._writing = False
         self._pending: set = set()  # futures of commits and rollback orders scheduled from the compute thread
 
@@ -71,23 +73,41 @@ class StageCheckpoints:
         return f"[{self.me} stage={self.stage} epoch={self.server.epoch}]"
 
     # ---- restore ---------------------------------------------------------------------------------------
-    async def _others_online(self) -> bool:
-        """Does another server of the stage answer? (Records alone may be stale: a peer killed a moment ago
-        is still listed online, and a restarted one keeps its peer id.)"""
+    async def _others_online(self) -> Optional[int]:
+        """The lowest announced epoch of the stage's other servers that answer a ping, or None if none does.
+        (Records alone may be stale: a peer killed a moment ago is still listed online, and a restarted one
+        keeps its peer id.)"""
         servers = await self.keeper.io(self.directory.servers, self.stage)
         candidates = [s for s in servers if s.state == ServerState.ONLINE and s.peer_id != self.me]
         answers = await asyncio.gather(*(is_serving(self.keeper.p2p, s, self.keeper.run_id) for s in candidates))
-        return any(answers)
+        return min((s.epoch for s, ok in zip(candidates, answers) if ok), default=None)
+
+    def load_from_peers(self) -> bool:
+        """(blocking) Load the state of the stage's live servers (hivemind ``load_state_from_peers``: one donor,
+        no integrity check). False if no donor gave it: the optimizer's epoch stayed more than one behind the
+        epoch the live servers announced (their donor records may all be stale, or every donor busy), and
+        the caller restores the checkpoint instead of serving the initial parameters."""
+        before = self.optimizer.local_epoch
+        self.optimizer.load_state_from_peers()
+        loaded = self.optimizer.local_epoch
+        if loaded < self.peer_epoch - 1:
+            logger.warning("%s no live server gave its state (epoch %d -> %d, servers at %d); restoring the stage's "
+                           "checkpoint instead", self._tag(), before, loaded, self.peer_epoch)
+            return False
+        self.after_peer_load()
+        return True
 
     def _evidence(self) -> bool:
         """Has this run ever committed a checkpoint (on our disk, or visible in the DHT)?"""
         return any(True for _ in self.keeper.store.committed(self.keeper.run_id)) or any(
             s.held for s in self.directory.storage())
 
-    async def restore_at_start(self) -> str:
+    async def restore_at_start(self, ask_peers: bool = True) -> str:
         """Decide where the state comes from and restore it if from a checkpoint.
 
-        :returns: ``"peers"`` (the caller loads from live servers), ``"checkpoint"`` or ``"fresh"``.
+        :param ask_peers: look for live servers of the stage first (False after :meth:`load_from_peers` failed).
+        :returns: ``"peers"`` (the caller loads from live servers with :meth:`load_from_peers`), ``"checkpoint"``
+            or ``"fresh"``.
         :raises RestoreError: checkpoints exist but none became restorable within ``restore_timeout_s``.
         """
         io = self.keeper.io
@@ -99,7 +119,8 @@ class StageCheckpoints:
         evidence = await io(self._evidence)
         last_note = 0.0
         while True:
-            if await self._others_online():
+            if ask_peers and (epoch := await self._others_online()) is not None:
+                self.peer_epoch = epoch
                 return "peers"
             views = (await self.keeper.views())[self.stage]
             best = newest_restorable(views)
