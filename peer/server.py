@@ -204,9 +204,8 @@ async def _serve_stage(spec: RunSpec, dht, p2p, directory: RunDirectory, identit
             if source == "peers":
                 logger.info("[%s stage=%d] loading state from live servers of the stage", me, stage)
                 if not await io(checkpoints.load_from_peers):
-                    source = await checkpoints.restore_at_start(ask_peers=False)
-                    if source == "fresh":  # stay behind: hivemind's optimizer downloads the state when it steps
-                        source = "peers"
+                    # the checkpoint, or (none yet) stay behind: hivemind's optimizer downloads the state when it steps
+                    await checkpoints.restore_at_start(ask_peers=False)
         except RestoreError as e:
             logger.error("[%s stage=%d] %s", me, stage, e)
             stop.set()

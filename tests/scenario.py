@@ -94,7 +94,8 @@ class Scenario:
             except FileNotFoundError:
                 text = []
             picked = [line[:240] for line in text if any(w in line for w in LIFECYCLE)]
-            out.append(f"--- {p.name} ({p.peer_id}, {'alive' if p.alive() else 'exited'})\n" + "\n".join(picked[-lines:]))
+            state = "alive" if p.alive() else "exited"
+            out.append(f"--- {p.name} ({p.peer_id}, {state})\n" + "\n".join(picked[-lines:]))
         names = {p.peer_id: p.name for p in self.swarm.peers}
         try:
             now = get_dht_time()
