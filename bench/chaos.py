@@ -43,13 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coordinator.launch import LocalSwarm, Peer  # noqa: E402
-from swarm.config import PeerSettings  # noqa: E402
+from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.directory import connect_run, format_run_address  # noqa: E402
 from swarm.protocol import ServerState  # noqa: E402
 
 logger = logging.getLogger("swarm.chaos")
 
-SPEC = """
+SPEC = RunSpec.parse_toml("""
 name = "chaos"
 [model]
 vocab_size = 512
@@ -87,9 +87,9 @@ enabled = false
 [timeouts]
 forward_s = 20.0
 backward_s = 20.0
-ban_s = 2.0
+backoff_s = 2.0
 record_ttl_s = 9.0
-"""
+""", source="the chaos spec")
 EVENTS = ("server", "wipe", "coordinator", "trainer")
 
 
@@ -197,11 +197,11 @@ class Chaos:
 
 
 def run_chaos(seconds: float, *, seed: int = 0, per_stage: int = 2, trainers: int = 2, cache_dir: Path,
-              spec_text: str = SPEC, min_gap: float = 8.0, max_gap: float = 20.0, keep: bool = False) -> dict:
+              spec: RunSpec = SPEC, min_gap: float = 8.0, max_gap: float = 20.0, keep: bool = False) -> dict:
     """Run the chaos scenario (module docstring) and return its figures."""
     workdir = Path(tempfile.mkdtemp(prefix="swarm-chaos-"))
     spec_path = workdir / "chaos.toml"
-    spec_path.write_text(spec_text)
+    spec_path.write_text(spec.to_toml())
     rng = random.Random(seed)
     with LocalSwarm(spec_path, workdir / "swarm", cache_dir, keep=keep) as swarm:
         swarm.start_coordinator()
@@ -305,7 +305,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     result = run_chaos(args.seconds, seed=args.seed, per_stage=args.servers_per_stage, trainers=args.trainers,
                        cache_dir=PeerSettings().cache_dir,
-                       spec_text=args.spec.read_text() if args.spec else SPEC, keep=args.keep)
+                       spec=RunSpec.from_toml(args.spec) if args.spec else SPEC, keep=args.keep)
     print(json.dumps(result))
     keys = ("kills", "epochs", "lost_epochs", "recovery_s_median", "recovery_s_max", "restored_bit_exact")
     print(json.dumps({k: result[k] for k in keys}))

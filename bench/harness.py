@@ -4,16 +4,16 @@ One round of :func:`train` is what a stage's servers do in one epoch, with the n
 
 * every peer computes the gradient of its own micro-batches (all stages chained as one; all honest peers
   hold the same parameters, since the robust all-reduce hands every honest peer bit-identical results);
-* Byzantine peers corrupt theirs (:mod:`swarm.averaging.attacks`; ALIE and IPM see the honest gradients);
+* Byzantine peers corrupt theirs (:mod:`swarm.attacks`; ALIE and IPM see the honest gradients);
   with ``byzantine_trainers`` the attackers are trainers instead, feeding one server whose
   :class:`~swarm.averaging.contributions.TrainerContributions` combine them;
 * each peer runs its own :class:`~swarm.averaging.compression.Compressor` (its own error feedback) through the
   phases; partition ``j`` is reduced by :func:`~swarm.averaging.reducer.reduce_partition` over the parts as
   decoded from the wire encoding, and its encoded aggregate (corrupted if peer ``j`` is a lying reducer) is
   what every peer receives — exactly the data path of :mod:`swarm.averaging.allreduce`;
-* verdicts go to a :class:`~swarm.averaging.bans.BanBook`; each partition is audited with probability
-  ``audit_probability`` by the peer :func:`~swarm.averaging.audit.audit_plan` draws (signatures and the
-  evidence exchange are left out: the auditor's comparison and its outcome are the same); banned peers leave
+* verdicts go to a :class:`~swarm.averaging.exclusion.ExclusionBook`; each partition is audited with probability
+  ``audit_probability`` by the peer :func:`~swarm.averaging.evidence.audit_plan` draws (signatures and the
+  evidence exchange are left out: the auditor's comparison and its outcome are the same); excluded peers leave
   the group;
 * AdamW steps on the aggregate.
 
@@ -23,7 +23,6 @@ Bytes here are the encoded tensors' sizes; the benchmarks count real wire bytes 
 from __future__ import annotations
 
 import math
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,20 +30,20 @@ from typing import Optional
 
 import torch
 
+from swarm.attacks import TRAINER_ATTACKS, make_attack
 from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.allreduce import digest
-from swarm.averaging.attacks import TRAINER_ATTACKS, make_attack
-from swarm.averaging.audit import audit_plan, matches
-from swarm.averaging.bans import BanBook, BanPolicy, worst
 from swarm.averaging.compression import PhaseResult, flatten, make_compressor, unflatten
 from swarm.averaging.contributions import TrainerContributions
-from swarm.averaging.optimizer import make_scheduler, make_torch_optimizer
+from swarm.averaging.evidence import audit_plan, matches
+from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, partition_bounds, reduce_partition
+from swarm.averaging.schedule import make_scheduler, make_torch_optimizer
 from swarm.config import RunSpec
 from swarm.data import prepare_dataset
 from swarm.model import build_stage, lm_loss
 
-BENCH_SPEC = """
+BENCH_SPEC = RunSpec.parse_toml("""
 name = "bench-averaging"
 [model]
 vocab_size = 1024
@@ -67,15 +66,12 @@ total_epochs = 150
 [training]
 micro_batch_size = 8
 target_batch_size = 112
-"""
+""", source="the averaging bench spec")
 
 
 def bench_spec(**averaging) -> RunSpec:
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "bench.toml"
-        extra = "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in averaging.items())
-        path.write_text(BENCH_SPEC + ("[averaging]\n" + extra if extra else ""))
-        return RunSpec.from_toml(path)
+    """The bench spec with these ``[averaging]`` fields (validated: a misspelt one raises SpecError)."""
+    return BENCH_SPEC.updated(averaging=averaging)
 
 
 @dataclass
@@ -83,8 +79,8 @@ class HarnessResult:
     val_loss: float  # nats/token on held-out text, mean of the last 3 evaluations (every EVAL_EVERY rounds)
     rounds: int
     samples: int
-    banned_at: dict = field(default_factory=dict)  # peer index -> round it was banned
-    honest_banned: int = 0
+    excluded_at: dict = field(default_factory=dict)  # peer index -> round it was excluded
+    honest_excluded: int = 0
     bytes_per_round: float = 0.0  # encoded bytes one peer sends per round (parts + aggregates it returns)
     seconds: float = 0.0
 
@@ -113,7 +109,7 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
           checks: bool = True, audit_probability: float = 0.25, seed: int = 0) -> HarnessResult:
     """Train ``rounds`` epochs with ``peers`` simulated servers, the last ``byzantine`` of them attackers.
 
-    ``checks=False`` turns the reducer's norm check and bans off (plain averaging: the control).
+    ``checks=False`` turns the reducer's norm check and exclusions off (plain averaging: the control).
     For trainer attacks (``label_flip``, ``grad_flip``) the peers are trainers of one server.
     """
     start = time.perf_counter()
@@ -125,7 +121,7 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
     params = list(model.parameters())
     agg = make_aggregator(aggregator)
     policy = ReducePolicy(reject_norm_ratio=10.0 if checks else 1e30, outlier_ratio=3.0 if checks else 1e30)
-    book = BanBook(BanPolicy(threshold=3.0 if checks else math.inf))
+    book = ExclusionBook(ExclusionPolicy(threshold=3.0 if checks else math.inf))
     trainer_mode = attack in TRAINER_ATTACKS
     attackers = {peers - 1 - i: make_attack(attack, n=peers, f=byzantine, seed=i) for i in range(byzantine)}
     compressors = [make_compressor(compression, rank=rank) for _ in range(peers)]
@@ -137,7 +133,7 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
     result = HarnessResult(val_loss=float("nan"), rounds=rounds, samples=0)
     bytes_sent, evals = 0, []
     for r in range(rounds):
-        active = [i for i in range(peers) if not book.is_banned(str(i))]
+        active = [i for i in range(peers) if not book.is_excluded(str(i))]
         grads = {}
         for i in active:
             acc = None
@@ -162,15 +158,15 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
             averaged, sent = _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed,
                                          audit_probability if checks else 0.0)
             bytes_sent += sent
-            for ban_peer in book.banned():
-                result.banned_at.setdefault(int(ban_peer), r + 1)
+            for peer in book.excluded():
+                result.excluded_at.setdefault(int(peer), r + 1)
         for p, g in zip(params, averaged):
             p.grad = g.clone()
         opt.step()
         sched.step()
         if r >= rounds - 3 * EVAL_EVERY and (rounds - 1 - r) % EVAL_EVERY == 0:
             evals.append(_val_loss(model, dataset, spec))
-    result.honest_banned = sum(1 for p in result.banned_at if p not in attackers)
+    result.honest_excluded = sum(1 for p in result.excluded_at if p not in attackers)
     result.bytes_per_round = bytes_sent / max(1, rounds)
     result.val_loss = sum(evals) / len(evals)
     result.seconds = time.perf_counter() - start
@@ -240,9 +236,9 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
 
 
 def _audit(outputs, active, attackers, codec, book, probability, group):
-    """The audit of :mod:`swarm.averaging.audit` on one phase: the planned auditor recomputes a partition
-    (here: compares with what an honest reducer returned) and a confirmed mismatch bans the reducer; a false
-    accusation is refuted by the other peers and bans the accuser."""
+    """The audit of :mod:`swarm.averaging.evidence` on one phase: the planned auditor recomputes a partition
+    (here: compares with what an honest reducer returned) and a confirmed mismatch excludes the reducer; a false
+    accusation is refuted by the other peers and excludes the accuser."""
     peers = [str(i) for i in active]
     plan = audit_plan(group, {active.index(j): d for j, (d, _, _) in outputs.items()}, peers, peers, probability)
     for index, auditor in plan.items():
@@ -251,7 +247,7 @@ def _audit(outputs, active, attackers, codec, book, probability, group):
         lying = not matches(received, honest_out, codec)[0]
         accuser = int(auditor) in attackers and getattr(attackers[int(auditor)], "accuse_always", False)
         if lying and int(auditor) not in attackers:
-            book.ban(str(j), "audit: wrong aggregate")
+            book.exclude(str(j), "audit: wrong aggregate")
         elif accuser and not lying:
-            book.ban(auditor, "false accusation")
+            book.exclude(auditor, "false accusation")
 

@@ -6,7 +6,9 @@
      "checkpoints": [{"epoch", "stages_complete", "stages", "fragments_alive", "fragments", "replicas",
                       "age_s", "parts": [{"stage", "writer", "shard_sha256", "parent", "size", "k", "n",
                                           "fragments_alive", "replicas", "restorable", "missing"}]}],
-     "holders": [{"peer_id", "stage", "free_bytes", "fragments", "banned"}]}
+     "holders": [{"peer_id", "stage", "free_bytes", "fragments", "distrusted"}]}
+
+``distrusted``: peer id -> reason, the holders that served this holder corrupt fragments.
 
 An epoch is *complete* when every stage has a restorable checkpoint at it (at least ``k`` fragments on live
 holders).
@@ -68,7 +70,7 @@ def listing(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
                        "missing": v.missing} for v in group],
         })
     holders = [{"peer_id": s.peer_id, "stage": s.stage, "free_bytes": s.free_bytes, "fragments": len(s.held),
-                "banned": s.banned} for s in sorted(directory.storage(), key=lambda s: s.peer_id)]
+                "distrusted": s.distrusted} for s in sorted(directory.storage(), key=lambda s: s.peer_id)]
     complete = complete_epochs(views)
     return {"run_id": directory.run_id, "newest_complete": complete[0] if complete else None, "checkpoints": rows,
             "holders": holders}
@@ -86,10 +88,10 @@ def render(snap: dict[str, Any]) -> None:
                       f"{row['fragments_alive']}/{row['fragments']}", str(row["replicas"]), str(row["age_s"]),
                       " ".join(f"{p['stage']}:{p['shard_sha256'][:8]}" for p in row["parts"]))
     console.print(table)
-    holders = Table("holder", "stage", "fragments", "free (MB)", "banned", title="fragment holders")
+    holders = Table("holder", "stage", "fragments", "free (MB)", "distrusts", title="fragment holders")
     for h in snap["holders"]:
         holders.add_row(h["peer_id"], str(h["stage"]) if h["stage"] >= 0 else "-", str(h["fragments"]),
-                        f"{h['free_bytes'] / 1e6:.0f}", ", ".join(h["banned"]) or "-")
+                        f"{h['free_bytes'] / 1e6:.0f}", ", ".join(h["distrusted"]) or "-")
     console.print(holders)
 
 

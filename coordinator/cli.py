@@ -68,7 +68,7 @@ def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
           log_level: str = typer.Option("INFO")) -> None:
     """Bootstrap the run's DHT, publish the signed spec and print the run address (first line of stdout)."""
     from coordinator.serve import serve as serve_run
-    from peer.logs import configure_logging
+    from swarm.logs import configure_logging
 
     configure_logging(log_level)
     spec = _load_spec(spec_path)
@@ -223,7 +223,7 @@ def monitor(address: str = typer.Argument(..., help="Run address."),
 
 def _connect(address: str, timeout: float):
     """``connect_run`` for a CLI command: exit 2 on a bad address, 1 if the run cannot be found."""
-    from peer.logs import configure_logging
+    from swarm.logs import configure_logging
     from swarm.directory import RunAddressError, connect_run
 
     configure_logging("WARNING")
@@ -300,7 +300,7 @@ def demo(spec_path: Path = typer.Option(DEFAULT_SPEC, "--spec", help="Run spec (
     swarm), tokens, epochs (fewest of any stage), servers, trainers, stages, seconds, tokens_per_s.
     """
     from coordinator.demo import run_demo
-    from peer.logs import configure_logging
+    from swarm.logs import configure_logging
 
     configure_logging(log_level)
     _load_spec(spec_path)  # exit 2 with the field and the fix before starting anything

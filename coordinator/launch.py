@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,8 @@ class Peer:
     proc: subprocess.Popen
     log: Path
     identity: Identity
+    port: int
+    """The TCP port its p2pd listens on, and dials out from: every connection of this peer uses it."""
 
     @property
     def peer_id(self) -> str:
@@ -38,6 +41,13 @@ class Peer:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -67,12 +77,12 @@ class LocalSwarm:
         self.address: Optional[str] = None
         self._count = 0
 
-    def _env(self, name: str) -> dict[str, str]:
+    def _env(self, name: str, port: int) -> dict[str, str]:
         tmp = self._tmp / name
         tmp.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.update(
-            SWARM_CACHE_DIR=str(self.cache_dir), SWARM_HOST="127.0.0.1", SWARM_PORT="0",
+            SWARM_CACHE_DIR=str(self.cache_dir), SWARM_HOST="127.0.0.1", SWARM_PORT=str(port),
             SWARM_IDENTITY_FILE=str(self.workdir / "keys" / f"{name}.key"), TMPDIR=str(tmp),
             SWARM_FRAGMENT_DIR=str(self.workdir / "fragments" / name), SWARM_STATE_DIR=str(self.state_dir(name)),
             PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
@@ -84,14 +94,16 @@ class LocalSwarm:
         """A peer's heartbeat and control folder (``SWARM_STATE_DIR``)."""
         return self.workdir / "state" / name
 
-    def _spawn(self, name: str, role: str, module: str, args: list[str], env: Optional[dict[str, str]] = None) -> Peer:
+    def _spawn(self, name: str, role: str, module: str, args: list[str], env: Optional[dict[str, str]] = None,
+               port: int = 0) -> Peer:
         identity = Identity.load_or_create(self.workdir / "keys" / f"{name}.key")
         log = self.workdir / "logs" / f"{name}.log"
+        port = port or free_port()
         with open(log, "ab") as fh:
             proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=self._env(name) | (env or {}),
+                                    stdin=subprocess.DEVNULL, env=self._env(name, port) | (env or {}),
                                     start_new_session=True)
-        return Peer(name, role, proc, log, identity)
+        return Peer(name, role, proc, log, identity, port)
 
     def start_coordinator(self, timeout: float = 60.0, peers: Sequence[str] = ()) -> str:
         """Start ``swarm-coordinator serve`` (joining the live swarm through ``peers``, multiaddrs, when it is a
@@ -100,10 +112,12 @@ class LocalSwarm:
         Identity.load_or_create(key)
         addr_file = self.workdir / "run_address"
         addr_file.unlink(missing_ok=True)
-        args = ["serve", str(self.spec_path), "--key", str(key), "--host", "127.0.0.1", "--address-file", str(addr_file)]
+        port = free_port()
+        args = ["serve", str(self.spec_path), "--key", str(key), "--host", "127.0.0.1", "--port", str(port),
+                "--address-file", str(addr_file)]
         for maddr in peers:
             args += ["--peer", maddr]
-        self.coordinator = self._spawn("coordinator", "coordinator", "coordinator", args)
+        self.coordinator = self._spawn("coordinator", "coordinator", "coordinator", args, port=port)
         deadline = time.monotonic() + timeout
         while not addr_file.exists():
             if not self.coordinator.alive() or time.monotonic() > deadline:
@@ -112,14 +126,19 @@ class LocalSwarm:
         self.address = addr_file.read_text().strip()
         return self.address
 
-    def start_peer(self, role: str, *extra: str, name: Optional[str] = None,
-                   env: Optional[dict[str, str]] = None) -> Peer:
-        """Start ``swarm-peer join <address> --role <role> <extra...>`` (``env``: extra SWARM_* settings)."""
+    def start_peer(self, role: str, *extra: str, name: Optional[str] = None, env: Optional[dict[str, str]] = None,
+                   entry: Sequence[str] = ("peer", "join")) -> Peer:
+        """Start ``swarm-peer join <address> --role <role> <extra...>`` (``env``: extra SWARM_* settings).
+
+        :param entry: the module to run and its arguments before the run address (tests start peers that attack
+            the run with ``("tests.byzantine_peer", "<attack>")``).
+        """
         if self.address is None:
             raise RuntimeError("start the coordinator first")
         self._count += 1
-        peer = self._spawn(name or f"{role}{self._count}", role, "peer", ["join", self.address, "--role", role, *extra],
-                           env)
+        module, *head = entry
+        peer = self._spawn(name or f"{role}{self._count}", role, module,
+                           [*head, self.address, "--role", role, *extra], env)
         self.peers.append(peer)
         return peer
 

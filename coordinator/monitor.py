@@ -52,7 +52,7 @@ class RunMetrics:
         self.run = {n: (Gauge(n, h, ["run"], registry=self.registry), f) for n, (h, f) in _RUN.items()}
         self.stage = {n: (Gauge(n, h, ["run", "stage"], registry=self.registry), f) for n, (h, f) in _STAGE.items()}
         self.peers = Gauge("swarm_run_peers", "Peers by state (online, joining, lagging, paused, draining, trainers, "
-                           "banned).", ["run", "state"], registry=self.registry)
+                           "banned, excluded).", ["run", "state"], registry=self.registry)
         self.peer_rate = Gauge("swarm_peer_samples_per_second", "A peer's samples/s (servers: measured throughput).",
                                ["run", "peer", "role", "stage"], registry=self.registry)
         self.peer_share = Gauge("swarm_peer_contribution_ratio", "A peer's share of its stage's samples (servers) or "

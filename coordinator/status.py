@@ -1,21 +1,21 @@
 """A snapshot of a run from its signed DHT records (servers, trainers, ban list), as a dict or rich tables.
 
 The records every peer re-publishes each ``record_ttl_s / 3`` seconds are the run's metrics records: a
-server's :class:`~swarm.protocol.ServerInfo` (throughput, epoch, loss, averaging counters, bans, history of
-epoch times and losses), a trainer's :class:`~swarm.protocol.TrainerInfo` (samples, tokens, loss, validation
+server's :class:`~swarm.protocol.ServerInfo` (throughput, epoch, loss, averaging counters, exclusions, history
+of epoch times and losses), a trainer's :class:`~swarm.protocol.TrainerInfo` (samples, tokens, loss, validation
 loss). Nothing is trusted that is not signed by its peer; records expire with ``record_ttl_s``.
 
 ``status --json`` shape (stable: keys are only ever added)::
 
     {"run": {"run_id", "name", "spec_hash", "num_stages", "epoch", "total_epochs", "progress", "eta_s",
              "tokens", "samples_per_s", "loss", "train_loss", "val_loss", "loss_history": [[epoch, loss]],
-             "peers": {"online", "joining", "lagging", "paused", "draining", "trainers", "banned"}},
+             "peers": {"online", "joining", "lagging", "paused", "draining", "trainers", "banned", "excluded"}},
      "stages": [{"stage", "servers_online", "servers", "throughput", "demand", "epoch", "lagging",
                  "last_round": {"group_size", "round_s"}}],
      "peers": [{"peer_id", "name", "version", "role", "stage", "state", "reachability", "epoch",
                 "throughput", "samples_per_s", "samples", "contribution", "last_seen_s", "lagging", "loss",
-                "rejected_parts", "flagged_parts", "banned", "banned_by_coordinator",
-                # servers also: "p2p_id", "banned_by" (servers of its stage), "ban_reasons",
+                "rejected_parts", "flagged_parts", "banned", "ban_reason", "excluded",
+                # servers also: "p2p_id", "excluded_by" (servers of its stage), "exclusion_reasons",
                 #   "averaging_bytes", "failed_rounds"
                 # trainers also: "tokens", "initial_loss", "val_loss", "shard", "failures",
                 #   "bytes_sent", "bytes_received"
@@ -27,7 +27,9 @@ contribution is its share of the samples its stage's listed servers processed; a
 the trainers' samples/s. ``eta_s`` is the time to ``optim.total_epochs`` (the end of the learning-rate
 schedule) at the slowest stage's recent epoch rate; ``None`` until two epochs were seen. A peer *lags* when
 its record is older than a re-announce period plus slack, or a server is more than one epoch behind its stage.
-A banned peer with no record left is listed with role ``unknown`` and state ``gone`` (``last_seen_s`` None).
+``banned``: on the run's ban list (``ban_reason`` its reason); ``excluded``: more than half of the other online
+servers of its stage excluded it from averaging (it is not routed to either). A banned peer with no record
+left is listed with role ``unknown`` and state ``gone`` (``last_seen_s`` None).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from hivemind.utils import get_dht_time
 from swarm.config import RunSpec
 from swarm.directory import RunDirectory
 from swarm.protocol import ServerInfo, ServerState, TrainerInfo
-from swarm.routing import banned_by_stage, stage_demand
+from swarm.routing import excluded_by_stage, stage_demand
 
 
 def _lag(directory: RunDirectory, record_time: float, now: float, slack_s: float = 2.0) -> bool:
@@ -64,10 +66,9 @@ def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], shunned: set[st
         "contribution": round(s.samples / stage_samples, 4) if stage_samples else 0.0,
         "last_seen_s": round(max(0.0, now - s.time), 1),
         "lagging": _lag(directory, s.time, now) or (s.state == ServerState.ONLINE and s.epoch < stage_epoch - 1),
-        "loss": s.loss, "p2p_id": s.p2p_id, "banned": s.p2p_id in shunned or s.peer_id in banned,
-        "banned_by_coordinator": banned.get(s.peer_id),
-        "banned_by": sum(s.p2p_id in o.banned for o in others),
-        "ban_reasons": sorted({o.banned[s.p2p_id] for o in others if s.p2p_id in o.banned}),
+        "loss": s.loss, "p2p_id": s.p2p_id, "banned": s.peer_id in banned, "ban_reason": banned.get(s.peer_id),
+        "excluded": s.p2p_id in shunned, "excluded_by": sum(s.p2p_id in o.excluded for o in others),
+        "exclusion_reasons": sorted({o.excluded[s.p2p_id] for o in others if s.p2p_id in o.excluded}),
         "rejected_parts": s.averaging.get("rejected", 0), "flagged_parts": s.averaging.get("flagged", 0),
         "averaging_bytes": s.averaging.get("sent", 0) + s.averaging.get("received", 0),
         "failed_rounds": s.averaging.get("failed", 0),
@@ -82,7 +83,7 @@ def _trainer_row(t: TrainerInfo, total_rate: float, banned: dict[str, str], now:
         "throughput": round(t.samples_per_s, 3), "samples_per_s": round(t.samples_per_s, 3), "samples": t.samples,
         "contribution": round(t.samples_per_s / total_rate, 4) if total_rate else 0.0,
         "last_seen_s": round(max(0.0, now - t.time), 1), "lagging": _lag(directory, t.time, now),
-        "loss": t.loss, "banned": t.peer_id in banned, "banned_by_coordinator": banned.get(t.peer_id),
+        "loss": t.loss, "banned": t.peer_id in banned, "ban_reason": banned.get(t.peer_id), "excluded": False,
         "rejected_parts": 0, "flagged_parts": 0, "tokens": t.tokens, "initial_loss": t.initial_loss,
         "val_loss": t.val_loss, "shard": t.shard, "failures": t.failures, "bytes_sent": t.bytes_sent,
         "bytes_received": t.bytes_received,
@@ -95,7 +96,7 @@ def _gone_row(peer_id: str, reason: str) -> dict[str, Any]:
         "peer_id": peer_id, "name": "", "version": "", "role": "unknown", "stage": None, "state": "gone",
         "reachability": "unknown", "epoch": None, "throughput": 0.0, "samples_per_s": 0.0, "samples": 0,
         "contribution": 0.0, "last_seen_s": None, "lagging": False, "loss": None, "rejected_parts": 0,
-        "flagged_parts": 0, "banned": True, "banned_by_coordinator": reason,
+        "flagged_parts": 0, "banned": True, "ban_reason": reason, "excluded": False,
     }
 
 
@@ -112,7 +113,7 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         online = [s for s in group if s.state == ServerState.ONLINE]
         epoch = max((s.epoch for s in group), default=0)
         stage_samples = sum(s.samples for s in group)
-        shunned = banned_by_stage(group)
+        shunned = excluded_by_stage(group)
         rows = [_server_row(s, k, online, shunned, stage_samples, epoch, banned, now, directory) for s in group]
         peers += rows
         stage_rates = [r for r in (_epoch_rate(s.history) for s in online) if r]
@@ -163,6 +164,6 @@ def _run_summary(directory: RunDirectory, spec: RunSpec, servers: dict[int, list
             "lagging": count(lambda p: p["lagging"]),
             "paused": count(lambda p: p["state"] == "paused"),
             "draining": count(lambda p: p["state"] == "draining"),
-            "trainers": len(trainers), "banned": len(banned),
+            "trainers": len(trainers), "banned": len(banned), "excluded": count(lambda p: p["excluded"]),
         },
     }

@@ -47,19 +47,19 @@ def stages_table(snap: dict[str, Any]) -> Table:
 
 def peers_table(snap: dict[str, Any]) -> Table:
     table = Table("peer", "name", "version", "role", "stage", "state", "link", "samples/s", "share", "seen",
-                  "loss", "flagged/rejected", "banned", title="peers")
+                  "loss", "flagged/rejected", "banned/excluded", title="peers")
     for p in snap["peers"]:
-        if p.get("banned_by_coordinator"):
-            banned = f"[red]BANNED[/] ({p['banned_by_coordinator']})"
-        elif p["banned"]:
-            banned = f"[red]BANNED[/] by {p.get('banned_by', 0)}"
+        if p["banned"]:
+            shunned = f"[red]BANNED[/] ({p['ban_reason']})"
+        elif p["excluded"]:
+            shunned = f"[red]EXCLUDED[/] by {p.get('excluded_by', 0)}"
         else:
-            banned = f"by {p['banned_by']}" if p.get("banned_by") else "no"
+            shunned = f"excluded by {p['excluded_by']}" if p.get("excluded_by") else "no"
         state = p["state"] + (" [yellow](lagging)[/]" if p["lagging"] else "")
         table.add_row(p["peer_id"], p["name"] or "-", p["version"] or "-", p["role"],
                       "-" if p["stage"] is None else str(p["stage"]), state, p["reachability"],
                       str(p["samples_per_s"]), f"{100 * p['contribution']:.0f}%", "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.0f}s ago",
-                      _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", banned)
+                      _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", shunned)
     return table
 
 

@@ -49,7 +49,7 @@ def join(
     log_level: str = typer.Option("INFO", help="Log level."),
 ) -> None:
     """Join the run at ADDRESS and serve or train until SIGTERM/Ctrl-C. Settings: SWARM_* env vars, .env."""
-    from peer.logs import configure_logging
+    from swarm.logs import configure_logging
 
     configure_logging(log_level)
     settings = PeerSettings()
@@ -62,9 +62,10 @@ def join(
         run_server(address, settings, stage)
     else:
         from peer.trainer import run_trainer
+        from swarm.trainer import TrainerOptions
 
-        run_trainer(address, settings, shard=shard, concurrency=concurrency, max_samples=max_samples,
-                    loss_log=loss_log)
+        run_trainer(address, settings, TrainerOptions(shard=shard, concurrency=concurrency, max_samples=max_samples,
+                                                      loss_log=loss_log))
 
 
 @app.command()
@@ -77,7 +78,7 @@ def check(address: Optional[str] = typer.Argument(None, help="Run address: also 
     and with ADDRESS the run itself. Exit code 1 if a check fails; each failure prints its fix."""
     import json
 
-    from peer.logs import configure_logging
+    from swarm.logs import configure_logging
     from peer.preflight import as_dict, run_checks
 
     configure_logging("ERROR")

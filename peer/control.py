@@ -20,12 +20,14 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from peer.heartbeat import FILENAME as HEARTBEAT
+from swarm.aio import sleep_or_stop
 
 logger = logging.getLogger(__name__)
 FILENAME = "peer-control.json"
@@ -98,13 +100,34 @@ async def follow(cache_dir: Path, handlers: dict[str, Callable[[], None]], stop:
                  period_s: float = 0.5) -> None:
     """Call ``handlers[command]`` for each new command until ``stop``."""
     channel = ControlChannel(cache_dir)
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), period_s)
-            return
-        except asyncio.TimeoutError:
-            pass
+    while not await sleep_or_stop(stop, period_s):
         command = channel.poll()
         if command is not None:
             logger.info("control: %s requested", command)
             handlers[command]()
+
+
+class Controlled(Protocol):
+    """What a running peer offers its operator: :class:`swarm.server.ServerSession` and
+    :class:`swarm.trainer.Trainer` both do."""
+
+    async def run(self) -> None: ...
+    def stop(self) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+
+
+async def run_controlled(peer: Controlled, state_dir: Path) -> None:
+    """``await peer.run()`` with SIGTERM/SIGINT and ``swarm-peer drain`` wired to ``peer.stop``, ``pause`` and
+    ``resume`` to the peer's own (commands read from ``state_dir``)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, peer.stop)
+    done = asyncio.Event()
+    controls = asyncio.create_task(follow(state_dir, {"pause": peer.pause, "resume": peer.resume,
+                                                      "drain": peer.stop}, done))
+    try:
+        await peer.run()
+    finally:
+        done.set()
+        await controls

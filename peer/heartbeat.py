@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from swarm.config import PeerSettings
+from swarm.logs import PeerLog
 from swarm.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
@@ -63,12 +64,12 @@ def probe(cache_dir: Path, now: Optional[float] = None) -> tuple[bool, str, dict
 
 def start_metrics(run_id: str, peer_id: str, role: str, settings: PeerSettings) -> PeerMetrics:
     """The peer's Prometheus metrics, served on ``SWARM_METRICS_PORT`` if set (a taken port is logged, not fatal)."""
-    metrics = PeerMetrics(run_id, peer_id, role)
+    metrics, log = PeerMetrics(run_id, peer_id, role), PeerLog(logger, peer_id, role="trainer" if role == "trainer" else "")
     if settings.metrics_port:
         try:
             metrics.serve(settings.metrics_port, settings.host)
-            logger.info("[%s] Prometheus metrics on http://%s:%d/metrics", peer_id, settings.host, settings.metrics_port)
+            log.info("Prometheus metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
         except OSError as e:
-            logger.error("[%s] cannot serve metrics on port %d (%s); choose another SWARM_METRICS_PORT",
-                         peer_id, settings.metrics_port, e.strerror)
+            log.error("cannot serve metrics on port %d (%s); choose another SWARM_METRICS_PORT", settings.metrics_port,
+                      e.strerror)
     return metrics

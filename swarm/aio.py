@@ -1,8 +1,11 @@
-"""Small asyncio helpers shared by the library and the apps."""
+"""Small asyncio helpers shared by the library and the apps: waiting on events, sleeping until stopped, and
+running a periodic task that logs its failures instead of dying of them."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Awaitable, Callable, Union
 
 
 async def wait_any(*events: asyncio.Event) -> None:
@@ -13,3 +16,26 @@ async def wait_any(*events: asyncio.Event) -> None:
     finally:
         for w in waits:
             w.cancel()
+
+
+async def sleep_or_stop(stop: asyncio.Event, seconds: float, *wake: asyncio.Event) -> bool:
+    """Sleep ``seconds``, or less if ``stop`` (or any of ``wake``) is set meanwhile; True if ``stop`` is set."""
+    try:
+        await asyncio.wait_for(wait_any(stop, *wake), seconds)
+    except asyncio.TimeoutError:
+        pass
+    return stop.is_set()
+
+
+async def periodic(stop: asyncio.Event, period_s: float, tick: Callable[[], Awaitable[None]], what: str,
+                   log: Union[logging.Logger, logging.LoggerAdapter]) -> None:
+    """``await tick()`` every ``period_s`` seconds (the first after one period) until ``stop`` is set.
+
+    A tick that raises is logged with ``what`` and a traceback, and the next one runs as planned: a background
+    duty (re-announcing, following orders, finishing idle epochs) must outlive a bad round.
+    """
+    while not await sleep_or_stop(stop, period_s):
+        try:
+            await tick()
+        except Exception:
+            log.exception("%s failed", what)

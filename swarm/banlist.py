@@ -2,11 +2,11 @@
 
 One :class:`~swarm.protocol.BanList` record, signed by the run key (the key that signed the spec, so no one
 else can ban), lists peer ids and, where known, their libp2p ids. Every peer follows it
-(:class:`BanFollower`): trainers stop routing to banned servers, servers refuse stage RPCs from banned peers'
-libp2p ids and ban them from their averaging groups, fragment keepers neither place fragments on banned holders
-nor fetch from them, and a banned peer stops itself with an error that names the reason. Keepers re-publish
-the newest list they have, so bans outlive the coordinator process (records still expire if every peer that
-knew the list is gone).
+(:class:`RunBans`): trainers stop routing to banned servers, servers refuse stage RPCs from banned peers'
+libp2p ids and exclude them from their averaging groups, fragment keepers neither place fragments on banned
+holders nor fetch from them, and a banned peer stops itself with an error that names the reason. Keepers
+re-publish the newest list they have, so bans outlive the coordinator process (records still expire if every
+peer that knew the list is gone).
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ class PeerBanned(RuntimeError):
     """This peer is on the run's ban list."""
 
 
-class BanFollower:
-    """The newest ban list this peer has seen (a newer one always replaces it; an older one never does)."""
+class RunBans:
+    """The run's ban list as this peer knows it: the newest list signed by the run key (a newer one always
+    replaces it; an older one never does). One object per peer, shared by everything that honours bans: the
+    trainer's routing, the stage RPCs, averaging (banned servers are excluded), fragment placement."""
 
     def __init__(self, directory: RunDirectory):
         self.directory = directory
@@ -41,9 +43,12 @@ class BanFollower:
         return dict(self.current.banned) if self.current is not None else {}
 
     @property
-    def p2p_ids(self) -> set[str]:
-        """libp2p ids of banned peers (those the coordinator knew)."""
-        return set(self.current.p2p_ids.values()) if self.current is not None else set()
+    def banned_p2p_ids(self) -> dict[str, str]:
+        """libp2p id -> reason, for the banned peers whose libp2p id the coordinator knew (to refuse their
+        connections)."""
+        if self.current is None:
+            return {}
+        return {p2p: self.current.banned.get(peer, "banned") for peer, p2p in self.current.p2p_ids.items()}
 
     def is_banned(self, peer_id: str) -> bool:
         return self.current is not None and peer_id in self.current.banned

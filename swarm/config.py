@@ -18,13 +18,14 @@ import re
 import tomllib
 from enum import StrEnum
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-PROTOCOL_VERSION = 1
-"""Wire and record protocol version; peers refuse records, messages and specs of another version."""
+PROTOCOL_VERSION = 2
+"""Wire and record protocol version; peers refuse records, messages and specs of another version (2: records
+name exclusions and distrust apart from bans, servers publish state digests)."""
 
 
 class SpecError(ValueError):
@@ -168,9 +169,10 @@ class AveragingSpec(_Section):
     max_weight_ratio: float = Field(
         4.0, ge=1, description="A sender's reported samples count at most this multiple of the median's.",
     )
-    ban_threshold: float = Field(
-        3.0, gt=0, description="Ban score at which a peer is excluded (+1 per rejected part, +0.5 per flag, x0.9 "
-        "per round).",
+    exclusion_threshold: float = Field(
+        3.0, gt=0, description="Score at which a server excludes a peer from its averaging groups (+1 per rejected "
+        "part, +0.5 per flag, x0.9 per round). Lower excludes misbehaving peers sooner, and honest peers flagged by "
+        "chance too.",
     )
     audit_probability: float = Field(
         0.25, ge=0, le=1, description="Chance that each partition of an averaging round is audited by a random "
@@ -197,8 +199,10 @@ class AveragingSpec(_Section):
 class TimeoutSpec(_Section):
     forward_s: float = Field(60.0, gt=0, description="Seconds a trainer waits for a stage's forward.")
     backward_s: float = Field(60.0, gt=0, description="Seconds a trainer waits for a stage's backward.")
-    ban_s: float = Field(5.0, gt=0, description="First ban of a failing server; doubles per failure.")
-    ban_max_s: float = Field(120.0, gt=0, description="Longest ban.")
+    backoff_s: float = Field(
+        5.0, gt=0, description="Seconds a trainer avoids a server after a failed call; doubles per failure in a row.",
+    )
+    backoff_max_s: float = Field(120.0, gt=0, description="Longest back-off from a failing server (seconds).")
     record_ttl_s: float = Field(30.0, gt=1, description="Lifetime of DHT records; peers re-announce at a third of it.")
 
 
@@ -317,12 +321,42 @@ class RunSpec(_Section):
         """Load and validate a TOML run spec; raises :class:`SpecError` (bad TOML or fields)."""
         path = Path(path)
         try:
-            raw = tomllib.loads(path.read_text())
+            text = path.read_text()
         except FileNotFoundError:
             raise SpecError(f"run spec {path} not found; pass the path of a TOML file such as runs/demo.toml") from None
+        return cls.parse_toml(text, source=str(path))
+
+    @classmethod
+    def parse_toml(cls, text: str, source: str = "text") -> "RunSpec":
+        """Validate a run spec given as TOML text; raises :class:`SpecError` (bad TOML or fields)."""
+        try:
+            raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise SpecError(f"run spec {path} is not valid TOML: {e}") from None
+            raise SpecError(f"run spec {source} is not valid TOML: {e}") from None
         return cls.from_dict(raw)
+
+    def to_toml(self) -> str:
+        """The spec as TOML, every field written (fields that are None left out); :meth:`parse_toml` reads it back
+        equal."""
+        import tomli_w
+
+        return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
+
+    def updated(self, **changes: Any) -> "RunSpec":
+        """A copy with ``changes`` applied and validated like a loaded spec. A section's value is a dict of its
+        fields to change, the others keep theirs: ``spec.updated(training={"target_batch_size": 32})``.
+
+        :raises SpecError: an unknown section or field, or a bad value (each named, as when loading).
+        """
+        raw = self.model_dump(mode="json")
+        for key, value in changes.items():
+            if isinstance(value, dict):
+                if not isinstance(raw.get(key), dict):
+                    raise SpecError(f"run spec section '{key}' does not exist; see runs/demo.toml for the sections")
+                raw[key] = {**raw[key], **value}
+            else:
+                raw[key] = value
+        return type(self).from_dict(raw)
 
     def canonical_json(self) -> str:
         """Sorted-key JSON of every field (defaults included); what is hashed, signed and published."""
@@ -377,11 +411,6 @@ class PeerSettings(BaseSettings):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Port serving Prometheus metrics at /metrics (0: off; containers use 9100).",
     )
-    byzantine: Optional[str] = Field(
-        None, description="TESTS AND BENCHMARKS ONLY: make this peer attack the run (an attack name of "
-        "swarm.averaging.attacks). Never set it on a real peer.",
-    )
-
     def identity_path(self) -> Path:
         return self.identity_file or self.cache_dir / "identity.key"
 

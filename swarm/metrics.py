@@ -28,7 +28,7 @@ _SERVER = {
     "swarm_averaging_failed_rounds_total": ("Averaging rounds that failed.", lambda s: s.averaging.get("failed", 0)),
     "swarm_parts_rejected_total": ("Parts rejected as a reducer.", lambda s: s.averaging.get("rejected", 0)),
     "swarm_parts_flagged_total": ("Parts flagged as outliers as a reducer.", lambda s: s.averaging.get("flagged", 0)),
-    "swarm_banned_peers": ("Peers this server banned from averaging.", lambda s: len(s.banned)),
+    "swarm_excluded_peers": ("Peers this server excluded from averaging.", lambda s: len(s.excluded)),
     "swarm_lr_scale": ("Learning-rate multiplier after rollbacks.", lambda s: s.lr_scale),
 }
 _TRAINER = {

@@ -1,11 +1,12 @@
 """A trainer's view of the model: a chain of remote stages, one server per stage per micro-batch.
 
-:meth:`RemotePipeline.train_step` streams int64 tokens ``(B, T+1)`` forward through stages ``0..S-1``
+:meth:`RemotePipeline.forward_loss` streams int64 tokens ``(B, T+1)`` forward through stages ``0..S-1``
 (servers picked by :class:`~swarm.routing.Router`), the last stage returns the loss and the gradient of its
 input, and the gradient flows back through the servers that ran the forward. Any failed call (error reply,
-timeout, unreachable peer) bans that server with back-off and retries the same step on another server of
-the stage; a backward retried elsewhere carries the stage inputs so the new server recomputes the forward
-(SWARM, sec. 3.2). The trainer keeps every stage input of a micro-batch until its backward is done.
+timeout, unreachable peer) backs off from that server (exponentially) and retries the same step on another
+server of the stage; a backward retried elsewhere carries the stage inputs so the new server recomputes the
+forward (SWARM, sec. 3.2). The trainer keeps every stage input of a micro-batch until its backward is done.
+Servers on the run's ban list are never used.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from swarm.directory import RunDirectory
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
 from swarm.routing import NoServerError, Router
 from swarm.stage import StageServer
-from swarm.transport import ACTIVATION_CODECS, gather, pack_tensors, stream_out, unpack_tensors
+from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
+from swarm.transport import gather, stream_out
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,19 +40,20 @@ class PipelineError(RuntimeError):
 
 
 class RemotePipeline:
-    """Runs micro-batches through the run's stage servers with routing, bans and retries.
+    """Runs micro-batches through the run's stage servers with routing, back-off and retries.
 
+    :param bans: the run's ban list (:class:`~swarm.banlist.RunBans`): servers on it are never used.
+    :param log: the trainer's log (its retries are logged there).
     :param max_attempts: tries per stage call before the micro-batch fails with :class:`PipelineError`.
     :param refresh_s: seconds between reads of a stage's server records from the DHT.
     """
 
-    def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, p2p: P2P, router: Optional[Router] = None,
-                 *, max_attempts: int = 8, refresh_s: float = 2.0, attack=None, bans=None):
+    def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, p2p: P2P, *, bans=None, log=None,
+                 max_attempts: int = 8, refresh_s: float = 2.0):
         self.spec, self.run_id, self.directory, self.p2p = spec, run_id, directory, p2p
-        self.bans = bans  # a :class:`~swarm.banlist.BanFollower`: servers the coordinator banned are never used
+        self.bans, self.log = bans, log if log is not None else logger
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
-        self.attack = attack  # a Byzantine trainer (tests and benchmarks only)
-        self.router = router or Router(ban_s=spec.timeouts.ban_s, ban_max_s=spec.timeouts.ban_max_s)
+        self.router = Router(backoff_s=spec.timeouts.backoff_s, backoff_max_s=spec.timeouts.backoff_max_s)
         self.max_attempts, self.refresh_s = max_attempts, refresh_s
         self.num_stages = spec.model.num_stages
         self._servers: dict[int, tuple[float, list[ServerInfo]]] = {}
@@ -86,7 +89,7 @@ class RemotePipeline:
         """Run ``attempt_fn`` on a server of ``stage``, retrying on others; returns ``(result, server)``."""
         last_error: Optional[BaseException] = None
         for attempt in range(self.max_attempts):
-            if prefer is not None and not self.router.is_banned(prefer.peer_id):
+            if prefer is not None and not self.router.is_backed_off(prefer.peer_id):
                 server, prefer = prefer, None
             else:
                 try:
@@ -102,9 +105,9 @@ class RemotePipeline:
             except Exception as e:
                 last_error = e
                 self.failures += 1
-                ban = self.router.report_failure(server.peer_id)
-                logger.warning("stage %d server %s failed (%s: %s); banned for %.0fs, retrying elsewhere",
-                               stage, server.peer_id, type(e).__name__, str(e)[:200], ban)
+                backoff = self.router.report_failure(server.peer_id)
+                self.log.warning("stage %d server %s failed (%s: %s); backing off %.0f s, retrying elsewhere",
+                                 stage, server.peer_id, type(e).__name__, str(e)[:200], backoff)
                 continue
             self.router.report_success(server.peer_id)
             return result, server
@@ -113,18 +116,22 @@ class RemotePipeline:
     async def forward_loss(self, batch: torch.Tensor, *, train: bool) -> float:
         """Mean loss (nats/token) of int64 tokens ``(B, T+1)``; with ``train`` also backpropagates.
 
+        :raises ValueError: ``batch`` is not int64 ``(B, T+1)`` with ``T >= 1``.
         :raises PipelineError: a stage failed on every server tried.
         """
         if batch.dtype != torch.int64 or batch.dim() != 2 or batch.shape[1] < 2:
             raise ValueError(f"batch must be int64 (B, T+1) token ids, got {batch.dtype} {tuple(batch.shape)}")
-        mb_id = uuid.uuid4().hex
+        return await self.run(batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), train=train)
+
+    async def run(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool) -> float:
+        """Forward int64 token ids ``inputs`` ``(B, T)`` through every stage, the last one scoring ``targets``
+        ``(B, T)``; with ``train`` the gradient then flows back (:meth:`backward`). Returns the mean loss.
+
+        :raises PipelineError: a stage failed on every server tried.
+        """
+        mb_id, work, t = uuid.uuid4().hex, float(inputs.shape[0]), self.spec.timeouts
         mode = "train" if train else "eval"
-        work = float(batch.shape[0])
-        inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        if self.attack is not None and train:
-            inputs, targets = self.attack.corrupt_batch(inputs, targets, self.spec.model.vocab_size)
         acts, route = [inputs], []
-        t = self.spec.timeouts
         for k in range(self.num_stages - 1):
             meta = ForwardRequest(run_id=self.run_id, stage=k, mb_id=mb_id, mode=mode)
 
@@ -135,9 +142,7 @@ class RemotePipeline:
             out, server = await self._on_stage(k, work, fwd)
             acts.append(out)
             route.append(server)
-
-        last = self.num_stages - 1
-        meta = ForwardRequest(run_id=self.run_id, stage=last, mb_id=mb_id, mode=mode)
+        meta = ForwardRequest(run_id=self.run_id, stage=self.num_stages - 1, mb_id=mb_id, mode=mode)
 
         async def fwd_last(s: ServerInfo):
             reply, out = await self._rpc(s, "rpc_forward", meta, [acts[-1], targets], t.forward_s + t.backward_s)
@@ -145,15 +150,19 @@ class RemotePipeline:
                 raise PipelineError(f"last-stage server {s.peer_id} returned no loss")
             return reply.loss, (out[0] if out else None)
 
-        (loss, grad), _ = await self._on_stage(last, work, fwd_last)
-        if not train:
-            return loss
-        for k in reversed(range(self.num_stages - 1)):
-            if self.attack is not None and grad is not None:
-                grad = self.attack.corrupt_grad(grad)
-            bwd = self._backward_fn(k, mb_id, grad, acts[k], forward_peer=route[k].peer_id)
-            grad = (await self._on_stage(k, work, bwd, prefer=route[k]))[0]
+        (loss, grad), _ = await self._on_stage(self.num_stages - 1, work, fwd_last)
+        if train:
+            for k in reversed(range(self.num_stages - 1)):
+                grad = await self.backward(k, mb_id, grad, acts[k], route[k])
         return loss
+
+    async def backward(self, stage: int, mb_id: str, grad: torch.Tensor, inputs: torch.Tensor,
+                       forward_server: ServerInfo) -> Optional[torch.Tensor]:
+        """Send ``grad`` (float32, the gradient of ``stage``'s outputs) back through ``stage``, preferring the
+        server that ran its forward (another one recomputes the forward from ``inputs``); returns the gradient of
+        the stage's inputs (None for stage 0)."""
+        bwd = self._backward_fn(stage, mb_id, grad, inputs, forward_peer=forward_server.peer_id)
+        return (await self._on_stage(stage, float(inputs.shape[0]), bwd, prefer=forward_server))[0]
 
     def _backward_fn(self, stage: int, mb_id: str, grad: torch.Tensor, inputs: torch.Tensor, forward_peer: str):
         t = self.spec.timeouts

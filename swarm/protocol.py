@@ -100,7 +100,7 @@ class RestoreReport(BaseModel):
     shard_sha256: str = Field(max_length=64)
     bit_exact: bool = Field(description="The state re-captured after loading hashes to the manifest's shard hash.")
     seconds: float = Field(ge=0, description="From the first manifest lookup to the loaded state.")
-    fragments_bad: int = Field(0, ge=0, description="Fragments refused for a wrong hash (their holders banned).")
+    fragments_bad: int = Field(0, ge=0, description="Fragments refused for a wrong hash (their holders distrusted).")
 
 
 class ServerInfo(Record):
@@ -121,9 +121,13 @@ class ServerInfo(Record):
     fingerprints: dict[int, list[float]] = Field(
         default_factory=dict, description="Epoch -> small random projection of the stage parameters."
     )
+    state_digests: dict[int, str] = Field(
+        default_factory=dict, max_length=8, description="Epoch -> SHA-256 of the server's whole state (parameters "
+        "and optimizer state) right after that epoch's step, at epochs that averaged the state too: the servers of "
+        "a stage that took part in that round hold the same digest.")
     version: str = ""
-    banned: dict[str, str] = Field(
-        default_factory=dict, description="libp2p ids this server banned from averaging -> reason (at most 32)."
+    excluded: dict[str, str] = Field(
+        default_factory=dict, description="libp2p ids this server excluded from averaging -> reason (at most 32)."
     )
     averaging: dict[str, int] = Field(
         default_factory=dict, description="Averaging counters: bytes sent/received on the wire, phases, failed "
@@ -143,7 +147,7 @@ class ServerInfo(Record):
 
 
 class PartCommitment(Record):
-    """A sender's signed statement of the part it sent a reducer (see :mod:`swarm.averaging.audit`)."""
+    """A sender's signed statement of the part it sent a reducer (see :mod:`swarm.averaging.evidence`)."""
 
     kind: Literal["commitment"] = "commitment"
     p2p_id: str = Field(max_length=128, description="libp2p id the part was sent from.")
@@ -173,7 +177,7 @@ class ReductionReceipt(Record):
 class Accusation(Record):
     """An auditor's signed claim that a reducer returned a wrong aggregate, stored under
     :func:`accusations_key`; the evidence (parts, aggregate) is served by the auditor (``rpc_audit_evidence``)
-    so that every peer can recompute before it bans."""
+    so that every peer can recompute before it excludes anyone."""
 
     kind: Literal["accusation"] = "accusation"
     p2p_id: str = Field(max_length=128, description="libp2p id of the auditor (serves the evidence).")
@@ -240,8 +244,8 @@ class StorageInfo(Record):
     held: list[tuple[int, int, int, str]] = Field(
         default_factory=list, max_length=1024,
         description="Fragments held, as [stage, epoch, index, first 16 hex digits of the fragment's SHA-256].")
-    banned: dict[str, str] = Field(default_factory=dict, description="Peer ids that served corrupt fragments "
-                                   "to this peer -> reason (at most 32); never fetched from or placed on again.")
+    distrusted: dict[str, str] = Field(default_factory=dict, description="Peer ids that served corrupt fragments "
+                                       "to this peer -> reason (at most 32); never fetched from or placed on again.")
 
 
 def storage_key(run_id: str) -> str:

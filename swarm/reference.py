@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from swarm.averaging.optimizer import make_scheduler, make_torch_optimizer
+import torch
+
+from swarm.averaging.schedule import make_scheduler, make_torch_optimizer
 from swarm.config import RunSpec
 from swarm.data import TokenDataset
 from swarm.model import build_stage, lm_loss
@@ -21,6 +23,8 @@ from swarm.trainer import micro_batches
 class ReferenceResult:
     losses: list[float] = field(default_factory=list)
     """Loss (nats/token) of every micro-batch, in order."""
+    stages: list[torch.nn.Module] = field(default_factory=list)
+    """The stage modules as trained (their parameters after the last optimizer step)."""
     epochs: int = 0
     seconds: float = 0.0
     tokens: int = 0
@@ -39,7 +43,7 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
     sched = make_scheduler(spec.optim, opt)
     b = spec.training.micro_batch_size
     per_epoch = -(-spec.training.target_batch_size // b)
-    result, start, count = ReferenceResult(), time.perf_counter(), 0
+    result, start, count = ReferenceResult(stages=stages), time.perf_counter(), 0
     for indices in micro_batches(dataset, spec, shard):
         if count * b >= max_samples:
             break

@@ -1,10 +1,11 @@
-"""Stochastic wiring, bans with back-off, and the stage choice of a joining server.
+"""Stochastic wiring, back-off from failing servers, and the stage choice of a joining server.
 
 Routing follows SWARM parallelism (Ryabinin et al., "SWARM Parallelism", ICML 2023, sec. 3.2, "stochastic
 wiring"): for every micro-batch a trainer picks, per stage, the online server with the least accumulated
 expected busy time, where each assignment adds ``work / throughput`` (seconds) to the chosen server; ties are
-broken at random. A server that fails is banned for ``ban_s * 2**(failures-1)`` seconds (capped at
-``ban_max_s``) and the micro-batch is retried on another server of the same stage.
+broken at random. A server that fails is avoided (*backed off*) for ``backoff_s * 2**(failures-1)`` seconds
+(capped at ``backoff_max_s``) and the micro-batch is retried on another server of the same stage. Servers
+that most of their stage excluded from averaging (:func:`excluded_by_stage`) are not routed to either.
 
 A joining server picks the stage whose servers together have the least throughput, the pipeline's bottleneck
 (Petals' block choice, Borzunov et al., "Distributed Inference and Fine-tuning of LLMs over the Internet",
@@ -23,47 +24,50 @@ from swarm.protocol import ServerInfo, ServerState
 
 
 class NoServerError(RuntimeError):
-    """No online, unbanned server is known for a stage."""
+    """No online server that is not backed off or excluded is known for a stage."""
 
 
 @dataclass
-class _Ban:
+class _BackOff:
     failures: int = 0
     until: float = 0.0
 
 
 @dataclass
 class Router:
-    """Per-trainer routing state: expected busy time per server and bans.
+    """Per-trainer routing state: expected busy time per server and back-offs.
 
     ``clock`` returns seconds (monotonic); ``rng`` breaks ties.
     """
 
-    ban_s: float = 5.0
-    ban_max_s: float = 120.0
+    backoff_s: float = 5.0
+    backoff_max_s: float = 120.0
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic
     busy: dict[str, float] = field(default_factory=dict)
-    bans: dict[str, _Ban] = field(default_factory=dict)
+    backoffs: dict[str, _BackOff] = field(default_factory=dict)
 
-    def is_banned(self, peer_id: str) -> bool:
-        ban = self.bans.get(peer_id)
-        return ban is not None and ban.until > self.clock()
+    def is_backed_off(self, peer_id: str) -> bool:
+        found = self.backoffs.get(peer_id)
+        return found is not None and found.until > self.clock()
 
     def choose(self, servers: Sequence[ServerInfo], work: float = 1.0, exclude: Sequence[str] = ()) -> ServerInfo:
-        """Pick one online, unbanned server (least busy time after this assignment) and charge it ``work``.
+        """Pick one online server that is neither backed off nor excluded by its stage (least busy time after
+        this assignment) and charge it ``work``.
 
         :param work: samples in the micro-batch; the chosen server is charged ``work / throughput`` seconds.
+        :param exclude: peer ids not to pick.
         :raises NoServerError: no candidate is left.
         """
-        shunned = banned_by_stage(servers)
+        shunned = excluded_by_stage(servers)
         candidates = [
             s for s in servers
-            if s.state == ServerState.ONLINE and not self.is_banned(s.peer_id) and s.peer_id not in exclude
+            if s.state == ServerState.ONLINE and not self.is_backed_off(s.peer_id) and s.peer_id not in exclude
             and s.p2p_id not in shunned
         ]
         if not candidates:
-            raise NoServerError(f"no online server available ({len(servers)} known, others banned or not online)")
+            raise NoServerError(f"no online server available ({len(servers)} known, the others backed off, excluded "
+                                "or not online)")
         known = [self.busy[s.peer_id] for s in candidates if s.peer_id in self.busy]
         floor = min(known) if known else 0.0
         for s in candidates:  # a newcomer starts level with the least busy server, not far behind everyone
@@ -78,15 +82,15 @@ class Router:
         return chosen
 
     def report_failure(self, peer_id: str) -> float:
-        """Ban ``peer_id`` with exponential back-off; returns the ban length (seconds)."""
-        ban = self.bans.setdefault(peer_id, _Ban())
-        ban.failures += 1
-        length = min(self.ban_max_s, self.ban_s * 2 ** (ban.failures - 1))
-        ban.until = self.clock() + length
+        """Back off from ``peer_id``, exponentially in its failures in a row; returns the back-off (seconds)."""
+        found = self.backoffs.setdefault(peer_id, _BackOff())
+        found.failures += 1
+        length = min(self.backoff_max_s, self.backoff_s * 2 ** (found.failures - 1))
+        found.until = self.clock() + length
         return length
 
     def report_success(self, peer_id: str) -> None:
-        self.bans.pop(peer_id, None)
+        self.backoffs.pop(peer_id, None)
 
 
 def stage_demand(spec: ModelSpec) -> list[float]:
@@ -97,8 +101,8 @@ def stage_demand(spec: ModelSpec) -> list[float]:
     return demand
 
 
-def banned_by_stage(servers: Sequence[ServerInfo]) -> set[str]:
-    """libp2p ids that more than half of the *other* online servers of a stage have banned from averaging.
+def excluded_by_stage(servers: Sequence[ServerInfo]) -> set[str]:
+    """libp2p ids that more than half of the *other* online servers of a stage have excluded from averaging.
 
     A server that the honest majority of its stage caught sending bad parts is not routed to either; a
     minority (possibly the Byzantine servers themselves) cannot exclude an honest server this way.
@@ -107,7 +111,7 @@ def banned_by_stage(servers: Sequence[ServerInfo]) -> set[str]:
     out = set()
     for s in online:
         others = [o for o in online if o.p2p_id != s.p2p_id]
-        if others and 2 * sum(s.p2p_id in o.banned for o in others) > len(others):
+        if others and 2 * sum(s.p2p_id in o.excluded for o in others) > len(others):
             out.add(s.p2p_id)
     return out
 

@@ -13,10 +13,13 @@ RPCs (streams of ``runtime_pb2.ExpertRequest``, namespace ``<run_id>``; see :mod
   server from a stale record (:func:`is_serving`).
 
 All compute runs on one worker thread, in arrival order. After each backward the micro-batch's parameter
-gradients are handed to the stage's hivemind.Optimizer (:mod:`swarm.averaging.optimizer`), which averages
-with the other servers of the stage and steps once per epoch. Bad requests (wrong shape/dtype/range,
-NaN/Inf, oversized, other run or protocol version) are refused with an error naming the cause; they never
-touch the accumulated gradients.
+gradients go to the stage's collaborative optimizer with the trainer that sent it
+(:meth:`swarm.averaging.optimizer.StageOptimizer.step`), which averages with the other servers of the stage
+and steps once per epoch; when an epoch ends the server reports it to its owner (:attr:`StageServer.on_epoch`,
+an :class:`EpochEnd`), still on the compute thread, so the owner sees the state right after the step. Bad
+requests (wrong shape/dtype/range, NaN/Inf, oversized, other run or protocol version) are refused with an
+error naming the cause; they never touch the accumulated gradients. Peers on the run's ban list
+(:mod:`swarm.banlist`) are refused.
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Optional
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional
 
 import torch
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.performance_ema import PerformanceEMA
 
+from swarm.aio import periodic
+from swarm.checkpoint.state import state_digest
+from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.config import RunSpec
 from swarm.model import build_stage, lm_loss
 from swarm.protocol import (
@@ -43,7 +50,7 @@ from swarm.protocol import (
     pack_message,
     unpack_message,
 )
-from swarm.transport import ACTIVATION_CODECS, gather, pack_tensors, stream_out, unpack_tensors
+from swarm.transport import gather, stream_out
 
 logger = logging.getLogger(__name__)
 
@@ -68,20 +75,40 @@ def parameter_fingerprint(module: torch.nn.Module) -> list[float]:
         return (proj @ flat).tolist()
 
 
+@dataclass(frozen=True)
+class EpochEnd:
+    """An epoch transition of a server, reported on its compute thread right after the optimizer stepped.
+
+    :param epoch: the epoch that just began (the optimizer's epoch now).
+    :param loss: mean training loss (nats/token) of the micro-batches of the epoch that ended (last stage), or
+        None.
+    :param samples: samples this server processed in the epoch that ended.
+    :param seconds: the transition itself (matchmaking, all-reduce, optimizer step).
+    """
+
+    epoch: int
+    loss: Optional[float]
+    samples: int
+    seconds: float
+
+
 class StageServer(ServicerBase):
     """Serves stage ``stage`` of ``spec``; see the module docstring for the RPCs.
 
-    :param optimizer: the stage's collaborative optimizer (``step(batch_size=...)`` after every backward);
+    :param optimizer: the stage's :class:`~swarm.averaging.optimizer.StageOptimizer` (set before serving);
         ``None`` runs forward/backward only (tests of the RPC layer).
+    :param bans: the run's ban list (:class:`~swarm.banlist.RunBans`); requests from banned peers are refused.
     :param cache_size: micro-batches whose autograd graph is kept between forward and backward.
     """
 
-    def __init__(self, spec: RunSpec, run_id: str, stage: int, module: Optional[torch.nn.Module] = None,
-                 optimizer=None, *, cache_size: int = 16):
+    def __init__(self, spec: RunSpec, run_id: str, stage: int, module: Optional[torch.nn.Module] = None, *,
+                 bans=None, cache_size: int = 16):
         self.spec, self.run_id, self.stage = spec, run_id, stage
         self.module = module if module is not None else build_stage(spec.model, stage)
         self.is_last = stage == spec.model.num_stages - 1
-        self.optimizer = optimizer
+        self.optimizer = None
+        self.bans = bans
+        self.on_epoch: Optional[Callable[[EpochEnd], None]] = None  # the owner's handler (compute thread)
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = OrderedDict()
         # results of micro-batches already accumulated: a retried request (the reply was lost) gets the same
@@ -92,19 +119,17 @@ class StageServer(ServicerBase):
         self.samples = 0
         self.loss_ema: Optional[float] = None
         self.fingerprints: dict[int, list[float]] = {}
+        self.state_digests: dict[int, str] = {}  # epoch -> digest of the full state, at state-averaging epochs
         self.rounds, self.round_seconds = 0, 0.0
-        self.epoch_listeners: list = []
-        self.blocked: dict[str, str] = {}  # libp2p id -> reason: peers the run's coordinator banned
-        self.banned_in_averaging: set[str] = set()  # those of them already banned in the gradient averager
         self.paused = False  # by its operator: new forward/backward requests are refused
         self._epoch_losses: list[float] = []
-        self.epoch_loss: Optional[float] = None  # mean training loss of the last finished epoch (last stage)
+        self._epoch_samples = 0
         self.max_batch = 8 * spec.training.micro_batch_size
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
 
     @property
     def epoch(self) -> int:
-        return self.optimizer.local_epoch if self.optimizer is not None else 0
+        return self.optimizer.epoch if self.optimizer is not None else 0
 
     # ---- validation --------------------------------------------------------------------------------
     def _check_inputs(self, x: torch.Tensor) -> None:
@@ -205,67 +230,61 @@ class StageServer(ServicerBase):
     def _accumulate(self, trainer: str, batch_size: int, seconds: float) -> None:
         """Count the micro-batch of ``trainer`` and hand its gradients to the optimizer (per-trainer accounts)."""
         self.samples += batch_size
+        self._epoch_samples += batch_size
         self.throughput.update(task_size=batch_size, interval=seconds)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.module.parameters()]
+        for p in self.module.parameters():
+            p.grad = None
         if self.optimizer is None:
-            for p in self.module.parameters():
-                p.grad = None
             return
-        epoch, start = self.optimizer.local_epoch, time.perf_counter()
-        averager = getattr(self.optimizer, "grad_averager", None)
-        if averager is not None:
-            averager.contributor = trainer
-        self.optimizer.step(batch_size=batch_size)
-        self.optimizer.zero_grad()
-        if self.optimizer.local_epoch != epoch:
-            self._on_epoch(time.perf_counter() - start)
+        start = time.perf_counter()
+        if self.optimizer.step(grads, batch_size, trainer):
+            self._epoch_ended(time.perf_counter() - start)
 
-    def maybe_finish_epoch(self) -> bool:
+    def finish_epoch_if_ready(self) -> bool:
         """Join the epoch's averaging round as soon as the stage's servers together reached the target.
 
-        The collaborative optimizer only acts inside ``step()``, which runs after a backward. Without this, a
-        server whose peers already entered the round (their trainers' micro-batches waiting on them) would
-        get no work to trigger its own step, and the round would wait for its timeout without it.
-        Returns True if an epoch ended.
+        The collaborative optimizer only acts when a micro-batch is handed over, which happens after a
+        backward. Without this, a server whose peers already entered the round (their trainers' micro-batches
+        waiting on them) would get no work to trigger its own step, and the round would wait for its timeout
+        without it. Returns True if an epoch ended.
         """
-        opt = self.optimizer
-        if opt is None:
+        if self.optimizer is None:
             return False
-        if not (opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0):
-            return False
-        epoch, start = opt.local_epoch, time.perf_counter()
-        opt._update_global_epoch(None)  # hivemind 1.1.12: exactly what step() calls once the epoch is ready
-        if opt.local_epoch != epoch:
-            self._on_epoch(time.perf_counter() - start)
+        start = time.perf_counter()
+        if self.optimizer.finish_epoch_if_ready():
+            self._epoch_ended(time.perf_counter() - start)
             return True
         return False
 
     async def watch_epochs(self, stop: asyncio.Event, period_s: float = 0.25) -> None:
-        """Run :meth:`maybe_finish_epoch` on the compute thread every ``period_s`` seconds until ``stop``."""
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), period_s)
-            except asyncio.TimeoutError:
-                try:
-                    await self._compute(self.maybe_finish_epoch)
-                except Exception:
-                    logger.exception("stage %d: finishing an idle epoch failed", self.stage)
+        """Run :meth:`finish_epoch_if_ready` on the compute thread every ``period_s`` seconds until ``stop``."""
+        async def tick() -> None:
+            await self._compute(self.finish_epoch_if_ready)
+
+        await periodic(stop, period_s, tick, f"stage {self.stage}: finishing an idle epoch", logger)
 
     @property
     def mean_round_s(self) -> float:
         """Mean seconds of an epoch transition (matchmaking, all-reduce, optimizer step)."""
         return self.round_seconds / self.rounds if self.rounds else 0.0
 
-    def _on_epoch(self, seconds: float) -> None:
+    def _epoch_ended(self, seconds: float) -> None:
+        """(compute thread) Record the transition, then report it to the owner (:attr:`on_epoch`)."""
         self.rounds += 1
         self.round_seconds += seconds
-        epoch = self.optimizer.local_epoch
+        epoch = self.optimizer.epoch
         losses, self._epoch_losses = self._epoch_losses, []
-        self.epoch_loss = sum(losses) / len(losses) if losses else None
+        samples, self._epoch_samples = self._epoch_samples, 0
         self.fingerprints[epoch] = parameter_fingerprint(self.module)
-        for old in sorted(self.fingerprints)[:-4]:
-            del self.fingerprints[old]
-        for listener in self.epoch_listeners:
-            listener(epoch)
+        if epoch % self.spec.averaging.average_state_every == 0:
+            self.state_digests[epoch] = state_digest(self.optimizer.state())
+        for kept in (self.fingerprints, self.state_digests):
+            for old in sorted(kept)[:-4]:
+                del kept[old]
+        if self.on_epoch is not None:
+            self.on_epoch(EpochEnd(epoch=epoch, loss=sum(losses) / len(losses) if losses else None,
+                                   samples=samples, seconds=seconds))
 
     def measure_throughput(self, repeats: int = 2) -> float:
         """Samples/s of forward+backward on a random micro-batch (gradients discarded)."""
@@ -300,7 +319,7 @@ class StageServer(ServicerBase):
         here, ``mb_id``, is in-flight work and still accepted)."""
         if self.paused and (mb_id is None or (str(context.remote_id), mb_id) not in self._cache):
             raise StageError(f"stage {self.stage} server is paused by its operator; retry on another server")
-        reason = self.blocked.get(str(context.remote_id))
+        reason = self.bans.banned_p2p_ids.get(str(context.remote_id)) if self.bans is not None else None
         if reason is not None:
             raise StageError(f"refused: the run's coordinator banned this peer ({reason})")
 
@@ -379,4 +398,4 @@ async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:
         return False
 
 
-__all__ = ["StageServer", "StageError", "is_serving", "parameter_fingerprint"]
+__all__ = ["EpochEnd", "StageServer", "StageError", "is_serving", "parameter_fingerprint"]

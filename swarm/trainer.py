@@ -1,11 +1,18 @@
-"""The trainer: streams its share of the samples through the swarm and reports its progress.
+"""The trainer: joins a run, streams its share of the samples through the swarm and reports its progress.
 
-A trainer claims a data share (the lowest one no other live trainer announces), walks that share of each
-pass in a seeded order (:func:`swarm.data.shard_order`), and keeps ``concurrency`` micro-batches in flight
-through :class:`~swarm.pipeline.RemotePipeline`. Every ``record_ttl_s / 3`` seconds it publishes a signed
+A :class:`Trainer` is what ``swarm-peer join --role trainer`` runs (the app only parses, configures logging and
+wires signals and ``swarm-peer pause|resume|drain``); a test starts one in-process the same way::
+
+    trainer = Trainer(address, PeerSettings(host="127.0.0.1"), TrainerOptions(max_samples=256))
+    await trainer.run()            # until trainer.stop() or max_samples
+
+It joins the run's DHT in client mode (works behind NAT), prepares the run's dataset, claims a data share (the
+lowest one no other live trainer announces), and resumes it at the position the newest checkpoint manifest
+recorded (:func:`resume_position`). It walks that share of each pass in a seeded order
+(:func:`swarm.data.shard_order`), keeping ``concurrency`` micro-batches in flight through
+:class:`~swarm.pipeline.RemotePipeline`. Every ``record_ttl_s / 3`` seconds it publishes a signed
 :class:`~swarm.protocol.TrainerInfo` (with its position in the share's stream, which checkpoints record) and
-logs one fixed-key line. A trainer that (re)joins a run with checkpoints resumes its share at the position
-the newest manifest recorded (:func:`resume_position`).
+logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds it measures the validation loss through the swarm.
 """
 
 from __future__ import annotations
@@ -15,23 +22,29 @@ import itertools
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from hivemind.utils import get_dht_time
 
 from swarm import __version__
-from swarm.aio import wait_any
-from swarm.banlist import BanFollower, PeerBanned
-from swarm.config import RunSpec
-from swarm.data import TokenDataset, shard_order
-from swarm.directory import RunDirectory
+from swarm.aio import sleep_or_stop, wait_any
+from swarm.banlist import PeerBanned, RunBans
+from swarm.config import PeerSettings, RunSpec
+from swarm.data import TokenDataset, prepare_dataset, shard_order
+from swarm.directory import RunDirectory, connect_run
 from swarm.identity import Identity
+from swarm.logs import PeerLog
 from swarm.pipeline import PipelineError, RemotePipeline, validation_loss
 from swarm.protocol import TrainerInfo
 from swarm.transport import GLOBAL_COUNTER
 
 logger = logging.getLogger(__name__)
+
+PipelineFactory = Callable[..., RemotePipeline]
+"""Builds the trainer's pipeline: ``(spec, run_id, directory, p2p, bans=..., log=...)`` (tests pass a Byzantine one,
+:mod:`swarm.attacks`)."""
 
 
 def claim_shard(directory: RunDirectory, num_shards: int, peer_id: str) -> int:
@@ -66,37 +79,57 @@ def resume_position(directory: RunDirectory, shard: int, num_stages: int) -> int
     return max((m.data_position.get(shard, 0) for m in newest), default=0)
 
 
-class Trainer:
-    """Trains through the swarm until ``stop`` is set or ``max_samples`` were processed.
+@dataclass(frozen=True)
+class TrainerOptions:
+    """What a trainer does beyond the run spec (the flags of ``swarm-peer join --role trainer``).
 
-    :param loss_log: if set, every micro-batch's loss and sample indices are appended there as JSON lines.
+    :param shard: data share to train on (default: the lowest one no live trainer announces).
+    :param concurrency: micro-batches in flight; raise it on links with long round trips.
+    :param max_samples: stop after this many samples (default: train until stopped).
+    :param loss_log: append every micro-batch's loss and sample indices here (JSON lines).
     """
 
-    def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, identity: Identity,
-                 pipeline: RemotePipeline, dataset: TokenDataset, shard: int, *, concurrency: int = 1,
-                 max_samples: Optional[int] = None, loss_log: Optional[Path] = None, position: int = 0,
-                 on_report: Optional[Callable[[TrainerInfo], None]] = None, name: str = "", p2p_id: str = "",
-                 val_every_s: float = 0.0, bans: Optional[BanFollower] = None):
-        self.spec, self.run_id, self.directory, self.identity = spec, run_id, directory, identity
-        self.pipeline, self.dataset, self.shard = pipeline, dataset, shard
-        self.concurrency, self.max_samples, self.loss_log = concurrency, max_samples, loss_log
+    shard: Optional[int] = None
+    concurrency: int = 2
+    max_samples: Optional[int] = None
+    loss_log: Optional[Path] = None
+
+
+class Trainer:
+    """Trains through the run at ``address`` until :meth:`stop` or ``options.max_samples`` (module docstring).
+
+    :param settings: this peer's settings (identity, cache folder, name, validation period).
+    :param pipeline_factory: builds the pipeline (default :class:`RemotePipeline`).
+    :param on_announce: called with each :class:`TrainerInfo` published (the app's heartbeat and metrics).
+
+    Call :meth:`run`, :meth:`stop`, :meth:`pause` and :meth:`resume` on the event loop's thread.
+    """
+
+    def __init__(self, address: str, settings: PeerSettings, options: TrainerOptions = TrainerOptions(), *,
+                 pipeline_factory: PipelineFactory = RemotePipeline,
+                 on_announce: Optional[Callable[[TrainerInfo], None]] = None):
+        self.address, self.settings, self.options = address, settings, options
+        self.pipeline_factory, self.on_announce = pipeline_factory, on_announce
+        self.identity = Identity.load_or_create(settings.identity_path())
+        self.log = PeerLog(logger, self.identity.peer_id, role="trainer")
+        self.spec: Optional[RunSpec] = None
         self.samples = self.tokens = self.steps = 0
-        self.start_position = position
-        self.on_report = on_report  # called with each TrainerInfo published (the app's heartbeat)
+        self.start_position = 0
         self.first_losses: list[float] = []  # the first few, for initial_loss
         self.loss_ema: Optional[float] = None
-        self._started = time.monotonic()
-        self.name, self.p2p_id, self.val_every_s, self.bans = name, p2p_id, val_every_s, bans
         self.val_loss: Optional[float] = None
         self.val_time = 0.0
+        self._started = time.monotonic()
+        self._stop = asyncio.Event()
         self.running = asyncio.Event()  # cleared while paused (:meth:`pause`)
         self.running.set()
         self.draining = False
         self.error: Optional[Exception] = None  # why the trainer stopped itself (e.g. it was banned)
 
-    @property
-    def state(self) -> str:
-        return "draining" if self.draining else ("training" if self.running.is_set() else "paused")
+    # ---- control ---------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Finish the micro-batches in flight (at most a few seconds) and leave."""
+        self._stop.set()
 
     def pause(self) -> None:
         """Stop starting micro-batches (those in flight finish); :meth:`resume` goes on from the same position."""
@@ -106,123 +139,164 @@ class Trainer:
         self.running.set()
 
     @property
+    def state(self) -> str:
+        return "draining" if self.draining else ("training" if self.running.is_set() else "paused")
+
+    @property
     def initial_loss(self) -> Optional[float]:
         first = self.first_losses
         return sum(first) / len(first) if first else None
 
-    async def _worker(self, batches: Iterator[list[int]], stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            if not self.running.is_set():
-                await wait_any(self.running, stop)
-                continue
-            if self.max_samples is not None and self.samples >= self.max_samples:
-                stop.set()
-                return
-            indices = next(batches)
-            try:
-                loss = await self.pipeline.forward_loss(self.dataset.batch(indices), train=True)
-            except PipelineError as e:
-                logger.warning("[%s trainer] micro-batch dropped: %s", self.identity.peer_id, e)
-                continue
-            except Exception:
-                logger.exception("[%s trainer] unexpected error; stopping", self.identity.peer_id)
-                stop.set()
-                raise
-            self.steps += 1
-            if len(self.first_losses) < 5:
-                self.first_losses.append(loss)
-            if self.loss_log is not None:
-                with open(self.loss_log, "a") as f:
-                    f.write(json.dumps({"step": self.steps, "loss": loss, "indices": indices}) + "\n")
-            self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
-            self.samples += len(indices)
-            self.tokens += len(indices) * self.spec.data.seq_len
-
-    def info(self) -> TrainerInfo:
-        elapsed = max(time.monotonic() - self._started, 1e-6)
-        return TrainerInfo(
-            run_id=self.run_id, peer_id=self.identity.peer_id, time=get_dht_time(), shard=self.shard,
-            loss=self.loss_ema, initial_loss=self.initial_loss, samples=self.samples,
-            position=self.start_position + self.samples, tokens=self.tokens,
-            samples_per_s=self.samples / elapsed, failures=self.pipeline.failures,
-            bytes_sent=GLOBAL_COUNTER.sent, bytes_received=GLOBAL_COUNTER.received, version=__version__,
-            name=self.name, p2p_id=self.p2p_id, state=self.state, val_loss=self.val_loss, val_time=self.val_time,
-        )
-
-    async def _validate(self, stop: asyncio.Event, batches: int = 4) -> None:
-        """Measure the validation loss through the swarm every ``val_every_s`` seconds (first after one period)."""
-        while self.val_every_s > 0:
-            try:
-                await asyncio.wait_for(stop.wait(), self.val_every_s)
-                return
-            except asyncio.TimeoutError:
-                pass
-            if not self.running.is_set():
-                continue
-            try:
-                self.val_loss, self.val_time = await validation_loss(self.pipeline, self.dataset, batches), get_dht_time()
-                logger.info("[%s trainer] val_loss=%.4f", self.identity.peer_id, self.val_loss)
-            except (PipelineError, ValueError) as e:
-                logger.warning("[%s trainer] validation loss not measured: %s", self.identity.peer_id, e)
-
-    async def _report(self, stop: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
-        period = self.spec.timeouts.record_ttl_s / 3
-        while True:
-            if self.bans is not None:
-                try:
-                    await loop.run_in_executor(None, self.bans.refresh)
-                    self.bans.check(self.identity.peer_id)
-                except PeerBanned as e:
-                    self.error = e
-                    stop.set()
-                    return
-            info = self.info()
-            await loop.run_in_executor(None, self.directory.announce_trainer, info, self.identity)
-            if self.on_report is not None:
-                self.on_report(info)
-            stages = [await self.pipeline.servers(k) for k in range(self.spec.model.num_stages)]
-            epochs = [max((s.epoch for s in group), default=0) for group in stages]
-            total = await loop.run_in_executor(None, self._swarm_samples_per_s)
-            logger.info(
-                "[%s trainer epoch=%s] loss=%s samples=%d samples/s=%.2f share=%s failures=%d servers=%s state=%s",
-                self.identity.peer_id, min(epochs), f"{info.loss:.4f}" if info.loss is not None else "-",
-                info.samples, info.samples_per_s, f"{100 * info.samples_per_s / total:.0f}%" if total else "-",
-                info.failures, "/".join(str(len(g)) for g in stages), info.state,
-            )
-            try:
-                await asyncio.wait_for(stop.wait(), period)
-                await loop.run_in_executor(None, self.directory.announce_trainer, self.info(), self.identity)
-                return
-            except asyncio.TimeoutError:
-                pass
-
-    def _swarm_samples_per_s(self) -> float:
-        """Samples/s of every trainer of the run (this one's share of it is its contribution)."""
-        others = sum(t.samples_per_s for t in self.directory.trainers() if t.peer_id != self.identity.peer_id)
-        return others + self.info().samples_per_s
-
-    async def run(self, stop: asyncio.Event, grace_s: float = 5.0) -> None:
-        """Train until ``stop`` is set; micro-batches still in flight ``grace_s`` seconds later are abandoned.
+    # ---- the trainer's life ----------------------------------------------------------------------------
+    async def run(self, grace_s: float = 5.0) -> None:
+        """Join, train until :meth:`stop` or ``max_samples``; micro-batches still in flight ``grace_s`` seconds
+        after that are abandoned.
 
         :raises PeerBanned: the run's coordinator banned this trainer (it stopped at once).
+        :raises SpecError: the run's spec could not be fetched and verified.
         """
+        loop = asyncio.get_running_loop()
+        self.dht, self.directory, self.spec, _ = await loop.run_in_executor(
+            None, lambda: connect_run(self.address, self.settings, client_mode=True))
+        try:
+            await self._join()
+            await self._train(grace_s)
+        finally:
+            self.dht.shutdown()
+        if self.error is not None:
+            raise self.error
+
+    async def _join(self) -> None:
+        """Prepare the data, claim a share, follow the ban list, build the pipeline."""
+        loop, spec, me = asyncio.get_running_loop(), self.spec, self.identity.peer_id
+        self.dataset = await loop.run_in_executor(None, prepare_dataset, spec, self.settings.cache_dir)
+        shard = self.options.shard
+        if shard is None:
+            shard = await loop.run_in_executor(None, claim_shard, self.directory, spec.data.num_shards, me)
+        self.shard = shard
+        self.start_position = await loop.run_in_executor(None, resume_position, self.directory, shard,
+                                                         spec.model.num_stages)
+        self.log.info("run %s, data share %d/%d, %d samples per pass, resuming at sample %d, tokenizer %s",
+                      self.directory.run_id, shard, spec.data.num_shards,
+                      self.dataset.num_samples() // spec.data.num_shards, self.start_position,
+                      self.dataset.tokenizer_sha256[:16])
+        self.bans = RunBans(self.directory)
+        await loop.run_in_executor(None, self.bans.refresh)
+        self.bans.check(me)
+        self.p2p = await self.dht.replicate_p2p()
+        self.pipeline = self.pipeline_factory(spec, self.directory.run_id, self.directory, self.p2p, bans=self.bans,
+                                              log=self.log)
+
+    async def _train(self, grace_s: float) -> None:
         self._started = time.monotonic()
         batches = micro_batches(self.dataset, self.spec, self.shard, self.start_position)
-        reporter = asyncio.create_task(self._report(stop))
-        validator = asyncio.create_task(self._validate(stop))
-        workers = [asyncio.create_task(self._worker(batches, stop)) for _ in range(self.concurrency)]
+        reporter = asyncio.create_task(self._report())
+        validator = asyncio.create_task(self._validate())
+        workers = [asyncio.create_task(self._worker(batches)) for _ in range(self.options.concurrency)]
         try:
-            await stop.wait()
+            await self._stop.wait()
             self.draining = True
             _, pending = await asyncio.wait(workers, timeout=grace_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
         finally:
-            stop.set()
+            self._stop.set()
             validator.cancel()
             await asyncio.gather(reporter, validator, return_exceptions=True)
-        if self.error is not None:
-            raise self.error
 
+    async def _worker(self, batches: Iterator[list[int]]) -> None:
+        while not self._stop.is_set():
+            if not self.running.is_set():
+                await wait_any(self.running, self._stop)
+                continue
+            if self.options.max_samples is not None and self.samples >= self.options.max_samples:
+                self._stop.set()
+                return
+            indices = next(batches)
+            try:
+                loss = await self.pipeline.forward_loss(self.dataset.batch(indices), train=True)
+            except PipelineError as e:
+                self.log.warning("micro-batch dropped: %s", e)
+                continue
+            except Exception:
+                self.log.exception("unexpected error; stopping")
+                self._stop.set()
+                raise
+            self._count(indices, loss)
+
+    def _count(self, indices: list[int], loss: float) -> None:
+        self.steps += 1
+        if len(self.first_losses) < 5:
+            self.first_losses.append(loss)
+        if self.options.loss_log is not None:
+            with open(self.options.loss_log, "a") as f:
+                f.write(json.dumps({"step": self.steps, "loss": loss, "indices": indices}) + "\n")
+        self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+        self.samples += len(indices)
+        self.tokens += len(indices) * self.spec.data.seq_len
+
+    # ---- reporting -------------------------------------------------------------------------------------
+    def info(self) -> TrainerInfo:
+        elapsed = max(time.monotonic() - self._started, 1e-6)
+        return TrainerInfo(
+            run_id=self.directory.run_id, peer_id=self.identity.peer_id, time=get_dht_time(), shard=self.shard,
+            loss=self.loss_ema, initial_loss=self.initial_loss, samples=self.samples,
+            position=self.start_position + self.samples, tokens=self.tokens,
+            samples_per_s=self.samples / elapsed, failures=self.pipeline.failures,
+            bytes_sent=GLOBAL_COUNTER.sent, bytes_received=GLOBAL_COUNTER.received, version=__version__,
+            name=self.settings.name, p2p_id=str(self.p2p.peer_id), state=self.state, val_loss=self.val_loss,
+            val_time=self.val_time,
+        )
+
+    async def _validate(self, batches: int = 4) -> None:
+        """Measure the validation loss through the swarm every ``val_every_s`` seconds (first after one period)."""
+        period = self.settings.val_every_s
+        while period > 0 and not await sleep_or_stop(self._stop, period):
+            if not self.running.is_set():
+                continue
+            try:
+                self.val_loss, self.val_time = await validation_loss(self.pipeline, self.dataset, batches), get_dht_time()
+                self.log.info("val_loss=%.4f", self.val_loss)
+            except (PipelineError, ValueError) as e:
+                self.log.warning("validation loss not measured: %s", e)
+
+    async def _report(self) -> None:
+        """Announce and log every ``record_ttl_s / 3`` seconds, and once more when stopping; stop if banned."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await loop.run_in_executor(None, self.bans.refresh)
+                self.bans.check(self.identity.peer_id)
+            except PeerBanned as e:
+                self.error = e
+                self._stop.set()
+                return
+            info = self.info()
+            await loop.run_in_executor(None, self.directory.announce_trainer, info, self.identity)
+            if self.on_announce is not None:
+                self.on_announce(info)
+            await self._log_progress(info)
+            if await sleep_or_stop(self._stop, self.spec.timeouts.record_ttl_s / 3):
+                await loop.run_in_executor(None, self.directory.announce_trainer, self.info(), self.identity)
+                return
+
+    async def _log_progress(self, info: TrainerInfo) -> None:
+        """The trainer's fixed-key line: the stages' epoch, loss, samples, its share of the swarm's samples/s."""
+        stages = [await self.pipeline.servers(k) for k in range(self.spec.model.num_stages)]
+        epochs = [max((s.epoch for s in group), default=0) for group in stages]
+        total = await asyncio.get_running_loop().run_in_executor(None, self._swarm_samples_per_s)
+        self.log.info(
+            "epoch=%s loss=%s samples=%d samples/s=%.2f share=%s failures=%d servers=%s state=%s", min(epochs),
+            f"{info.loss:.4f}" if info.loss is not None else "-", info.samples, info.samples_per_s,
+            f"{100 * info.samples_per_s / total:.0f}%" if total else "-", info.failures,
+            "/".join(str(len(g)) for g in stages), info.state,
+        )
+
+    def _swarm_samples_per_s(self) -> float:
+        """Samples/s of every trainer of the run (this one's share of it is its contribution)."""
+        others = sum(t.samples_per_s for t in self.directory.trainers() if t.peer_id != self.identity.peer_id)
+        return others + self.info().samples_per_s
+
+
+__all__ = ["PipelineFactory", "Trainer", "TrainerOptions", "claim_shard", "micro_batches", "resume_position"]

@@ -1,8 +1,9 @@
-"""Tensors over hivemind's libp2p streams: chunking, size limits and byte counters for the stage RPCs.
+"""Tensors over hivemind's libp2p streams: chunking, size limits and byte counters for every RPC.
 
 A request or response is a stream of ``runtime_pb2.ExpertRequest``/``ExpertResponse`` messages; the first
 carries the msgpack metadata (:mod:`swarm.protocol`), the tensors follow in chunks of at most
 :data:`CHUNK_BYTES`. Incoming streams larger than ``max_bytes`` are refused before they are deserialized.
+What the tensors hold (codecs and their layout) is :mod:`swarm.codecs`'s business.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm.protocol import ProtocolError
-
-ACTIVATION_CODECS = {"none": "float32", "float16": "float16", "blockwise8bit": "blockwise8bit"}
-"""Spec name of ``training.activation_compression`` -> wire codec of :mod:`swarm.averaging.compression`."""
 
 CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_BYTES = 512 << 20
@@ -79,52 +77,3 @@ async def gather(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_BYTES,
     except Exception as e:
         raise ProtocolError(f"could not deserialize a tensor ({type(e).__name__}: {e})") from None
     return metadata, tensors
-
-
-
-
-def pack_tensors(tensors: Sequence[torch.Tensor], codec: str) -> list[torch.Tensor]:
-    """Encode every floating tensor with the wire codec ``codec`` (integer tensors pass as they are).
-
-    ``blockwise8bit`` turns a float tensor of shape ``S`` into int8 codes of shape ``S`` and float32 block
-    scales; ``float16`` into a float16 tensor of shape ``S``; ``float32`` leaves it.
-    """
-    from swarm.averaging.compression import make_codec
-    wire = make_codec(codec)
-    out: list[torch.Tensor] = []
-    for t in tensors:
-        if not t.is_floating_point():
-            out.append(t)
-            continue
-        encoded = wire.encode(t.detach().float().flatten())
-        out.append(encoded[0].view(t.shape))
-        out.extend(encoded[1:])
-    return out
-
-
-def unpack_tensors(tensors: Sequence[torch.Tensor], codec: str) -> list[torch.Tensor]:
-    """Inverse of :func:`pack_tensors`: float32 tensors with their shapes, integer tensors as they are.
-
-    :raises ProtocolError: unknown codec, or tensors that do not follow its layout.
-    """
-    from swarm.averaging.compression import CODECS, make_codec
-    if codec not in CODECS:
-        raise ProtocolError(f"unknown activation codec {codec!r}; expected one of {sorted(CODECS)}")
-    wire, out, i = make_codec(codec), [], 0
-    first_dtype = {"float32": torch.float32, "float16": torch.float16, "blockwise8bit": torch.int8}[codec]
-    extra = 1 if codec == "blockwise8bit" else 0
-    while i < len(tensors):
-        t = tensors[i]
-        if t.dtype != first_dtype:
-            if t.is_floating_point():
-                raise ProtocolError(f"a {t.dtype} tensor in a {codec} message")
-            out.append(t)
-            i += 1
-            continue
-        group = [t.flatten()] + list(tensors[i + 1:i + 1 + extra])
-        try:
-            out.append(wire.decode(group, t.numel()).view(t.shape))
-        except ValueError as e:
-            raise ProtocolError(f"malformed {codec} tensor: {e}") from None
-        i += 1 + extra
-    return out

@@ -1,4 +1,7 @@
-"""Shared fixtures: a data cache reused across tests and runs, and a tiny run spec that trains in seconds."""
+"""Shared fixtures: a data cache reused across tests and runs, and a tiny run spec that trains in seconds.
+
+Tests that need another spec derive it from :data:`TINY` with :meth:`~swarm.config.RunSpec.updated`, which
+validates the change (a misspelt field fails loudly instead of silently doing nothing)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from swarm.config import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY_SPEC = """
+TINY = RunSpec.parse_toml("""
 name = "tiny"
 [model]
 vocab_size = 512
@@ -46,9 +49,9 @@ average_state_every = 2
 [timeouts]
 forward_s = 20.0
 backward_s = 20.0
-ban_s = 2.0
+backoff_s = 2.0
 record_ttl_s = 15.0
-"""
+""", source="the tiny test spec")
 
 
 @pytest.fixture(scope="session")
@@ -59,11 +62,15 @@ def cache_dir() -> Path:
     return path
 
 
+def write_spec(spec: RunSpec, path: Path) -> Path:
+    """Write ``spec`` as a TOML file at ``path``; returns ``path``."""
+    path.write_text(spec.to_toml())
+    return path
+
+
 @pytest.fixture
 def tiny_spec_path(tmp_path: Path) -> Path:
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY_SPEC)
-    return path
+    return write_spec(TINY, tmp_path / "tiny.toml")
 
 
 @pytest.fixture
@@ -74,18 +81,14 @@ def tiny_spec(tiny_spec_path: Path) -> RunSpec:
 @pytest.fixture
 def exact_spec_path(tmp_path: Path) -> Path:
     """The tiny spec with fp32 activations between stages: the swarm's math equals the reference's."""
-    path = tmp_path / "exact.toml"
-    path.write_text(TINY_SPEC.replace("target_batch_size = 32\n", "target_batch_size = 32\nactivation_compression = \"none\"\n"))
-    return path
+    return write_spec(TINY.updated(training={"activation_compression": "none"}), tmp_path / "exact.toml")
 
 
 @pytest.fixture(scope="session")
 def tiny_dataset(cache_dir: Path, tmp_path_factory):
     from swarm.data import prepare_dataset
 
-    path = tmp_path_factory.mktemp("spec") / "tiny.toml"
-    path.write_text(TINY_SPEC)
-    return prepare_dataset(RunSpec.from_toml(path), cache_dir)
+    return prepare_dataset(TINY, cache_dir)
 
 
 @pytest.fixture

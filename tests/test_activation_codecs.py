@@ -5,7 +5,7 @@ import torch
 from hivemind.compression import serialize_torch_tensor
 
 from swarm.protocol import ProtocolError
-from swarm.transport import pack_tensors, unpack_tensors
+from swarm.codecs import pack_tensors, unpack_tensors
 
 
 def _wire_bytes(tensors):

@@ -3,7 +3,7 @@ import torch
 
 from swarm.averaging.aggregation import (CenteredClipAggregator, MeanAggregator, bound_weights, coordinate_median,
                                          make_aggregator)
-from swarm.averaging.attacks import make_attack
+from swarm.attacks import make_attack
 
 ROBUST = ["median", "trimmed_mean", "centered_clip"]
 

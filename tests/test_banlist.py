@@ -4,7 +4,7 @@ import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from swarm.banlist import BanFollower, PeerBanned, update_bans
+from swarm.banlist import PeerBanned, RunBans, update_bans
 from swarm.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.protocol import BanList, bans_key, seal
@@ -23,7 +23,7 @@ def run(tiny_spec):
 
 def test_only_the_run_key_bans_and_followers_see_the_newest_list(run):
     directory, coordinator = run
-    follower = BanFollower(directory)
+    follower = RunBans(directory)
     assert follower.refresh() is None and follower.banned == {}
     follower.check("anyone")  # nothing banned: no error
 
@@ -38,7 +38,7 @@ def test_only_the_run_key_bans_and_followers_see_the_newest_list(run):
     update_bans(directory, coordinator, ban=("peerx", "sent garbage", "12D3KooWX"))
     update_bans(directory, coordinator, ban=("peery", "r" * 300, ""))
     current = follower.refresh(republish=True)
-    assert current.banned == {"peerx": "sent garbage", "peery": "r" * 200} and follower.p2p_ids == {"12D3KooWX"}
+    assert current.banned == {"peerx": "sent garbage", "peery": "r" * 200} and set(follower.banned_p2p_ids) == {"12D3KooWX"}
     assert follower.is_banned("peerx") and not follower.is_banned("honest")
     with pytest.raises(PeerBanned, match="banned from run .* sent garbage.*swarm-coordinator unban"):
         follower.check("peerx")
@@ -50,7 +50,7 @@ def test_only_the_run_key_bans_and_followers_see_the_newest_list(run):
 
 def test_an_older_list_never_replaces_a_newer_one(run):
     directory, coordinator = run
-    follower = BanFollower(directory)
+    follower = RunBans(directory)
     update_bans(directory, coordinator, ban=("peerx", "first", ""))
     follower.refresh()
     stale = BanList(run_id=directory.run_id, peer_id=coordinator.peer_id, time=get_dht_time() - 60, banned={})

@@ -1,4 +1,5 @@
-"""A real multi-process swarm with a Byzantine server: it is rejected, banned, shown banned, and routed around."""
+"""A real multi-process swarm with a Byzantine server: it is rejected, excluded, shown excluded, and routed
+around."""
 
 import json
 import subprocess
@@ -7,47 +8,45 @@ import sys
 import pytest
 
 from swarm.protocol import ServerState
-from tests.conftest import TINY_SPEC
+from tests.conftest import TINY
 from tests.scenario import Scenario, make_swarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-ONE_STAGE = (TINY_SPEC.replace("stage_layers = [1, 1]", "stage_layers = [2]")
-             .replace("[averaging]\n", '[averaging]\naggregator = "centered_clip"\ncompression = "blockwise8bit"\n'))
+ONE_STAGE = TINY.updated(model={"stage_layers": [2]},
+                         averaging={"aggregator": "centered_clip", "compression": "blockwise8bit"})
 
 
-def test_a_noisy_server_is_banned_by_its_stage_and_routed_around(tmp_path, cache_dir, tiny_dataset):
-    spec_path = tmp_path / "one-stage.toml"
-    spec_path.write_text(ONE_STAGE)
-    with make_swarm(spec_path, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+def test_a_noisy_server_is_excluded_by_its_stage_and_routed_around(tmp_path, cache_dir, tiny_dataset):
+    with make_swarm(ONE_STAGE, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
         sc.servers(per_stage=3, byzantine="noise").trainers(1, "--concurrency", "2")
         bad = next(p for p in sw.peers if p.name.startswith("byzantine"))
         bad_p2p = lambda: next(s.p2p_id for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
 
-        def honest_ban_it():
+        def honest_exclude_it():
             honest = [s for s in sc.directory.servers(0) if s.peer_id != bad.peer_id and s.state == ServerState.ONLINE]
-            return len(honest) == 2 and all(bad_p2p() in s.banned for s in honest)
+            return len(honest) == 2 and all(bad_p2p() in s.excluded for s in honest)
 
-        sc.wait(honest_ban_it, 300, "both honest servers to ban the noisy one")
-        reasons = [s.banned[bad_p2p()] for s in sc.directory.servers(0) if bad_p2p() in s.banned]
-        assert all("exceeds" in r for r in reasons), reasons  # rejected for its norm, scored, banned
+        sc.wait(honest_exclude_it, 300, "both honest servers to exclude the noisy one")
+        reasons = [s.excluded[bad_p2p()] for s in sc.directory.servers(0) if bad_p2p() in s.excluded]
+        assert all("exceeds" in r for r in reasons), reasons  # rejected for its norm, scored, excluded
         honest = [s for s in sc.directory.servers(0) if s.peer_id != bad.peer_id]
         assert all(s.averaging.get("rejected", 0) >= 3 for s in honest)
-        assert not any(h.p2p_id in s.banned for s in honest for h in honest), "an honest server was banned"
+        assert not any(h.p2p_id in s.excluded for s in honest for h in honest), "an honest server was excluded"
 
         done = subprocess.run([sys.executable, "-m", "coordinator", "status", sw.address, "--json"],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         peers = {p["peer_id"]: p for p in json.loads(done.stdout)["peers"]}
-        assert peers[bad.peer_id]["banned"] is True and peers[bad.peer_id]["banned_by"] == 2
-        assert all(not p["banned"] for pid, p in peers.items() if p["role"] == "server" and pid != bad.peer_id)
+        assert peers[bad.peer_id]["excluded"] is True and peers[bad.peer_id]["excluded_by"] == 2
+        assert all(not p["excluded"] for pid, p in peers.items() if p["role"] == "server" and pid != bad.peer_id)
 
         # the trainer routes around it: its sample count stops growing while training goes on
         frozen = next(s.samples for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
         before = sc.trainer_samples()
         sc.wait(lambda: sc.trainer_samples() >= before + 64, 180, "training to go on")
         after = next(s.samples for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
-        assert after - frozen <= 8, "the trainer kept routing to a banned server"
+        assert after - frozen <= 8, "the trainer kept routing to an excluded server"
 
         def learning():  # the honest servers keep training: the loss falls below the trainer's first losses
             ts = sc.directory.trainers()

@@ -78,7 +78,7 @@ def test_manifest_is_signed_and_lists_fragments():
 
 
 def test_stage_state_restores_bit_exactly_and_training_continues_identically(tiny_spec):
-    from swarm.averaging.optimizer import make_torch_optimizer
+    from swarm.averaging.schedule import make_torch_optimizer
     from swarm.checkpoint.state import capture_stage_state, restore_stage_state
     from swarm.model import build_stage
 
@@ -105,3 +105,23 @@ def test_stage_state_restores_bit_exactly_and_training_continues_identically(tin
         assert torch.equal(pa, pb), n
     with pytest.raises(ShardError, match="another model"):
         restore_stage_state(shard, build_stage(tiny_spec.model, 1), opt_b)
+
+
+def test_a_loaded_state_is_written_into_the_tensors_the_optimizer_already_holds(tiny_spec):
+    """hivemind's state averager averages the optimizer's own statistics tensors (shared memory): a load must
+    overwrite those, not replace them, or the server's Adam moments are never averaged again."""
+    from swarm.averaging.schedule import make_stage_torch_optimizer
+    from swarm.checkpoint.state import load_named_state, named_state
+    from swarm.model import build_stage
+
+    source, target = build_stage(tiny_spec.model, 1), build_stage(tiny_spec.model, 1)
+    opt_source = make_stage_torch_optimizer(tiny_spec.optim, source.parameters())
+    source(torch.randn(2, 16, tiny_spec.model.d_model)).float().square().mean().backward()
+    opt_source.step()
+    opt_target = make_stage_torch_optimizer(tiny_spec.optim, target.parameters())
+    held = [t for p in target.parameters() for t in opt_target.state[p].values()]
+    load_named_state(named_state(source, opt_source), target, opt_target)
+    now = [t for p in target.parameters() for t in opt_target.state[p].values()]
+    assert all(a is b for a, b in zip(held, now)) and len(held) == len(now)
+    loaded = named_state(target, opt_target)
+    assert all(torch.equal(v, loaded[k]) for k, v in named_state(source, opt_source).items())

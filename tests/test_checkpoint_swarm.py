@@ -1,29 +1,17 @@
 """Checkpoints in real multi-process swarms: resume after every peer died, and loss-spike rollback."""
 
 import signal
-import time
 
 import pytest
 
 from swarm.protocol import ServerState
-from tests.conftest import TINY_SPEC
+from tests.conftest import TINY
 from tests.scenario import Scenario, make_swarm
 
 pytestmark = [pytest.mark.scenario, pytest.mark.timeout(600)]
 
-CHECKPOINTS = """
-[checkpoint]
-interval_epochs = 2
-fragments_needed = 2
-fragments_total = 3
-restore_timeout_s = 120
-"""
-
-
-def _spec(tmp_path, extra: str = "") -> str:
-    path = tmp_path / "ckpt.toml"
-    path.write_text(TINY_SPEC.replace("[timeouts]", CHECKPOINTS + extra + "[timeouts]"))
-    return path
+CKPT = TINY.updated(name="ckpt", checkpoint={"interval_epochs": 2, "fragments_needed": 2, "fragments_total": 3,
+                                             "restore_timeout_s": 120})
 
 
 def _newest(sc, stage):
@@ -32,14 +20,14 @@ def _newest(sc, stage):
 
 
 def test_every_peer_dies_and_the_run_resumes_from_fragments(tmp_path, cache_dir, tiny_dataset):
-    with make_swarm(_spec(tmp_path), tmp_path, cache_dir) as sw:
+    with make_swarm(CKPT, tmp_path, cache_dir) as sw:
         with Scenario(sw) as sc:
             sc.servers(per_stage=1).trainers(1)
             sc.wait(lambda: all((m := _newest(sc, k)) is not None and m.epoch >= 6 and m.data_position.get(0)
                                 for k in range(2)), 240, "three checkpoints of every stage, with a data position")
             trainer = next(p for p in sw.peers if p.role == "trainer")
-            sw.stop(trainer)  # no more epochs: the newest checkpoints stay the newest
-            time.sleep(3 * sc.directory.ttl / 3)
+            sw.stop(trainer)  # no more epochs: the newest checkpoints stay the newest (once commits in flight land)
+            sc.settle(lambda: [_newest(sc, k) for k in range(2)], sc.directory.ttl / 3, 120, "the newest checkpoints")
             committed = {k: _newest(sc, k) for k in range(2)}
             for peer in [p for p in sw.peers if p.alive()] + [sw.coordinator]:
                 sw.kill(peer, signal.SIGKILL)
@@ -98,13 +86,13 @@ def _check_cli(address, out_dir, cache_dir):
 
 
 def test_a_loss_spike_rolls_every_stage_back_and_lowers_the_learning_rate(tmp_path, cache_dir, tiny_dataset):
-    rollback = "[rollback]\nwindow_epochs = 4\nmargin = 0.15\nwarmup_epochs = 4\nlr_factor = 0.5\n"
-    with make_swarm(_spec(tmp_path, rollback), tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+    spec = CKPT.updated(rollback={"window_epochs": 4, "margin": 0.15, "warmup_epochs": 4, "lr_factor": 0.5})
+    with make_swarm(spec, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
         sc.servers(per_stage=1).trainers(1).until_epoch(10)
         for k in range(2):
             assert all(s.lr_scale == 1.0 for s in sc.directory.servers(k))
         # bad data: a trainer whose targets are all wrong makes the training loss jump
-        bad = sw.start_peer("trainer", "--shard", "1", "--concurrency", "4", env={"SWARM_BYZANTINE": "label_flip"})
+        bad = sc.byzantine_trainer("label_flip", "--shard", "1", "--concurrency", "4")
         sc.wait(lambda: sc.directory.rollback_orders(), 180, "a rollback order")
         sw.stop(bad)
         order = sc.directory.rollback_orders()[0][0]
@@ -124,21 +112,19 @@ def _settled_layout(sc, servers: int, timeout: float) -> dict[str, int]:
     and the placement held still for a re-announce period (rebalancing may move one while the swarm fills up,
     and its old record lingers)."""
     live = (ServerState.ONLINE, ServerState.JOINING, ServerState.DRAINING)
-    deadline, before = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
+
+    def layout():
         seen = [(s.peer_id, k, s.state) for k in range(2) for s in sc.directory.fresh_servers(k, states=live)]
         now = {pid: k for pid, k, state in seen if state == ServerState.ONLINE}
-        settled = len(seen) == len(now) == servers
-        if settled and now == before:
-            return now
-        before = now if settled else None
-        time.sleep(sc.directory.ttl / 3 + 2)
-    raise AssertionError(f"the servers' placement never settled\n{sc.story()}")
+        return now if len(seen) == len(now) == servers else None
+
+    return sc.settle(layout, sc.directory.ttl / 3 + 2, timeout, "the servers' placement (one stage each)",
+                     accept=lambda placement: placement is not None)
 
 
 def test_a_server_moves_to_a_stage_that_lost_its_servers(tmp_path, cache_dir, tiny_dataset):
-    rebalance = "[rebalance]\nperiod_s = 3.0\nmin_dwell_s = 5.0\nmin_gain = 0.25\n"
-    with make_swarm(_spec(tmp_path, rebalance), tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+    spec = CKPT.updated(rebalance={"period_s": 3.0, "min_dwell_s": 5.0, "min_gain": 0.25})
+    with make_swarm(spec, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
         for _ in range(3):  # unpinned: each picks the bottleneck stage when it joins
             peer = sw.start_peer("server")
             sc.wait(lambda pid=peer.peer_id: any(s.peer_id == pid and s.state == ServerState.ONLINE
@@ -163,5 +149,5 @@ def test_a_server_moves_to_a_stage_that_lost_its_servers(tmp_path, cache_dir, ti
             f"its old stage keeps a server\n{sc.story()}"
         epochs = sc.epochs()
         sc.until_epoch(max(epochs) + 2, timeout=180)
-        time.sleep(2 * sc.directory.ttl)  # hysteresis: nobody moves back
-        assert mover.peer_id in {s.peer_id for s in sc.directory.fresh_servers(lone)}, sc.story()
+        sc.holds(lambda: mover.peer_id in {s.peer_id for s in sc.directory.fresh_servers(lone)}, 2 * sc.directory.ttl,
+                 f"the mover staying on stage {lone} (hysteresis: nobody moves back)")

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from swarm.averaging.compression import (BLOCK, Blockwise8Bit, CodecError, Float16Codec, Float32Codec, PowerSGD,
-                                         make_compressor, run_locally)
-from swarm.averaging.optimizer import lr_at_epoch
+from swarm.averaging.compression import PowerSGD, make_compressor, run_locally
+from swarm.averaging.schedule import lr_at_epoch
+from swarm.codecs import BLOCK, Blockwise8Bit, CodecError, Float16Codec, Float32Codec
 from swarm.config import OptimSpec
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from swarm.averaging.optimizer import make_stage_torch_optimizer
+from swarm.averaging.schedule import make_stage_torch_optimizer
 from swarm.checkpoint import ShardError, capture_stage_state
 from swarm.checkpoint.export import export_model, generate, load_exported
 from swarm.config import ModelSpec, OptimSpec

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from swarm.averaging.optimizer import make_stage_torch_optimizer
+from swarm.averaging.schedule import make_stage_torch_optimizer
 from swarm.checkpoint import FragmentError, FragmentStore, capture_stage_state, decode_shard
 from swarm.checkpoint.catalog import checkpoint_views
 from swarm.checkpoint.keeper import FragmentKeeper
@@ -96,15 +96,15 @@ def test_commit_restore_repair_and_ban(swarm_of_keepers):
         view.alive = {i: h for i, h in full.items() if i in (liar_index, (liar_index + 1) % 4)}
         with pytest.raises(FragmentError, match="only 1 of the 2 fragments .* \\(1 corrupt\\)"):
             await writer.fetch(view)
-        assert liar.me in writer.bans and "corrupt" in writer.bans[liar.me]
+        assert liar.me in writer.distrusted and "corrupt" in writer.distrusted[liar.me]
         view.alive = full
         blob, bad = await writer.fetch(view)
         restored = decode_shard(blob, manifest.shard_sha256)
-        assert bad == 0, "a banned holder is not asked again"
+        assert bad == 0, "a distrusted holder is not asked again"
         assert all(torch.equal(restored.tensors[k], v) for k, v in shard.tensors.items())
         await writer.tick(repair=False)
         info = next(s for s in writer.directory.storage() if s.peer_id == writer.me)
-        assert liar.me in info.banned
+        assert liar.me in info.distrusted
 
         # a holder vanishes: after its record expires, the lowest live holder re-creates its fragment elsewhere
         gone = next(n for n in others if n.me in holders)

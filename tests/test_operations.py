@@ -21,7 +21,7 @@ RUN_KEYS = {"run_id", "name", "spec_hash", "num_stages", "epoch", "total_epochs"
             "samples_per_s", "loss", "train_loss", "val_loss", "loss_history", "peers"}
 PEER_KEYS = {"peer_id", "name", "version", "role", "stage", "state", "reachability", "epoch", "throughput",
              "samples_per_s", "samples", "contribution", "last_seen_s", "lagging", "loss", "rejected_parts",
-             "flagged_parts", "banned", "banned_by_coordinator"}
+             "flagged_parts", "banned", "ban_reason", "excluded"}
 STAGE_KEYS = {"stage", "servers_online", "servers", "throughput", "demand", "epoch", "lagging", "last_round"}
 
 
@@ -128,7 +128,7 @@ def test_monitoring_pause_resume_ban_and_drain_on_a_live_swarm(tmp_path, tiny_sp
         assert trainer.proc.wait(90) == 4
         assert "banned from run" in sw.tail(trainer, 20)
         peers = {p["peer_id"]: p for p in json.loads(_cli("coordinator", "peers", address, "--json").stdout)["peers"]}
-        assert peers[trainer.peer_id]["banned_by_coordinator"] == "test ban"
+        assert peers[trainer.peer_id]["banned"] and peers[trainer.peer_id]["ban_reason"] == "test ban"
         done = _cli("coordinator", "unban", address, trainer.peer_id, "--key", key)
         assert done.returncode == 0 and json.loads(done.stdout)["banned"] == {}
 

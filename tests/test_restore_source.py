@@ -8,14 +8,15 @@ from swarm.protocol import CheckpointManifest
 
 
 class _Optimizer:
-    """hivemind.Optimizer's surface that a load from peers touches: it sets local_epoch to the donor's epoch."""
+    """The stage optimizer's surface that a load from peers touches: it sets the epoch to the donor's epoch."""
 
     def __init__(self, donor_epoch):
-        self.local_epoch, self.donor_epoch = 0, donor_epoch
+        self.epoch, self.donor_epoch = 0, donor_epoch
 
-    def load_state_from_peers(self):
+    def load_state_from_peers(self) -> int:
         if self.donor_epoch is not None:
-            self.local_epoch = self.donor_epoch
+            self.epoch = self.donor_epoch
+        return self.epoch
 
 
 def _checkpoints(spec, donor_epoch, manifests=()):

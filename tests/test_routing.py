@@ -45,18 +45,18 @@ def test_newcomer_starts_level_not_flooded():
     assert picks["new"] == pytest.approx(10, abs=2)
 
 
-def test_ban_backoff_and_recovery():
+def test_backoff_and_recovery():
     clock = FakeClock()
-    router = Router(ban_s=5.0, ban_max_s=12.0, clock=clock, rng=random.Random(0))
+    router = Router(backoff_s=5.0, backoff_max_s=12.0, clock=clock, rng=random.Random(0))
     servers = [server("a"), server("b")]
     assert router.report_failure("a") == 5.0
     assert {router.choose(servers).peer_id for _ in range(10)} == {"b"}
     assert router.report_failure("a") == 10.0
     assert router.report_failure("a") == 12.0  # capped
     clock.t = 11.0
-    assert router.is_banned("a")
+    assert router.is_backed_off("a")
     clock.t = 12.5
-    assert not router.is_banned("a")
+    assert not router.is_backed_off("a")
     router.report_failure("b")
     router.report_success("a")
     assert router.choose(servers).peer_id == "a"

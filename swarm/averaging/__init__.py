@@ -2,7 +2,8 @@
 
 from swarm.averaging.aggregation import Aggregator, MeanAggregator, make_aggregator
 from swarm.averaging.compression import Compressor, make_compressor
-from swarm.averaging.optimizer import build_stage_optimizer, lr_at_epoch
+from swarm.averaging.optimizer import StageOptimizer
+from swarm.averaging.schedule import lr_at_epoch
 
 __all__ = [
     "Aggregator",
@@ -10,6 +11,6 @@ __all__ = [
     "make_aggregator",
     "Compressor",
     "make_compressor",
-    "build_stage_optimizer",
+    "StageOptimizer",
     "lr_at_epoch",
 ]

@@ -33,8 +33,9 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from swarm.averaging.aggregation import Aggregator
-from swarm.averaging.compression import CODECS, Phase, PhaseResult, WireCodec
+from swarm.averaging.compression import Phase, PhaseResult
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, Reduction, Verdict, partition_bounds, reduce_partition
+from swarm.codecs import CODECS, WireCodec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
 from swarm.transport import gather, stream_out
 
@@ -80,10 +81,7 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
 
 @dataclass
 class PartitionReducer:
-    """The reducer side of one phase: collects the parts of this peer's partition and aggregates them once.
-
-    ``corrupt`` (tests and benchmarks only: the lying-reducer attack) replaces the aggregate it returns.
-    """
+    """The reducer side of one phase: collects the parts of this peer's partition and aggregates them once."""
 
     numel: int
     senders: frozenset
@@ -91,7 +89,6 @@ class PartitionReducer:
     aggregator: Aggregator
     policy: ReducePolicy
     timeout: float
-    corrupt: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     sign_receipt: Optional[Callable[[list[bytes], str], bytes]] = None
     parts: dict = field(default_factory=dict)
     weights: dict = field(default_factory=dict)
@@ -136,12 +133,8 @@ class PartitionReducer:
             pass
         parts, weights = dict(self.parts), dict(self.weights)
         try:
-            self.reduction = await asyncio.get_running_loop().run_in_executor(
-                None, reduce_partition, parts, weights, self.numel, self.aggregator, self.policy)
-            out = self.reduction.aggregate
-            if self.corrupt is not None:
-                out = self.corrupt(out)
-            self.encoded = self.codec.encode(out)
+            self.reduction = await asyncio.get_running_loop().run_in_executor(None, self._aggregate, parts, weights)
+            self.encoded = self.codec.encode(self.reduction.aggregate)
             if self.sign_receipt is not None:
                 listed = [self.commitments[s] for s in parts if s in self.commitments]
                 self.receipt = self.sign_receipt(listed, digest(self.encoded))
@@ -152,11 +145,19 @@ class PartitionReducer:
             self.error = f"reducer failed: {type(e).__name__}: {e}"
 
 
+    def _aggregate(self, parts: dict, weights: dict) -> Reduction:
+        """Check and aggregate the parts received (:func:`~swarm.averaging.reducer.reduce_partition`).
+
+        :raises NoValidParts: no part survived the checks.
+        """
+        return reduce_partition(parts, weights, self.numel, self.aggregator, self.policy)
+
+
 SendFn = Callable[[str, AveragingPart, list[torch.Tensor]], Awaitable[tuple[AveragingReply, list[torch.Tensor]]]]
 
 
 class Accountant:
-    """Signs this peer's commitments and receipts and checks the receipts it gets (:mod:`swarm.averaging.audit`).
+    """Signs this peer's commitments and receipts and checks the receipts it gets (:mod:`swarm.averaging.evidence`).
     The base class does nothing (the in-process harness, unit tests)."""
 
     def commit(self, meta: AveragingPart) -> bytes:

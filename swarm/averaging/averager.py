@@ -1,21 +1,22 @@
-"""hivemind's averagers with our all-reduce: compressed parts, robust reducers, bans.
+"""hivemind's averagers with our all-reduce: compressed parts, robust reducers, exclusions, audits.
 
 hivemind keeps what it is good at: matchmaking (groups over the DHT), the averager process, gradient
 accumulation and its hand-off to ``hivemind.Optimizer`` (``grad_averager_factory``). The all-reduce itself
 (``_aggregate_with_group``) is replaced by the phases of the peer's :class:`Compressor` run through
 :func:`swarm.averaging.allreduce.run_phase`, with the RPC ``rpc_robust_part`` on the averager's libp2p
-handlers. Banned peers are refused as group members by matchmaking (as leader and as follower) and their
-parts are never aggregated.
+handlers. Excluded peers (:mod:`swarm.averaging.exclusion`) are refused as group members by matchmaking (as
+leader and as follower) and their parts are never aggregated.
 
 Everything here runs in the averager's own process (hivemind forks it); :class:`WireStats` and
-:meth:`RobustGradientAverager.report` bring counters and bans back to the peer's main process.
+:meth:`RobustGradientAverager.report` bring counters and exclusions back to the peer's main process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Optional
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
@@ -28,15 +29,14 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
-from swarm.averaging.aggregation import Aggregator, MeanAggregator
-from swarm.averaging.allreduce import (PartitionReducer, RoundFailed, WireStats, decode_part, run_phase,
-                                       send_part)
-from swarm.averaging.attacks import Attack
-from swarm.averaging.auditing import AuditMixin
-from swarm.averaging.bans import BanBook, BanPolicy, worst
-from swarm.averaging.compression import Compressor, flatten, make_compressor, unflatten
+from swarm.averaging.aggregation import Aggregator, MeanAggregator, make_aggregator
+from swarm.averaging.allreduce import PartitionReducer, RoundFailed, WireStats, decode_part, run_phase, send_part
+from swarm.averaging.auditor import Auditor
+from swarm.averaging.compression import Compressor, make_compressor
 from swarm.averaging.contributions import TrainerContributions
+from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.reducer import ReducePolicy, partition_bounds
+from swarm.config import AveragingSpec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
 from swarm.transport import gather, stream_out
 
@@ -45,70 +45,100 @@ logger = logging.getLogger(__name__)
 REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start here (peers run phases unevenly)
 
 
-class RobustAllReduceMixin(AuditMixin):
+@dataclass(frozen=True)
+class AveragingRules:
+    """How this peer's reducers and auditors judge parts; the same on every honest peer of a run.
+
+    :param aggregator: the rule every reducer applies to its partition (default: the mean).
+    :param policy: bounds on parts (norm ratio, weight ratio, outlier ratio).
+    :param exclusion: scores that turn rejections and flags into exclusions.
+    :param phase_timeout: seconds a reducer waits for the parts of a phase (a sender waits twice that).
+    :param audit_probability: chance that a partition is audited in a phase (:mod:`swarm.averaging.evidence`).
+    """
+
+    aggregator: Aggregator = field(default_factory=MeanAggregator)
+    policy: ReducePolicy = field(default_factory=ReducePolicy)
+    exclusion: ExclusionPolicy = field(default_factory=ExclusionPolicy)
+    phase_timeout: float = 10.0
+    audit_probability: float = 0.25
+
+    @classmethod
+    def from_spec(cls, avg: AveragingSpec) -> "AveragingRules":
+        """The rules of the run spec's ``[averaging]`` section."""
+        return cls(
+            aggregator=make_aggregator(avg.aggregator, trim=avg.trim, tau_ratio=avg.clip_tau,
+                                       iterations=avg.clip_iterations),
+            policy=ReducePolicy(reject_norm_ratio=avg.reject_norm_ratio, outlier_ratio=avg.outlier_ratio,
+                                max_weight_ratio=avg.max_weight_ratio),
+            exclusion=ExclusionPolicy(threshold=avg.exclusion_threshold),
+            phase_timeout=avg.next_chunk_timeout, audit_probability=avg.audit_probability)
+
+
+class RobustAllReduceMixin(Auditor):
     """Replaces a hivemind ``DecentralizedAverager``'s all-reduce with ours; call :meth:`_init_robust` before the
     averager's ``__init__`` (which forks the averager process).
 
+    :param rules: how parts are judged (:class:`AveragingRules`).
     :param compressor: this peer's compressor (keeps the error-feedback residual), default identity fp32.
-    :param aggregator: rule every reducer applies to its partition, default the mean.
-    :param policy: bounds on parts (norm ratio, weight ratio, outlier ratio).
-    :param ban_policy: scores that turn rejections and flags into bans.
-    :param attack: Byzantine behaviour for tests and benchmarks only; ``None`` in every real peer.
-    :param phase_timeout: seconds a reducer waits for the parts of a phase (a sender waits twice that).
     :param identity: the peer's Ed25519 identity, which signs commitments, receipts and accusations
         (a fresh one if omitted); ``run_id`` namespaces them.
-    :param audit_probability: chance that a partition is audited in a phase (:mod:`swarm.averaging.audit`).
     """
 
-    def _init_robust(self, compressor: Optional[Compressor] = None, aggregator: Optional[Aggregator] = None,
-                     policy: Optional[ReducePolicy] = None, ban_policy: Optional[BanPolicy] = None,
-                     attack: Optional[Attack] = None, phase_timeout: float = 10.0, identity=None,
-                     run_id: str = "local", audit_probability: float = 0.25) -> None:
-        self._init_audit(identity, run_id, audit_probability)
+    wire_name = ""
+    """The protocol's name in libp2p handler names (set by each concrete averager; subclasses keep it)."""
+
+    @classmethod
+    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
+        """hivemind names a handler after the Python class; here it is named after the protocol
+        (:attr:`wire_name`), so a subclass (a test's Byzantine averager) still speaks to everyone else."""
+        name = f"{cls.wire_name or cls.__name__}.{method_name}"
+        return f"{namespace}::{name}" if namespace is not None else name
+
+    def _init_robust(self, rules: AveragingRules, compressor: Optional[Compressor] = None, identity=None,
+                     run_id: str = "local") -> None:
+        self.rules = rules
+        self._init_audit(identity, run_id, rules.audit_probability)
         self.compressor = compressor or make_compressor("none")
-        self.aggregator = aggregator or MeanAggregator()
-        self.policy = policy or ReducePolicy()
-        self.bans = BanBook(ban_policy or BanPolicy())
-        self.attack = attack
-        self.phase_timeout = phase_timeout
+        self.exclusions = ExclusionBook(rules.exclusion)
         self.wire = WireStats()
         self._reducers: dict[str, asyncio.Future] = {}
         self._mm_wrapped = False
-        self._round = 0
 
     # ---- main-process API ---------------------------------------------------------------------------
     def report(self, timeout: float = 5.0) -> dict:
-        """Bans and scores as seen by this peer's reducers: ``{"banned": {peer: reason}, "scores": {...}}``."""
+        """Exclusions and scores as seen by this peer's reducers and auditors:
+        ``{"excluded": {libp2p id: reason}, "scores": {libp2p id: score}}``."""
         future = MPFuture()
         self._outer_pipe.send(("_report", [], dict(future=future)))
         return future.result(timeout)
 
-    def ban(self, peer: str, reason: str, timeout: float = 5.0) -> None:
-        """Ban ``peer`` from this peer's groups (a verified accusation or an operator's ban)."""
+    def exclude(self, peer: str, reason: str, timeout: float = 5.0) -> None:
+        """Exclude ``peer`` (a libp2p id) from this peer's groups (e.g. it is on the run's ban list)."""
         future = MPFuture()
-        self._outer_pipe.send(("_ban", [], dict(peer=peer, reason=reason, future=future)))
+        self._outer_pipe.send(("_exclude", [], dict(peer=peer, reason=reason, future=future)))
         future.result(timeout)
 
     async def _report(self, future: MPFuture) -> None:
-        future.set_result({"banned": {p: self.bans.bans[p].reason for p in self.bans.banned()},
-                           "scores": dict(self.bans.scores)})
+        book = self.exclusions
+        future.set_result({"excluded": {p: book.exclusions[p].reason for p in book.excluded()},
+                           "scores": dict(book.scores)})
 
-    async def _ban(self, peer: str, reason: str, future: MPFuture) -> None:
-        self.bans.ban(peer, reason)
+    async def _exclude(self, peer: str, reason: str, future: MPFuture) -> None:
+        self.exclusions.exclude(peer, reason)
         future.set_result(None)
 
-    # ---- matchmaking: keep banned peers out of our groups ---------------------------------------------
+    # ---- matchmaking: keep excluded peers out of our groups -------------------------------------------
     def _wrap_matchmaking(self) -> None:
         mm = self._matchmaking
         check, request = mm._check_reasons_to_reject, mm._request_join_group
 
         def check_reasons_to_reject(req, context):
-            if self.bans.is_banned(str(context.remote_id)):
+            if self.exclusions.is_excluded(str(context.remote_id)):
                 return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return check(req, context)
 
         async def request_join_group(leader):
-            if self.bans.is_banned(str(leader)):
+            if self.exclusions.is_excluded(str(leader)):
                 return None
             return await request(leader)
 
@@ -128,9 +158,9 @@ class RobustAllReduceMixin(AuditMixin):
             user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
             modes = [AveragingMode(m) for m in mode_ids]
             peers = [str(p) for p in group_info.peer_ids]
-            banned = [p for p in peers if self.bans.is_banned(p)]
-            if banned:
-                raise RoundFailed(f"group holds banned peers {banned}; looking for another group")
+            excluded = [p for p in peers if self.exclusions.is_excluded(p)]
+            if excluded:
+                raise RoundFailed(f"group holds excluded peers {excluded}; looking for another group")
             bandwidths = [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)]
             fractions = await asyncio.get_running_loop().run_in_executor(
                 None, load_balance_peers, self.total_size, bandwidths, min_vector_size)
@@ -154,9 +184,6 @@ class RobustAllReduceMixin(AuditMixin):
 
     async def _run_phases(self, tensors, group: str, peers, fractions, senders, weight, seed):
         me = str(self.peer_id)
-        self._round += 1
-        if self.attack is not None:  # a Byzantine peer corrupts its gradient, then compresses it as usual
-            tensors = unflatten(self.attack.corrupt_part(flatten(tensors), self._round), tensors)
         gen = self.compressor.phases(tensors, seed)
         phase, index, verdicts = next(gen), 0, {}
         try:
@@ -168,10 +195,9 @@ class RobustAllReduceMixin(AuditMixin):
                     numel = self._partition_size(phase, fractions, my_index)
                     mine = AveragingPart(group=key, partition=my_index, weight=0.0, numel=numel,
                                          codec=phase.codec.name, digest="")
-                    reducer = PartitionReducer(
-                        numel=numel, senders=senders, codec=phase.codec, aggregator=self.aggregator,
-                        policy=self.policy, timeout=self.phase_timeout,
-                        corrupt=self.attack.corrupt_aggregate if self.attack is not None else None,
+                    reducer = self._new_reducer(
+                        numel=numel, senders=senders, codec=phase.codec, aggregator=self.rules.aggregator,
+                        policy=self.rules.policy, timeout=self.rules.phase_timeout,
                         sign_receipt=lambda commitments, out, m=mine: self.accountant.sign_receipt(m, commitments, out))
                     self._future_for(key).set_result(reducer)
                 outcome = self.begin_phase(key)
@@ -195,6 +221,10 @@ class RobustAllReduceMixin(AuditMixin):
                 self._reducers.pop(f"{group}:{i}", None)
             self._score(verdicts)
 
+    def _new_reducer(self, **fields) -> PartitionReducer:
+        """The reducer of this peer's partition in one phase (:class:`PartitionReducer` fields)."""
+        return PartitionReducer(**fields)
+
     def _partition_size(self, phase, fractions, j) -> int:
         a, b = partition_bounds(phase.vector.numel(), fractions, phase.codec.block)[j]
         return b - a
@@ -208,8 +238,8 @@ class RobustAllReduceMixin(AuditMixin):
         for s, v in per_sender.items():
             if not v.accepted:
                 logger.warning(f"rejected the part of {s}: {v.reason}")
-        for ban in self.bans.record_round({s: v for s, v in per_sender.items() if s != str(self.peer_id)}):
-            logger.warning(f"banned {ban.peer}: {ban.reason}")
+        for new in self.exclusions.record_round({s: v for s, v in per_sender.items() if s != str(self.peer_id)}):
+            logger.warning(f"excluded {new.peer} from averaging: {new.reason}")
 
     def _future_for(self, key: str) -> asyncio.Future:
         if key not in self._reducers:
@@ -219,14 +249,14 @@ class RobustAllReduceMixin(AuditMixin):
     async def _send(self, peer: str, meta: AveragingPart, encoded):
         from hivemind.p2p import PeerID
         stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-        return await send_part(stub, meta, encoded, self.wire, timeout=2 * self.phase_timeout)
+        return await send_part(stub, meta, encoded, self.wire, timeout=2 * self.rules.phase_timeout)
 
     async def rpc_robust_part(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                               ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """A group member's part of the partition this peer reduces; replies with the partition's aggregate."""
         sender = str(context.remote_id)
         try:
-            metadata, tensors = await asyncio.wait_for(gather(stream, counter=self.wire), self.phase_timeout)
+            metadata, tensors = await asyncio.wait_for(gather(stream, counter=self.wire), self.rules.phase_timeout)
             meta = unpack_message(metadata, AveragingPart)
         except (ProtocolError, asyncio.TimeoutError) as e:
             reply, out = AveragingReply(error=f"bad request: {e}"), []
@@ -236,8 +266,8 @@ class RobustAllReduceMixin(AuditMixin):
             yield msg
 
     async def _handle_part(self, sender: str, meta: AveragingPart, tensors):
-        if self.bans.is_banned(sender):
-            return AveragingReply(error="you are banned by this peer"), []
+        if self.exclusions.is_excluded(sender):
+            return AveragingReply(error="this peer excluded you from its averaging groups"), []
         future = self._future_for(meta.group)
         try:
             reducer: PartitionReducer = await asyncio.wait_for(asyncio.shield(future), REGISTRATION_WAIT_S)
@@ -254,29 +284,40 @@ class RobustAllReduceMixin(AuditMixin):
 class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
     """GradientAverager with our all-reduce and bounded trainer contributions.
 
-    Before each ``hivemind.Optimizer.step(batch_size)`` the stage server sets :attr:`contributor` to the
-    trainer whose micro-batch produced the gradients; :class:`TrainerContributions` clips and accumulates per
-    trainer and combines the trainers robustly when the round begins. Keyword arguments of the mixin
-    (:meth:`RobustAllReduceMixin._init_robust`) plus ``clip_ratio``; the rest go to GradientAverager.
+    The stage's optimizer hands it each micro-batch's gradients with the trainer they came from
+    (:meth:`accumulate`); :class:`TrainerContributions` clips and accumulates per trainer and combines the
+    trainers robustly when the round begins.
+
+    :param rules: see :class:`AveragingRules`; ``compressor``, ``identity``, ``run_id``: see
+        :class:`RobustAllReduceMixin`.
+    :param clip_ratio: a micro-batch's gradient is clipped at this x the recent median norm (0: never).
+    :param kwargs: the rest go to hivemind's ``GradientAverager`` (``dht``, ``prefix``, matchmaking and timeouts).
     """
 
-    def __init__(self, parameters, *, dht, prefix: str, compressor=None, aggregator=None, policy=None,
-                 ban_policy=None, attack=None, phase_timeout: float = 10.0, clip_ratio: float = 5.0,
-                 identity=None, run_id: str = "local", audit_probability: float = 0.25, **kwargs):
-        self._init_robust(compressor, aggregator, policy, ban_policy, attack, phase_timeout, identity, run_id,
-                          audit_probability)
-        self.contributions = TrainerContributions(aggregator=self.aggregator, clip_ratio=clip_ratio)
-        self.contributor = "local"
+    wire_name = "RobustGradientAverager"
+
+    def __init__(self, parameters, *, rules: AveragingRules = AveragingRules(), compressor=None, identity=None,
+                 run_id: str = "local", clip_ratio: float = 5.0, **kwargs):
+        self._init_robust(rules, compressor, identity, run_id)
+        self.contributions = TrainerContributions(aggregator=rules.aggregator, clip_ratio=clip_ratio)
         self._last_local: Optional[list[torch.Tensor]] = None
-        super().__init__(parameters, dht=dht, prefix=prefix, **kwargs)
+        super().__init__(parameters, **kwargs)
 
     @torch.no_grad()
-    def accumulate_grads_(self, batch_size: int):
-        self.local_samples_accumulated += batch_size
+    def accumulate(self, contributor: str, gradients: Sequence[torch.Tensor], samples: int) -> float:
+        """Add one micro-batch's ``gradients`` (one tensor per parameter, shaped like it) of ``samples`` samples
+        from ``contributor`` (the trainer's peer id); returns the scale its clipping applied (1: none, 0: dropped
+        for NaN/Inf)."""
+        self.local_samples_accumulated += samples
         self.local_times_accumulated += 1
         self._accumulators_used_in_step = False
         self._last_local = None
-        self.contributions.add(self.contributor, list(self._grads_from_parameters()), batch_size)
+        return self.contributions.add(contributor, list(gradients), samples)
+
+    @torch.no_grad()
+    def accumulate_grads_(self, batch_size: int):
+        """hivemind's entry point: the parameters' ``.grad`` as one contribution of an unnamed trainer."""
+        self.accumulate("local", list(self._grads_from_parameters()), batch_size)
 
     @torch.no_grad()
     def load_accumulators_into_averager_(self):
@@ -300,10 +341,10 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
 
 class RobustStateAverager(RobustAllReduceMixin, TrainingStateAverager):
     """hivemind's TrainingStateAverager (parameters and optimizer statistics) with our all-reduce, uncompressed
-    (``compressor`` is forced to fp32 without error feedback: parameters are not gradients)."""
+    (fp32 without error feedback: parameters are not gradients)."""
 
-    def __init__(self, *, aggregator=None, policy=None, ban_policy=None, phase_timeout: float = 10.0,
-                 identity=None, run_id: str = "local", audit_probability: float = 0.25, **kwargs):
-        self._init_robust(make_compressor("none"), aggregator, policy, ban_policy, None, phase_timeout, identity,
-                          run_id, audit_probability)
+    wire_name = "RobustStateAverager"
+
+    def __init__(self, *, rules: AveragingRules = AveragingRules(), identity=None, run_id: str = "local", **kwargs):
+        self._init_robust(rules, make_compressor("none"), identity, run_id)
         super().__init__(**kwargs)

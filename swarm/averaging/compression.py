@@ -1,134 +1,28 @@
-"""Gradient compression for intra-stage averaging: wire codecs and compressors with error feedback.
+"""Gradient compression for intra-stage averaging: compressors with error feedback over the wire codecs.
 
-Two layers:
+The codecs themselves (fp32, fp16, 8-bit blockwise) live in :mod:`swarm.codecs`, shared with the activation
+transport. A :class:`Compressor` decides *what* vectors a peer all-reduces in a round, through
+:meth:`Compressor.phases`, a generator that yields one :class:`Phase` per all-reduce and receives its
+:class:`PhaseResult`. Elementwise compressors run one phase and keep the per-peer **error feedback**
+residual (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019): what the codec
+dropped this round is added to the next round's vector, so the accumulated error stays bounded and the
+sum of what was sent tracks the sum of the gradients. :class:`PowerSGD` runs two phases (Vogels et al.,
+"PowerSGD", NeurIPS 2019, Algorithm 1, with error feedback): ``P = M Q`` is aggregated and orthonormalised,
+then ``Q = Mᵀ P`` (with the small tensors, in fp16) is aggregated; the result is ``P Qᵀ``.
 
-* A :class:`WireCodec` turns a float32 vector into the tensors that cross the wire and back: identity (fp32),
-  fp16, and 8-bit blockwise absmax (:class:`Blockwise8Bit`, int8 codes with one float32 scale per block of
-  :data:`BLOCK` values; Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022, sec. 2).
-  A codec is elementwise per block, so encoding slices cut at multiples of ``codec.block`` equals slicing the
-  encoding of the whole vector: the butterfly all-reduce cuts partitions there.
-* A :class:`Compressor` decides *what* vectors a peer all-reduces in a round, through
-  :meth:`Compressor.phases`, a generator that yields one :class:`Phase` per all-reduce and receives its
-  :class:`PhaseResult`. Elementwise compressors run one phase and keep the per-peer **error feedback**
-  residual (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019): what the codec
-  dropped this round is added to the next round's vector, so the accumulated error stays bounded and the
-  sum of what was sent tracks the sum of the gradients. :class:`PowerSGD` runs two phases (Vogels et al.,
-  "PowerSGD", NeurIPS 2019, Algorithm 1, with error feedback): ``P = M Q`` is aggregated and orthonormalised,
-  then ``Q = Mᵀ P`` (with the small tensors, in fp16) is aggregated; the result is ``P Qᵀ``.
-
-The same code runs in the real swarm (:mod:`swarm.averaging.allreduce`) and in the in-process harness
-(:mod:`swarm.averaging.harness`).
+The same code runs in the real swarm (:mod:`swarm.averaging.allreduce`) and in the in-process harness of the
+benchmarks (``bench/harness.py``).
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Generator, Sequence
 
 import torch
 
-BLOCK = 512  # values per absmax block of the 8-bit codec: 1 byte per value + 4 bytes per block = 3.97x vs fp32
-
-
-class CodecError(ValueError):
-    """Tensors received for a part do not match what the codec sends (dtype, shape, count)."""
-
-
-class WireCodec(ABC):
-    """Encodes a float32 vector into wire tensors; ``block`` is the alignment of cuts that preserve encodings."""
-
-    name: str
-    block: int = 1
-
-    @abstractmethod
-    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """``x`` float32 ``(numel,)`` -> tensors to serialize."""
-
-    @abstractmethod
-    def decode(self, tensors: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-        """Wire tensors -> float32 ``(numel,)``.
-
-        :raises CodecError: a tensor has the wrong dtype, shape or count (a malformed or hostile part).
-        """
-
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """What the receiver decodes from ``x``: float32 ``(numel,)``."""
-        return self.decode(self.encode(x), x.numel())
-
-
-def _expect(tensors: Sequence[torch.Tensor], specs: Sequence[tuple[torch.dtype, int]], codec: str) -> None:
-    if len(tensors) != len(specs):
-        raise CodecError(f"{codec} part has {len(tensors)} tensors, expected {len(specs)}")
-    for t, (dtype, numel) in zip(tensors, specs):
-        if t.dtype != dtype or t.dim() != 1 or t.numel() != numel:
-            raise CodecError(
-                f"{codec} part tensor is {t.dtype}{tuple(t.shape)}, expected {dtype}({numel},)"
-            )
-
-
-class Float32Codec(WireCodec):
-    name = "float32"
-
-    def encode(self, x):
-        return [x.detach().float().contiguous()]
-
-    def decode(self, tensors, numel):
-        _expect(tensors, [(torch.float32, numel)], self.name)
-        return tensors[0]
-
-
-class Float16Codec(WireCodec):
-    name = "float16"
-
-    def encode(self, x):
-        # clamp: values beyond fp16's range would become inf on the wire
-        return [x.detach().float().clamp(-65504.0, 65504.0).half()]
-
-    def decode(self, tensors, numel):
-        _expect(tensors, [(torch.float16, numel)], self.name)
-        return tensors[0].float()
-
-
-class Blockwise8Bit(WireCodec):
-    """8-bit blockwise absmax: per block of ``block`` values, ``scale = max|x|`` and ``code = round(127 x / scale)``.
-
-    Wire: int8 codes ``(numel,)`` + float32 scales ``(ceil(numel / block),)``. Per-value error is at most
-    ``scale / 254`` (half a quantization step).
-    """
-
-    name = "blockwise8bit"
-
-    def __init__(self, block: int = BLOCK):
-        self.block = block
-
-    def encode(self, x):
-        x = x.detach().float().flatten()
-        n = x.numel()
-        nblocks = math.ceil(n / self.block)
-        padded = torch.nn.functional.pad(x, (0, nblocks * self.block - n)).view(nblocks, self.block)
-        scales = padded.abs().amax(dim=1)
-        inv = torch.where(scales > 0, 127.0 / scales, torch.zeros_like(scales))
-        codes = torch.round(padded * inv[:, None]).clamp_(-127, 127).to(torch.int8).flatten()[:n]
-        return [codes, scales]
-
-    def decode(self, tensors, numel):
-        nblocks = math.ceil(numel / self.block)
-        _expect(tensors, [(torch.int8, numel), (torch.float32, nblocks)], self.name)
-        codes, scales = tensors
-        padded = torch.nn.functional.pad(codes.float(), (0, nblocks * self.block - numel)).view(nblocks, self.block)
-        return (padded * (scales / 127.0)[:, None]).flatten()[:numel]
-
-
-CODECS = {c.name: c for c in (Float32Codec, Float16Codec, Blockwise8Bit)}
-
-
-def make_codec(name: str) -> WireCodec:
-    """Wire codec by name (``float32``, ``float16``, ``blockwise8bit``); raises ValueError otherwise."""
-    if name not in CODECS:
-        raise ValueError(f"unknown wire codec {name!r}; choose one of {sorted(CODECS)}")
-    return CODECS[name]()
+from swarm.codecs import Blockwise8Bit, Float16Codec, Float32Codec, WireCodec
 
 
 @dataclass

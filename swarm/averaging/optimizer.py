@@ -1,86 +1,45 @@
-"""The collaborative optimizer of a stage: hivemind.Optimizer with the run spec's schedule and averaging.
+"""The collaborative optimizer of a stage: the one door to hivemind's optimizer, progress tracker and averagers.
 
-Every server of stage ``k`` joins the hivemind optimizer ``{run_id}-stage{k}``: it accumulates gradients of
-the micro-batches it backpropagates (clipped and per trainer, :mod:`swarm.averaging.contributions`); once
-the stage's servers together have ``target_batch_size`` samples, they form a group (hivemind matchmaking),
-all-reduce the gradients with the spec's compressor and robust aggregator
-(:mod:`swarm.averaging.averager`) and each applies the same AdamW step, so the servers of a stage stay equal. Every ``average_state_every`` epochs parameters and
-optimizer statistics are averaged too, which re-syncs a server that missed a round. A late joiner downloads
-the state from a live server (hivemind ``load_state_from_peers``).
+Every server of stage ``k`` joins the hivemind optimizer ``{run_id}-stage{k}`` through a
+:class:`StageOptimizer`. It accumulates the gradients of the micro-batches the server backpropagates (clipped
+and per trainer, :mod:`swarm.averaging.contributions`); once the stage's servers together counted
+``target_batch_size`` samples (an *epoch*), they form a group (hivemind matchmaking), all-reduce the gradients
+with the spec's compressor and robust aggregator (:mod:`swarm.averaging.averager`) and each applies the same
+AdamW step, so the servers of a stage stay equal. Every ``average_state_every`` epochs parameters and optimizer
+statistics are averaged too, which re-syncs a server that missed a round. A late joiner downloads the state
+from a live server (hivemind ``load_state_from_peers``).
+
+Nothing outside this module calls into hivemind's ``Optimizer``, ``ProgressTracker`` or averager internals:
+:class:`StageOptimizer` is the surface (``step``, ``finish_epoch_if_ready``, ``jump_to_epoch``, ``state`` /
+``load_state``, ``load_state_from_peers``, ``report``), and :class:`_CollaborativeOptimizer` keeps the fixes
+for hivemind 1.1.12 that need its private seams.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import time
+import warnings
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable, Sequence
 
 import hivemind
 import hivemind.optim.progress_tracker
 import torch
 
-from swarm.averaging.aggregation import make_aggregator
-from swarm.averaging.averager import RobustGradientAverager, RobustStateAverager
-from swarm.averaging.bans import BanPolicy
+from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import make_compressor
-from swarm.averaging.reducer import ReducePolicy
-from swarm.config import OptimSpec, RunSpec
+from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer
+from swarm.checkpoint.state import load_named_state, named_state
+from swarm.config import RunSpec
 
+logger = logging.getLogger(__name__)
 
-def lr_at_epoch(optim: OptimSpec, epoch: int) -> float:
-    """Learning rate multiplier at ``epoch``: linear warm-up, then cosine decay to ``min_lr_ratio``."""
-    if epoch < optim.warmup_epochs:
-        return (epoch + 1) / (optim.warmup_epochs + 1)
-    progress = min(1.0, (epoch - optim.warmup_epochs) / max(1, optim.total_epochs - optim.warmup_epochs))
-    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def make_torch_optimizer(optim: OptimSpec, params) -> torch.optim.Optimizer:
-    """The local optimizer of the spec (AdamW), also used by the single-process reference."""
-    return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
-
-
-def make_stage_torch_optimizer(optim: OptimSpec, params) -> torch.optim.Optimizer:
-    """:func:`make_torch_optimizer` with its state created up front (zero moments, ``step = 0``).
-
-    hivemind's state averager needs optimizer state tensors to exist; if there are none it creates them with
-    a "virtual" AdamW step on zero gradients, which applies weight decay once and counts a step, so the
-    first real update would differ from plain AdamW's. Creating the same state AdamW would create lazily
-    keeps the stage optimizer identical to the single-process reference.
-    """
-    opt = make_torch_optimizer(optim, params)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            opt.state[p] = {
-                "step": torch.tensor(0.0),
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
-    return opt
-
-
-class Schedule:
-    """The learning-rate multiplier at an epoch: :func:`lr_at_epoch` times ``scale`` (lowered by loss-spike
-    rollbacks, :mod:`swarm.checkpoint.rollback`)."""
-
-    def __init__(self, optim: OptimSpec, scale: float = 1.0):
-        self.optim, self.scale = optim, scale
-
-    def __call__(self, epoch: int) -> float:
-        return lr_at_epoch(self.optim, epoch) * self.scale
-
-
-def make_scheduler(optim: OptimSpec, opt: torch.optim.Optimizer,
-                   schedule: Schedule | None = None) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, schedule or Schedule(optim))
-
-
-def set_lr_scale(optimizer: "StageOptimizer", scale: float) -> None:
-    """Set the rollback learning-rate multiplier and apply it to the current epoch's learning rate now."""
-    optimizer.schedule.scale = scale
-    scheduler = optimizer.state_averager.scheduler
-    for group, base in zip(optimizer.opt.param_groups, scheduler.base_lrs):
-        group["lr"] = base * optimizer.schedule(scheduler.last_epoch)
+AveragerFactory = Callable[..., RobustGradientAverager]
+"""Builds the stage's gradient averager (keyword arguments of :class:`RobustGradientAverager`); tests and
+benchmarks pass a Byzantine one (:mod:`swarm.attacks`)."""
+MAX_EXCLUSIONS_REPORTED = 32
 
 
 class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
@@ -100,7 +59,7 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         )
 
 
-class StageOptimizer(hivemind.Optimizer):
+class _CollaborativeOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer with our averagers and two fixes for hivemind 1.1.12, through its private seams.
 
     * :class:`~swarm.averaging.averager.RobustStateAverager` for parameters and optimizer statistics
@@ -112,16 +71,30 @@ class StageOptimizer(hivemind.Optimizer):
       such a stale round is dropped and a fresh one is started (``_begin_averaging_gradients``).
     """
 
+    def __init__(self, *, state_rules: dict, **kwargs):
+        self._state_rules = state_rules
+        super().__init__(**kwargs)
+
+    def contribute(self, gradients: Sequence[torch.Tensor], samples: int, contributor: str) -> None:
+        """``hivemind.Optimizer.step(batch_size=samples)`` for this configuration (gradient averaging, not
+        auxiliary, no closure or AMP scaler), with the gradients and their trainer passed explicitly."""
+        self.state_averager.step(apply_delayed_updates=True)
+        if self._should_load_state_from_peers():
+            logger.info("this server is out of sync with its stage: loading the state from its peers")
+            self.load_state_from_peers()
+            return  # the gradients were computed with out-of-sync parameters
+        self.grad_averager.accumulate(contributor, gradients, samples)
+        self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+        self._maybe_schedule_gradient_averaging()
+        self._maybe_schedule_state_averaging()
+        if self.tracker.ready_to_update_epoch:
+            self._update_global_epoch(None)
+
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         stale = self.scheduled_grads
         if stale is not None and (stale.triggered or stale.done()):
             self.scheduled_grads = None
         return super()._begin_averaging_gradients(grad_scaler)
-
-    def __init__(self, *, state_averager_kwargs: dict, schedule: Schedule, **kwargs):
-        self._robust_state_kwargs = state_averager_kwargs
-        self.schedule = schedule
-        super().__init__(**kwargs)
 
     def _make_state_averager(self, **kwargs) -> RobustStateAverager:
         return RobustStateAverager(
@@ -130,7 +103,7 @@ class StageOptimizer(hivemind.Optimizer):
             offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True,
-            **self._robust_state_kwargs, **kwargs,
+            **self._state_rules, **kwargs,
         )
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> SampleCountTracker:
@@ -140,61 +113,208 @@ class StageOptimizer(hivemind.Optimizer):
         )
 
 
-def averaging_components(spec: RunSpec, attack=None, identity=None, run_id: str = "local") -> dict:
-    """Keyword arguments of :class:`~swarm.averaging.averager.RobustGradientAverager` from the spec's
-    ``[averaging]`` section (the state averager takes the same minus the compressor, attack and clip ratio)."""
-    avg = spec.averaging
-    return dict(
-        compressor=make_compressor(avg.compression, rank=avg.powersgd_rank),
-        aggregator=make_aggregator(avg.aggregator, trim=avg.trim, tau_ratio=avg.clip_tau,
-                                   iterations=avg.clip_iterations),
-        policy=ReducePolicy(reject_norm_ratio=avg.reject_norm_ratio, outlier_ratio=avg.outlier_ratio,
-                            max_weight_ratio=avg.max_weight_ratio),
-        ban_policy=BanPolicy(threshold=avg.ban_threshold),
-        phase_timeout=avg.next_chunk_timeout,
-        attack=attack,
-        clip_ratio=avg.microbatch_clip_ratio,
-        identity=identity,
-        run_id=run_id,
-        audit_probability=avg.audit_probability,
-    )
+@dataclass
+class AveragingReport:
+    """What a server publishes about its averaging (:class:`~swarm.protocol.ServerInfo`).
 
-
-def build_stage_optimizer(spec: RunSpec, run_id: str, stage: int, dht: hivemind.DHT, module: torch.nn.Module,
-                          *, client_mode: bool = False, attack=None, identity=None) -> StageOptimizer:
-    """hivemind.Optimizer for ``module`` (stage ``stage``), configured from the spec.
-
-    Gradients and state are averaged by our robust all-reduce (:mod:`swarm.averaging.averager`); ``attack``
-    makes this server Byzantine (tests and benchmarks only); ``identity`` (the peer's Ed25519 key) signs its
-    averaging commitments, receipts and accusations.
+    :param peers: servers of the stage its progress tracker counts (the last round's group, roughly).
+    :param wire: counters of the gradient averager: bytes ``sent``/``received`` on the wire, ``phases``,
+        ``failed`` rounds, parts ``rejected`` and ``flagged`` as a reducer.
+    :param excluded: libp2p id -> reason, the peers it excluded from averaging (at most 32, reasons cut to 200
+        characters); empty when the averager process did not answer in time.
     """
-    avg = spec.averaging
-    components = averaging_components(spec, attack, identity, run_id)
-    state_kwargs = {k: components[k] for k in ("aggregator", "policy", "ban_policy", "phase_timeout", "identity",
-                                               "run_id", "audit_probability")}
-    schedule = Schedule(spec.optim)
-    return StageOptimizer(
-        state_averager_kwargs=state_kwargs,
-        schedule=schedule,
-        dht=dht,
-        run_id=f"{run_id}-stage{stage}",
-        params=module.parameters(),
-        optimizer=partial(make_stage_torch_optimizer, spec.optim),
-        scheduler=partial(make_scheduler, spec.optim, schedule=schedule),
-        target_batch_size=spec.training.target_batch_size,
-        batch_size_per_step=spec.training.micro_batch_size,
-        matchmaking_time=avg.matchmaking_time,
-        averaging_timeout=avg.averaging_timeout,
-        next_chunk_timeout=avg.next_chunk_timeout,
-        average_state_every=avg.average_state_every,
-        average_opt_statistics=("exp_avg", "exp_avg_sq"),
-        delay_state_averaging=False,
-        grad_averager_factory=partial(RobustGradientAverager, **components),
-        client_mode=client_mode,
-        # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors and
-        # its restarted successor stop counting it soon
-        tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25,
-                          metadata_expiration=2 * spec.timeouts.record_ttl_s),
-        averager_opts=dict(request_timeout=1.0, min_vector_size=0),
-        verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
-    )
+
+    peers: int = 0
+    wire: dict[str, int] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+
+
+class StageOptimizer:
+    """The collaborative optimizer of one server of stage ``stage`` (see the module docstring).
+
+    :param module: the stage's parameters (the server's copy; stepped in place once per epoch).
+    :param identity: the peer's Ed25519 identity; it signs this server's averaging commitments, receipts and
+        accusations.
+    :param averager_factory: builds the gradient averager (default :class:`RobustGradientAverager`).
+
+    Create it on the event loop's thread (hivemind's averagers install signal handlers); call everything else
+    from the server's compute thread, between micro-batches.
+    """
+
+    def __init__(self, spec: RunSpec, run_id: str, stage: int, dht: hivemind.DHT, module: torch.nn.Module, *,
+                 identity=None, averager_factory: AveragerFactory = RobustGradientAverager):
+        avg = spec.averaging
+        rules = AveragingRules.from_spec(avg)
+        self.module, self.stage, self.schedule = module, stage, Schedule(spec.optim)
+        self._target = spec.training.target_batch_size
+        self._opt = _CollaborativeOptimizer(
+            state_rules=dict(rules=rules, identity=identity, run_id=run_id),
+            dht=dht, run_id=f"{run_id}-stage{stage}", params=module.parameters(),
+            optimizer=partial(make_stage_torch_optimizer, spec.optim),
+            scheduler=partial(make_scheduler, spec.optim, schedule=self.schedule),
+            target_batch_size=spec.training.target_batch_size, batch_size_per_step=spec.training.micro_batch_size,
+            matchmaking_time=avg.matchmaking_time, averaging_timeout=avg.averaging_timeout,
+            next_chunk_timeout=avg.next_chunk_timeout, average_state_every=avg.average_state_every,
+            average_opt_statistics=("exp_avg", "exp_avg_sq"), delay_state_averaging=False,
+            grad_averager_factory=partial(
+                averager_factory, rules=rules, compressor=make_compressor(avg.compression, rank=avg.powersgd_rank),
+                identity=identity, run_id=run_id, clip_ratio=avg.microbatch_clip_ratio),
+            # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors
+            # and its restarted successor stop counting it soon
+            tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25,
+                              metadata_expiration=2 * spec.timeouts.record_ttl_s),
+            averager_opts=dict(request_timeout=1.0, min_vector_size=0),
+            verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
+        )
+
+    # ---- training ----------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The stage's epoch as this server knows it (optimizer steps taken by the stage)."""
+        return self._opt.local_epoch
+
+    def step(self, gradients: Sequence[torch.Tensor], samples: int, contributor: str) -> bool:
+        """Hand over one micro-batch: ``gradients`` (one float32 tensor per parameter of the module, shaped like
+        it) of ``samples`` samples sent by trainer ``contributor`` (its peer id). When the stage's servers
+        together reached ``target_batch_size`` samples this averages with them and steps (blocking: matchmaking,
+        all-reduce, AdamW; up to ``averaging_timeout`` seconds). Returns True if an epoch ended."""
+        epoch = self.epoch
+        self._opt.contribute(gradients, samples, contributor)
+        return self.epoch != epoch
+
+    def finish_epoch_if_ready(self) -> bool:
+        """Join the epoch's averaging round if the stage's servers together reached the target, even though no
+        micro-batch arrived here to trigger :meth:`step` (its peers' trainers may all be waiting on the round).
+        Returns True if an epoch ended."""
+        opt = self._opt
+        if not (opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0):
+            return False
+        epoch = self.epoch
+        opt._update_global_epoch(None)  # hivemind 1.1.12: exactly what step() calls once the epoch is ready
+        return self.epoch != epoch
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the current epoch (schedule x rollback scale)."""
+        return self._opt.opt.param_groups[0]["lr"]
+
+    @property
+    def lr_scale(self) -> float:
+        """The rollback learning-rate multiplier (cumulative; 1.0 until a loss-spike rollback)."""
+        return self.schedule.scale
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Set the rollback multiplier and apply it to the current epoch's learning rate now."""
+        self.schedule.scale = scale
+        scheduler = self._opt.state_averager.scheduler
+        for group, base in zip(self._opt.opt.param_groups, scheduler.base_lrs):
+            group["lr"] = base * self.schedule(scheduler.last_epoch)
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """Copies of the parameters the optimizer updates and its AdamW state, by name
+        (:func:`swarm.checkpoint.state.named_state`: ``param/<name>``, ``opt/<name>/<key>``)."""
+        return named_state(self.module, self._opt.opt)
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load a :meth:`state` into the module, the optimizer's copies and its AdamW state; gradients
+        accumulated so far are dropped (they were computed on other parameters).
+
+        :raises ShardError: a tensor is missing or has another shape or dtype.
+        """
+        load_named_state(tensors, self.module, self._opt.opt)
+        self._opt.grad_averager.reset_accumulated_grads_()
+
+    def jump_to_epoch(self, epoch: int) -> int:
+        """Set the epoch to ``epoch`` or, if later, the stage's collaborative epoch; returns the epoch set.
+
+        Progress records of dead servers outlive them for a while; a server restored at an older epoch would
+        otherwise take itself for out of sync and try, forever, to download the state from those dead peers
+        (hivemind ``load_state_from_peers``). The learning-rate schedule follows the epoch.
+        """
+        opt = self._opt
+        target = max(epoch, opt.local_epoch, opt.tracker.global_epoch)
+        if target != opt.local_epoch:
+            opt.state_averager.local_epoch = target
+            with warnings.catch_warnings():  # stepping the schedule before any optimizer step is expected here
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                opt.state_averager._update_scheduler()  # hivemind: steps the schedule up to local_epoch
+        self.announce_progress()
+        opt.state_averager.state_sharing_priority = target
+        opt.grad_averager.state_sharing_priority = target
+        return target
+
+    def load_state_from_peers(self) -> int:
+        """Download the state of a live server of the stage (hivemind ``load_state_from_peers``: one donor, no
+        integrity check; blocking). Returns the epoch after it (unchanged if no donor gave anything).
+
+        hivemind loads the optimizer statistics with ``torch.optim.Optimizer.load_state_dict``, which replaces the
+        state tensors; its state averager keeps averaging the original ones (shared memory, ``reuse_tensors``), so
+        the loaded values are copied into those and they are put back: otherwise this server's Adam moments would
+        never be averaged with the stage again.
+        """
+        opt = self._opt.opt
+        originals = {p: dict(opt.state[p]) for group in opt.param_groups for p in group["params"]}
+        self._opt.load_state_from_peers()
+        _put_back(opt, originals)
+        return self.epoch
+
+    # ---- the stage's view of this server -----------------------------------------------------------------
+    def announce_progress(self) -> None:
+        """Publish this server's progress record now (its epoch, no samples yet), so the stage's servers count
+        it before its first epoch ends (otherwise one that reaches the target first steps alone)."""
+        self._opt.tracker.report_local_progress(self._opt.local_epoch, 0)
+
+    @property
+    def peers(self) -> int:
+        """Servers of the stage (this one included) that the progress tracker counts."""
+        return self._opt.tracker.global_progress.num_peers
+
+    def wait_until_counted(self, expected: int, timeout: float = 5.0) -> bool:
+        """Wait (blocking, at most ``timeout`` seconds) until the tracker counts ``expected`` servers."""
+        deadline = time.monotonic() + timeout
+        while self.peers < expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.peers >= expected
+
+    def exclude(self, p2p_id: str, reason: str) -> bool:
+        """Keep libp2p peer ``p2p_id`` out of this server's averaging groups; False if the averager process did
+        not answer (busy in a round: try again later)."""
+        try:
+            self._opt.grad_averager.exclude(p2p_id, reason)
+            return True
+        except Exception as e:  # the averager process is busy or gone
+            logger.debug("could not exclude %s in the averager: %s", p2p_id, e)
+            return False
+
+    def counters(self) -> dict[str, int]:
+        """The gradient averager's counters (shared memory, no waiting): see :attr:`AveragingReport.wire`."""
+        return self._opt.grad_averager.wire.snapshot()
+
+    def report(self, timeout: float = 2.0) -> AveragingReport:
+        """Averaging counters and exclusions (asks the averager process, at most ``timeout`` seconds; blocking)."""
+        try:
+            excluded = self._opt.grad_averager.report(timeout=timeout)["excluded"]
+        except Exception as e:  # the averager process is busy or gone: report counters without exclusions
+            logger.debug("could not read exclusions from the averager: %s", e)
+            excluded = {}
+        excluded = {p: r[:200] for p, r in sorted(excluded.items())[:MAX_EXCLUSIONS_REPORTED]}
+        return AveragingReport(peers=self.peers, wire=self.counters(), excluded=excluded)
+
+    def shutdown(self) -> None:
+        """Stop the averager processes and the progress tracker (the module keeps its parameters)."""
+        self._opt.shutdown()
+
+
+def _put_back(opt: torch.optim.Optimizer, originals: dict) -> None:
+    """Copy each optimizer state tensor into the tensor it replaced (same shape and dtype) and use that one again."""
+    with torch.no_grad():
+        for p, held in originals.items():
+            for key, new in list(opt.state[p].items()):
+                old = held.get(key)
+                if torch.is_tensor(old) and torch.is_tensor(new) and old is not new and old.shape == new.shape \
+                        and old.dtype == new.dtype:
+                    opt.state[p][key] = old.copy_(new)
+
+
+__all__ = ["AveragingReport", "AveragerFactory", "SampleCountTracker", "StageOptimizer"]

@@ -12,7 +12,7 @@ Checks, in order (BTARD, Gorbunov et al. 2022, sec. 3.2 lists the same kinds of 
 4. after aggregation, a part whose distance to the aggregate exceeds ``outlier_ratio`` times the median
    distance is *flagged* (counted, still used: the aggregator already bounded its influence).
 
-Rejected and flagged senders feed :class:`swarm.averaging.bans.BanBook`.
+Rejected and flagged senders feed :class:`swarm.averaging.exclusion.ExclusionBook`.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ Every ``record_ttl_s / 3`` seconds (:meth:`FragmentKeeper.tick`):
    re-encodes the missing ones (erasure coding is deterministic, so they hash as the manifest says) and
    places them on new peers (:func:`~swarm.checkpoint.catalog.choose_holders`).
 
-A holder that serves bytes not matching the manifest's hash is banned: never fetched from or placed on
-again, and listed in this peer's StorageInfo with the reason.
+A holder that serves bytes not matching the manifest's hash is *distrusted*: never fetched from or placed on
+again, and listed in this peer's StorageInfo with the reason. Peers on the run's ban list (:mod:`swarm.banlist`)
+are shunned alike.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import asyncio
 import logging
 import random
 from collections import Counter
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from swarm.banlist import BanFollower
+from swarm.aio import periodic
+from swarm.banlist import RunBans
 from swarm.checkpoint.catalog import CheckpointView, checkpoint_views, choose_holders, holding
 from swarm.checkpoint.erasure import CorruptFragment, Fragment, FragmentError, join_fragments, split_into_fragments
 from swarm.checkpoint.service import FragmentService, get_fragment, put_fragment, put_manifest
@@ -35,11 +37,12 @@ from swarm.checkpoint.store import FragmentStore
 from swarm.config import RunSpec
 from swarm.directory import RunDirectory
 from swarm.identity import Identity
+from swarm.logs import PeerLog
 from swarm.protocol import CheckpointManifest, ProtocolError, StorageInfo, open_record, storage_key
 
 logger = logging.getLogger(__name__)
 
-MAX_BANS_PUBLISHED = 32
+MAX_DISTRUSTED_PUBLISHED = 32
 
 
 class FragmentKeeper:
@@ -47,15 +50,18 @@ class FragmentKeeper:
 
     :param stage: the stage this peer serves (-1: none); placement avoids putting a stage's fragments on
         its own servers. Updated when a server moves.
+    :param bans: the run's ban list, which this keeper refreshes and re-publishes every tick (the peer's one
+        :class:`~swarm.banlist.RunBans`; a new one if omitted).
     """
 
     def __init__(self, spec: RunSpec, directory: RunDirectory, identity: Identity, store: FragmentStore,
-                 *, stage: int = -1, rng: Optional[random.Random] = None):
+                 *, stage: int = -1, bans: Optional[RunBans] = None, rng: Optional[random.Random] = None):
         self.spec, self.directory, self.identity, self.store = spec, directory, identity, store
         self.run_id, self.me, self.stage = directory.run_id, identity.peer_id, stage
+        self.log = PeerLog(logger, identity.peer_id)
         self.service = FragmentService(store, directory.run_id, on_manifest=directory.publish_manifest)
-        self.bans: dict[str, str] = {}  # holders that served corrupt fragments to this peer
-        self.run_bans = BanFollower(directory)  # the coordinator's ban list, which this keeper re-publishes
+        self.distrusted: dict[str, str] = {}  # holders that served corrupt fragments to this peer -> reason
+        self.bans = bans if bans is not None else RunBans(directory)
         self.p2p: Optional[P2P] = None
         self.repairs = 0
         self.rng = rng or random.Random()
@@ -73,15 +79,7 @@ class FragmentKeeper:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Call :meth:`tick` every ``record_ttl_s / 3`` seconds until ``stop``; errors are logged, not raised."""
-        period = self.directory.ttl / 3
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), period)
-            except asyncio.TimeoutError:
-                try:
-                    await self.tick()
-                except Exception:
-                    logger.exception("[%s] fragment keeper tick failed", self.me)
+        await periodic(stop, self.directory.ttl / 3, self.tick, "fragment keeper tick", self.log)
 
     async def io(self, fn, *args):
         """Run the blocking ``fn(*args)`` (DHT access, disk) in the default executor."""
@@ -93,13 +91,14 @@ class FragmentKeeper:
         return StorageInfo(run_id=self.run_id, peer_id=self.me, time=get_dht_time(),
                            p2p_id=str(self.p2p.peer_id) if self.p2p else "", free_bytes=self.store.free_bytes(),
                            stage=self.stage, held=held[-1024:],
-                           banned={p: r[:200] for p, r in sorted(self.bans.items())[:MAX_BANS_PUBLISHED]})
+                           distrusted={p: r[:200]
+                                       for p, r in sorted(self.distrusted.items())[:MAX_DISTRUSTED_PUBLISHED]})
 
     def announce(self) -> None:
         self.directory.announce(storage_key(self.run_id), self.storage_info(), self.identity)
 
     async def tick(self, repair: bool = True) -> None:
-        await self.io(self.run_bans.refresh, True)
+        await self.io(self.bans.refresh, True)
         await self.io(self._publish_held)
         views = await self.views()
         await self._adopt(views)
@@ -116,8 +115,8 @@ class FragmentKeeper:
             try:
                 manifest, _ = open_record(sealed, CheckpointManifest, run_id=self.run_id)
             except ProtocolError as e:
-                logger.warning("[%s] a saved manifest of stage %d epoch %d does not verify (%s); ignoring it",
-                               self.me, stage, epoch, e)
+                self.log.warning("a saved manifest of stage %d epoch %d does not verify (%s); ignoring it", stage,
+                                 epoch, e)
                 continue
             self.directory.publish_manifest(manifest, sealed)
         for stage in range(self.spec.model.num_stages):
@@ -158,13 +157,14 @@ class FragmentKeeper:
 
     # ---- transfers (local store or a remote holder) ----------------------------------------------------
     def shuns(self, peer_id: str) -> bool:
-        """Banned by this keeper (corrupt fragments) or by the run's coordinator."""
-        return peer_id in self.bans or self.run_bans.is_banned(peer_id)
+        """Distrusted by this keeper (it served corrupt fragments) or banned by the run's coordinator."""
+        return peer_id in self.distrusted or self.bans.is_banned(peer_id)
 
-    def ban(self, peer_id: str, reason: str) -> None:
-        if peer_id not in self.bans and peer_id != self.me:
-            logger.warning("[%s] banned %s from fragment traffic: %s", self.me, peer_id, reason)
-            self.bans[peer_id] = reason
+    def distrust(self, peer_id: str, reason: str) -> None:
+        """Never fetch from or place on ``peer_id`` again (it served bytes that are not the fragment)."""
+        if peer_id not in self.distrusted and peer_id != self.me:
+            self.log.warning("distrusting %s for fragment traffic: %s", peer_id, reason)
+            self.distrusted[peer_id] = reason
 
     async def put(self, holder: StorageInfo, stage: int, epoch: int, fragment: Fragment) -> None:
         """Place ``fragment`` on ``holder`` (this peer's own store if it is us). Raises FragmentError."""
@@ -177,7 +177,7 @@ class FragmentKeeper:
             await put_fragment(self.p2p, holder.p2p_id, self.run_id, stage, epoch, fragment)
 
     async def get(self, holder: StorageInfo, manifest: CheckpointManifest, index: int) -> Fragment:
-        """Fetch fragment ``index`` of ``manifest`` from ``holder``, verified; bans a holder serving bad bytes."""
+        """Fetch fragment ``index`` of ``manifest`` from ``holder``, verified; distrusts a holder serving bad bytes."""
         sha = next(f.sha256 for f in manifest.fragments if f.index == index)
         if holder.peer_id == self.me:
             try:
@@ -190,15 +190,28 @@ class FragmentKeeper:
         try:
             return await get_fragment(self.p2p, holder.p2p_id, self.run_id, manifest.stage, manifest.epoch, index, sha)
         except CorruptFragment as e:
-            self.ban(holder.peer_id, f"served a corrupt fragment {index} of stage {manifest.stage} epoch "
-                                     f"{manifest.epoch}: {e}")
+            self.distrust(holder.peer_id, f"served a corrupt fragment {index} of stage {manifest.stage} epoch "
+                                          f"{manifest.epoch}: {e}")
             raise
 
     async def hand_manifest(self, holder: StorageInfo, sealed: bytes) -> None:
+        """Give the sealed manifest to ``holder`` (this peer's own store if it is us); raises FragmentError."""
         if holder.peer_id == self.me:
             await self.io(self.service.accept_manifest, sealed)
         else:
             await put_manifest(self.p2p, holder.p2p_id, self.run_id, sealed)
+
+    async def hand_manifests(self, holders: Iterable[StorageInfo], manifest: CheckpointManifest,
+                             sealed: bytes) -> set[str]:
+        """Give ``manifest`` (sealed) to every holder of its fragments at once; returns the peer ids that took it
+        (a refusal or an unreachable holder is logged and left out)."""
+        holders = list(holders)
+        results = await asyncio.gather(*(self.hand_manifest(h, sealed) for h in holders), return_exceptions=True)
+        for holder, result in zip(holders, results):
+            if isinstance(result, BaseException):
+                self.log.info("%s did not take the manifest of stage %d epoch %d: %s", holder.peer_id,
+                              manifest.stage, manifest.epoch, result)
+        return {h.peer_id for h, r in zip(holders, results) if not isinstance(r, BaseException)}
 
     async def fetch(self, view: CheckpointView, progress: Optional[Callable[[int, int, int], None]] = None,
                     storage: Optional[list[StorageInfo]] = None) -> tuple[bytes, int]:
@@ -234,8 +247,8 @@ class FragmentKeeper:
                 except CorruptFragment:
                     bad += 1
                 except FragmentError as e:
-                    logger.info("[%s] fragment %d of stage %d epoch %d from %s failed: %s", self.me, index, m.stage,
-                                m.epoch, holder.peer_id, e)
+                    self.log.info("fragment %d of stage %d epoch %d from %s failed: %s", index, m.stage, m.epoch,
+                                  holder.peer_id, e)
 
         queue = list(order)
         while len(got) < m.k and queue:
@@ -271,8 +284,8 @@ class FragmentKeeper:
             still = pending[len(holders):]
             for holder, fragment, result in zip(holders, pending, results):
                 if isinstance(result, BaseException):
-                    logger.info("[%s] %s did not take fragment %d of stage %d epoch %d: %s", self.me, holder.peer_id,
-                                fragment.index, manifest_stage, epoch, result)
+                    self.log.info("%s did not take fragment %d of stage %d epoch %d: %s", holder.peer_id,
+                                  fragment.index, manifest_stage, epoch, result)
                     refused.add(holder.peer_id)
                     load[holder.peer_id] -= 1
                     still.append(fragment)
@@ -302,22 +315,16 @@ class FragmentKeeper:
                     placed = await self.place(m.stage, m.epoch, fragments, storage=storage,
                                               exclude=view.holders | {self.me},
                                               load=Counter({p: 1 for p in view.holders}))
-                    for peer in set(placed.values()):
-                        try:
-                            await self.hand_manifest(by_peer[peer], view.sealed)
-                        except (FragmentError, ProtocolError, OSError) as e:
-                            logger.info("[%s] %s did not take the manifest of stage %d epoch %d: %s", self.me, peer,
-                                        m.stage, m.epoch, e)
+                    await self.hand_manifests([by_peer[p] for p in set(placed.values())], m, view.sealed)
                     total += len(placed)
             return total
 
         try:
             placed = await asyncio.wait_for(run(), timeout_s)
         except asyncio.TimeoutError:
-            logger.warning("[%s] handing off fragments took over %.0f s; leaving the rest to repair", self.me,
-                           timeout_s)
+            self.log.warning("handing off fragments took over %.0f s; leaving the rest to repair", timeout_s)
             return 0
-        logger.info("[%s] handed off %d fragments before leaving", self.me, placed)
+        self.log.info("handed off %d fragments before leaving", placed)
         return placed
 
     async def repair(self, view: CheckpointView) -> int:
@@ -327,26 +334,22 @@ class FragmentKeeper:
         try:
             blob, _ = await self.fetch(view, storage=storage)
         except FragmentError as e:
-            logger.warning("[%s] cannot repair stage %d epoch %d: %s", self.me, m.stage, m.epoch, e)
+            self.log.warning("cannot repair stage %d epoch %d: %s", m.stage, m.epoch, e)
             return 0
         fragments = await self.io(split_into_fragments, blob, m.k, m.n)
         wanted = {f.index: f.sha256 for f in m.fragments}
         missing = [f for f in fragments if f.index in view.missing and wanted.get(f.index) == f.sha256]
         placed = await self.place(m.stage, m.epoch, missing, storage=storage, exclude=view.holders,
                                   load=Counter({p: 1 for p in view.holders}))
-        by_peer = {s.peer_id: s for s in storage}
-        for peer in set(placed.values()):
-            try:
-                await self.hand_manifest(by_peer[peer] if peer in by_peer else self.storage_info(), view.sealed)
-            except (FragmentError, ProtocolError, OSError) as e:
-                logger.info("[%s] %s did not take the manifest of stage %d epoch %d: %s", self.me, peer, m.stage,
-                            m.epoch, e)
+        by_peer = {s.peer_id: s for s in storage} | {self.me: self.storage_info()}
+        await self.hand_manifests([by_peer[p] for p in set(placed.values())], m, view.sealed)
         if not placed:
-            logger.warning("[%s stage=%d epoch=%d] checkpoint misses fragments %s and no other peer can take them",
-                           self.me, m.stage, m.epoch, view.missing)
+            self.log.warning("checkpoint of stage %d epoch %d misses fragments %s and no other peer can take them",
+                             m.stage, m.epoch, view.missing)
             return 0
         self.repairs += len(placed)
-        logger.info("[%s stage=%d epoch=%d] repaired checkpoint: fragments %s re-placed on %s (%d of %d alive before)",
-                    self.me, m.stage, m.epoch, sorted(placed), sorted(set(placed.values())), view.fragments_alive, m.n)
+        self.log.info("repaired the checkpoint of stage %d epoch %d: fragments %s re-placed on %s (%d of %d alive "
+                      "before)", m.stage, m.epoch, sorted(placed), sorted(set(placed.values())), view.fragments_alive,
+                      m.n)
         await self.io(self.announce)
         return len(placed)

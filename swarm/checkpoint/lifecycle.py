@@ -7,11 +7,14 @@
   peer is restarting), the server waits up to ``checkpoint.restore_timeout_s`` for them; only then does it
   fall back to an older restorable checkpoint, logging the epochs lost. With no checkpoint anywhere (a new
   run) it starts from the spec's initial parameters.
-* **Commit** (:meth:`StageCheckpoints.on_epoch`): every ``checkpoint.interval_epochs`` epochs the state is
-  captured on the compute thread (a consistent copy between micro-batches) and, if this server is the
-  stage's writer (the online server with the lowest peer id), committed by
-  :func:`~swarm.checkpoint.writer.write_checkpoint` with ``parent`` = the checkpoint the state descends from.
-* **Rollback** (:meth:`StageCheckpoints.watch`): see :mod:`swarm.checkpoint.rollback`.
+* **Commit**: where an epoch ends (:class:`swarm.server.ServerSession`), every ``checkpoint.interval_epochs``
+  epochs (:meth:`StageCheckpoints.due`) the state is captured on the compute thread (a consistent copy between
+  micro-batches, :meth:`StageCheckpoints.capture`) and, if this server is the stage's writer (the online server
+  with the lowest peer id), committed in the background (:meth:`StageCheckpoints.commit`, through
+  :func:`~swarm.checkpoint.writer.write_checkpoint`) with ``parent`` = the checkpoint the state descends from.
+* **Rollback**: a last-stage server judges each epoch's loss (:meth:`StageCheckpoints.is_spike`) and issues a
+  signed order on a spike; every server follows orders (:meth:`StageCheckpoints.follow_orders`). See
+  :mod:`swarm.checkpoint.rollback`.
 """
 
 from __future__ import annotations
@@ -19,21 +22,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import warnings
-from typing import Optional
+from typing import Coroutine, Optional
 
 from hivemind.utils import get_dht_time
 
-from swarm.averaging.optimizer import set_lr_scale
 from swarm.checkpoint.catalog import CheckpointView, newest_restorable
 from swarm.checkpoint.erasure import FragmentError
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.rollback import LossSpikeDetector
-from swarm.checkpoint.shard import ShardError, decode_shard, encode_shard
-from swarm.checkpoint.state import capture_stage_state, restore_stage_state
+from swarm.checkpoint.shard import ShardError, StageShard, decode_shard, encode_shard
 from swarm.checkpoint.writer import CheckpointError, write_checkpoint
+from swarm.logs import PeerLog
 from swarm.protocol import RestoreReport, RollbackOrder, ServerState, rollback_key
-from swarm.stage import is_serving
+from swarm.stage import EpochEnd, StageServer, is_serving
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +44,14 @@ class RestoreError(RuntimeError):
 
 
 class StageCheckpoints:
-    """Checkpoint duties of the server ``server`` (a :class:`~swarm.stage.StageServer` with its optimizer)."""
+    """Checkpoint duties of ``server`` (a :class:`~swarm.stage.StageServer` with its optimizer), whose peer holds
+    fragments through ``keeper``. Create it on the event loop (background commits are scheduled there)."""
 
-    def __init__(self, keeper: FragmentKeeper, server, identity):
+    def __init__(self, keeper: FragmentKeeper, server: StageServer, identity):
         self.keeper, self.server, self.identity = keeper, server, identity
         self.spec, self.directory, self.me = keeper.spec, keeper.directory, identity.peer_id
         self.stage = server.stage
+        self.log = PeerLog(logger, self.me, stage=self.stage, epoch=lambda: server.epoch)
         self.lineage: tuple[str, int] = ("", -1)
         self._restored_lineage: Optional[tuple[str, int]] = None
         self._skipped: set[str] = set()  # shard hashes newer than the last restore (not ancestors of our state)
@@ -56,10 +59,13 @@ class StageCheckpoints:
         self.generation, self.order_sealed = 0, None
         self._order_scale, self._order_issuer = 1.0, ""
         self.detector = LossSpikeDetector(self.spec.rollback)
-        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        try:
+            self.loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
+        except RuntimeError:  # built outside an event loop (unit tests): nothing can be submitted
+            self.loop = None
         self.peer_epoch = 0  # the epoch the stage's live servers announced when restore_at_start chose them
         self._writing = False
-        self._pending: set = set()  # futures of commits and rollback orders scheduled from the compute thread
+        self._pending: set = set()  # futures of commits and rollback orders submitted from the compute thread
 
     @property
     def optimizer(self):
@@ -67,10 +73,7 @@ class StageCheckpoints:
 
     @property
     def lr_scale(self) -> float:
-        return self.optimizer.schedule.scale if self.optimizer is not None else 1.0
-
-    def _tag(self) -> str:
-        return f"[{self.me} stage={self.stage} epoch={self.server.epoch}]"
+        return self.optimizer.lr_scale if self.optimizer is not None else 1.0
 
     # ---- restore ---------------------------------------------------------------------------------------
     async def _others_online(self) -> Optional[int]:
@@ -87,12 +90,11 @@ class StageCheckpoints:
         no integrity check). False if no donor gave it: the optimizer's epoch stayed more than one behind the
         epoch the live servers announced (their donor records may all be stale, or every donor busy), and
         the caller restores the checkpoint instead of serving the initial parameters."""
-        before = self.optimizer.local_epoch
-        self.optimizer.load_state_from_peers()
-        loaded = self.optimizer.local_epoch
+        before = self.optimizer.epoch
+        loaded = self.optimizer.load_state_from_peers()
         if loaded < self.peer_epoch - 1:
-            logger.warning("%s no live server gave its state (epoch %d -> %d, servers at %d); restoring the stage's "
-                           "checkpoint instead", self._tag(), before, loaded, self.peer_epoch)
+            self.log.warning("no live server gave its state (epoch %d -> %d, servers at %d); restoring the stage's "
+                             "checkpoint instead", before, loaded, self.peer_epoch)
             return False
         self.after_peer_load()
         return True
@@ -110,63 +112,73 @@ class StageCheckpoints:
             or ``"fresh"``.
         :raises RestoreError: checkpoints exist but none became restorable within ``restore_timeout_s``.
         """
-        io = self.keeper.io
-        orders = await io(self.directory.rollback_orders)
+        orders = await self.keeper.io(self.directory.rollback_orders)
         if orders:
             self._adopt_order(*orders[0])
-        started = time.monotonic()
-        timeout = self.spec.checkpoint.restore_timeout_s
-        evidence = await io(self._evidence)
+        started, evidence = time.monotonic(), await self.keeper.io(self._evidence)
         last_note = 0.0
         while True:
             if ask_peers and (epoch := await self._others_online()) is not None:
                 self.peer_epoch = epoch
                 return "peers"
             views = (await self.keeper.views())[self.stage]
-            best = newest_restorable(views)
-            newest = views[0] if views else None
-            waited = time.monotonic() - started
-            if best is not None and (best.manifest.epoch == newest.manifest.epoch or waited > timeout):
-                if best.manifest.epoch != newest.manifest.epoch:
-                    logger.error("%s checkpoint epoch %d has only %d of %d fragments alive after %.0f s; restoring "
-                                 "epoch %d instead: epochs %d..%d are lost", self._tag(), newest.manifest.epoch,
-                                 newest.fragments_alive, newest.manifest.k, waited, best.manifest.epoch,
-                                 best.manifest.epoch + 1, newest.manifest.epoch)
-                try:
-                    await self.restore_from(best, set_epoch=True)
-                    return "checkpoint"
-                except (FragmentError, ShardError) as e:
-                    logger.warning("%s restoring epoch %d failed (%s); retrying", self._tag(), best.manifest.epoch, e)
-            elif newest is None and (not evidence or waited > min(timeout, 3 * self.directory.ttl)):
-                if evidence:
-                    logger.warning("%s the run has checkpoints but none of stage %d appeared within %.0f s; starting "
-                                   "from the initial parameters", self._tag(), self.stage, waited)
-                return "fresh"
-            elif waited > timeout:
-                raise RestoreError(
-                    f"stage {self.stage} has no live server and its checkpoints have too few fragments alive "
-                    f"(newest: epoch {newest.manifest.epoch}, {newest.fragments_alive} of {newest.manifest.k} needed) "
-                    f"after {waited:.0f} s; start the peers that hold its fragments (their SWARM_FRAGMENT_DIR)")
+            source = await self._restore_or_wait(views, time.monotonic() - started, evidence)
+            if source is not None:
+                return source
             if time.monotonic() - last_note > 10:
                 last_note = time.monotonic()
-                logger.info("%s no live server of the stage; waiting for checkpoint holders (%s)", self._tag(),
-                            f"epoch {newest.manifest.epoch}: {newest.fragments_alive}/{newest.manifest.k} fragments "
-                            "alive" if newest else "no manifest yet")
+                newest = views[0] if views else None
+                self.log.info("no live server of the stage; waiting for checkpoint holders (%s)",
+                              f"epoch {newest.manifest.epoch}: {newest.fragments_alive}/{newest.manifest.k} "
+                              "fragments alive" if newest else "no manifest yet")
             await asyncio.sleep(1.0)
+
+    async def _restore_or_wait(self, views: list[CheckpointView], waited: float, evidence: bool) -> Optional[str]:
+        """One look at the stage's checkpoints: ``"checkpoint"`` (restored), ``"fresh"``, or None (wait more).
+
+        :raises RestoreError: waited ``restore_timeout_s`` and nothing became restorable.
+        """
+        timeout = self.spec.checkpoint.restore_timeout_s
+        best, newest = newest_restorable(views), (views[0] if views else None)
+        if best is not None and (best.manifest.epoch == newest.manifest.epoch or waited > timeout):
+            if best.manifest.epoch != newest.manifest.epoch:
+                self.log.error("checkpoint epoch %d has only %d of %d fragments alive after %.0f s; restoring epoch "
+                               "%d instead: epochs %d..%d are lost", newest.manifest.epoch, newest.fragments_alive,
+                               newest.manifest.k, waited, best.manifest.epoch, best.manifest.epoch + 1,
+                               newest.manifest.epoch)
+            try:
+                await self.restore_from(best, set_epoch=True)
+                return "checkpoint"
+            except (FragmentError, ShardError) as e:
+                self.log.warning("restoring epoch %d failed (%s); retrying", best.manifest.epoch, e)
+                return None
+        if newest is None and (not evidence or waited > min(timeout, 3 * self.directory.ttl)):
+            if evidence:
+                self.log.warning("the run has checkpoints but none of stage %d appeared within %.0f s; starting "
+                                 "from the initial parameters", self.stage, waited)
+            return "fresh"
+        if newest is not None and best is None and waited > timeout:
+            raise RestoreError(
+                f"stage {self.stage} has no live server and its checkpoints have too few fragments alive "
+                f"(newest: epoch {newest.manifest.epoch}, {newest.fragments_alive} of {newest.manifest.k} needed) "
+                f"after {waited:.0f} s; start the peers that hold its fragments (their SWARM_FRAGMENT_DIR)")
+        return None
 
     async def restore_from(self, view: CheckpointView, *, set_epoch: bool) -> RestoreReport:
         """Fetch ``view``'s shard and load it into the stage's module and optimizer (on the compute thread).
 
         :param set_epoch: also set the optimizer's epoch (and schedule) to the checkpoint's (at start-up; a
             rollback keeps the epoch counter).
+        :raises FragmentError: fewer than ``k`` verified fragments could be fetched.
+        :raises ShardError: the shard does not decode or is not the one its manifest names.
         """
         m = view.manifest
         started = time.monotonic()
-        logger.info("%s restoring from checkpoint epoch %d (sha256 %s, %d bytes, %d of %d fragments alive)",
-                    self._tag(), m.epoch, m.shard_sha256[:16], m.size, view.fragments_alive, m.n)
+        self.log.info("restoring from checkpoint epoch %d (sha256 %s, %d bytes, %d of %d fragments alive)", m.epoch,
+                      m.shard_sha256[:16], m.size, view.fragments_alive, m.n)
 
         def progress(done: int, needed: int, received: int) -> None:
-            logger.info("%s restore: fragment %d/%d fetched, %.2f MB", self._tag(), done, needed, received / 1e6)
+            self.log.info("restore: fragment %d/%d fetched, %.2f MB", done, needed, received / 1e6)
 
         blob, bad = await self.keeper.fetch(view, progress)
         shard = await self.keeper.io(decode_shard, blob, m.shard_sha256)
@@ -180,45 +192,29 @@ class StageCheckpoints:
         self._restored_lineage = self.lineage = (m.shard_sha256, m.epoch)
         self._skipped = {k.shard_sha256 for k in await self.keeper.io(self.keeper.known_manifests, self.stage)
                          if k.epoch > m.epoch}
-        logger.info("%s restored checkpoint epoch %d in %.1f s (bit-exact: %s, corrupt fragments refused: %d)",
-                    self._tag(), m.epoch, report.seconds, report.bit_exact, bad)
+        self.log.info("restored checkpoint epoch %d in %.1f s (bit-exact: %s, corrupt fragments refused: %d)", m.epoch,
+                      report.seconds, report.bit_exact, bad)
         return report
 
-    def _load(self, shard, set_epoch: bool) -> str:
+    def _load(self, shard: StageShard, set_epoch: bool) -> str:
         """(compute thread) Load ``shard``; returns the SHA-256 of the state captured right after."""
-        opt = self.optimizer
-        restore_stage_state(shard, self.server.module, opt.opt)
+        self.optimizer.load_state(shard.tensors)
         if set_epoch:
             self.catch_up(shard.epoch)
             if self.generation == 0 and shard.meta.get("rollback_generation"):
                 self.generation = int(shard.meta["rollback_generation"])
-                set_lr_scale(opt, float(shard.meta.get("lr_scale", 1.0)))
-        opt.grad_averager.reset_accumulated_grads_()
-        _, sha = encode_shard(capture_stage_state(shard.run_id, shard.stage, shard.epoch, self.server.module,
-                                                  opt.opt, shard.meta))
+                self.optimizer.set_lr_scale(float(shard.meta.get("lr_scale", 1.0)))
+        _, sha = encode_shard(StageShard(shard.run_id, shard.stage, shard.epoch, self.optimizer.state(), shard.meta))
         return sha
 
     def catch_up(self, epoch: int = 0) -> int:
-        """(compute thread) Set the optimizer's epoch to ``epoch`` or, if later, the stage's collaborative epoch.
-
-        Progress records of dead servers outlive them for a while; a server restored at an older epoch would
-        otherwise take itself for out of sync and try, forever, to download the state from those dead peers
-        (hivemind ``load_state_from_peers``). Epoch numbers are never reused: the epochs lost since the
-        checkpoint are skipped, and the hash chain (``parent_epoch``) shows the jump. Returns the epoch set.
-        """
-        opt = self.optimizer
-        target = max(epoch, opt.local_epoch, opt.tracker.global_epoch)
-        if target != opt.local_epoch:
-            if target > epoch:
-                logger.info("%s skipping to the stage's epoch %d (the checkpoint is of epoch %d)", self._tag(), target,
-                            epoch)
-            opt.state_averager.local_epoch = target
-            with warnings.catch_warnings():  # stepping the schedule before any optimizer step is expected here
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-                opt.state_averager._update_scheduler()  # hivemind: steps the schedule up to local_epoch
-        opt.tracker.report_local_progress(target, 0)
-        opt.state_averager.state_sharing_priority = target
-        opt.grad_averager.state_sharing_priority = target
+        """(compute thread) Set the optimizer's epoch to ``epoch`` or, if later, the stage's collaborative epoch
+        (:meth:`~swarm.averaging.optimizer.StageOptimizer.jump_to_epoch`). Epoch numbers are never reused: the
+        epochs lost since the checkpoint are skipped, and the hash chain (``parent_epoch``) shows the jump.
+        Returns the epoch set."""
+        target = self.optimizer.jump_to_epoch(epoch)
+        if target > epoch:
+            self.log.info("skipping to the stage's epoch %d (the checkpoint is of epoch %d)", target, epoch)
         return target
 
     def after_peer_load(self) -> None:
@@ -227,28 +223,44 @@ class StageCheckpoints:
         if newest is not None and newest[0].epoch <= self.server.epoch:
             self.lineage = (newest[0].shard_sha256, newest[0].epoch)
         if self.optimizer is not None and self.order_sealed is not None:
-            set_lr_scale(self.optimizer, self._order_scale)
+            self.optimizer.set_lr_scale(self._order_scale)
 
     # ---- commit ----------------------------------------------------------------------------------------
-    def on_epoch(self, epoch: int) -> None:
-        """(compute thread, after each epoch) judge the loss; capture the state when a checkpoint is due."""
-        if self.loop is None:
-            return
-        loss = self.server.epoch_loss
-        if self.spec.rollback.enabled and self.server.is_last and loss is not None and self.detector.update(loss):
-            logger.warning("%s loss spike: epoch mean %.4f > (1 + %.2f) x moving average %.4f", self._tag(), loss,
-                           self.spec.rollback.margin, self.detector.average)
-            self._schedule(self.issue_rollback(epoch, loss))
-        if epoch == 0 or epoch % self.spec.checkpoint.interval_epochs or self._writing:
-            return
+    def due(self, epoch: int) -> bool:
+        """Is a checkpoint due at ``epoch`` (every ``interval_epochs``; not while the last one is still being
+        committed)?"""
+        return epoch > 0 and epoch % self.spec.checkpoint.interval_epochs == 0 and not self._writing
+
+    def capture(self, epoch: int) -> StageShard:
+        """(compute thread, right after the step of ``epoch``) A consistent copy of the stage's state, with the
+        rollback generation, learning-rate scale and samples so far in its metadata."""
         meta = {"lr_scale": self.lr_scale, "rollback_generation": self.generation,
                 "samples": epoch * self.spec.training.target_batch_size}
-        shard = capture_stage_state(self.keeper.run_id, self.stage, epoch, self.server.module, self.optimizer.opt, meta)
         self._writing = True
-        self._schedule(self._commit(shard))
+        return StageShard(self.keeper.run_id, self.stage, epoch, self.optimizer.state(), meta)
 
-    def _schedule(self, coro) -> None:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+    async def commit(self, shard: StageShard) -> None:
+        """Commit ``shard`` to the swarm if this server is the stage's writer; a failure is logged, not raised."""
+        io = self.keeper.io
+        try:
+            if not await io(self._is_writer):
+                return
+            parent = await io(self._parent, shard.epoch)
+            position = {t.shard: t.position for t in await io(self.directory.trainers)}
+            shard.meta["data_position"] = {str(k): v for k, v in sorted(position.items())}  # part of the state
+            manifest, _ = await write_checkpoint(self.keeper, shard, parent=parent, loss=self.server.loss_ema,
+                                                 data_position=position)
+            self.lineage = (manifest.shard_sha256, manifest.epoch)
+        except CheckpointError as e:
+            self.log.warning("checkpoint of epoch %d not committed: %s", shard.epoch, e)
+        except Exception:
+            self.log.exception("writing the checkpoint of epoch %d failed", shard.epoch)
+        finally:
+            self._writing = False
+
+    def submit(self, work: Coroutine) -> None:
+        """Run ``work`` (a commit or a rollback order) on the event loop, from any thread; :meth:`close` waits."""
+        future = asyncio.run_coroutine_threadsafe(work, self.loop)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
 
@@ -279,71 +291,58 @@ class StageCheckpoints:
         not count, or a killed writer would block checkpoints until its record expired)."""
         return min([s.peer_id for s in self.directory.fresh_servers(self.stage)] + [self.me]) == self.me
 
-    async def _commit(self, shard) -> None:
-        io = self.keeper.io
-        try:
-            if not await io(self._is_writer):
-                return
-            parent = await io(self._parent, shard.epoch)
-            position = {t.shard: t.position for t in await io(self.directory.trainers)}
-            shard.meta["data_position"] = {str(k): v for k, v in sorted(position.items())}  # part of the state
-            manifest, _ = await write_checkpoint(self.keeper, shard, parent=parent, loss=self.server.loss_ema,
-                                                 data_position=position)
-            self.lineage = (manifest.shard_sha256, manifest.epoch)
-        except CheckpointError as e:
-            logger.warning("%s checkpoint of epoch %d not committed: %s", self._tag(), shard.epoch, e)
-        except Exception:
-            logger.exception("%s writing the checkpoint of epoch %d failed", self._tag(), shard.epoch)
-        finally:
-            self._writing = False
-
     # ---- rollback --------------------------------------------------------------------------------------
+    def is_spike(self, end: EpochEnd) -> bool:
+        """(compute thread) Judge the mean training loss of the epoch that ended (last stage, rollback enabled):
+        True on a spike, which the caller answers with :meth:`issue_rollback`."""
+        if not (self.spec.rollback.enabled and self.server.is_last and end.loss is not None):
+            return False
+        if not self.detector.update(end.loss):
+            return False
+        self.log.warning("loss spike: epoch mean %.4f > (1 + %.2f) x moving average %.4f", end.loss,
+                         self.spec.rollback.margin, self.detector.average)
+        return True
+
     def _adopt_order(self, order: RollbackOrder, sealed: bytes) -> None:
         self.generation, self.order_sealed = order.generation, sealed
         self._order_scale, self._order_issuer = order.lr_scale, order.peer_id
         if self.optimizer is not None:
-            set_lr_scale(self.optimizer, order.lr_scale)
+            self.optimizer.set_lr_scale(order.lr_scale)
 
     async def issue_rollback(self, detected_epoch: int, loss: float) -> None:
+        """Publish a signed order to return every stage to its checkpoint before ``detected_epoch``, with the
+        learning rate scaled by ``rollback.lr_factor``."""
         order = RollbackOrder(run_id=self.keeper.run_id, peer_id=self.me, time=get_dht_time(),
                               epoch=max(0, detected_epoch - 1), detected_epoch=detected_epoch,
                               lr_scale=self.lr_scale * self.spec.rollback.lr_factor, generation=self.generation + 1,
                               reason=f"epoch {detected_epoch} mean loss {loss:.4f} > (1 + {self.spec.rollback.margin}) "
                                      f"x moving average {self.detector.average:.4f}")
         await self.keeper.io(self.directory.announce, rollback_key(self.keeper.run_id), order, self.identity)
-        logger.warning("%s issued rollback #%d to epoch <= %d, lr scale %.3g: %s", self._tag(), order.generation,
-                       order.epoch, order.lr_scale, order.reason)
+        self.log.warning("issued rollback #%d to epoch <= %d, lr scale %.3g: %s", order.generation, order.epoch,
+                         order.lr_scale, order.reason)
 
-    async def watch(self, stop: asyncio.Event, period_s: float = 2.0) -> None:
-        """Apply new rollback orders and keep the applied one published, until ``stop``."""
+    async def follow_orders(self) -> None:
+        """Apply a rollback order newer than the last one applied, and keep the applied one published (one look;
+        the session calls it periodically)."""
         io = self.keeper.io
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), period_s)
-                break
-            except asyncio.TimeoutError:
-                pass
-            try:
-                orders = await io(self.directory.rollback_orders)
-                if orders and orders[0][0].generation > self.generation:
-                    await self.apply_rollback(*orders[0])
-                if self.order_sealed is not None:
-                    await io(self.directory.store_sealed, rollback_key(self.keeper.run_id),
-                             self._order_issuer, self.order_sealed)
-            except Exception:
-                logger.exception("%s following rollback orders failed", self._tag())
+        orders = await io(self.directory.rollback_orders)
+        if orders and orders[0][0].generation > self.generation:
+            await self.apply_rollback(*orders[0])
+        if self.order_sealed is not None:
+            await io(self.directory.store_sealed, rollback_key(self.keeper.run_id), self._order_issuer,
+                     self.order_sealed)
 
     async def apply_rollback(self, order: RollbackOrder, sealed: bytes) -> None:
         """Restore the newest checkpoint at or before ``order.epoch`` and scale the learning rate."""
         views = (await self.keeper.views())[self.stage]
         view = newest_restorable(views, max_epoch=order.epoch)
-        logger.warning("%s rollback #%d (%s): restoring %s, lr scale %.3g", self._tag(), order.generation,
-                       order.reason, f"checkpoint epoch {view.manifest.epoch}" if view else "nothing (no checkpoint "
-                       "at or before that epoch; lowering the learning rate only)", order.lr_scale)
+        self.log.warning("rollback #%d (%s): restoring %s, lr scale %.3g", order.generation, order.reason,
+                         f"checkpoint epoch {view.manifest.epoch}" if view else "nothing (no checkpoint at or before "
+                         "that epoch; lowering the learning rate only)", order.lr_scale)
         if view is not None:
             try:
                 await self.restore_from(view, set_epoch=False)
             except (FragmentError, ShardError) as e:
-                logger.error("%s rollback restore failed (%s); lowering the learning rate only", self._tag(), e)
+                self.log.error("rollback restore failed (%s); lowering the learning rate only", e)
         await self.server.compute(self._adopt_order, order, sealed)
         self.detector.reset()

@@ -8,6 +8,8 @@ stage needs (schedule position, data position, ...), as the caller decides.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from swarm.checkpoint.shard import ShardError, StageShard
@@ -31,9 +33,9 @@ def _optimizer_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return {id(p): n for p, (n, _) in zip(flat, named)}
 
 
-def capture_stage_state(run_id: str, stage: int, epoch: int, module: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer, meta: dict | None = None) -> StageShard:
-    """Copy the parameters the optimizer updates and its per-parameter state (CPU tensors, cloned)."""
+def named_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Copies (CPU) of the parameters the optimizer updates and of its per-parameter state, by name:
+    ``param/<name>`` and ``opt/<name>/<key>`` (a non-tensor value becomes a float64 scalar)."""
     names = _optimizer_names(module, optimizer)
     tensors = {}
     for group in optimizer.param_groups:
@@ -44,7 +46,64 @@ def capture_stage_state(run_id: str, stage: int, epoch: int, module: torch.nn.Mo
                     tensors[f"opt/{names[id(p)]}/{key}"] = value.detach().cpu().clone()
                 else:
                     tensors[f"opt/{names[id(p)]}/{key}"] = torch.tensor(float(value))
-    return StageShard(run_id, stage, epoch, tensors, dict(meta or {}))
+    return tensors
+
+
+def load_named_state(tensors: dict[str, torch.Tensor], module: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer) -> None:
+    """Load :func:`named_state` into ``module``'s parameters, the optimizer's copies of them (if any) and its
+    state. State tensors the optimizer already holds are overwritten in place (others are set): hivemind's state
+    averager averages those very tensors, in shared memory, and would otherwise go on averaging stale copies.
+
+    :raises ShardError: a parameter is missing or has another shape or dtype (the state is of another model).
+    """
+    params = dict(module.named_parameters())
+    missing = [n for n in params if f"param/{n}" not in tensors]
+    if missing:
+        raise ShardError(f"the state lacks parameters {missing[:3]}...; it was written for another model or stage")
+    for n, p in params.items():
+        t = tensors[f"param/{n}"]
+        if t.shape != p.shape or t.dtype != p.dtype:
+            raise ShardError(f"parameter {n} is {t.dtype}{tuple(t.shape)} in the state, {p.dtype}{tuple(p.shape)} here")
+    names = _optimizer_names(module, optimizer)
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(tensors[f"param/{n}"])
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.copy_(tensors[f"param/{names[id(p)]}"])
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            prefix = f"opt/{names[id(p)]}/"
+            loaded = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if loaded:
+                optimizer.state[p] = {k: _into(optimizer.state.get(p, {}).get(k), v, p.device)
+                                      for k, v in loaded.items()}
+
+
+def _into(held, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` written into the tensor ``held`` if it has the same shape and dtype (in place), else a copy."""
+    if torch.is_tensor(held) and held.shape == value.shape and held.dtype == value.dtype:
+        with torch.no_grad():
+            return held.copy_(value)
+    return value.clone().to(device) if value.dim() else value.clone()
+
+
+def state_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of a :func:`named_state`: names, dtypes, shapes and bytes in name order. Two servers of a
+    stage hold the same state exactly when their digests match."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def capture_stage_state(run_id: str, stage: int, epoch: int, module: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer, meta: dict | None = None) -> StageShard:
+    """A shard of the parameters the optimizer updates and its per-parameter state (CPU tensors, cloned)."""
+    return StageShard(run_id, stage, epoch, named_state(module, optimizer), dict(meta or {}))
 
 
 def restore_stage_state(shard: StageShard, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -52,24 +111,4 @@ def restore_stage_state(shard: StageShard, module: torch.nn.Module, optimizer: t
 
     :raises ShardError: a parameter is missing or has another shape or dtype (the shard is of another model).
     """
-    params = dict(module.named_parameters())
-    missing = [n for n in params if f"param/{n}" not in shard.tensors]
-    if missing:
-        raise ShardError(f"shard lacks parameters {missing[:3]}...; it was written for another model or stage")
-    for n, p in params.items():
-        t = shard.tensors[f"param/{n}"]
-        if t.shape != p.shape or t.dtype != p.dtype:
-            raise ShardError(f"parameter {n} is {t.dtype}{tuple(t.shape)} in the shard, {p.dtype}{tuple(p.shape)} here")
-    names = _optimizer_names(module, optimizer)
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(shard.tensors[f"param/{n}"])
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.copy_(shard.tensors[f"param/{names[id(p)]}"])
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            prefix = f"opt/{names[id(p)]}/"
-            state = {k[len(prefix):]: v for k, v in shard.tensors.items() if k.startswith(prefix)}
-            if state:
-                optimizer.state[p] = {k: v.clone().to(p.device) if v.dim() else v.clone() for k, v in state.items()}
+    load_named_state(shard.tensors, module, optimizer)

@@ -8,8 +8,6 @@ then is the manifest published in the DHT. Fragments that found no holder are le
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from typing import Optional
 
@@ -19,8 +17,6 @@ from swarm.checkpoint.erasure import split_into_fragments
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.shard import StageShard, encode_shard
 from swarm.protocol import CheckpointManifest, FragmentEntry, StorageInfo, seal
-
-logger = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -56,24 +52,19 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
     sealed = seal(manifest, keeper.identity)
     by_peer: dict[str, StorageInfo] = {s.peer_id: s for s in storage}
     holders = sorted(set(placed.values()))
-    results = await asyncio.gather(*(keeper.hand_manifest(by_peer[p], sealed) for p in holders), return_exceptions=True)
-    took = {p for p, r in zip(holders, results) if not isinstance(r, BaseException)}
-    for p, r in zip(holders, results):
-        if isinstance(r, BaseException):
-            logger.info("[%s] %s did not take the manifest of stage %d epoch %d: %s", keeper.me, p, shard.stage,
-                        shard.epoch, r)
+    took = await keeper.hand_manifests([by_peer[p] for p in holders], manifest, sealed)
     committed = sum(1 for holder in placed.values() if holder in took)
     if committed < ckpt.fragments_needed:
         raise CheckpointError(f"only {committed} fragments of stage {shard.stage} epoch {shard.epoch} sit on holders "
                               f"that took the manifest ({ckpt.fragments_needed} needed)")
     if not await keeper.io(keeper.directory.publish_manifest, manifest, sealed):
-        logger.warning("[%s] could not store the manifest of stage %d epoch %d in the DHT; its holders will "
-                       "re-publish it", keeper.me, shard.stage, shard.epoch)
+        keeper.log.warning("could not store the manifest of stage %d epoch %d in the DHT; its holders will "
+                           "re-publish it", shard.stage, shard.epoch)
     await keeper.io(keeper.announce)
-    logger.info("[%s stage=%d epoch=%d] checkpoint committed: %d bytes sha256=%s, %d/%d fragments on %d peers "
-                "(%d needed), parent %s, %.2f s", keeper.me, shard.stage, shard.epoch, len(blob), sha[:16],
-                len(placed), len(fragments), len(holders), ckpt.fragments_needed, parent[0][:16] or "-",
-                time.perf_counter() - start)
+    keeper.log.info("checkpoint of stage %d epoch %d committed: %d bytes sha256=%s, %d/%d fragments on %d peers "
+                    "(%d needed), parent %s, %.2f s", shard.stage, shard.epoch, len(blob), sha[:16], len(placed),
+                    len(fragments), len(holders), ckpt.fragments_needed, parent[0][:16] or "-",
+                    time.perf_counter() - start)
     return manifest, sealed
 
 

@@ -1,4 +1,6 @@
-"""Accountability for reducers: commitments, receipts, random audits and verifiable accusations.
+"""Evidence against reducers: commitments, receipts, the audit plan, recomputation and verifiable accusations.
+
+The pure, process-free half of the audit protocol; :mod:`swarm.averaging.auditor` runs it inside the averager.
 
 A reducer sees every part of its partition and could return anything. The protocol (described with its
 guarantees in ``docs/averaging.md``; a simplified form of BTARD's, Gorbunov et al. 2022, sec. 3.3, without
@@ -14,10 +16,10 @@ its MPRNG and with a fixed audit probability) makes a wrong aggregate detectable
    is audited with probability ``p`` by a peer drawn from the other senders. The auditor fetches every
    committed part (checked against its digest), recomputes the reduction with the same checks and aggregator
    (:func:`recompute`) and compares (:func:`matches`).
-4. **Accuse.** On a mismatch the auditor bans the reducer, keeps the evidence and publishes a sealed
+4. **Accuse.** On a mismatch the auditor excludes the reducer, keeps the evidence and publishes a sealed
    :class:`~swarm.protocol.Accusation` in the DHT. Every other peer fetches the evidence from the auditor and
-   re-runs the same check (:func:`verify_evidence`) before banning: a confirmed accusation bans the reducer, a
-   refuted one bans the accuser (it signed a false claim). An honest reducer's aggregate equals the
+   re-runs the same check (:func:`verify_evidence`) before excluding: a confirmed accusation excludes the
+   reducer, a refuted one excludes the accuser (it signed a false claim). An honest reducer's aggregate equals the
    recomputation (same code, same inputs), so honest auditors never accuse it and false accusations fail.
 
 Limits: a reducer that refuses to reveal its own part makes its audit inconclusive (the auditor scores it,
@@ -35,8 +37,8 @@ import torch
 
 from swarm.averaging.aggregation import Aggregator
 from swarm.averaging.allreduce import digest
-from swarm.averaging.compression import WireCodec
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, reduce_partition
+from swarm.codecs import WireCodec
 from swarm.protocol import PartCommitment, ProtocolError, ReductionReceipt, open_record
 
 

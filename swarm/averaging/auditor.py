@@ -1,10 +1,10 @@
-"""The averager's side of the audit protocol (:mod:`swarm.averaging.audit`): signing, audits, accusations.
+"""The averager's side of the audit protocol (:mod:`swarm.averaging.evidence`): signing, audits, accusations.
 
-:class:`AuditMixin` runs in the averager process. It signs this peer's commitments and receipts with the
+:class:`Auditor` is mixed into the averagers and runs in the averager process. It signs this peer's commitments and receipts with the
 peer's Ed25519 identity, learns which key each libp2p id uses from what arrives over authenticated libp2p
 streams, audits the partitions the audit plan assigns to it, serves its parts and its evidence
 (``rpc_audit_part``, ``rpc_audit_evidence``), publishes accusations to the DHT and verifies everyone else's
-before banning.
+before excluding.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from swarm.averaging.allreduce import Accountant, PhaseOutcome, RoundFailed, digest
-from swarm.averaging.audit import OpenedReceipt, audit_plan, matches, open_receipt, recompute, verify_evidence
-from swarm.averaging.compression import make_codec
+from swarm.averaging.evidence import OpenedReceipt, audit_plan, matches, open_receipt, recompute, verify_evidence
+from swarm.codecs import make_codec
 from swarm.identity import Identity
 from swarm.protocol import (Accusation, AuditReply, AuditRequest, AveragingPart, AveragingReply, PartCommitment,
                             ProtocolError, ReductionReceipt, accusations_key, open_record, pack_message, seal,
@@ -34,7 +34,7 @@ POLL_S = 3.0  # seconds between reads of the accusations in the DHT
 
 
 class _SigningAccountant(Accountant):
-    def __init__(self, owner: "AuditMixin"):
+    def __init__(self, owner: "Auditor"):
         self.owner = owner
 
     def _record(self, cls, **fields):
@@ -48,7 +48,7 @@ class _SigningAccountant(Accountant):
 
     def sign_receipt(self, meta: AveragingPart, commitments: list[bytes], output_digest: str) -> bytes:
         return self._record(ReductionReceipt, group=meta.group, partition=meta.partition, numel=meta.numel,
-                            codec=meta.codec, aggregator=self.owner.aggregator.name, commitments=commitments,
+                            codec=meta.codec, aggregator=self.owner.rules.aggregator.name, commitments=commitments,
                             output_digest=output_digest)
 
     def check_receipt(self, reducer: str, meta: AveragingPart, commitment: bytes, reply: AveragingReply):
@@ -67,9 +67,9 @@ class _SigningAccountant(Accountant):
         return opened
 
 
-class AuditMixin:
-    """Needs ``identity``, ``run_id``, ``audit_probability``, ``aggregator``, ``policy``, ``bans``, ``attack``,
-    ``phase_timeout`` and ``wire`` (set by :meth:`_init_audit` and the robust mixin)."""
+class Auditor:
+    """Needs ``identity``, ``run_id``, ``audit_probability``, ``rules`` (aggregator, policy, phase timeout),
+    ``exclusions`` and ``wire`` (set by :meth:`_init_audit` and the robust all-reduce mixin)."""
 
     def _init_audit(self, identity: Optional[Identity], run_id: str, audit_probability: float) -> None:
         self.identity = identity or Identity.generate()
@@ -140,21 +140,20 @@ class AuditMixin:
         self.audits_done += 1
         if missing:
             logger.warning(f"audit of partition {j} ({reducer}) inconclusive: {missing} did not reveal their parts")
-            for p in missing:  # a flag's weight: a slow or restarting honest peer must not be banned for it
-                self.bans.penalize(p, self.bans.policy.flag_penalty, "did not reveal its part when audited")
+            for p in missing:  # a flag's weight: a slow or restarting honest peer must not be excluded for it
+                self.exclusions.penalize(p, self.exclusions.policy.flag_penalty, "did not reveal its part when audited")
             return
         aggregate = phase.aggregates[j]
         loop = asyncio.get_running_loop()
         received = codec.decode(aggregate, opened.receipt.numel)
-        recomputed = await loop.run_in_executor(None, recompute, opened, parts, codec, self.aggregator, self.policy)
-        ok, rel = matches(received, recomputed, codec)
-        if self.attack is not None and getattr(self.attack, "accuse_always", False):
-            ok = False  # the false-accuser attack (tests only)
+        recomputed = await loop.run_in_executor(None, recompute, opened, parts, codec, self.rules.aggregator,
+                                                self.rules.policy)
+        ok, rel = self._judge_aggregate(received, recomputed, codec)
         if ok:
             return
         reason = f"aggregate of partition {j} differs from the recomputation by {rel:.3g} of its norm"
         logger.warning(f"audit: reducer {reducer} lied: {reason}")
-        self.bans.ban(reducer, f"audit: {reason}")
+        self.exclusions.exclude(reducer, f"audit: {reason}")
         self._evidence[(key, j)] = (aggregate, parts)
         while len(self._evidence) > 4 * KEEP_PHASES:
             self._evidence.popitem(last=False)
@@ -162,7 +161,12 @@ class AuditMixin:
                                      p2p_id=me, accused=reducer, receipt=opened.raw, reason=reason),
                           self.identity)
         await self.dht.store(accusations_key(self.prefix), subkey=f"{me}/{key}/{j}", value=accusation,
-                             expiration_time=get_dht_time() + self.bans.policy.ban_s, return_future=True)
+                             expiration_time=get_dht_time() + self.exclusions.policy.exclude_s, return_future=True)
+
+    def _judge_aggregate(self, received, recomputed, codec) -> tuple[bool, float]:
+        """Whether a reducer's decoded aggregate matches the recomputation: ``(ok, relative difference)``
+        (:func:`~swarm.averaging.evidence.matches`)."""
+        return matches(received, recomputed, codec)
 
     async def _fetch(self, peer: str, method: str, request: AuditRequest, evidence: bool = False):
         """Call an audit RPC; returns the tensors (or ``(reply, tensors)`` with ``evidence``), None on failure."""
@@ -174,7 +178,7 @@ class AuditMixin:
                                                                 self.wire))
                 metadata, tensors = await gather(stream, counter=self.wire)
                 return unpack_message(metadata, AuditReply), tensors
-            reply, tensors = await asyncio.wait_for(call(), 2 * self.phase_timeout)
+            reply, tensors = await asyncio.wait_for(call(), 2 * self.rules.phase_timeout)
         except Exception as e:
             logger.debug(f"{method} to {peer} failed: {e!r}")
             return None
@@ -186,7 +190,7 @@ class AuditMixin:
         """Answer an :class:`AuditRequest` with ``lookup(request) -> (AuditReply, tensors)``."""
         try:
             metadata, _ = await asyncio.wait_for(gather(stream, max_bytes=1 << 16, counter=self.wire),
-                                                 self.phase_timeout)
+                                                 self.rules.phase_timeout)
             reply, out = lookup(unpack_message(metadata, AuditRequest))
         except (ProtocolError, asyncio.TimeoutError) as e:
             reply, out = AuditReply(error=f"bad request: {e}"), []
@@ -245,22 +249,22 @@ class AuditMixin:
             await asyncio.sleep(POLL_S)
 
     async def _verify_accusation(self, blob) -> Optional[bool]:
-        """Check one accusation; True: reducer banned, False: accuser banned, None: could not check (yet)."""
+        """Check one accusation; True: reducer excluded, False: accuser excluded, None: could not check (yet)."""
         try:
             acc, _ = open_record(blob, Accusation, run_id=self.run_id)
         except ProtocolError as e:
             logger.debug(f"ignoring a malformed accusation: {e}")
             return False
         me = str(self.peer_id)
-        if acc.p2p_id == me or acc.accused == me or self.bans.is_banned(acc.accused):
+        if acc.p2p_id == me or acc.accused == me or self.exclusions.is_excluded(acc.accused):
             return True
         try:
             opened = open_receipt(acc.receipt, self.run_id)
         except ProtocolError as e:
-            self.bans.ban(acc.p2p_id, f"published an accusation with an invalid receipt: {e}")
+            self.exclusions.exclude(acc.p2p_id, f"published an accusation with an invalid receipt: {e}")
             return False
         if opened.receipt.p2p_id != acc.accused:
-            self.bans.ban(acc.p2p_id, "accused a peer of a receipt it did not sign")
+            self.exclusions.exclude(acc.p2p_id, "accused a peer of a receipt it did not sign")
             return False
         if self.keys.get(acc.accused) != opened.signer:
             logger.info(f"cannot check the accusation against {acc.accused}: its key is unknown here")
@@ -273,21 +277,21 @@ class AuditMixin:
         reply, tensors = got
         t = reply.tensors_per_part
         if t < 1 or len(tensors) != t * (reply.parts + 1) or reply.parts != len(opened.commitments):
-            self.bans.ban(acc.p2p_id, "served malformed evidence for its accusation")
+            self.exclusions.exclude(acc.p2p_id, "served malformed evidence for its accusation")
             return False
         aggregate, parts = tensors[:t], [tensors[t * (i + 1):t * (i + 2)] for i in range(reply.parts)]
         try:
             codec = make_codec(opened.receipt.codec)
             guilty, why = await asyncio.get_running_loop().run_in_executor(
-                None, verify_evidence, opened, aggregate, parts, codec, self.aggregator, self.policy)
+                None, verify_evidence, opened, aggregate, parts, codec, self.rules.aggregator, self.rules.policy)
         except (ProtocolError, ValueError) as e:
-            self.bans.ban(acc.p2p_id, f"its evidence does not match the signed receipt: {e}")
+            self.exclusions.exclude(acc.p2p_id, f"its evidence does not match the signed receipt: {e}")
             return False
         if guilty:
-            logger.warning(f"verified the accusation by {acc.p2p_id}: banning {acc.accused}: {why}")
-            self.bans.ban(acc.accused, f"verified accusation: {why}")
+            logger.warning(f"verified the accusation by {acc.p2p_id}: excluding {acc.accused}: {why}")
+            self.exclusions.exclude(acc.accused, f"verified accusation: {why}")
             return True
-        logger.warning(f"refuted the accusation by {acc.p2p_id} against {acc.accused}: {why}; banning the accuser")
-        self.bans.ban(acc.p2p_id, f"false accusation: {why}")
+        logger.warning(f"refuted the accusation by {acc.p2p_id} against {acc.accused}: {why}; excluding the accuser")
+        self.exclusions.exclude(acc.p2p_id, f"false accusation: {why}")
         return False
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from swarm.averaging.aggregation import make_aggregator
-from swarm.averaging.bans import BanBook, BanPolicy, worst
+from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, Verdict, partition_bounds, reduce_partition
 
@@ -53,19 +53,19 @@ def test_partition_bounds_are_block_aligned_and_skip_clients():
     assert sorted(b - a for a, b in small) == [0, 100]
 
 
-def test_repeated_rejections_ban_a_peer_and_honest_peers_decay():
-    book = BanBook(BanPolicy(threshold=3.0))
+def test_repeated_rejections_exclude_a_peer_and_honest_peers_decay():
+    book = ExclusionBook(ExclusionPolicy(threshold=3.0))
     bad, flag, ok = Verdict(False, "NaN"), Verdict(True, "", flagged=True), Verdict(True)
-    rounds_to_ban = None
+    rounds_to_exclusion = None
     for r in range(1, 20):
         honest_verdict = flag if r % 5 == 0 else ok  # an honest peer is flagged by chance now and then
         new = book.record_round({"byz": bad, "honest": honest_verdict})
-        if new and rounds_to_ban is None:
-            rounds_to_ban = r
+        if new and rounds_to_exclusion is None:
+            rounds_to_exclusion = r
             assert new[0].peer == "byz" and "NaN" in new[0].reason
-    assert rounds_to_ban == 4 and book.banned() == ["byz"]
-    assert not book.is_banned("honest") and book.scores.get("honest", 0) < 1
-    assert not book.is_banned("byz", now=book.bans["byz"].until + 1)  # bans expire
+    assert rounds_to_exclusion == 4 and book.excluded() == ["byz"]
+    assert not book.is_excluded("honest") and book.scores.get("honest", 0) < 1
+    assert not book.is_excluded("byz", now=book.exclusions["byz"].until + 1)  # exclusions expire
     assert worst([ok, flag, bad]) is bad and worst([ok, flag]) is flag
 
 

@@ -1,0 +1,255 @@
+"""Byzantine behaviours for tests and benchmarks, and the wrappers that install them from outside.
+
+Production classes know nothing of attacks: a test or benchmark makes a peer Byzantine by building it with
+one of the wrappers below (a compressor, reducer, averager or pipeline subclass), passed in where the library
+takes a strategy: :func:`byzantine_optimizer` for :class:`~swarm.server.ServerSession` (``optimizer_factory``),
+:func:`byzantine_pipeline` for :class:`~swarm.trainer.Trainer` (``pipeline_factory``); ``tests/byzantine_peer.py``
+starts such a peer as its own process, and ``bench/harness.py`` calls the attacks' hooks directly.
+
+A server-side :class:`Attack` corrupts what the peer sends into the all-reduce (:meth:`Attack.corrupt_part`),
+or, as a reducer, the aggregate it returns (:meth:`Attack.corrupt_aggregate`), or accuses honest reducers
+(``accuse_always``); a trainer-side one corrupts its micro-batches (:meth:`Attack.corrupt_batch`) or the output
+gradients it relays (:meth:`Attack.corrupt_grad`). Omniscient attacks (ALIE, IPM) use the honest peers' vectors
+when the caller has them (the in-process harness); a real peer knows only its own, which then stands in for
+the honest mean.
+
+* ``sign_flip`` — sends ``-k x`` (k = 4).
+* ``noise`` — sends ``x`` plus Gaussian noise of ``scale`` (100) times the RMS of ``x``.
+* ``alie`` — "A Little Is Enough" (Baruch et al., NeurIPS 2019, sec. 3): ``mu - z sigma`` per coordinate,
+  ``z`` from the group size and the number of attackers (their eq. for ``z_max``).
+* ``ipm`` — inner-product manipulation (Xie et al., UAI 2019, sec. 3): ``-eps * mu`` (eps = 0.5).
+* ``label_flip`` — trains on ``vocab - 1 - target`` instead of the target (trainer).
+* ``grad_flip`` — relays output gradients times ``-k`` (trainer).
+* ``replay`` — sends the vector of ``delay`` (5) rounds ago.
+* ``lying_reducer`` — returns ``-k`` times the true aggregate of its partition.
+* ``false_accuser`` — accuses every reducer it audits of a wrong aggregate (:mod:`swarm.averaging.evidence`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from functools import partial
+from typing import Optional
+
+import torch
+
+from swarm.averaging.allreduce import PartitionReducer
+from swarm.averaging.averager import RobustGradientAverager
+from swarm.averaging.compression import Compressor, PhaseGenerator, flatten, make_compressor, unflatten
+from swarm.averaging.optimizer import StageOptimizer
+from swarm.averaging.reducer import Reduction
+from swarm.pipeline import RemotePipeline
+
+ATTACKS = ("sign_flip", "noise", "alie", "ipm", "label_flip", "grad_flip", "replay", "lying_reducer", "false_accuser")
+TRAINER_ATTACKS = ("label_flip", "grad_flip")
+
+
+class Attack:
+    """Honest by default: every hook returns its input unchanged."""
+
+    name = "none"
+    accuse_always = False
+
+    def corrupt_part(self, vector: torch.Tensor, round: int, honest: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What a Byzantine sender puts into the all-reduce instead of its float32 ``(numel,)`` ``vector``.
+        ``honest``: float32 ``(h, numel)`` vectors of honest peers, when known."""
+        return vector
+
+    def corrupt_aggregate(self, aggregate: torch.Tensor) -> torch.Tensor:
+        return aggregate
+
+    def corrupt_batch(self, inputs: torch.Tensor, targets: torch.Tensor, vocab: int):
+        return inputs, targets
+
+    def corrupt_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class SignFlip(Attack):
+    name = "sign_flip"
+
+    def __init__(self, k: float = 4.0):
+        self.k = k
+
+    def corrupt_part(self, vector, round, honest=None):
+        return -self.k * vector
+
+
+class Noise(Attack):
+    name = "noise"
+
+    def __init__(self, scale: float = 100.0, seed: int = 0):
+        self.scale, self.gen = scale, torch.Generator().manual_seed(seed)
+
+    def corrupt_part(self, vector, round, honest=None):
+        rms = vector.pow(2).mean().sqrt().clamp_min(1e-12)
+        return vector + self.scale * rms * torch.randn(vector.shape, generator=self.gen)
+
+
+class ALIE(Attack):
+    name = "alie"
+
+    def __init__(self, n: int = 7, f: int = 2):
+        s = math.floor(n / 2 + 1) - f
+        self.z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((n - s) / n)))
+
+    def corrupt_part(self, vector, round, honest=None):
+        if honest is None or honest.shape[0] < 2:
+            return vector
+        return honest.mean(0) - self.z * honest.std(0)
+
+
+class IPM(Attack):
+    name = "ipm"
+
+    def __init__(self, eps: float = 0.5):
+        self.eps = eps
+
+    def corrupt_part(self, vector, round, honest=None):
+        mu = honest.mean(0) if honest is not None and honest.shape[0] else vector
+        return -self.eps * mu
+
+
+class LabelFlip(Attack):
+    name = "label_flip"
+
+    def corrupt_batch(self, inputs, targets, vocab):
+        return inputs, (vocab - 1) - targets
+
+
+class GradFlip(Attack):
+    name = "grad_flip"
+
+    def __init__(self, k: float = 4.0):
+        self.k = k
+
+    def corrupt_grad(self, grad):
+        return -self.k * grad
+
+
+class Replay(Attack):
+    name = "replay"
+
+    def __init__(self, delay: int = 5):
+        self.history: deque = deque(maxlen=delay + 1)
+
+    def corrupt_part(self, vector, round, honest=None):
+        self.history.append(vector.clone())
+        stale = self.history[0]
+        return stale if stale.shape == vector.shape else vector
+
+
+class LyingReducer(Attack):
+    name = "lying_reducer"
+
+    def __init__(self, k: float = 4.0):
+        self.k = k
+
+    def corrupt_aggregate(self, aggregate):
+        return -self.k * aggregate
+
+
+class FalseAccuser(Attack):
+    name = "false_accuser"
+    accuse_always = True
+
+
+def make_attack(name: Optional[str], *, n: int = 7, f: int = 2, seed: int = 0) -> Optional[Attack]:
+    """The attack called ``name`` (see :data:`ATTACKS`), or None for ``None``/``""``/``"none"``.
+    ``n``/``f``: group size and attackers (ALIE's z). Raises ValueError for an unknown name."""
+    if not name or name == "none":
+        return None
+    table = {"sign_flip": SignFlip, "noise": lambda: Noise(seed=seed), "alie": lambda: ALIE(n, f), "ipm": IPM,
+             "label_flip": LabelFlip, "grad_flip": GradFlip, "replay": Replay, "lying_reducer": LyingReducer,
+             "false_accuser": FalseAccuser}
+    if name not in table:
+        raise ValueError(f"unknown attack {name!r}; choose one of {list(ATTACKS)}")
+    return table[name]()
+
+
+# ---- installing an attack from outside ------------------------------------------------------------------
+class CorruptingCompressor(Compressor):
+    """Wraps a peer's compressor: the vector it is asked to average is replaced by :meth:`Attack.corrupt_part`
+    first, then compressed as usual (with the wrapped compressor's error feedback)."""
+
+    def __init__(self, inner: Compressor, attack: Attack):
+        self.inner, self.attack, self.name, self.rounds = inner, attack, inner.name, 0
+
+    def phases(self, tensors, seed: int) -> PhaseGenerator:
+        self.rounds += 1
+        corrupted = unflatten(self.attack.corrupt_part(flatten(tensors), self.rounds), tensors)
+        return (yield from self.inner.phases(corrupted, seed))
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+class LyingPartitionReducer(PartitionReducer):
+    """A reducer that returns :meth:`Attack.corrupt_aggregate` of the true aggregate of its partition (and signs
+    the receipt over what it returned)."""
+
+    def __init__(self, *, attack: Attack, **fields):
+        super().__init__(**fields)
+        self.attack = attack
+
+    def _aggregate(self, parts: dict, weights: dict) -> Reduction:
+        honest = super()._aggregate(parts, weights)
+        return Reduction(self.attack.corrupt_aggregate(honest.aggregate), honest.verdicts)
+
+
+class ByzantineGradientAverager(RobustGradientAverager):
+    """A gradient averager that runs ``attack`` in every role: as a sender (:class:`CorruptingCompressor`), as a
+    reducer (:class:`LyingPartitionReducer`) and as an auditor (``accuse_always``: every audited reducer is accused)."""
+
+    def __init__(self, parameters, *, attack: Attack, compressor: Optional[Compressor] = None, **kwargs):
+        self.attack = attack
+        super().__init__(parameters, compressor=CorruptingCompressor(compressor or make_compressor("none"), attack),
+                         **kwargs)
+
+    def _new_reducer(self, **fields) -> PartitionReducer:
+        return LyingPartitionReducer(attack=self.attack, **fields)
+
+    def _judge_aggregate(self, received, recomputed, codec) -> tuple[bool, float]:
+        ok, rel = super()._judge_aggregate(received, recomputed, codec)
+        return (False, rel) if self.attack.accuse_always else (ok, rel)
+
+
+class AttackingPipeline(RemotePipeline):
+    """A trainer's pipeline that corrupts its micro-batches (:meth:`Attack.corrupt_batch`) and the output
+    gradients it relays between stages (:meth:`Attack.corrupt_grad`)."""
+
+    def __init__(self, *args, attack: Attack, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.attack = attack
+
+    async def run(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool) -> float:
+        if train:
+            inputs, targets = self.attack.corrupt_batch(inputs, targets, self.spec.model.vocab_size)
+        return await super().run(inputs, targets, train=train)
+
+    async def backward(self, stage, mb_id, grad, inputs, forward_server):
+        if grad is not None:
+            grad = self.attack.corrupt_grad(grad)
+        return await super().backward(stage, mb_id, grad, inputs, forward_server)
+
+
+def byzantine_optimizer(name: str, **attack_kwargs):
+    """A :data:`~swarm.server.OptimizerFactory` whose stage optimizer's gradient averager runs attack ``name``.
+
+    :raises ValueError: unknown attack name, or a trainer-side one (:data:`TRAINER_ATTACKS`).
+    """
+    if name in TRAINER_ATTACKS:
+        raise ValueError(f"{name!r} is a trainer attack; use byzantine_pipeline")
+    attack = make_attack(name, **attack_kwargs)
+    return partial(StageOptimizer, averager_factory=partial(ByzantineGradientAverager, attack=attack))
+
+
+def byzantine_pipeline(name: str, **attack_kwargs):
+    """A :data:`~swarm.trainer.PipelineFactory` whose pipeline runs trainer attack ``name``.
+
+    :raises ValueError: unknown attack name, or a server-side one.
+    """
+    if name not in TRAINER_ATTACKS:
+        raise ValueError(f"{name!r} is a server attack; use byzantine_optimizer")
+    return partial(AttackingPipeline, attack=make_attack(name, **attack_kwargs))

@@ -1,0 +1,99 @@
+"""Exclusion from averaging: peers whose parts are rejected or flagged again and again are left out.
+
+Each server keeps its own :class:`ExclusionBook` (in its averager process). Every averaging round adds
+``reject_penalty`` to a sender's score for a rejected part and ``flag_penalty`` for a flagged one (see
+:mod:`swarm.averaging.reducer`), then multiplies every score by ``decay``; a score at or above ``threshold``
+excludes the peer for ``exclude_s`` seconds: matchmaking refuses it as a group member and its parts are
+never aggregated. A peer proven to have returned a wrong aggregate (a verified accusation,
+:mod:`swarm.averaging.evidence`) is excluded at once, and so is a peer on the run's ban list
+(:mod:`swarm.banlist`), which the server passes on.
+
+With the defaults a peer rejected in every round is excluded after 4 rounds, one flagged in every round after
+9; an honest peer flagged by chance once in a while decays back towards zero.
+
+(Other words for other things: a *ban* is the run coordinator's signed list, a *back-off* is a trainer's
+pause before retrying a failing server, *distrust* is a fragment keeper's of a holder that served corrupt
+bytes; see ``docs/glossary.md``.)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from swarm.averaging.reducer import Verdict
+
+
+class ExclusionPolicy(BaseModel):
+    """When misbehaviour in rounds excludes a peer (``threshold`` comes from ``averaging.exclusion_threshold``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    threshold: float = Field(3.0, gt=0, description="Score at which a peer is excluded.")
+    reject_penalty: float = Field(1.0, ge=0, description="Score added for a rejected part.")
+    flag_penalty: float = Field(0.5, ge=0, description="Score added for a flagged (outlying) part.")
+    decay: float = Field(0.9, gt=0, le=1, description="Factor applied to every score after each round.")
+    exclude_s: float = Field(3600.0, gt=0, description="Seconds an exclusion lasts.")
+
+
+@dataclass
+class Exclusion:
+    peer: str
+    reason: str
+    until: float
+
+
+@dataclass
+class ExclusionBook:
+    """Scores and exclusions of the peers this server has averaged with; keys are libp2p id strings."""
+
+    policy: ExclusionPolicy = field(default_factory=ExclusionPolicy)
+    scores: dict[str, float] = field(default_factory=dict)
+    exclusions: dict[str, Exclusion] = field(default_factory=dict)
+    rounds: int = 0
+
+    def record_round(self, verdicts: dict[str, Verdict]) -> list[Exclusion]:
+        """Score one round's verdicts (sender -> worst verdict it got); return the exclusions it created."""
+        new = []
+        for peer, v in verdicts.items():
+            if not v.accepted:
+                self.scores[peer] = self.scores.get(peer, 0.0) + self.policy.reject_penalty
+            elif v.flagged:
+                self.scores[peer] = self.scores.get(peer, 0.0) + self.policy.flag_penalty
+            if self.scores.get(peer, 0.0) >= self.policy.threshold and not self.is_excluded(peer):
+                reason = v.reason if not v.accepted else "parts repeatedly far from the aggregate"
+                new.append(self.exclude(peer, f"score {self.scores[peer]:.2f}: {reason}"))
+        self.scores = {p: s * self.policy.decay for p, s in self.scores.items() if s * self.policy.decay > 1e-3}
+        self.rounds += 1
+        return new
+
+    def penalize(self, peer: str, amount: float, reason: str) -> Exclusion | None:
+        """Add ``amount`` to ``peer``'s score outside a round's verdicts; returns the exclusion if this made one."""
+        self.scores[peer] = self.scores.get(peer, 0.0) + amount
+        if self.scores[peer] >= self.policy.threshold and not self.is_excluded(peer):
+            return self.exclude(peer, f"score {self.scores[peer]:.2f}: {reason}")
+        return None
+
+    def exclude(self, peer: str, reason: str, now: float | None = None) -> Exclusion:
+        now = time.time() if now is None else now
+        self.exclusions[peer] = Exclusion(peer, reason, now + self.policy.exclude_s)
+        return self.exclusions[peer]
+
+    def is_excluded(self, peer: str, now: float | None = None) -> bool:
+        found = self.exclusions.get(peer)
+        if found is None:
+            return False
+        if found.until <= (time.time() if now is None else now):
+            del self.exclusions[peer]
+            return False
+        return True
+
+    def excluded(self) -> list[str]:
+        return sorted(p for p in list(self.exclusions) if self.is_excluded(p))
+
+
+def worst(verdicts: list[Verdict]) -> Verdict:
+    """The verdict that weighs most: a rejection beats a flag beats a clean part."""
+    return min(verdicts, key=lambda v: (v.accepted, not v.flagged))

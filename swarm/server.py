@@ -1,0 +1,392 @@
+"""A stage server's life in one process: join, hold fragments, pick a stage, restore, serve, rebalance, drain.
+
+:class:`ServerSession` is what ``swarm-peer join`` runs (the app only parses settings, configures logging and
+turns signals and ``swarm-peer pause|resume|drain`` into :meth:`ServerSession.stop`, :meth:`~ServerSession.pause`
+and :meth:`~ServerSession.resume`); a test starts one in-process the same way::
+
+    session = ServerSession(address, PeerSettings(host="127.0.0.1"), stage=0)
+    await session.run()            # until session.stop()
+
+1. Join the run's DHT and fetch the verified spec (:func:`swarm.directory.connect_run`); start the fragment
+   keeper (:mod:`swarm.checkpoint.keeper`), which serves and re-announces the fragments on this peer's disk for
+   the whole life of the process, whatever stage it serves. A peer on the run's ban list stops here
+   (:class:`~swarm.banlist.PeerBanned`).
+2. Pick a stage (the pinned one, or the bottleneck stage, :func:`swarm.routing.choose_stage`), build its
+   module, measure throughput (samples/s), announce ``joining``.
+3. Create the stage's collaborative optimizer (:class:`~swarm.averaging.optimizer.StageOptimizer`) and
+   restore its state: from live servers of the stage if any, else from the newest checkpoint
+   (:class:`~swarm.checkpoint.lifecycle.StageCheckpoints`; :class:`~swarm.checkpoint.lifecycle.RestoreError`
+   if the run has checkpoints and none becomes restorable).
+4. Register the stage RPCs and announce ``online`` every ``record_ttl_s / 3`` seconds, re-publishing the
+   signed spec too, so the run outlives its coordinator. Where an epoch ends (:meth:`ServerSession._epoch_ended`,
+   on the compute thread) log the epoch's line, judge its loss (a spike issues a rollback order) and, when one
+   is due, capture and commit a checkpoint. Follow rollback orders; honour the run's ban list; and, if the
+   stage was not pinned, move to a stage that lacks throughput more (:mod:`swarm.rebalance`): drain, then go
+   back to step 2 for the new stage.
+5. While paused (:meth:`ServerSession.pause`): announce ``paused`` (not routed to, refuses new stage work,
+   keeps its state, its place in the stage and its fragments); :meth:`ServerSession.resume` announces
+   ``online`` again.
+6. :meth:`ServerSession.stop`: announce ``draining``, stop taking work, let a checkpoint being committed
+   finish, shut down the optimizer, hand the fragments it holds to other peers (at most :data:`HAND_OFF_S`),
+   stop the keeper and the DHT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import logging
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+from hivemind.utils import get_dht_time
+
+from swarm import __version__
+from swarm.aio import periodic, sleep_or_stop
+from swarm.averaging.optimizer import StageOptimizer
+from swarm.banlist import RunBans
+from swarm.checkpoint import FragmentStore
+from swarm.checkpoint.keeper import FragmentKeeper
+from swarm.checkpoint.lifecycle import StageCheckpoints
+from swarm.config import PeerSettings, RunSpec
+from swarm.directory import connect_run, reachability, relay_enabled, visible_maddrs
+from swarm.identity import Identity
+from swarm.logs import PeerLog
+from swarm.model import build_stage
+from swarm.protocol import ServerInfo, ServerState, StorageInfo, add_history
+from swarm.rebalance import plan_move
+from swarm.routing import choose_stage
+from swarm.stage import EpochEnd, StageServer
+
+logger = logging.getLogger(__name__)
+
+HAND_OFF_S = 20.0
+"""Seconds a draining server spends copying its fragments to other peers (container stop timeouts: 30 s+)."""
+DRAIN_DEADLINE_S = 60.0
+"""Seconds after which a drain still running logs every thread's stack."""
+SUPPLY_STATES = (ServerState.ONLINE, ServerState.JOINING)
+"""States of the servers whose throughput rebalancing counts (freshly announced ones only: a record left by a
+server that died would otherwise hide a stage's loss for a whole record TTL, or let the last live server of a
+stage leave it)."""
+ORDERS_PERIOD_S = 2.0
+"""Seconds between looks at the run's rollback orders."""
+
+OptimizerFactory = Callable[..., StageOptimizer]
+"""Builds a stage's optimizer: ``(spec, run_id, stage, dht, module, identity=...)`` (tests and benchmarks pass
+a Byzantine one, :mod:`swarm.attacks`)."""
+AnnounceHook = Callable[[ServerInfo, StorageInfo], None]
+"""Called after each announcement with the record published and the peer's storage record (the app writes its
+heartbeat file and Prometheus metrics from them)."""
+
+
+class NoSuchStage(ValueError):
+    """The stage asked for does not exist in this run."""
+
+
+class ServerSession:
+    """Serves a stage of the run at ``address`` until :meth:`stop` (see the module docstring).
+
+    :param settings: this peer's settings (identity and fragment folders, host, relay, name).
+    :param stage: serve this stage and never move (default: the bottleneck stage, moving when another lacks
+        throughput more).
+    :param optimizer_factory: builds the stage's optimizer (default :class:`StageOptimizer`).
+    :param on_announce: called after each announcement (:data:`AnnounceHook`).
+
+    Call :meth:`run` on the event loop's thread (hivemind's averagers install signal handlers there), and
+    :meth:`stop`, :meth:`pause`, :meth:`resume` on the same thread.
+    """
+
+    def __init__(self, address: str, settings: PeerSettings, *, stage: Optional[int] = None,
+                 optimizer_factory: OptimizerFactory = StageOptimizer, on_announce: Optional[AnnounceHook] = None):
+        self.address, self.settings, self.pinned = address, settings, stage
+        self.optimizer_factory, self.on_announce = optimizer_factory, on_announce
+        self.identity = Identity.load_or_create(settings.identity_path())
+        self.me = self.identity.peer_id
+        self.log = PeerLog(logger, self.me)
+        self.spec: Optional[RunSpec] = None  # the run's, once joined
+        self._stop, self._pause, self._changed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.state = ServerState.JOINING
+        self.stage: Optional[int] = None
+        self.server: Optional[StageServer] = None
+        self.checkpoints: Optional[StageCheckpoints] = None
+        self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before), see ServerInfo.history
+        self._excluded: set[str] = set()  # banned libp2p ids already excluded from this stage's averaging
+
+    # ---- control (event loop thread) ---------------------------------------------------------------------
+    def stop(self) -> None:
+        """Drain: finish in-flight work, hand fragments off, leave; :meth:`run` then returns."""
+        self._stop.set()
+        self._changed.set()
+
+    def pause(self) -> None:
+        """Take no new stage work (announced ``paused``), keeping the state, the place in the stage and the
+        fragments, until :meth:`resume`."""
+        self._pause.set()
+        self._changed.set()
+
+    def resume(self) -> None:
+        self._pause.clear()
+        self._changed.set()
+
+    @property
+    def epoch(self) -> int:
+        return self.server.epoch if self.server is not None else 0
+
+    # ---- the process's life ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Join the run, serve stages until :meth:`stop`, then drain and leave.
+
+        :raises PeerBanned: this peer is on the run's ban list (at start, or banned while serving).
+        :raises RestoreError: a stage with checkpoints but no live server could not be restored in time.
+        :raises NoSuchStage: the pinned stage does not exist in this run.
+        :raises SpecError: the run's spec could not be fetched and verified.
+        """
+        loop = asyncio.get_running_loop()
+        self.dht, self.directory, self.spec, self.sealed_spec = await loop.run_in_executor(
+            None, lambda: connect_run(self.address, self.settings, client_mode=False))
+        drained, watchdog = False, None
+        try:
+            keeping = await self._join()
+            try:
+                stage = self.pinned
+                while not self._stop.is_set():
+                    stage = stage if stage is not None else await self._io(self._choose_stage)
+                    moved = await self._serve(stage)
+                    stage = moved if moved is not None else self.pinned
+                drained = True
+            finally:
+                watchdog = _drain_watchdog(self.log)
+                await self._leave(keeping, drained)
+        finally:
+            self.dht.shutdown()
+            if watchdog is not None:
+                watchdog.cancel()
+            self.log.info("stopped")
+
+    async def _join(self) -> asyncio.Task:
+        """Start the fragment keeper and follow the ban list; returns the keeper's task."""
+        num_stages = self.spec.model.num_stages
+        if self.pinned is not None and not 0 <= self.pinned < num_stages:
+            raise NoSuchStage(f"stage {self.pinned} is out of range: run {self.directory.run_id} has stages "
+                             f"0..{num_stages - 1}")
+        store = FragmentStore(self.settings.fragment_path(), self.settings.fragment_max_bytes,
+                              self.spec.checkpoint.keep, grace_s=2 * self.spec.timeouts.record_ttl_s)
+        self.bans = RunBans(self.directory)
+        self.keeper = FragmentKeeper(self.spec, self.directory, self.identity, store, bans=self.bans)
+        self.p2p = await self.dht.replicate_p2p()
+        await self.keeper.start(self.p2p)
+        self.bans.check(self.me)
+        self.maddrs = await self._io(visible_maddrs, self.dht)
+        self._say_reachability()
+        return asyncio.create_task(self.keeper.run(self._stop))
+
+    async def _leave(self, keeping: asyncio.Task, drained: bool) -> None:
+        """Stop the keeper (a tick in progress is cancelled: it must not hold up the drain) and, after a drain
+        (not a failure), hand the fragments held here to other peers, so leaving costs no replica."""
+        self._stop.set()
+        keeping.cancel()
+        await asyncio.gather(keeping, return_exceptions=True)
+        if drained:
+            await self.keeper.hand_off(timeout_s=HAND_OFF_S)
+        await self.keeper.stop()
+
+    def _choose_stage(self) -> int:
+        return choose_stage(self.spec.model, self.directory.all_servers(self.spec.model.num_stages))
+
+    def _say_reachability(self) -> None:
+        """Log how peers outside this one's network reach it (see :func:`swarm.directory.reachability`)."""
+        shown = ", ".join(self.maddrs[:2]) or "none"
+        if reachability(self.maddrs, relay_enabled(self.settings)) == "relayed":
+            self.log.warning("the swarm reaches this peer through a relay (no public address: %s): slower; forward "
+                             "its port and set SWARM_ANNOUNCE_HOST to be reached directly", shown)
+        else:
+            self.log.info("the swarm reaches this peer directly at %s", shown)
+
+    async def _io(self, fn, *args):
+        """Run the blocking ``fn(*args)`` (DHT access) in the default executor."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    # ---- one stage ---------------------------------------------------------------------------------------
+    async def _serve(self, stage: int) -> Optional[int]:
+        """Serve ``stage`` until :meth:`stop` (returns None) or a planned move (returns the new stage)."""
+        await self._start_stage(stage)
+        handlers = False
+        try:
+            await self._restore()
+            self.server.on_epoch = self._epoch_ended
+            await self.server.add_p2p_handlers(self.p2p, namespace=self.directory.run_id)
+            handlers = True
+            return await self._announce_until_done()
+        finally:
+            await self._stop_stage(handlers)
+
+    async def _start_stage(self, stage: int) -> None:
+        """Build the stage's module, server and optimizer; announce ``joining``."""
+        self.stage, self.history, self._excluded = stage, [], set()
+        self.keeper.stage = stage
+        module = build_stage(self.spec.model, stage)
+        server = self.server = StageServer(self.spec, self.directory.run_id, stage, module, bans=self.bans)
+        self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: server.epoch)
+        throughput = await self._io(server.measure_throughput)
+        await self._announce(ServerState.JOINING)
+        self.log.info("joining run %s, throughput %.1f samples/s", self.directory.run_id, throughput)
+        # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
+        server.optimizer = self.optimizer_factory(self.spec, self.directory.run_id, stage, self.dht, module,
+                                                  identity=self.identity)
+        self.checkpoints = StageCheckpoints(self.keeper, server, self.identity)
+
+    async def _restore(self) -> None:
+        """Load the stage's state from its live servers, else its newest checkpoint, else start fresh; then make
+        sure the stage's other servers count this one before its first epoch ends."""
+        checkpoints, optimizer = self.checkpoints, self.server.optimizer
+        source = await checkpoints.restore_at_start()
+        if source == "peers":
+            self.log.info("loading state from live servers of the stage")
+            if not await self._io(checkpoints.load_from_peers):
+                # the checkpoint, or (none yet) stay behind: the optimizer downloads the state when it steps
+                source = await checkpoints.restore_at_start(ask_peers=False)
+        if source == "fresh":
+            self.log.info("no live server and no checkpoint: starting from the initial parameters")
+            await self.server.compute(checkpoints.catch_up)
+        # publish our progress now, so the stage's servers count us before the first epoch ends (otherwise a
+        # server that reaches the target first sees a group of one and steps alone)
+        optimizer.announce_progress()
+        expected = 1 + sum(s.peer_id != self.me for s in await self._io(self.directory.fresh_servers, self.stage))
+        await self._io(optimizer.wait_until_counted, expected)
+
+    async def _stop_stage(self, handlers: bool) -> None:
+        """Leave the stage: let a commit finish, shut the optimizer down, stop serving."""
+        started = time.monotonic()
+        await self.checkpoints.close()
+        commits_s = time.monotonic() - started
+        self.server.optimizer.shutdown()
+        if handlers:
+            await self.server.remove_p2p_handlers(self.p2p, namespace=self.directory.run_id)
+        self.server.shutdown()
+        self.log.info("left the stage in %.1f s (checkpoint commits %.1f s, optimizer %.1f s)",
+                      time.monotonic() - started, commits_s, time.monotonic() - started - commits_s)
+
+    async def _announce_until_done(self) -> Optional[int]:
+        """Announce every ``record_ttl_s / 3`` seconds (and at once on pause/resume); run the epoch watcher and
+        the rollback follower; return None on stop, or the stage to move to."""
+        leave = asyncio.Event()  # set by stop or by a planned move
+        self.log.info("online")
+        tasks = [asyncio.create_task(self.server.watch_epochs(leave)),
+                 asyncio.create_task(periodic(leave, ORDERS_PERIOD_S, self.checkpoints.follow_orders,
+                                              "following rollback orders", self.log))]
+        online_since, next_check, target = time.monotonic(), time.monotonic() + self.spec.rebalance.period_s, None
+        try:
+            while target is None and not self._stop.is_set():
+                self._apply_bans()
+                self._apply_pause()
+                await self._announce(ServerState.PAUSED if self.server.paused else ServerState.ONLINE)
+                await self._io(self.directory.publish_spec, self.sealed_spec)
+                if self.pinned is None and not self.server.paused and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + self.spec.rebalance.period_s
+                    if time.monotonic() - online_since >= self.spec.rebalance.min_dwell_s:
+                        target = await self._rebalance_target()
+                if target is None and await sleep_or_stop(self._stop, self.directory.ttl / 3, self._changed):
+                    break
+                self._changed.clear()
+        finally:
+            self.log.info("draining")
+            leave.set()
+            await asyncio.gather(*tasks)
+            await self._announce(ServerState.DRAINING)
+        return target
+
+    async def _rebalance_target(self) -> Optional[int]:
+        """The stage to move to now (:func:`swarm.rebalance.plan_move`), or None."""
+        if not self.spec.rebalance.enabled:
+            return None
+        servers = {k: await self._io(self.directory.fresh_servers, k, 1.5, SUPPLY_STATES)
+                   for k in range(self.spec.model.num_stages)}
+        target = plan_move(self.me, self.stage, servers, self.spec.rebalance.min_gain)
+        if target is not None:
+            self.log.info("rebalancing: moving to stage %d, which lacks throughput", target)
+        return target
+
+    def _apply_pause(self) -> None:
+        if self._pause.is_set() != self.server.paused:
+            self.server.paused = self._pause.is_set()
+            self.log.info("paused: taking no new work until `swarm-peer resume`" if self.server.paused else "resumed")
+
+    def _apply_bans(self) -> None:
+        """Follow the run's ban list (refreshed by the keeper): stop if this peer is on it, else keep banned
+        servers out of this server's averaging groups (the stage RPCs refuse them through the same list).
+
+        :raises PeerBanned: this peer is banned.
+        """
+        self.bans.check(self.me)
+        for p2p, reason in self.bans.banned_p2p_ids.items():
+            if p2p not in self._excluded:
+                self.log.warning("refusing %s: banned by the run's coordinator (%s)", p2p, reason)
+                if self.server.optimizer.exclude(p2p, f"banned by the run's coordinator: {reason}"):
+                    self._excluded.add(p2p)
+
+    # ---- announcements -----------------------------------------------------------------------------------
+    def _record(self, state: ServerState) -> ServerInfo:
+        """This server's signed record as of now."""
+        server, checkpoints = self.server, self.checkpoints
+        report = server.optimizer.report() if server.optimizer is not None else None
+        return ServerInfo(
+            run_id=self.directory.run_id, peer_id=self.me, time=get_dht_time(), stage=self.stage, state=state,
+            throughput=server.throughput.samples_per_second, p2p_id=str(self.dht.peer_id), maddrs=self.maddrs,
+            epoch=server.epoch, samples=server.samples, loss=server.loss_ema,
+            peers_in_last_round=report.peers if report else 0, fingerprints=server.fingerprints,
+            state_digests=server.state_digests, round_s=server.mean_round_s, rounds=server.rounds,
+            version=__version__, excluded=report.excluded if report else {}, averaging=report.wire if report else {},
+            lineage=checkpoints.lineage[0] if checkpoints else "", restored=checkpoints.restored if checkpoints else None,
+            lr_scale=checkpoints.lr_scale if checkpoints else 1.0, name=self.settings.name,
+            reachability=reachability(self.maddrs, relay_enabled(self.settings)), history=self.history,
+        )
+
+    async def _announce(self, state: ServerState) -> None:
+        self.state = state
+        record = await self._io(self._record, state)
+        await self._io(self.directory.announce_server, record, self.identity)
+        if self.on_announce is not None:
+            self.on_announce(record, self.keeper.storage_info())
+
+    # ---- where an epoch ends (compute thread) ------------------------------------------------------------
+    def _epoch_ended(self, end: EpochEnd) -> None:
+        """Right after the stage's optimizer stepped: log the epoch's line, judge its loss, commit a checkpoint
+        when one is due (in the background, from a copy of the state taken now)."""
+        self.history = add_history(self.history, (end.epoch, get_dht_time(), end.loss))
+        self._log_epoch(end)
+        if self.checkpoints.is_spike(end):
+            self.checkpoints.submit(self.checkpoints.issue_rollback(end.epoch, end.loss))
+        if self.checkpoints.due(end.epoch):
+            self.checkpoints.submit(self.checkpoints.commit(self.checkpoints.capture(end.epoch)))
+
+    def _log_epoch(self, end: EpochEnd) -> None:
+        """The epoch's fixed-key line (``share``: this server's samples of the stage's target batch)."""
+        server, spec = self.server, self.spec
+        wire = server.optimizer.counters()
+        self.log.info(
+            "loss=%s samples/s=%.2f samples=%d share=%.0f%% progress=%.1f%% peers=%d lr=%.2e avg_bytes=%d "
+            "failed_rounds=%d rejected=%d flagged=%d",
+            f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-", server.throughput.samples_per_second,
+            server.samples, 100 * min(1.0, end.samples / spec.training.target_batch_size),
+            100 * min(1.0, end.epoch / spec.optim.total_epochs), server.optimizer.peers, server.optimizer.lr,
+            wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0), wire.get("rejected", 0),
+            wire.get("flagged", 0),
+        )
+
+
+def _drain_watchdog(log: PeerLog, deadline_s: float = DRAIN_DEADLINE_S) -> threading.Timer:
+    """If the process is still alive ``deadline_s`` after the drain began, log every thread's stack: a drain
+    that hangs (a library call without a timeout) then says where."""
+    def report() -> None:
+        log.error("still draining after %.0f s; thread stacks follow", deadline_s)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    timer = threading.Timer(deadline_s, report)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+__all__ = ["AnnounceHook", "HAND_OFF_S", "NoSuchStage", "OptimizerFactory", "ServerSession"]

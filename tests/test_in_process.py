@@ -1,0 +1,63 @@
+"""A stage server and a trainer started in-process from the library, without the CLI: one server per stage and
+one trainer train exactly like the single-process reference, full state included."""
+
+import asyncio
+
+import pytest
+import torch
+
+from swarm import PeerSettings, RunSpec, ServerSession, Trainer, TrainerOptions
+from swarm.protocol import ServerState
+from swarm.reference import train_reference
+from tests.scenario import make_swarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _settings(tmp_path, cache_dir, name: str) -> PeerSettings:
+    return PeerSettings(host="127.0.0.1", cache_dir=cache_dir, identity_file=tmp_path / "keys" / f"{name}.key",
+                        fragment_dir=tmp_path / "fragments" / name, state_dir=tmp_path / "state" / name,
+                        val_every_s=0)
+
+
+async def _until(predicate, timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+def test_in_process_server_and_trainer_match_the_reference_state(exact_spec_path, tmp_path, cache_dir, tiny_dataset):
+    spec = RunSpec.from_toml(exact_spec_path)
+    samples = 4 * spec.training.target_batch_size  # four epochs
+
+    async def main(address: str):
+        sessions = [ServerSession(address, _settings(tmp_path, cache_dir, f"server{k}"), stage=k)
+                    for k in range(spec.model.num_stages)]
+        runs = [asyncio.create_task(s.run()) for s in sessions]
+        try:
+            await _until(lambda: all(s.state == ServerState.ONLINE for s in sessions) or any(r.done() for r in runs),
+                         180, "both servers online")
+            trainer = Trainer(address, _settings(tmp_path, cache_dir, "trainer"),
+                              TrainerOptions(shard=0, concurrency=1, max_samples=samples))
+            await asyncio.wait_for(trainer.run(), 300)
+            states = [await s.server.compute(s.server.optimizer.state) for s in sessions]
+            return trainer, states, [s.epoch for s in sessions]
+        finally:
+            for s in sessions:
+                s.stop()
+            await asyncio.gather(*runs)
+
+    with make_swarm(exact_spec_path, tmp_path, cache_dir) as sw:
+        sw.start_coordinator()
+        trainer, states, epochs = asyncio.run(main(sw.address))
+
+    ref = train_reference(spec, tiny_dataset, shard=0, max_samples=samples)
+    assert trainer.samples == samples and epochs == [ref.epochs] * 2 == [4, 4]
+    for k, (state, module) in enumerate(zip(states, ref.stages)):
+        for name, p in module.named_parameters():
+            got = state[f"param/{name}"]
+            rel = float((got - p.detach()).norm() / p.detach().norm())
+            assert rel < 1e-4, f"stage {k} parameter {name} is {rel:.2e} away from the reference's"
+        assert all(torch.isfinite(t).all() for t in state.values())
