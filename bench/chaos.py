@@ -49,47 +49,11 @@ from swarm.protocol import ServerState  # noqa: E402
 
 logger = logging.getLogger("swarm.chaos")
 
-SPEC = RunSpec.parse_toml("""
-name = "chaos"
-[model]
-vocab_size = 512
-d_model = 64
-n_heads = 2
-n_layers = 2
-max_seq_len = 32
-stage_layers = [1, 1]
-[data]
-source = "shakespeare"
-seq_len = 32
-max_bytes = 400000
-num_shards = 4
-[tokenizer]
-train_bytes = 400000
-[optim]
-lr = 5e-3
-warmup_epochs = 1
-total_epochs = 400
-[training]
-micro_batch_size = 4
-target_batch_size = 64
-[averaging]
-matchmaking_time = 1.5
-averaging_timeout = 15.0
-next_chunk_timeout = 5.0
-average_state_every = 2
-[checkpoint]
-interval_epochs = 3
-fragments_needed = 2
-fragments_total = 4
-restore_timeout_s = 120
-[rollback]
-enabled = false
-[timeouts]
-forward_s = 20.0
-backward_s = 20.0
-backoff_s = 2.0
-record_ttl_s = 9.0
-""", source="the chaos spec")
+SPEC = RunSpec.from_toml(ROOT / "runs" / "tiny.toml").updated(
+    name="chaos", optim={"total_epochs": 400}, training={"target_batch_size": 64},
+    checkpoint={"interval_epochs": 3, "fragments_needed": 2, "fragments_total": 4, "restore_timeout_s": 120},
+    rollback={"enabled": False}, timeouts={"record_ttl_s": 9.0})
+"""The chaos run: the tiny spec, checkpointed every 3 epochs (any 2 of 4 fragments), no rollbacks, short records."""
 EVENTS = ("server", "wipe", "coordinator", "trainer")
 
 

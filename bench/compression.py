@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from harness import train  # noqa: E402
 from hivemind import DHT  # noqa: E402
 
-from swarm.averaging.averager import RobustGradientAverager  # noqa: E402
+from swarm.averaging.averager import AveragingRules, RobustGradientAverager  # noqa: E402
 from swarm.averaging.compression import make_compressor  # noqa: E402
 from swarm.config import RunSpec  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
@@ -49,7 +49,8 @@ def wire_bytes(shapes, compression: str, rank: int, rounds: int, peers: int = 3)
             dhts.append(DHT(initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()], **kw))
         for dht in dhts:
             params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-            avs.append(RobustGradientAverager(params, dht=dht, prefix=f"bench-{compression}", audit_probability=0.0,
+            avs.append(RobustGradientAverager(params, dht=dht, prefix=f"bench-{compression}",
+                                              rules=AveragingRules(audit_probability=0.0),
                                               compressor=make_compressor(compression, rank=rank),
                                               target_group_size=peers, min_matchmaking_time=2.0,
                                               request_timeout=1.0, allreduce_timeout=60, start=True))
@@ -64,7 +65,7 @@ def wire_bytes(shapes, compression: str, rank: int, rounds: int, peers: int = 3)
             if sizes != [peers] * peers:
                 raise RuntimeError(f"a round formed groups of {sizes}, expected {peers}")
             for av in avs:
-                av._new_averaged_grads = False
+                av.notify_used_averaged_gradients()
         totals = [av.wire.snapshot() for av in avs]
         return sum(t["sent"] + t["received"] for t in totals) / peers / rounds
     finally:

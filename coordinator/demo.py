@@ -43,51 +43,14 @@ def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, tra
     logger.info("preparing the corpus and tokenizer in %s", cache_dir)
     dataset = prepare_dataset(spec, cache_dir)
     workdir = Path(tempfile.mkdtemp(prefix="swarm-demo-"))
-    dht = None
     with LocalSwarm(spec_path, workdir, cache_dir, keep=keep) as swarm:
         address = swarm.start_coordinator()
         logger.info("run address %s", address)
         dht, directory, spec, _ = connect_run(address, PeerSettings(host="127.0.0.1"), client_mode=True)
         try:
-            num_stages = spec.model.num_stages
-            for i in range(num_stages * servers_per_stage):
-                peer = swarm.start_peer("server", "--stage", str(i % num_stages))
-
-                def announced(pid=peer.peer_id) -> bool:
-                    return any(s.peer_id == pid for g in directory.all_servers(num_stages).values() for s in g)
-
-                _wait_for(announced, 180, f"waiting for {peer.name} to announce itself", swarm, peer)
-            _wait_for(lambda: all(sum(s.state == ServerState.ONLINE for s in g) >= servers_per_stage
-                                  for g in directory.all_servers(num_stages).values()),
-                      180, "waiting for the servers to come online", swarm)
-            logger.info("%d servers online; starting %d trainers", num_stages * servers_per_stage, trainers)
-            trainer_peers = [swarm.start_peer("trainer", "--shard", str(i)) for i in range(trainers)]
-            started = time.monotonic()
-            next_report = started + progress_every
-            exited: set[str] = set()
-            while time.monotonic() - started < seconds:
-                time.sleep(min(1.0, max(0.0, seconds - (time.monotonic() - started))))
-                for p in swarm.peers:
-                    if not p.alive() and p.name not in exited:
-                        exited.add(p.name)
-                        logger.warning("%s exited (code %s); last lines:\n%s", p.name, p.proc.returncode, swarm.tail(p, 10))
-                if time.monotonic() >= next_report:
-                    next_report += progress_every
-                    snap = snapshot(directory, spec)
-                    run = snap["run"]
-                    logger.info("t=%3.0fs epochs=%s loss=%s tokens=%d samples/s=%.1f servers=%s trainers=%d",
-                                time.monotonic() - started, [s["epoch"] for s in snap["stages"]],
-                                f"{run['loss']:.3f}" if run["loss"] is not None else "-", run["tokens"],
-                                run["samples_per_s"], [s["servers_online"] for s in snap["stages"]],
-                                sum(p["role"] == "trainer" for p in snap["peers"]))
-            before = snapshot(directory, spec)
-            for p in trainer_peers:
-                swarm.stop(p)
-            elapsed = time.monotonic() - started
-            time.sleep(1.0)
-            snap = snapshot(directory, spec)
-            final_ids = {p["peer_id"] for p in snap["peers"]}
-            snap["peers"] += [p for p in before["peers"] if p["peer_id"] not in final_ids]
+            _start_servers(swarm, directory, spec.model.num_stages, servers_per_stage)
+            logger.info("%d servers online; starting %d trainers", spec.model.num_stages * servers_per_stage, trainers)
+            snap, elapsed = _train(swarm, directory, spec, trainers, seconds, progress_every)
             logger.info("measuring the validation loss on %d held-out micro-batches", eval_batches)
 
             async def evaluate() -> float:
@@ -97,6 +60,60 @@ def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, tra
             val_loss = asyncio.run(evaluate())
         finally:
             dht.shutdown()
+    return _summary(snap, spec, val_loss, elapsed)
+
+
+def _start_servers(swarm: LocalSwarm, directory, num_stages: int, per_stage: int) -> None:
+    """Start ``per_stage`` servers per stage, one after another, and wait until they are all online."""
+    for i in range(num_stages * per_stage):
+        peer = swarm.start_peer("server", "--stage", str(i % num_stages))
+
+        def announced(pid=peer.peer_id) -> bool:
+            return any(s.peer_id == pid for g in directory.all_servers(num_stages).values() for s in g)
+
+        _wait_for(announced, 180, f"waiting for {peer.name} to announce itself", swarm, peer)
+    _wait_for(lambda: all(sum(s.state == ServerState.ONLINE for s in g) >= per_stage
+                          for g in directory.all_servers(num_stages).values()),
+              180, "waiting for the servers to come online", swarm)
+
+
+def _train(swarm: LocalSwarm, directory, spec: RunSpec, trainers: int, seconds: float,
+           progress_every: float) -> tuple[dict, float]:
+    """Train with ``trainers`` trainers for ``seconds``, logging progress; stop them. Returns the run's snapshot
+    (with the trainers' last records) and the seconds trained."""
+    trainer_peers = [swarm.start_peer("trainer", "--shard", str(i)) for i in range(trainers)]
+    started = time.monotonic()
+    next_report = started + progress_every
+    exited: set[str] = set()
+    while time.monotonic() - started < seconds:
+        time.sleep(min(1.0, max(0.0, seconds - (time.monotonic() - started))))
+        for p in swarm.peers:
+            if not p.alive() and p.name not in exited:
+                exited.add(p.name)
+                logger.warning("%s exited (code %s); last lines:\n%s", p.name, p.proc.returncode, swarm.tail(p, 10))
+        if time.monotonic() >= next_report:
+            next_report += progress_every
+            _log_progress(snapshot(directory, spec), time.monotonic() - started)
+    before = snapshot(directory, spec)
+    for p in trainer_peers:
+        swarm.stop(p)
+    elapsed = time.monotonic() - started
+    time.sleep(1.0)  # the trainers' last announcements (sent as they stopped) reach this node's DHT
+    snap = snapshot(directory, spec)
+    final_ids = {p["peer_id"] for p in snap["peers"]}
+    snap["peers"] += [p for p in before["peers"] if p["peer_id"] not in final_ids]
+    return snap, elapsed
+
+
+def _log_progress(snap: dict, seconds: float) -> None:
+    run = snap["run"]
+    logger.info("t=%3.0fs epochs=%s loss=%s tokens=%d samples/s=%.1f servers=%s trainers=%d", seconds,
+                [s["epoch"] for s in snap["stages"]], f"{run['loss']:.3f}" if run["loss"] is not None else "-",
+                run["tokens"], run["samples_per_s"], [s["servers_online"] for s in snap["stages"]],
+                sum(p["role"] == "trainer" for p in snap["peers"]))
+
+
+def _summary(snap: dict, spec: RunSpec, val_loss: float, elapsed: float) -> dict[str, Any]:
     trainers_info = [p for p in snap["peers"] if p["role"] == "trainer"]
     initial = [p["initial_loss"] for p in trainers_info if p["initial_loss"] is not None]
     final = [p["loss"] for p in trainers_info if p["loss"] is not None]

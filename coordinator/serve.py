@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import threading
 from pathlib import Path
 from typing import Callable, Optional
 
 from coordinator.monitor import RunMetrics
 from coordinator.status import snapshot
+from swarm.aio import periodic
 from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.config import PeerSettings, RunSpec
@@ -29,13 +29,10 @@ logger = logging.getLogger("swarm.coordinator")
 
 
 def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: list[str],
-          address_file: Optional[Path] = None, stop: Optional[threading.Event] = None) -> None:
-    """Run the bootstrap node until SIGTERM/SIGINT (or ``stop``); prints the run address on stdout."""
+          address_file: Optional[Path] = None) -> None:
+    """Run the bootstrap node until SIGTERM/SIGINT; prints the run address on stdout."""
     run_id, sealed = RunDirectory.seal_spec(spec, key)
     dht = start_dht(settings, initial_peers)
-    stop = stop or threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         directory = RunDirectory(dht, run_id, ttl=spec.timeouts.record_ttl_s)
         directory.verify_spec(sealed)  # sets the run key: the ban list it re-publishes must be signed by it
@@ -64,32 +61,32 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
             if metrics is not None:
                 metrics.update(snapshot(directory, spec))
 
-        asyncio.run(_serve(directory, keeper, sealed, dht, stop, observe))
+        asyncio.run(_serve(directory, keeper, sealed, dht, observe))
     finally:
         dht.shutdown()
 
 
-async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes, dht, stop: threading.Event,
+async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes, dht,
                  observe: Callable[[], None]) -> None:
-    loop = asyncio.get_running_loop()
+    """Until SIGTERM/SIGINT, every ``record_ttl_s / 3`` seconds: re-publish the spec, run the keeper's duties,
+    refresh the metrics; then hand the fragments held here to other peers."""
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     await keeper.start(await dht.replicate_p2p())
-    period = directory.ttl / 3
+
+    async def tick() -> None:
+        if not await loop.run_in_executor(None, directory.publish_spec, sealed):
+            logger.warning("could not store the spec in the DHT; retrying in %.0fs", directory.ttl / 3)
+        try:
+            await keeper.tick()
+        except Exception:
+            logger.exception("fragment keeper tick failed")
+        await loop.run_in_executor(None, observe)
+
     try:
-        while not stop.is_set():
-            if not await loop.run_in_executor(None, directory.publish_spec, sealed):
-                logger.warning("could not store the spec in the DHT; retrying in %.0fs", period)
-            try:
-                await keeper.tick()
-            except Exception:
-                logger.exception("fragment keeper tick failed")
-            try:
-                await loop.run_in_executor(None, observe)
-            except Exception:
-                logger.exception("updating the run's metrics failed")
-            for _ in range(int(period / 0.25)):
-                if stop.is_set():
-                    break
-                await asyncio.sleep(0.25)
+        await tick()
+        await periodic(stop, directory.ttl / 3, tick, "re-publishing the spec and updating the run's metrics", logger)
         await keeper.hand_off()  # stopping on purpose: copy its fragments to the peers first
     finally:
         await keeper.stop()

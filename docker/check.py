@@ -91,11 +91,10 @@ def main() -> None:
 
 def run_check() -> dict:
     from coordinator.launch import LocalSwarm
-    from tests.conftest import TINY_SPEC
     from tests.scenario import Scenario
 
     work = Path(tempfile.mkdtemp(prefix="swarm-container-"))
-    (work / "tiny.toml").write_text(TINY_SPEC)
+    shutil.copy(ROOT / "runs" / "tiny.toml", work / "tiny.toml")
     cache = work / "cache"  # the container's /cache: a copy of the test data cache, owned by its user (uid 10001)
     shutil.copytree(ROOT / ".test-cache", cache, ignore=shutil.ignore_patterns("fragments", "identity.key"))
     sh("chown", "-R", "10001:10001", str(cache))

@@ -17,10 +17,12 @@ folder can command it.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import os
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -107,6 +109,15 @@ async def follow(cache_dir: Path, handlers: dict[str, Callable[[], None]], stop:
             handlers[command]()
 
 
+def _dump_stacks() -> None:
+    """Every asyncio task's and every thread's stack, on stderr (``kill -USR1 <pid>``: where is it stuck?)."""
+    print(f"--- {len(asyncio.all_tasks())} asyncio tasks", file=sys.stderr, flush=True)
+    for task in asyncio.all_tasks():
+        task.print_stack(file=sys.stderr)
+    print("--- threads", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
 class Controlled(Protocol):
     """What a running peer offers its operator: :class:`swarm.server.ServerSession` and
     :class:`swarm.trainer.Trainer` both do."""
@@ -119,10 +130,12 @@ class Controlled(Protocol):
 
 async def run_controlled(peer: Controlled, state_dir: Path) -> None:
     """``await peer.run()`` with SIGTERM/SIGINT and ``swarm-peer drain`` wired to ``peer.stop``, ``pause`` and
-    ``resume`` to the peer's own (commands read from ``state_dir``)."""
+    ``resume`` to the peer's own (commands read from ``state_dir``). SIGUSR1 prints what the peer is waiting on:
+    the stack of every asyncio task and every thread, on stderr."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, peer.stop)
+    loop.add_signal_handler(signal.SIGUSR1, _dump_stacks)
     done = asyncio.Event()
     controls = asyncio.create_task(follow(state_dir, {"pause": peer.pause, "resume": peer.resume,
                                                       "drain": peer.stop}, done))

@@ -18,40 +18,8 @@ from swarm.config import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY = RunSpec.parse_toml("""
-name = "tiny"
-[model]
-vocab_size = 512
-d_model = 64
-n_heads = 2
-n_layers = 2
-max_seq_len = 32
-stage_layers = [1, 1]
-[data]
-source = "shakespeare"
-seq_len = 32
-max_bytes = 400000
-num_shards = 4
-[tokenizer]
-train_bytes = 400000
-[optim]
-lr = 5e-3
-warmup_epochs = 1
-total_epochs = 200
-[training]
-micro_batch_size = 4
-target_batch_size = 32
-[averaging]
-matchmaking_time = 1.5
-averaging_timeout = 15.0
-next_chunk_timeout = 5.0
-average_state_every = 2
-[timeouts]
-forward_s = 20.0
-backward_s = 20.0
-backoff_s = 2.0
-record_ttl_s = 15.0
-""", source="the tiny test spec")
+TINY = RunSpec.from_toml(ROOT / "runs" / "tiny.toml")
+"""The base spec of the tests (``runs/tiny.toml``)."""
 
 
 @pytest.fixture(scope="session")

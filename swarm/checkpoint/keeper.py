@@ -218,7 +218,7 @@ class FragmentKeeper:
         """The shard bytes of ``view``'s checkpoint from any ``k`` verified fragments: ``(bytes, bad)``.
 
         Fragments are fetched ``k`` at a time from live holders (this peer's own disk first); a fragment that
-        fails (unreachable holder, corrupt bytes: the holder is banned) is replaced by another holder's or
+        fails (unreachable holder, corrupt bytes: the holder is distrusted) is replaced by another holder's or
         another index. ``progress(done, needed, bytes)`` is called after each fragment.
 
         :raises FragmentError: fewer than ``k`` fragments could be fetched.
@@ -231,29 +231,29 @@ class FragmentKeeper:
         # indices on this peer's disk first (no transfer), the rest in random order (spreads the load)
         order = sorted((i for i in tries if tries[i]), key=lambda i: (tries[i][0].peer_id != self.me, self.rng.random()))
         got: dict[int, Fragment] = {}
-        bad, received = 0, 0
 
-        async def one(index: int) -> None:
-            nonlocal bad, received
+        async def one(index: int) -> int:
+            """Fetch fragment ``index`` from the first holder that serves it intact; returns the corrupt ones seen."""
+            corrupt = 0
             for holder in tries[index]:
                 if self.shuns(holder.peer_id):
                     continue
                 try:
                     got[index] = await self.get(holder, m, index)
-                    received += len(got[index].data)
                     if progress is not None:
-                        progress(len(got), m.k, received)
-                    return
+                        progress(len(got), m.k, sum(len(f.data) for f in got.values()))
+                    break
                 except CorruptFragment:
-                    bad += 1
+                    corrupt += 1
                 except FragmentError as e:
                     self.log.info("fragment %d of stage %d epoch %d from %s failed: %s", index, m.stage, m.epoch,
                                   holder.peer_id, e)
+            return corrupt
 
-        queue = list(order)
+        queue, bad = list(order), 0
         while len(got) < m.k and queue:
             batch, queue = queue[: m.k - len(got)], queue[m.k - len(got):]
-            await asyncio.gather(*(one(i) for i in batch))
+            bad += sum(await asyncio.gather(*(one(i) for i in batch)))
         if len(got) < m.k:
             raise FragmentError(f"only {len(got)} of the {m.k} fragments needed for stage {m.stage} epoch {m.epoch} "
                                 f"could be fetched ({bad} corrupt); wait for more holders to come online")
