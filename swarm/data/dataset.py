@@ -94,12 +94,7 @@ def prepare_dataset(spec: RunSpec, cache_dir: Path) -> TokenDataset:
     val_names = {name for name, _ in ranked[:n_val]}
     train_texts = [t for n, t in pieces if n not in val_names]
     val_texts = [t for n, t in pieces if n in val_names]
-
-    h = hashlib.sha256(f"{d.source}|{d.max_bytes}|{d.val_fraction}|{spec.tokenizer.train_bytes}".encode())
-    for name, text in pieces:
-        h.update(name.encode())
-        h.update(hashlib.sha256(text.encode()).digest())
-    corpus_key = h.hexdigest()
+    corpus_key = _corpus_key(spec, pieces)
 
     def _training_text():
         budget = spec.tokenizer.train_bytes
@@ -113,24 +108,9 @@ def prepare_dataset(spec: RunSpec, cache_dir: Path) -> TokenDataset:
     tok_sha = hashlib.sha256(tok.to_str().encode()).hexdigest()
     if tok.get_vocab_size() > spec.model.vocab_size:
         raise CorpusError(f"tokenizer has {tok.get_vocab_size()} tokens > model.vocab_size={spec.model.vocab_size}")
-    eos = tok.token_to_id(EOS)
-
-    def _tokens(split: str, texts: list[str]) -> np.ndarray:
-        path = cache_dir / "tokens" / f"{corpus_key[:16]}-{tok_sha[:16]}-{split}.npy"
-        if path.exists():
-            return np.load(path)
-        ids: list[int] = []
-        for enc in tok.encode_batch(texts):
-            ids.extend(enc.ids)
-            ids.append(eos)
-        arr = np.asarray(ids, dtype=np.int32)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npy")
-        np.save(tmp, arr)
-        tmp.replace(path)
-        return arr
-
-    ds = TokenDataset(_tokens("train", train_texts), _tokens("val", val_texts), d.seq_len, tok_sha, tok.to_str())
+    folder, name = cache_dir / "tokens", f"{corpus_key[:16]}-{tok_sha[:16]}"
+    ds = TokenDataset(_tokens(folder / f"{name}-train.npy", tok, train_texts),
+                      _tokens(folder / f"{name}-val.npy", tok, val_texts), d.seq_len, tok_sha, tok.to_str())
     if ds.num_samples("train") < 1 or ds.num_samples("val") < 1:
         raise CorpusError(
             f"corpus gives {ds.num_samples('train')} train / {ds.num_samples('val')} validation samples of "
@@ -141,3 +121,30 @@ def prepare_dataset(spec: RunSpec, cache_dir: Path) -> TokenDataset:
         ds.num_samples("train"), ds.num_samples("val"), d.seq_len, tok_sha[:16],
     )
     return ds
+
+
+def _corpus_key(spec: RunSpec, pieces: list[tuple[str, str]]) -> str:
+    """SHA-256 (hex) of what the tokens depend on: the source settings and every piece of text."""
+    d = spec.data
+    h = hashlib.sha256(f"{d.source}|{d.max_bytes}|{d.val_fraction}|{spec.tokenizer.train_bytes}".encode())
+    for name, text in pieces:
+        h.update(name.encode())
+        h.update(hashlib.sha256(text.encode()).digest())
+    return h.hexdigest()
+
+
+def _tokens(path: Path, tok, texts: list[str]) -> np.ndarray:
+    """The token ids of ``texts`` (each followed by EOS) as int32, cached at ``path`` (written atomically)."""
+    if path.exists():
+        return np.load(path)
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    arr = np.asarray(ids, dtype=np.int32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, arr)
+    tmp.replace(path)
+    return arr
