@@ -76,17 +76,19 @@ async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes,
     await keeper.start(await dht.replicate_p2p())
 
     async def tick() -> None:
+        """Each duty on its own: one that fails is logged and the others still run."""
         if not await loop.run_in_executor(None, directory.publish_spec, sealed):
             logger.warning("could not store the spec in the DHT; retrying in %.0fs", directory.ttl / 3)
-        try:
-            await keeper.tick()
-        except Exception:
-            logger.exception("fragment keeper tick failed")
-        await loop.run_in_executor(None, observe)
+        for duty, what in ((keeper.tick, "fragment keeper tick"),
+                           (lambda: loop.run_in_executor(None, observe), "updating the run's metrics")):
+            try:
+                await duty()
+            except Exception:
+                logger.exception("%s failed", what)
 
     try:
-        await tick()
-        await periodic(stop, directory.ttl / 3, tick, "re-publishing the spec and updating the run's metrics", logger)
+        await tick()  # at once: the spec is in the DHT before the first peer asks for it
+        await periodic(stop, directory.ttl / 3, tick, "re-publishing the spec", logger)
         await keeper.hand_off()  # stopping on purpose: copy its fragments to the peers first
     finally:
         await keeper.stop()

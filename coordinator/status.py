@@ -5,7 +5,9 @@ server's :class:`~swarm.protocol.ServerInfo` (throughput, epoch, loss, averaging
 of epoch times and losses), a trainer's :class:`~swarm.protocol.TrainerInfo` (samples, tokens, loss, validation
 loss). Nothing is trusted that is not signed by its peer; records expire with ``record_ttl_s``.
 
-``status --json`` shape (stable: keys are only ever added)::
+``status --json`` shape (stable: keys are only ever added; the one exception, at protocol 2, renamed
+``banned_by_coordinator``/``banned_by``/``ban_reasons`` to ``ban_reason``/``excluded_by``/``exclusion_reasons``
+and split ``excluded`` off ``banned``)::
 
     {"run": {"run_id", "name", "spec_hash", "num_stages", "epoch", "total_epochs", "progress", "eta_s",
              "tokens", "samples_per_s", "loss", "train_loss", "val_loss", "loss_history": [[epoch, loss]],

@@ -164,7 +164,7 @@ class AveragingSpec(_Section):
     )
     outlier_ratio: float = Field(
         3.0, gt=1, description="Flag a part this many times farther from the aggregate than the median part; "
-        "repeated flags ban the sender. Raise it if honest peers get flagged in the log.",
+        "repeated flags exclude the sender from averaging. Raise it if honest peers get flagged in the log.",
     )
     max_weight_ratio: float = Field(
         4.0, ge=1, description="A sender's reported samples count at most this multiple of the median's.",

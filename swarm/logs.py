@@ -37,7 +37,7 @@ class PeerLog(logging.LoggerAdapter):
 
     :param peer: the peer id (its Ed25519 one, as the run's records show it).
     :param role: ``trainer`` for trainers; servers are told apart by their stage.
-    :param stage: the stage served, if any (changes when a server moves: :meth:`bind`).
+    :param stage: the stage served, if any (a server that moves gets a new log for its new stage).
     :param epoch: returns the current epoch (read at each line), or None to leave it out.
     """
 
@@ -45,10 +45,6 @@ class PeerLog(logging.LoggerAdapter):
                  epoch: Optional[Callable[[], int]] = None):
         super().__init__(logger, {})
         self.peer, self.role, self.stage, self.epoch = peer, role, stage, epoch
-
-    def bind(self, *, stage: Optional[int] = None, epoch: Optional[Callable[[], int]] = None) -> "PeerLog":
-        """The same peer's log for ``stage`` (and ``epoch``)."""
-        return PeerLog(self.logger, self.peer, role=self.role, stage=stage, epoch=epoch)
 
     @property
     def prefix(self) -> str:

@@ -118,9 +118,6 @@ class ServerInfo(Record):
     peers_in_last_round: int = Field(0, ge=0, description="Servers of the stage its progress tracker counts.")
     round_s: float = Field(0.0, ge=0, description="Mean seconds an epoch transition took (averaging + step).")
     rounds: int = Field(0, ge=0, description="Epoch transitions since the server started.")
-    fingerprints: dict[int, list[float]] = Field(
-        default_factory=dict, description="Epoch -> small random projection of the stage parameters."
-    )
     state_digests: dict[int, str] = Field(
         default_factory=dict, max_length=8, description="Epoch -> SHA-256 of the server's whole state (parameters "
         "and optimizer state) right after that epoch's step, at epochs that averaged the state too: the servers of "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -25,6 +26,8 @@ class ReferenceResult:
     """Loss (nats/token) of every micro-batch, in order."""
     stages: list[torch.nn.Module] = field(default_factory=list)
     """The stage modules as trained (their parameters after the last optimizer step)."""
+    optimizer: Optional[torch.optim.Optimizer] = None
+    """The AdamW that trained them (its state after the last step)."""
     epochs: int = 0
     seconds: float = 0.0
     tokens: int = 0
@@ -43,7 +46,7 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
     sched = make_scheduler(spec.optim, opt)
     b = spec.training.micro_batch_size
     per_epoch = -(-spec.training.target_batch_size // b)
-    result, start, count = ReferenceResult(stages=stages), time.perf_counter(), 0
+    result, start, count = ReferenceResult(stages=stages, optimizer=opt), time.perf_counter(), 0
     for indices in micro_batches(dataset, spec, shard):
         if count * b >= max_samples:
             break

@@ -224,7 +224,7 @@ class ServerSession:
 
     async def _start_stage(self, stage: int) -> None:
         """Build the stage's module, server and optimizer; announce ``joining``."""
-        self.stage, self.history, self._excluded = stage, [], set()
+        self.stage, self.history, self._excluded, self.checkpoints = stage, [], set(), None
         self.keeper.stage = stage
         module = build_stage(self.spec.model, stage)
         server = self.server = StageServer(self.spec, self.directory.run_id, stage, module, bans=self.bans)
@@ -245,8 +245,9 @@ class ServerSession:
         if source == "peers":
             self.log.info("loading state from live servers of the stage")
             if not await self._io(checkpoints.load_from_peers):
-                # the checkpoint, or (none yet) stay behind: the optimizer downloads the state when it steps
-                source = await checkpoints.restore_at_start(ask_peers=False)
+                # the checkpoint, or (none yet) stay behind at the old epoch, with no catch-up: the optimizer
+                # then downloads the state from the stage's servers when it steps
+                await checkpoints.restore_at_start(ask_peers=False)
         if source == "fresh":
             self.log.info("no live server and no checkpoint: starting from the initial parameters")
             await self.server.compute(checkpoints.catch_up)
@@ -257,13 +258,15 @@ class ServerSession:
         await self._io(optimizer.wait_until_counted, expected)
 
     async def _stop_stage(self, handlers: bool) -> None:
-        """Leave the stage: let a commit finish, shut the optimizer down, stop serving."""
+        """Leave the stage: take no more work and commit nothing new, let a commit finish, shut the optimizer
+        down, stop the compute thread."""
         started = time.monotonic()
+        self.server.on_epoch = None  # an epoch that ends from now on (work in flight) starts no commit
+        if handlers:
+            await self.server.remove_p2p_handlers(self.p2p, namespace=self.directory.run_id)
         await self.checkpoints.close()
         commits_s = time.monotonic() - started
         self.server.optimizer.shutdown()
-        if handlers:
-            await self.server.remove_p2p_handlers(self.p2p, namespace=self.directory.run_id)
         self.server.shutdown()
         self.log.info("left the stage in %.1f s (checkpoint commits %.1f s, optimizer %.1f s)",
                       time.monotonic() - started, commits_s, time.monotonic() - started - commits_s)
@@ -279,7 +282,7 @@ class ServerSession:
         online_since, next_check, target = time.monotonic(), time.monotonic() + self.spec.rebalance.period_s, None
         try:
             while target is None and not self._stop.is_set():
-                self._apply_bans()
+                await self._apply_bans()
                 self._apply_pause()
                 await self._announce(ServerState.PAUSED if self.server.paused else ServerState.ONLINE)
                 await self._io(self.directory.publish_spec, self.sealed_spec)
@@ -313,7 +316,7 @@ class ServerSession:
             self.server.paused = self._pause.is_set()
             self.log.info("paused: taking no new work until `swarm-peer resume`" if self.server.paused else "resumed")
 
-    def _apply_bans(self) -> None:
+    async def _apply_bans(self) -> None:
         """Follow the run's ban list (refreshed by the keeper): stop if this peer is on it, else keep banned
         servers out of this server's averaging groups (the stage RPCs refuse them through the same list).
 
@@ -323,7 +326,7 @@ class ServerSession:
         for p2p, reason in self.bans.banned_p2p_ids.items():
             if p2p not in self._excluded:
                 self.log.warning("refusing %s: banned by the run's coordinator (%s)", p2p, reason)
-                if self.server.optimizer.exclude(p2p, f"banned by the run's coordinator: {reason}"):
+                if await self._io(self.server.optimizer.exclude, p2p, f"banned by the run's coordinator: {reason}"):
                     self._excluded.add(p2p)
 
     # ---- announcements -----------------------------------------------------------------------------------
@@ -335,8 +338,7 @@ class ServerSession:
             run_id=self.directory.run_id, peer_id=self.me, time=get_dht_time(), stage=self.stage, state=state,
             throughput=server.throughput.samples_per_second, p2p_id=str(self.dht.peer_id), maddrs=self.maddrs,
             epoch=server.epoch, samples=server.samples, loss=server.loss_ema,
-            peers_in_last_round=report.peers if report else 0, fingerprints=server.fingerprints,
-            state_digests=server.state_digests, round_s=server.mean_round_s, rounds=server.rounds,
+            peers_in_last_round=report.peers if report else 0, state_digests=server.state_digests, round_s=server.mean_round_s, rounds=server.rounds,
             version=__version__, excluded=report.excluded if report else {}, averaging=report.wire if report else {},
             lineage=checkpoints.lineage[0] if checkpoints else "", restored=checkpoints.restored if checkpoints else None,
             lr_scale=checkpoints.lr_scale if checkpoints else 1.0, name=self.settings.name,

@@ -38,7 +38,6 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.performance_ema import PerformanceEMA
 
 from swarm.aio import periodic
-from swarm.checkpoint.state import state_digest
 from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.config import RunSpec
 from swarm.model import build_stage, lm_loss
@@ -54,25 +53,9 @@ from swarm.transport import gather, stream_out
 
 logger = logging.getLogger(__name__)
 
-FINGERPRINT_DIMS = 4
-FINGERPRINT_STRIDE = 31
-
 
 class StageError(RuntimeError):
     """A request the stage refuses; the message is returned to the caller."""
-
-
-def parameter_fingerprint(module: torch.nn.Module) -> list[float]:
-    """A few seeded random projections of every ``FINGERPRINT_STRIDE``-th parameter value (float64 sums).
-
-    Two servers of a stage with equal parameters give equal fingerprints; small differences (float rounding
-    in the all-reduce) give close ones. Cheap enough to publish every epoch.
-    """
-    with torch.no_grad():
-        flat = torch.cat([p.detach().flatten()[::FINGERPRINT_STRIDE] for p in module.parameters()]).double()
-        gen = torch.Generator().manual_seed(1234)
-        proj = torch.randn(FINGERPRINT_DIMS, flat.numel(), generator=gen, dtype=torch.float64)
-        return (proj @ flat).tolist()
 
 
 @dataclass(frozen=True)
@@ -118,7 +101,6 @@ class StageServer(ServicerBase):
         self.throughput = PerformanceEMA(alpha=0.1)
         self.samples = 0
         self.loss_ema: Optional[float] = None
-        self.fingerprints: dict[int, list[float]] = {}
         self.state_digests: dict[int, str] = {}  # epoch -> digest of the full state, at state-averaging epochs
         self.rounds, self.round_seconds = 0, 0.0
         self.paused = False  # by its operator: new forward/backward requests are refused
@@ -276,12 +258,10 @@ class StageServer(ServicerBase):
         epoch = self.optimizer.epoch
         losses, self._epoch_losses = self._epoch_losses, []
         samples, self._epoch_samples = self._epoch_samples, 0
-        self.fingerprints[epoch] = parameter_fingerprint(self.module)
         if epoch % self.spec.averaging.average_state_every == 0:
-            self.state_digests[epoch] = state_digest(self.optimizer.state())
-        for kept in (self.fingerprints, self.state_digests):
-            for old in sorted(kept)[:-4]:
-                del kept[old]
+            self.state_digests[epoch] = self.optimizer.state_digest()
+            for old in sorted(self.state_digests)[:-4]:
+                del self.state_digests[old]
         if self.on_epoch is not None:
             self.on_epoch(EpochEnd(epoch=epoch, loss=sum(losses) / len(losses) if losses else None,
                                    samples=samples, seconds=seconds))
@@ -398,4 +378,4 @@ async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:
         return False
 
 
-__all__ = ["EpochEnd", "StageServer", "StageError", "is_serving", "parameter_fingerprint"]
+__all__ = ["EpochEnd", "StageServer", "StageError", "is_serving"]

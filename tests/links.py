@@ -16,6 +16,7 @@ removes the qdisc (also at exit of a ``with`` block, on failure).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from typing import Optional
@@ -81,6 +82,16 @@ class LoopbackLinks:
     def restore(self, port: int) -> None:
         """Give the peer its full loopback speed back."""
         self._set(port, "100gbit", queue=None)
+
+    def bytes_through(self, port: int) -> int:
+        """Bytes the peer's link (its class) carried since it was first shaped or cut (0 if it never was)."""
+        minor = self._classes.get(port)
+        if minor is None:
+            return 0
+        done = subprocess.run(["tc", "-s", "class", "show", "dev", self.dev, "classid", f"1:{minor}"],
+                              capture_output=True, text=True, timeout=10)
+        found = re.search(r"Sent (\d+) bytes", done.stdout)
+        return int(found.group(1)) if found else 0
 
     def _set(self, port: int, rate: str, queue: Optional[int]) -> None:
         if not self._active:

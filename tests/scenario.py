@@ -73,10 +73,13 @@ class Scenario:
             time.sleep(1.0)
 
     def holds(self, predicate: Callable[[], bool], for_s: float, what: str) -> "Scenario":
-        """Assert that ``predicate()`` stays true for ``for_s`` seconds (checked every second)."""
+        """Assert that ``predicate()`` stays true for ``for_s`` seconds (checked every second; a false reading is
+        read again a second later before it counts: one DHT lookup may miss a record that is there)."""
         deadline = time.monotonic() + for_s
         while time.monotonic() < deadline:
-            assert predicate(), f"{what} stopped holding\n{self.story()}"
+            if not predicate():
+                time.sleep(1.0)
+                assert predicate(), f"{what} stopped holding\n{self.story()}"
             time.sleep(1.0)
         return self
 

@@ -1,4 +1,5 @@
-"""Intra-stage averaging: the collaborative optimizer of a stage, compressors, robust aggregators, bans."""
+"""Intra-stage averaging: the collaborative optimizer of a stage, compressors, robust aggregators, exclusions,
+audits."""
 
 from swarm.averaging.aggregation import Aggregator, MeanAggregator, make_aggregator
 from swarm.averaging.compression import Compressor, make_compressor

@@ -31,7 +31,7 @@ import torch
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import make_compressor
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer
-from swarm.checkpoint.state import load_named_state, named_state
+from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,11 @@ class _CollaborativeOptimizer(hivemind.Optimizer):
       that passed) makes hivemind 1.1.12 *skip* averaging and step on local gradients alone, while the other
       servers wait for it until their round times out; the servers then hold different parameters. Here
       such a stale round is dropped and a fresh one is started (``_begin_averaging_gradients``).
+    * hivemind loads the optimizer statistics from a peer with ``torch.optim.Optimizer.load_state_dict``,
+      which replaces the state tensors; its state averager keeps averaging the original ones (shared memory,
+      ``reuse_tensors``), so this server's Adam moments would never be averaged with the stage again. Here
+      the loaded values are copied into the original tensors, which are put back (``load_state_from_peers``,
+      also when ``contribute`` finds the server out of sync).
     """
 
     def __init__(self, *, state_rules: dict, **kwargs):
@@ -89,6 +94,13 @@ class _CollaborativeOptimizer(hivemind.Optimizer):
         self._maybe_schedule_state_averaging()
         if self.tracker.ready_to_update_epoch:
             self._update_global_epoch(None)
+
+    def load_state_from_peers(self, **kwargs):
+        opt = self.opt
+        originals = {p: dict(opt.state[p]) for group in opt.param_groups for p in group["params"]}
+        super().load_state_from_peers(**kwargs)
+        with self.state_averager.lock_averaged_tensors:
+            _put_back(opt, originals)
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         stale = self.scheduled_grads
@@ -137,8 +149,11 @@ class StageOptimizer:
         accusations.
     :param averager_factory: builds the gradient averager (default :class:`RobustGradientAverager`).
 
-    Create it on the event loop's thread (hivemind's averagers install signal handlers); call everything else
-    from the server's compute thread, between micro-batches.
+    Create it on the event loop's thread (hivemind's averagers install signal handlers). What changes or reads
+    the state (``step``, ``finish_epoch_if_ready``, ``state``, ``load_state``, ``jump_to_epoch``,
+    ``load_state_from_peers``) runs on the server's compute thread, between micro-batches; the blocking calls
+    that only talk to the averager process (``report``, ``exclude``, ``wait_until_counted``) run in any thread
+    but the event loop's.
     """
 
     def __init__(self, spec: RunSpec, run_id: str, stage: int, dht: hivemind.DHT, module: torch.nn.Module, *,
@@ -222,7 +237,8 @@ class StageOptimizer:
 
         :raises ShardError: a tensor is missing or has another shape or dtype.
         """
-        load_named_state(tensors, self.module, self._opt.opt)
+        with self._opt.state_averager.lock_averaged_tensors:  # peers may be downloading this server's state
+            load_named_state(tensors, self.module, self._opt.opt)
         self._opt.grad_averager.reset_accumulated_grads_()
 
     def jump_to_epoch(self, epoch: int) -> int:
@@ -246,18 +262,14 @@ class StageOptimizer:
 
     def load_state_from_peers(self) -> int:
         """Download the state of a live server of the stage (hivemind ``load_state_from_peers``: one donor, no
-        integrity check; blocking). Returns the epoch after it (unchanged if no donor gave anything).
-
-        hivemind loads the optimizer statistics with ``torch.optim.Optimizer.load_state_dict``, which replaces the
-        state tensors; its state averager keeps averaging the original ones (shared memory, ``reuse_tensors``), so
-        the loaded values are copied into those and they are put back: otherwise this server's Adam moments would
-        never be averaged with the stage again.
-        """
-        opt = self._opt.opt
-        originals = {p: dict(opt.state[p]) for group in opt.param_groups for p in group["params"]}
+        integrity check; blocking), into the tensors the state averager averages (see
+        :class:`_CollaborativeOptimizer`). Returns the epoch after it (unchanged if no donor gave anything)."""
         self._opt.load_state_from_peers()
-        _put_back(opt, originals)
         return self.epoch
+
+    def state_digest(self) -> str:
+        """SHA-256 of :meth:`state` (:func:`swarm.checkpoint.state.state_digest`), read in place, without copies."""
+        return state_digest(named_state(self.module, self._opt.opt, copy=False))
 
     # ---- the stage's view of this server -----------------------------------------------------------------
     def announce_progress(self) -> None:

@@ -21,7 +21,7 @@ class FragmentError(ValueError):
 
 
 class CorruptFragment(FragmentError):
-    """Fragment bytes that do not match their hash (the holder that served them is banned)."""
+    """Fragment bytes that do not match their hash (the holder that served them is distrusted)."""
 
 
 @dataclass(frozen=True)

@@ -33,19 +33,20 @@ def _optimizer_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return {id(p): n for p, (n, _) in zip(flat, named)}
 
 
-def named_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Copies (CPU) of the parameters the optimizer updates and of its per-parameter state, by name:
-    ``param/<name>`` and ``opt/<name>/<key>`` (a non-tensor value becomes a float64 scalar)."""
+def named_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                copy: bool = True) -> dict[str, torch.Tensor]:
+    """The parameters the optimizer updates and its per-parameter state, by name: ``param/<name>`` and
+    ``opt/<name>/<key>`` (a non-tensor value becomes a float64 scalar). CPU copies, unless ``copy`` is False
+    (then the tensors themselves, detached: to read, not to keep)."""
     names = _optimizer_names(module, optimizer)
+    take = (lambda t: t.detach().cpu().clone()) if copy else (lambda t: t.detach())
     tensors = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            tensors[f"param/{names[id(p)]}"] = p.detach().cpu().clone()
+            tensors[f"param/{names[id(p)]}"] = take(p)
             for key, value in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(value):
-                    tensors[f"opt/{names[id(p)]}/{key}"] = value.detach().cpu().clone()
-                else:
-                    tensors[f"opt/{names[id(p)]}/{key}"] = torch.tensor(float(value))
+                value = value if torch.is_tensor(value) else torch.tensor(float(value))
+                tensors[f"opt/{names[id(p)]}/{key}"] = take(value)
     return tensors
 
 
@@ -96,7 +97,8 @@ def state_digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.view(-1).view(torch.uint8).numpy())  # the tensor's own bytes, not a copy
     return h.hexdigest()
 
 
