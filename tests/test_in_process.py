@@ -4,7 +4,6 @@ one trainer train like the single-process reference, full state included (parame
 import asyncio
 
 import pytest
-import torch
 
 from swarm import PeerSettings, RunSpec, ServerSession, Trainer, TrainerOptions
 from swarm.protocol import ServerState
