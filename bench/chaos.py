@@ -82,19 +82,19 @@ class Chaos:
                 and (stage is None or self.stage_of.get(p.name) == stage)]
 
     def _address(self) -> str:
-        """A run address through any live peer (the coordinator may be dead)."""
+        """A run address through the coordinator or, while it is dead, through every live server announced online
+        (a record may outlive its peer, and a restarted peer listens on another port)."""
         if self.swarm.coordinator is not None and self.swarm.coordinator.alive():
             return self.swarm.address
-        for k in range(self.num_stages):
-            for s in self.directory.servers(k):
-                if s.state == ServerState.ONLINE and s.maddrs:
-                    return format_run_address(self.directory.run_id, s.maddrs[:1])
-        return self.swarm.address
+        alive = {p.peer_id for p in self.live("server")}
+        maddrs = [s.maddrs[0] for k in range(self.num_stages) for s in self.directory.servers(k)
+                  if s.state == ServerState.ONLINE and s.maddrs and s.peer_id in alive]
+        return format_run_address(self.directory.run_id, maddrs) if maddrs else self.swarm.address
 
     def start(self, role: str, name: str) -> Peer:
         via = self._address()
         if role == "coordinator":  # a restart: join the live swarm through a server
-            self.swarm.start_coordinator(peers=[via.split("@", 1)[1]] if via != self.swarm.address else [])
+            self.swarm.start_coordinator(peers=via.split("@", 1)[1].split(",") if via != self.swarm.address else [])
             return self.swarm.coordinator
         self.swarm.address = via
         if role == "server":
@@ -139,6 +139,24 @@ class Chaos:
                 self.recoveries.append(round(now_wall - self.down_since.pop(k), 2))
                 logger.info("stage %d recovered in %.1f s", k, self.recoveries[-1])
 
+    def diagnose(self, tail: int = 12) -> str:
+        """Why the swarm is not where it should be: each stage's records and down time, and each server
+        process's exit status and last log lines."""
+        lines = []
+        for k in range(self.num_stages):
+            records = [f"{s.peer_id[:8]} {s.state.value} epoch {s.epoch}" for s in self.directory.servers(k)]
+            down = f", down since {time.time() - self.down_since[k]:.0f} s ago" if k in self.down_since else ""
+            lines.append(f"stage {k}{down}: records {records}")
+        latest = {p.name: p for p in self.swarm.peers}
+        for p in latest.values():
+            if p.role != "server":
+                continue
+            status = "alive" if p.alive() else f"exited with {p.proc.returncode}"
+            log = p.log.read_text(errors="replace").splitlines()[-tail:] if p.log.exists() else []
+            lines.append(f"--- {p.name} (stage {self.stage_of.get(p.name)}, {status}):")
+            lines.extend("    " + line[:240] for line in log)
+        return "\n".join(lines)
+
     def lost_epochs(self, final: dict[int, str]) -> int:
         """Committed epochs not on each stage's final hash chain (see the module docstring)."""
         lost = 0
@@ -176,7 +194,7 @@ def run_chaos(seconds: float, *, seed: int = 0, per_stage: int = 2, trainers: in
                 chaos.stage_of[name] = i % chaos.num_stages
                 chaos.start("server", name)
             _wait(lambda: all(len([s for s in chaos.directory.servers(k) if s.state == ServerState.ONLINE])
-                              >= per_stage for k in range(chaos.num_stages)), 240, "servers online")
+                              >= per_stage for k in range(chaos.num_stages)), 240, "servers online", chaos.diagnose)
             for i in range(trainers):
                 chaos.start("trainer", f"trainer{i}")
             started = time.monotonic()
@@ -198,7 +216,7 @@ def run_chaos(seconds: float, *, seed: int = 0, per_stage: int = 2, trainers: in
                 chaos.observe()
                 return not chaos.down_since and all(chaos.live("server", k) for k in range(chaos.num_stages))
 
-            _wait(back_online, 240, "every stage back online")
+            _wait(back_online, 240, "every stage back online", chaos.diagnose)
             for p in chaos.live("trainer"):
                 swarm.stop(p)
             time.sleep(2 * chaos.directory.ttl / 3)
@@ -225,7 +243,7 @@ def run_chaos(seconds: float, *, seed: int = 0, per_stage: int = 2, trainers: in
                         chaos.recoveries.append(round(time.time() - wiped, 2))
                 return len(reports) == chaos.num_stages
 
-            _wait(restored, 300, "every stage restored after the wipe")
+            _wait(restored, 300, "every stage restored after the wipe", chaos.diagnose)
             final = {}
             exact = True
             for k in range(chaos.num_stages):
@@ -249,11 +267,12 @@ def run_chaos(seconds: float, *, seed: int = 0, per_stage: int = 2, trainers: in
     }
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
+def _wait(predicate, timeout: float, what: str, diagnose=lambda: "") -> None:
+    """Poll ``predicate`` every 0.5 s; :class:`TimeoutError` after ``timeout`` seconds, with ``diagnose()``."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}\n{diagnose()}")
         time.sleep(0.5)
 
 

@@ -66,15 +66,21 @@ def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
           metrics_port: Optional[int] = typer.Option(None, min=1, max=65535, help="Serve the whole run's Prometheus "
                                                      "metrics on this port (default: SWARM_METRICS_PORT, else off)."),
           log_level: str = typer.Option("INFO")) -> None:
-    """Bootstrap the run's DHT, publish the signed spec and print the run address (first line of stdout)."""
+    """Bootstrap the run's DHT, publish the signed spec and print the run address (first line of stdout).
+    Exit code 5 if none of the --peer addresses answered within SWARM_JOIN_TIMEOUT_S."""
     from coordinator.serve import serve as serve_run
+    from swarm.directory import RunUnreachable
     from swarm.logs import configure_logging
 
     configure_logging(log_level)
     spec = _load_spec(spec_path)
     ident = Identity.load_or_create(_key_path(spec_path, key))
     settings = PeerSettings(host=host, port=port, **({"metrics_port": metrics_port} if metrics_port else {}))
-    serve_run(spec, ident, settings, peers, address_file)
+    try:
+        serve_run(spec, ident, settings, peers, address_file)
+    except RunUnreachable as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(5) from None
 
 
 _JSON = typer.Option(False, "--json", help="Print one JSON object (with --watch: one JSON line per refresh).")
@@ -222,14 +228,14 @@ def monitor(address: str = typer.Argument(..., help="Run address."),
 
 
 def _connect(address: str, timeout: float):
-    """``connect_run`` for a CLI command: exit 2 on a bad address, 1 if the run cannot be found."""
+    """``connect_run`` for a CLI command: exit 2 on a bad address, 1 if the run cannot be reached or found."""
     from swarm.logs import configure_logging
-    from swarm.directory import RunAddressError, connect_run
+    from swarm.directory import RunAddressError, RunUnreachable, connect_run
 
     configure_logging("WARNING")
     try:
         return connect_run(address, PeerSettings(host="127.0.0.1"), timeout=timeout)
-    except (RunAddressError, SpecError) as e:
+    except (RunAddressError, RunUnreachable, SpecError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2 if isinstance(e, RunAddressError) else 1) from None
 

@@ -22,7 +22,7 @@ from swarm.aio import periodic
 from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.config import PeerSettings, RunSpec
-from swarm.directory import RunDirectory, format_run_address, start_dht, visible_maddrs
+from swarm.directory import RunDirectory, format_run_address, join_dht, visible_maddrs
 from swarm.identity import Identity
 
 logger = logging.getLogger("swarm.coordinator")
@@ -30,9 +30,14 @@ logger = logging.getLogger("swarm.coordinator")
 
 def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: list[str],
           address_file: Optional[Path] = None) -> None:
-    """Run the bootstrap node until SIGTERM/SIGINT; prints the run address on stdout."""
+    """Run the bootstrap node until SIGTERM/SIGINT; prints the run address on stdout.
+
+    :param initial_peers: multiaddrs of the live swarm to join (a restarted coordinator); tried for
+        ``settings.join_timeout_s`` seconds.
+    :raises RunUnreachable: none of ``initial_peers`` answered.
+    """
     run_id, sealed = RunDirectory.seal_spec(spec, key)
-    dht = start_dht(settings, initial_peers)
+    dht = join_dht(settings, initial_peers, client_mode=False, join_timeout_s=settings.join_timeout_s)
     try:
         directory = RunDirectory(dht, run_id, ttl=spec.timeouts.record_ttl_s)
         directory.verify_spec(sealed)  # sets the run key: the ban list it re-publishes must be signed by it

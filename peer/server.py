@@ -4,7 +4,8 @@ The server's life (join, restore, serve, checkpoint, rollback, rebalance, drain)
 :class:`~swarm.server.ServerSession`; this module wires it to the process: torch threads, SIGTERM/SIGINT and
 ``swarm-peer pause|resume|drain`` (:mod:`peer.control`), the heartbeat file and Prometheus metrics
 (:mod:`peer.heartbeat`), and exit codes: 0 after a drain, 3 when the stage could not be restored, 4 when the
-run's coordinator banned this peer, 1 (with the message) for a stage the run does not have.
+run's coordinator banned this peer, 5 when none of the run address's peers answered within
+``SWARM_JOIN_TIMEOUT_S``, 1 (with the message) for a stage the run does not have.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from swarm.averaging.optimizer import StageOptimizer
 from swarm.banlist import PeerBanned
 from swarm.checkpoint.lifecycle import RestoreError
 from swarm.config import PeerSettings
-from swarm.directory import parse_run_address
+from swarm.directory import RunUnreachable, parse_run_address
 from swarm.protocol import ServerInfo, StorageInfo
 from swarm.server import NoSuchStage, OptimizerFactory, ServerSession
 
@@ -31,7 +32,8 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
     """Serve a stage of the run at ``address`` until SIGTERM/SIGINT or ``swarm-peer drain``.
 
     :param optimizer_factory: how the stage's optimizer is built (tests start Byzantine servers with it).
-    :raises SystemExit: 3 (restore failed), 4 (banned), or the message of a stage the run does not have.
+    :raises SystemExit: 3 (restore failed), 4 (banned), 5 (run unreachable), or the message of a stage the run
+        does not have.
     """
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -54,6 +56,9 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
     except RestoreError as e:
         session.log.error("%s", e)
         raise SystemExit(3) from None
+    except RunUnreachable as e:
+        session.log.error("%s", e)
+        raise SystemExit(5) from None
     except NoSuchStage as e:
         raise SystemExit(f"--stage: {e}") from None
     finally:

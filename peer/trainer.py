@@ -3,7 +3,8 @@
 The trainer's life (join in client mode, claim a data share, train, report) is the library's
 :class:`~swarm.trainer.Trainer`; this module wires it to the process: torch threads, SIGTERM/SIGINT and
 ``swarm-peer pause|resume|drain`` (:mod:`peer.control`), the heartbeat file and Prometheus metrics
-(:mod:`peer.heartbeat`), and exit code 4 when the run's coordinator banned this peer.
+(:mod:`peer.heartbeat`), and exit codes 4 when the run's coordinator banned this peer, 5 when none of the run
+address's peers answered within ``SWARM_JOIN_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from peer.control import run_controlled
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.banlist import PeerBanned
 from swarm.config import PeerSettings
-from swarm.directory import parse_run_address
+from swarm.directory import RunUnreachable, parse_run_address
 from swarm.pipeline import RemotePipeline
 from swarm.protocol import TrainerInfo
 from swarm.trainer import PipelineFactory, Trainer, TrainerOptions
@@ -28,7 +29,7 @@ def run_trainer(address: str, settings: PeerSettings, options: TrainerOptions = 
     """Train through the run at ``address`` until SIGTERM/SIGINT, ``swarm-peer drain`` or ``max_samples``.
 
     :param pipeline_factory: how the trainer's pipeline is built (tests start Byzantine trainers with it).
-    :raises SystemExit: 4 if the run's coordinator banned this peer.
+    :raises SystemExit: 4 if the run's coordinator banned this peer, 5 if the run could not be reached.
     """
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -47,6 +48,9 @@ def run_trainer(address: str, settings: PeerSettings, options: TrainerOptions = 
     except PeerBanned as e:
         trainer.log.error("%s", e)
         raise SystemExit(4) from None
+    except RunUnreachable as e:
+        trainer.log.error("%s", e)
+        raise SystemExit(5) from None
     finally:
         ttl = trainer.spec.timeouts.record_ttl_s if trainer.spec is not None else 30.0
         write_heartbeat(settings.state_path(), peer_id=trainer.identity.peer_id, role="trainer", stage=-1,

@@ -411,6 +411,12 @@ class PeerSettings(BaseSettings):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Port serving Prometheus metrics at /metrics (0: off; containers use 9100).",
     )
+    join_timeout_s: float = Field(
+        120.0, ge=0, description="Seconds a server or trainer keeps trying to reach the run address's peers before "
+        "giving up (a peer started before its coordinator, or through a peer that just left, gets in when one "
+        "answers). Raise it for a container that may start long before the run; 0 tries once.",
+    )
+
     def identity_path(self) -> Path:
         return self.identity_file or self.cache_dir / "identity.key"
 

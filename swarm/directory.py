@@ -15,6 +15,7 @@ import time
 from typing import Optional, Sequence, Type, TypeVar
 
 import hivemind
+from hivemind.p2p import P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from swarm.config import PeerSettings, RunSpec, SpecError
@@ -274,11 +275,52 @@ def _is_public(maddr: str) -> bool:
         return False
 
 
+class RunUnreachable(ConnectionError):
+    """None of a run address's peers answered: the run is not up yet, its peers left, or the network is down."""
+
+
+JOIN_RETRY_S = (1.0, 2.0, 4.0, 8.0)
+"""Seconds between attempts to reach a run's peers (the last one repeats)."""
+
+
+def join_dht(settings: PeerSettings, maddrs: Sequence[str], *, client_mode: bool,
+             join_timeout_s: float = 0.0) -> hivemind.DHT:
+    """:func:`start_dht` bootstrapped from ``maddrs``, trying again (:data:`JOIN_RETRY_S` apart) until one of
+    them answers or ``join_timeout_s`` seconds have passed.
+
+    :raises RunUnreachable: no peer of ``maddrs`` answered in time.
+    """
+    deadline, attempt = time.monotonic() + join_timeout_s, 0
+    while True:
+        try:
+            return start_dht(settings, maddrs, client_mode=client_mode)
+        except P2PDaemonError as e:
+            if "bootstrap" not in str(e):  # not about the run's peers (a taken port, a broken daemon): say so
+                raise
+            wait = JOIN_RETRY_S[min(attempt, len(JOIN_RETRY_S) - 1)]
+            if time.monotonic() + wait > deadline:
+                raise RunUnreachable(
+                    f"none of the run's peers {list(maddrs)} answered (tried for {join_timeout_s:.0f} s): check "
+                    "that the run is up (`swarm-coordinator status <address>`), that this machine can reach that "
+                    "address, or join through another peer's address; SWARM_JOIN_TIMEOUT_S waits longer") from None
+            attempt += 1
+            logger.info("none of the run's peers answered yet (attempt %d); trying again in %.0f s", attempt, wait)
+            time.sleep(wait)
+
+
 def connect_run(address: str, settings: Optional[PeerSettings] = None, *, client_mode: bool = True,
-                timeout: float = 30.0) -> tuple[hivemind.DHT, RunDirectory, RunSpec, bytes]:
-    """Join the DHT of a run address and fetch its verified spec: ``(dht, directory, spec, sealed_spec)``."""
+                timeout: float = 30.0, join_timeout_s: float = 0.0
+                ) -> tuple[hivemind.DHT, RunDirectory, RunSpec, bytes]:
+    """Join the DHT of a run address and fetch its verified spec: ``(dht, directory, spec, sealed_spec)``.
+
+    :param timeout: seconds to wait for the spec once joined.
+    :param join_timeout_s: seconds to keep trying to reach the address's peers (:func:`join_dht`).
+    :raises RunUnreachable: none of the address's peers answered within ``join_timeout_s``.
+    :raises SpecError: the run's spec could not be fetched and verified.
+    """
     run_id, maddrs = parse_run_address(address)
-    dht = start_dht(settings or PeerSettings(host="127.0.0.1"), maddrs, client_mode=client_mode)
+    dht = join_dht(settings or PeerSettings(host="127.0.0.1"), maddrs, client_mode=client_mode,
+                   join_timeout_s=join_timeout_s)
     try:
         directory = RunDirectory(dht, run_id)
         spec, sealed = directory.fetch_spec(timeout)

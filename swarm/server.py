@@ -142,10 +142,12 @@ class ServerSession:
         :raises RestoreError: a stage with checkpoints but no live server could not be restored in time.
         :raises NoSuchStage: the pinned stage does not exist in this run.
         :raises SpecError: the run's spec could not be fetched and verified.
+        :raises RunUnreachable: none of the run address's peers answered within ``settings.join_timeout_s``.
         """
         loop = asyncio.get_running_loop()
         self.dht, self.directory, self.spec, self.sealed_spec = await loop.run_in_executor(
-            None, lambda: connect_run(self.address, self.settings, client_mode=False))
+            None, lambda: connect_run(self.address, self.settings, client_mode=False,
+                                      join_timeout_s=self.settings.join_timeout_s))
         drained, watchdog = False, None
         try:
             keeping = await self._join()

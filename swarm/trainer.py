@@ -154,10 +154,12 @@ class Trainer:
 
         :raises PeerBanned: the run's coordinator banned this trainer (it stopped at once).
         :raises SpecError: the run's spec could not be fetched and verified.
+        :raises RunUnreachable: none of the run address's peers answered within ``settings.join_timeout_s``.
         """
         loop = asyncio.get_running_loop()
         self.dht, self.directory, self.spec, _ = await loop.run_in_executor(
-            None, lambda: connect_run(self.address, self.settings, client_mode=True))
+            None, lambda: connect_run(self.address, self.settings, client_mode=True,
+                                      join_timeout_s=self.settings.join_timeout_s))
         try:
             await self._join()
             await self._train(grace_s)
