@@ -184,8 +184,9 @@ def run_chaos(seconds: float, *, seed: int = 0, per_stage: int = 2, trainers: in
     workdir = Path(tempfile.mkdtemp(prefix="swarm-chaos-"))
     spec_path = workdir / "chaos.toml"
     spec_path.write_text(spec.to_toml())
+    logger.info("work folder %s (peer logs in logs/; %s)", workdir, "kept" if keep else "removed at the end")
     rng = random.Random(seed)
-    with LocalSwarm(spec_path, workdir / "swarm", cache_dir, keep=keep) as swarm:
+    with LocalSwarm(spec_path, workdir, cache_dir, keep=keep) as swarm:  # removes workdir unless keep
         swarm.start_coordinator()
         chaos = Chaos(swarm, rng, per_stage, trainers)
         try:

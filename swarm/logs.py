@@ -13,7 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any, Callable, MutableMapping, Optional
+
+HANDLER_LOGGER = "hivemind.p2p.p2p_daemon"
+"""The logger hivemind reports an exception raised by a stream handler on (``Handler failed ...``)."""
 
 
 def configure_logging(level: str | int = "INFO") -> None:
@@ -30,6 +34,41 @@ def configure_logging(level: str | int = "INFO") -> None:
         root.addHandler(handler)
     root.setLevel(level)
     logging.getLogger("hivemind").setLevel(os.environ["HIVEMIND_LOGLEVEL"])
+    handlers = logging.getLogger(HANDLER_LOGGER)
+    if not any(isinstance(f, RefusalFilter) for f in handlers.filters):
+        from swarm.protocol import Refusal
+
+        handlers.addFilter(RefusalFilter((Refusal,)))
+
+
+class RefusalFilter(logging.Filter):
+    """Turns the traceback hivemind logs for every request a handler refused into one line per refusal class
+    (exception type) per ``period_s`` seconds: the cause, cut to 200 characters with control and non-ASCII
+    characters escaped (a peer's bytes never reach the log raw), and how many more were held back since.
+
+    :param expected: the exception types that are expected refusals (other exceptions keep their traceback).
+    """
+
+    def __init__(self, expected: tuple[type, ...], period_s: float = 60.0):
+        super().__init__()
+        self.expected, self.period_s = expected, period_s
+        self._last: dict[str, tuple[float, int]] = {}  # class -> (when its last line was let through, held back)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, self.expected):
+            return True
+        kind, now = type(error).__name__, time.monotonic()
+        last, held = self._last.get(kind, (float("-inf"), 0))
+        if now - last < self.period_s:
+            self._last[kind] = (last, held + 1)
+            return False
+        self._last[kind] = (now, 0)
+        cause = repr(str(error)[:200])[1:-1].encode("ascii", "backslashreplace").decode("ascii")
+        more = f" ({held} more {kind} refusals in the last {self.period_s:.0f} s)" if held else ""
+        record.msg, record.args = f"refused a request: {kind}: {cause}{more}", ()
+        record.exc_info, record.exc_text = None, None
+        return True
 
 
 class PeerLog(logging.LoggerAdapter):

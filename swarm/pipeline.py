@@ -25,7 +25,7 @@ from swarm.config import RunSpec
 from swarm.directory import RunDirectory
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
 from swarm.routing import NoServerError, Router
-from swarm.stage import StageServer
+from swarm.stage import MAX_WIRE_TENSORS, StageServer, max_message_bytes
 from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.transport import gather, stream_out
 
@@ -78,7 +78,7 @@ class RemotePipeline:
         async def call():
             responses = await getattr(stub, method)(
                 stream_out(runtime_pb2.ExpertRequest, meta, pack_tensors(tensors, self.codec)))
-            reply, out = await gather(responses)
+            reply, out = await gather(responses, max_message_bytes(self.spec), max_tensors=MAX_WIRE_TENSORS)
             reply = unpack_message(reply, StageResponse)
             return reply, unpack_tensors(out, reply.codec)
 

@@ -4,8 +4,9 @@ DHT records live under keys namespaced by run id (:func:`spec_key`, :func:`stage
 :func:`trainers_key`, ...), one sub-key per peer (its peer id; a manifest's is ``<epoch>:<peer id>``), and expire (``timeouts.record_ttl_s``). Each
 value is a *sealed* record: ``msgpack({"p": payload, "k": ed25519_public_key, "s": signature(payload)})``
 where the payload is the msgpack of a :class:`Record` subclass. :func:`open_record` checks the size, the
-signature, the protocol version, the run id, and that the signer owns the sub-key, before a record is used;
-anything else raises :class:`ProtocolError` with the cause. Unknown fields are ignored so newer peers can
+signature, the protocol version, the run id, that the signer owns the sub-key, that the record is not dated
+in the future (:data:`MAX_CLOCK_SKEW_S`) and that its numbers are finite and in range, before a record is
+used; anything else raises :class:`ProtocolError` with the cause. Unknown fields are ignored so newer peers can
 add fields without breaking older ones (same protocol version); a removed or retyped field needs a new
 :data:`~swarm.config.PROTOCOL_VERSION`.
 
@@ -15,11 +16,13 @@ the tensors travel in the same messages (see :mod:`swarm.stage`).
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
-from typing import Literal, Optional, Type, TypeVar
+from typing import Annotated, Literal, Optional, Type, TypeVar
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from hivemind.utils import get_dht_time
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from swarm.config import PROTOCOL_VERSION
 from swarm.identity import Identity, SignatureError, peer_id_of, verify
@@ -28,9 +31,17 @@ MAX_RECORD_BYTES = 64 * 1024
 """Largest sealed record accepted from the DHT (bytes)."""
 MAX_METADATA_BYTES = 16 * 1024
 """Largest wire-message metadata accepted (bytes)."""
+MAX_CLOCK_SKEW_S = 60.0
+"""Seconds a record's ``time`` may lie ahead of the reader's clock (peers keep their clocks with NTP); a record
+dated later is refused, so a forged one cannot stay "fresh" after its signer is gone."""
 
 
-class ProtocolError(ValueError):
+class Refusal(Exception):
+    """Base of the errors that refuse a peer's request for a cause it can fix (bad input, wrong run, busy): an
+    expected event, logged as one line without a traceback (:class:`swarm.logs.RefusalFilter`)."""
+
+
+class ProtocolError(ValueError, Refusal):
     """A record or message that is malformed, oversized, forged, or from another run or protocol version."""
 
 
@@ -70,18 +81,29 @@ def add_history(history: list, point: tuple, cap: int = HISTORY_POINTS) -> list:
     return history
 
 
+def _finite_or_none(value):
+    """A loss that is NaN or infinite (a diverged run, or a forged record) reads as unknown (None)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+FiniteOrNone = Annotated[Optional[float], BeforeValidator(_finite_or_none)]
+"""An optional float field (a loss) where NaN and infinities read as None: published and shown as unknown."""
+
+
 class _Schema(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     v: int = PROTOCOL_VERSION
 
 
 class Record(_Schema):
-    """Base of DHT records: who published it, for which run, when (DHT time, seconds)."""
+    """Base of DHT records: who published it, for which run, when (DHT time, seconds). Every float field of
+    a record is finite (NaN and infinities are refused; losses read as None, :data:`FiniteOrNone`)."""
 
+    model_config = ConfigDict(allow_inf_nan=False)
     kind: str
     run_id: str
     peer_id: str
-    time: float
+    time: float = Field(ge=0)
 
 
 class SpecRecord(Record):
@@ -95,7 +117,7 @@ class SpecRecord(Record):
 class RestoreReport(BaseModel):
     """A restore of a stage's state from checkpoint fragments."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
     epoch: int = Field(ge=0)
     shard_sha256: str = Field(max_length=64)
     bit_exact: bool = Field(description="The state re-captured after loading hashes to the manifest's shard hash.")
@@ -114,7 +136,7 @@ class ServerInfo(Record):
     maddrs: list[str] = Field(default_factory=list)
     epoch: int = Field(0, ge=0)
     samples: int = Field(0, ge=0, description="Samples processed since the server started.")
-    loss: Optional[float] = Field(None, description="Loss EMA of micro-batches (last stage only).")
+    loss: FiniteOrNone = Field(None, description="Loss EMA of micro-batches (last stage only).")
     peers_in_last_round: int = Field(0, ge=0, description="Servers of the stage its progress tracker counts.")
     round_s: float = Field(0.0, ge=0, description="Mean seconds an epoch transition took (averaging + step).")
     rounds: int = Field(0, ge=0, description="Epoch transitions since the server started.")
@@ -137,7 +159,7 @@ class ServerInfo(Record):
     lr_scale: float = Field(1.0, gt=0, description="Learning-rate multiplier after loss-spike rollbacks.")
     name: str = Field("", max_length=64, description="Public name its operator chose (SWARM_NAME).")
     reachability: Reachability = "direct"
-    history: list[tuple[int, float, Optional[float]]] = Field(
+    history: list[tuple[int, float, FiniteOrNone]] = Field(
         default_factory=list, max_length=HISTORY_POINTS,
         description="(epoch, DHT time it began, mean training loss of the epoch before or None) per epoch "
         "transition, thinned (:func:`add_history`): the run's progress and loss curve.")
@@ -216,9 +238,18 @@ class CheckpointManifest(Record):
     fragments: list[FragmentEntry] = Field(default_factory=list, max_length=256)
     parent: str = Field("", max_length=64)
     parent_epoch: int = Field(-1, ge=-1)
-    loss: Optional[float] = Field(None, description="The writer's training loss EMA (last stage only).")
+    loss: FiniteOrNone = Field(None, description="The writer's training loss EMA (last stage only).")
     data_position: dict[int, int] = Field(default_factory=dict, description="Data share -> samples its trainer "
                                           "had consumed when the checkpoint was written (trainers resume there).")
+
+    @model_validator(mode="after")
+    def _fragments_fit(self) -> "CheckpointManifest":
+        indices = [f.index for f in self.fragments]
+        if self.k > self.n:
+            raise ValueError(f"k={self.k} fragments needed of n={self.n} made: no restore is possible")
+        if len(set(indices)) != len(indices) or any(i >= self.n for i in indices):
+            raise ValueError(f"fragment indices {indices} are repeated or not below n={self.n}")
+        return self
 
 
 def checkpoints_key(run_id: str, stage: int) -> str:
@@ -291,8 +322,8 @@ class TrainerInfo(Record):
 
     kind: Literal["trainer"] = "trainer"
     shard: int = Field(ge=0)
-    loss: Optional[float] = None
-    initial_loss: Optional[float] = None
+    loss: FiniteOrNone = None
+    initial_loss: FiniteOrNone = None
     samples: int = Field(0, ge=0)
     position: int = Field(0, ge=0, description="Samples of its data share consumed since the run began (a trainer "
                           "resumes from the position recorded in the newest checkpoint manifest).")
@@ -306,7 +337,7 @@ class TrainerInfo(Record):
     p2p_id: str = Field("", max_length=128, description="libp2p id its stage requests come from.")
     state: Literal["training", "paused", "draining"] = "training"
     reachability: Reachability = "client"
-    val_loss: Optional[float] = Field(None, description="Mean loss on held-out micro-batches (nats/token), "
+    val_loss: FiniteOrNone = Field(None, description="Mean loss on held-out micro-batches (nats/token), "
                                       "measured every SWARM_VAL_EVERY_S seconds through the swarm.")
     val_time: float = Field(0.0, ge=0, description="DHT time of that measurement.")
 
@@ -373,6 +404,10 @@ def open_record(
     record = _parse(payload, cls, "record")
     if record.run_id != run_id:
         raise ProtocolError(f"record is for run {record.run_id!r}, not {run_id!r}")
+    ahead = record.time - get_dht_time()
+    if ahead > MAX_CLOCK_SKEW_S:
+        raise ProtocolError(f"record is dated {ahead:.0f} s in the future (more than {MAX_CLOCK_SKEW_S:.0f} s "
+                            "of clock skew): its signer's clock is wrong; sync it with NTP")
     if cls is not SpecRecord:
         owner = peer_id_of(key)
         if subkey is not None and cls is CheckpointManifest:

@@ -45,6 +45,7 @@ from swarm.protocol import (
     BackwardRequest,
     ForwardRequest,
     PingRequest,
+    Refusal,
     StageResponse,
     pack_message,
     unpack_message,
@@ -54,7 +55,7 @@ from swarm.transport import gather, stream_out
 logger = logging.getLogger(__name__)
 
 
-class StageError(RuntimeError):
+class StageError(RuntimeError, Refusal):
     """A request the stage refuses; the message is returned to the caller."""
 
 
@@ -107,6 +108,7 @@ class StageServer(ServicerBase):
         self._epoch_losses: list[float] = []
         self._epoch_samples = 0
         self.max_batch = 8 * spec.training.micro_batch_size
+        self.max_message_bytes = max_message_bytes(spec)
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
 
     @property
@@ -305,8 +307,12 @@ class StageServer(ServicerBase):
 
     async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], cls):
         """Gather a request stream into ``(message, tensors)``; refuses other runs, stages and versions, and
-        tensors sent with a message that carries none (:class:`PingRequest`)."""
-        meta, tensors = await gather(requests)
+        tensors sent with a message that carries none (:class:`PingRequest`, refused at the first chunk), streams
+        larger than :func:`max_message_bytes` and streams that take longer than the trainer waits for a reply
+        (``timeouts.forward_s`` or ``backward_s``)."""
+        timeouts = self.spec.timeouts
+        meta, tensors = await gather(requests, self.max_message_bytes, max_tensors=MAX_WIRE_TENSORS if "codec" in
+                                     cls.model_fields else 0, deadline_s=max(timeouts.forward_s, timeouts.backward_s))
         req = unpack_message(meta, cls)
         self._check_request(req.run_id, req.stage)
         codec = getattr(req, "codec", None)
@@ -358,6 +364,18 @@ class StageServer(ServicerBase):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+MAX_WIRE_TENSORS = 4
+"""Most wire tensors in a stage request or reply: two tensors, each at most two on the wire (blockwise 8-bit
+sends codes and scales, :mod:`swarm.codecs`)."""
+
+
+def max_message_bytes(spec: RunSpec) -> int:
+    """Most tensor bytes a stage request or reply may carry (bytes): two float32 tensors of the largest accepted
+    micro-batch (``8 x micro_batch_size`` sequences of ``max_seq_len`` tokens, ``d_model`` wide), plus 1 MiB."""
+    m = spec.model
+    return 2 * 8 * spec.training.micro_batch_size * m.max_seq_len * max(4 * m.d_model, 8) + (1 << 20)
+
+
 async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:
     """True if ``server`` (a :class:`~swarm.protocol.ServerInfo`) answers ``rpc_ping`` within ``timeout``
     seconds: its record is not a stale one left by a process that died (a restarted peer keeps its peer id
@@ -368,8 +386,8 @@ async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:
     meta = pack_message(PingRequest(run_id=run_id, stage=server.stage))
 
     async def call():
-        return unpack_message((await gather(await stub.rpc_ping(stream_out(runtime_pb2.ExpertRequest, meta, []))))[0],
-                              StageResponse)
+        replies = await stub.rpc_ping(stream_out(runtime_pb2.ExpertRequest, meta, []))
+        return unpack_message((await gather(replies, max_tensors=0))[0], StageResponse)
     try:
         await asyncio.wait_for(call(), timeout)
         return True

@@ -8,14 +8,17 @@ What the tensors hold (codecs and their layout) is :mod:`swarm.codecs`'s busines
 
 from __future__ import annotations
 
+import asyncio
+import math
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence, Type
+from typing import AsyncIterator, Optional, Sequence, Type
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from swarm.protocol import ProtocolError
+from swarm.protocol import MAX_METADATA_BYTES, ProtocolError
 
 CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_BYTES = 512 << 20
@@ -54,26 +57,86 @@ async def stream_out(cls: Type, metadata: bytes, tensors: Sequence[torch.Tensor]
         yield msg
 
 
-async def gather(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_BYTES,
-                 counter: ByteCounter = GLOBAL_COUNTER) -> tuple[bytes, list[torch.Tensor]]:
-    """Collect a message stream into ``(metadata, tensors)``.
+WIRE_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1}
+"""Tensor dtypes accepted on the wire -> bytes per element (hivemind may send bfloat16 as 4-byte float32)."""
+MAX_DIMS = 8
+"""Most dimensions a tensor on the wire may have."""
 
-    :raises ProtocolError: the stream exceeds ``max_bytes`` or holds a tensor that does not deserialize.
+
+def _declared_bytes(part: runtime_pb2.Tensor) -> int:
+    """Bytes the header (first chunk) of a tensor promises, checked before anything is allocated for it: raw
+    (uncompressed) tensors of a :data:`WIRE_DTYPES` dtype with at most :data:`MAX_DIMS` dimensions only, so no
+    attacker's dtype string ever reaches numpy. bfloat16 counts 4 bytes per element (hivemind's legacy form).
+
+    :raises ProtocolError: another compression, dtype or rank.
     """
-    metadata, total, groups = b"", 0, []
-    async for msg in stream:
-        if msg.metadata:
-            metadata = msg.metadata
-        for part in msg.tensors:
-            total += len(part.buffer)
-            if total > max_bytes:
-                raise ProtocolError(f"message exceeds {max_bytes} bytes; send smaller micro-batches")
-            if part.dtype or not groups:
-                groups.append([])
-            groups[-1].append(part)
-    counter.received += total + len(metadata)
+    if part.compression != runtime_pb2.CompressionType.NONE:
+        raise ProtocolError(f"tensor compression {part.compression} is not accepted: send raw tensors (the codecs "
+                            "encode inside them)")
+    if part.dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"tensor dtype {part.dtype[:32]!r} is not one of {', '.join(WIRE_DTYPES)}")
+    if len(part.size) > MAX_DIMS:
+        raise ProtocolError(f"tensor has {len(part.size)} dimensions, at most {MAX_DIMS} are accepted")
+    return math.prod(part.size) * (4 if part.dtype == "bfloat16" else WIRE_DTYPES[part.dtype])
+
+
+def _check_complete(group: list, declared: int) -> None:
+    """A tensor's chunks hold exactly the bytes its header promised (bfloat16: 2 or 4 per element)."""
+    got, head = sum(len(p.buffer) for p in group), group[0]
+    fits = got in (declared, declared // 2) if head.dtype == "bfloat16" else got == declared
+    if not fits:
+        raise ProtocolError(f"truncated or padded tensor: {got} bytes for a {head.dtype} tensor of shape "
+                            f"{list(head.size)} ({declared} bytes); the sender's stream was cut or is malformed")
+
+
+async def gather(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_BYTES, counter: ByteCounter = GLOBAL_COUNTER,
+                 *, max_tensors: Optional[int] = None, deadline_s: Optional[float] = None
+                 ) -> tuple[bytes, list[torch.Tensor]]:
+    """Collect a message stream into ``(metadata, tensors)``, refusing what is too large before it is buffered.
+
+    :param max_bytes: most bytes of tensor payload (a tensor's header declares its size, so one that would not
+        fit is refused at its first chunk); metadata is bounded by :data:`~swarm.protocol.MAX_METADATA_BYTES`.
+    :param max_tensors: most tensors (0: the message takes none, e.g. a ping).
+    :param deadline_s: seconds the whole stream may take (a sender that never finishes holds nothing longer).
+    :raises ProtocolError: the stream exceeds a limit or its deadline, metadata over
+        :data:`~swarm.protocol.MAX_METADATA_BYTES`, a tensor header that is not accepted
+        (:func:`_declared_bytes`), or a tensor whose bytes do not match its header.
+    """
+    try:
+        async with asyncio.timeout(deadline_s):
+            metadata, groups, declared, total = await _collect(stream, max_bytes, max_tensors)
+    except TimeoutError:
+        raise ProtocolError(f"the stream did not finish within {deadline_s:.0f} s") from None
+    counter.received += total
+    for group, size in zip(groups, declared):
+        _check_complete(group, size)
     try:
         tensors = [deserialize_torch_tensor(combine_from_streaming(g)) for g in groups]
     except Exception as e:
         raise ProtocolError(f"could not deserialize a tensor ({type(e).__name__}: {e})") from None
     return metadata, tensors
+
+
+async def _collect(stream: AsyncIterator, max_bytes: int, max_tensors: Optional[int]):
+    """``(metadata, chunk groups, declared bytes per tensor, bytes received)`` of a stream, within the limits."""
+    metadata, groups, declared, total, promised, payload = b"", [], [], 0, 0, 0
+    async for msg in stream:
+        if msg.metadata:
+            if len(msg.metadata) > MAX_METADATA_BYTES:
+                raise ProtocolError(f"message metadata of {len(msg.metadata)} bytes exceeds {MAX_METADATA_BYTES}")
+            total += len(msg.metadata)
+            metadata = msg.metadata
+        for part in msg.tensors:
+            if part.dtype or not groups:  # the first chunk of a tensor: its header
+                if max_tensors is not None and len(groups) >= max_tensors:
+                    raise ProtocolError(f"the message takes at most {max_tensors} tensors")
+                declared.append(_declared_bytes(part))
+                promised += declared[-1]
+                groups.append([])
+            total += len(part.buffer)
+            payload += len(part.buffer)
+            if max(promised, payload) > max_bytes:
+                raise ProtocolError(f"message exceeds {max_bytes} bytes; send smaller micro-batches")
+            groups[-1].append(part)
+    return metadata, groups, declared, total

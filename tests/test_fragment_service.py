@@ -20,7 +20,7 @@ def test_put_and_get_fragments_with_verification_and_refusals(dhts, tmp_path):
 
     async def main():
         holder_p2p = await holder_dht.replicate_p2p()
-        await FragmentService(store, RUN).add_p2p_handlers(holder_p2p, namespace=RUN)
+        await FragmentService(store, RUN, num_stages=2).add_p2p_handlers(holder_p2p, namespace=RUN)
         p2p = await client_dht.replicate_p2p()
         holder = str(holder_dht.peer_id)
         for f in fragments[:3]:
@@ -35,6 +35,8 @@ def test_put_and_get_fragments_with_verification_and_refusals(dhts, tmp_path):
             await put_fragment(p2p, holder, RUN, 0, 6, Fragment(0, b"x" * 10, fragments[0].sha256))
         with pytest.raises(FragmentError, match="serves no fragments of run tiny-bbbb"):
             await put_fragment(p2p, holder, "tiny-bbbb", 0, 5, fragments[0])
+        with pytest.raises(FragmentError, match="has stages 0..1, not 9223372036854775807"):  # junk nobody collects
+            await put_fragment(p2p, holder, RUN, 2**63 - 1, 5, fragments[0])
         with pytest.raises(FragmentError, match="not held here"):  # asked for another hash in that slot
             await get_fragment(p2p, holder, RUN, 0, 5, 0, fragments[1].sha256)
         # (a holder serving bytes that do not match: tests/test_fragment_keeper.py, the client verifies and bans)

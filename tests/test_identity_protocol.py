@@ -1,10 +1,14 @@
+import json
+
 import msgpack
 import pytest
+from hivemind.utils import get_dht_time
 
 from swarm.config import PROTOCOL_VERSION
 from swarm.identity import Identity, SignatureError, derive_run_id, peer_id_of, verify
 from swarm.protocol import (
     MAX_RECORD_BYTES,
+    CheckpointManifest,
     ForwardRequest,
     ProtocolError,
     ServerInfo,
@@ -95,6 +99,37 @@ def test_record_rejections():
         open_record(good, TrainerInfo, run_id=run)
     with pytest.raises(ValueError, match="sealed by the peer it names"):
         seal(_info(ident, peer_id=other.peer_id), ident)
+
+
+def test_records_with_absurd_numbers_are_refused_or_read_as_unknown():
+    """Anyone may sign a record with any number in it: infinities and NaN are refused (a loss reads as unknown),
+    a time far ahead of the reader's clock is refused, and so is a manifest that needs more fragments than it
+    made or lists one twice."""
+    ident, run, now = Identity.generate(), "r-aaaaaaaaaaaaaaaa", get_dht_time()
+    info = _info(ident, time=now).model_dump(mode="json")
+    for field, value, expected in [("throughput", float("inf"), "throughput"), ("round_s", float("nan"), "round_s"),
+                                   ("lr_scale", float("inf"), "lr_scale"), ("time", now + 1e6, "in the future")]:
+        with pytest.raises(ProtocolError, match=expected):
+            open_record(_forge(ident, {**info, field: value}), ServerInfo, run_id=run)
+    rec, _ = open_record(_forge(ident, {**info, "time": now + 5.0}), ServerInfo, run_id=run)  # a little skew is fine
+    assert rec.time == now + 5.0
+    rec, _ = open_record(_forge(ident, {**info, "loss": float("nan"), "history": [[3, now, float("inf")]]}),
+                         ServerInfo, run_id=run)
+    assert rec.loss is None and rec.history == [(3, now, None)]
+    json.dumps(rec.model_dump(mode="json"), allow_nan=False)  # what `status --json` prints stays JSON
+    honest = seal(_info(ident, time=now, loss=float("nan")), ident)  # a diverged server still announces itself
+    assert open_record(honest, ServerInfo, run_id=run)[0].loss is None
+
+    manifest = dict(kind="manifest", run_id=run, peer_id=ident.peer_id, time=now, stage=0, epoch=3,
+                    shard_sha256="a" * 64, size=10, k=3, n=2, v=PROTOCOL_VERSION)
+    frag = [{"index": 0, "sha256": "b" * 64}, {"index": 0, "sha256": "c" * 64}]
+    cases = [(manifest, "no restore is possible"), ({**manifest, "k": 1, "fragments": frag}, "repeated"),
+             ({**manifest, "k": 1, "fragments": [{**frag[0], "index": 2}]}, "not below n=2")]
+    for fields, expected in cases:
+        with pytest.raises(ProtocolError, match=expected):
+            open_record(_forge(ident, fields), CheckpointManifest, run_id=run)
+    good = {**manifest, "k": 1, "fragments": [frag[0], {**frag[1], "index": 1}]}
+    assert open_record(_forge(ident, good), CheckpointManifest, run_id=run)[0].n == 2
 
 
 def test_wire_messages():

@@ -1,6 +1,7 @@
 """Stage RPCs over real libp2p (two hivemind DHT nodes in this process): results and refusals of bad input."""
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from swarm.config import PROTOCOL_VERSION, RunSpec
 from swarm.directory import RunDirectory
 from swarm.model import build_stage, lm_loss
 from swarm.pipeline import RemotePipeline
-from swarm.protocol import BackwardRequest, ForwardRequest, PingRequest, ServerInfo, ServerState, pack_message
+from swarm.logs import HANDLER_LOGGER, RefusalFilter
+from swarm.protocol import BackwardRequest, ForwardRequest, PingRequest, Refusal, ServerInfo, ServerState, pack_message
 from swarm.transport import gather, stream_out
 from swarm.stage import StageServer, is_serving
 
@@ -82,6 +84,10 @@ def test_stage_rpcs_and_refusals(dhts, exact_spec_path):
         legacy = pack_message(fwd(0)).replace(bytes([0xA1, 0x76, PROTOCOL_VERSION]), bytes([0xA1, 0x76, 99]))
         with pytest.raises(Exception, match="speaks protocol 99"):
             await _raw(p2p, server_dht, legacy, x)
+        # each kind of refusal reached the server's log as one line, no traceback
+        refusals = [r for r in handler_log if r.getMessage().startswith("refused a request")]
+        assert {r.getMessage().split(":")[1].strip() for r in refusals} == {"StageError", "ProtocolError"}
+        assert len(refusals) == 2 and not any(r.exc_info for r in handler_log), [r.getMessage() for r in handler_log]
         # nothing above was accumulated, and the servers still work
         assert servers[0].samples == 4 and servers[1].samples == 4
         # a backward on a server that never saw the forward recomputes it from the inputs sent along
@@ -97,7 +103,7 @@ def test_stage_rpcs_and_refusals(dhts, exact_spec_path):
         assert not await is_serving(p2p, info(server_dht, 1), RUN), "the stage-0 server does not serve stage 1"
         assert not await is_serving(p2p, s0.model_copy(update={"p2p_id": str(client_dht.peer_id)}), RUN, 2.0)
         stub = StageServer.get_stub(p2p, PeerID.from_base58(str(server_dht.peer_id)), namespace=RUN)
-        with pytest.raises(Exception, match="carries no tensors"):
+        with pytest.raises(Exception, match="takes at most 0 tensors"):
             await gather(await stub.rpc_ping(stream_out(runtime_pb2.ExpertRequest,
                                                         pack_message(PingRequest(run_id=RUN, stage=0)), [x])))
 
@@ -105,8 +111,15 @@ def test_stage_rpcs_and_refusals(dhts, exact_spec_path):
         stub = StageServer.get_stub(p2p, PeerID.from_base58(str(server_dht.peer_id)), namespace=f"{RUN}/0")
         return await gather(await stub.rpc_forward(stream_out(runtime_pb2.ExpertRequest, meta, [x])))
 
+    handler_log, hivemind_log = [], logging.getLogger(HANDLER_LOGGER)
+    capture, refusals = logging.Handler(), RefusalFilter((Refusal,))
+    capture.emit = handler_log.append
+    hivemind_log.addHandler(capture)
+    hivemind_log.addFilter(refusals)
     try:
         asyncio.run(main())
     finally:
+        hivemind_log.removeHandler(capture)
+        hivemind_log.removeFilter(refusals)
         for s in servers:
             s.shutdown()

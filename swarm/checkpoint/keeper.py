@@ -59,7 +59,8 @@ class FragmentKeeper:
         self.spec, self.directory, self.identity, self.store = spec, directory, identity, store
         self.run_id, self.me, self.stage = directory.run_id, identity.peer_id, stage
         self.log = PeerLog(logger, identity.peer_id)
-        self.service = FragmentService(store, directory.run_id, on_manifest=directory.publish_manifest)
+        self.service = FragmentService(store, directory.run_id, on_manifest=directory.publish_manifest,
+                                       num_stages=spec.model.num_stages)
         self.distrusted: dict[str, str] = {}  # holders that served corrupt fragments to this peer -> reason
         self.bans = bans if bans is not None else RunBans(directory)
         self.p2p: Optional[P2P] = None

@@ -8,7 +8,7 @@ the hash it was given is caught (:class:`~swarm.checkpoint.erasure.FragmentError
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
@@ -30,6 +30,11 @@ from swarm.protocol import (
 )
 from swarm.transport import gather, stream_out
 
+PUT_DEADLINE_S = 300.0
+"""Seconds a fragment upload may take (a 50 MB fragment at 1 MB/s takes 50 s); a slower one is dropped."""
+REQUEST_DEADLINE_S = 30.0
+"""Seconds a small request (a fragment get, a manifest) may take to arrive."""
+
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -38,10 +43,11 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 class FragmentService(ServicerBase):
     """Serves ``store`` for run ``run_id`` (register with ``add_p2p_handlers(p2p, namespace=run_id)``)."""
 
-    def __init__(self, store: FragmentStore, run_id: str, on_manifest=None):
+    def __init__(self, store: FragmentStore, run_id: str, on_manifest=None, num_stages: Optional[int] = None):
         """:param on_manifest: called with ``(manifest, sealed)`` after a manifest is saved (e.g. to publish it
-        in the DHT at once, so a checkpoint is visible even if its writer dies before publishing it)."""
-        self.store, self.run_id, self.on_manifest = store, run_id, on_manifest
+        in the DHT at once, so a checkpoint is visible even if its writer dies before publishing it).
+        :param num_stages: the run's stages; fragments of any other stage number are refused."""
+        self.store, self.run_id, self.on_manifest, self.num_stages = store, run_id, on_manifest, num_stages
 
     async def _reply(self, reply: FragmentReply, data: bytes = b"") -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), [_bytes_tensor(data)] if data else []):
@@ -51,10 +57,13 @@ class FragmentService(ServicerBase):
                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Store a fragment; replies with an error naming the cause (wrong run, hash, full store)."""
         try:
-            metadata, tensors = await gather(stream, max_bytes=self.store.max_bytes)
+            metadata, tensors = await gather(stream, max_bytes=self.store.max_bytes, max_tensors=1,
+                                             deadline_s=PUT_DEADLINE_S)
             req = unpack_message(metadata, FragmentPut)
             if req.run_id != self.run_id:
                 raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
+            if self.num_stages is not None and req.stage >= self.num_stages:
+                raise ProtocolError(f"run {self.run_id} has stages 0..{self.num_stages - 1}, not {req.stage}")
             if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
                 raise ProtocolError("a fragment travels as one uint8 vector")
             fragment = Fragment(req.index, tensors[0].numpy().tobytes(), req.sha256)
@@ -86,7 +95,8 @@ class FragmentService(ServicerBase):
                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Take the sealed manifest of a checkpoint this peer holds fragments of."""
         try:
-            metadata, tensors = await gather(stream, max_bytes=MAX_RECORD_BYTES)
+            metadata, tensors = await gather(stream, max_bytes=MAX_RECORD_BYTES, max_tensors=1,
+                                             deadline_s=REQUEST_DEADLINE_S)
             req = unpack_message(metadata, ManifestPut)
             if req.run_id != self.run_id:
                 raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
@@ -104,7 +114,7 @@ class FragmentService(ServicerBase):
         """Serve a fragment this peer holds (verified on read)."""
         data = b""
         try:
-            metadata, _ = await gather(stream, max_bytes=1 << 16)
+            metadata, _ = await gather(stream, max_bytes=1 << 16, max_tensors=0, deadline_s=REQUEST_DEADLINE_S)
             req = unpack_message(metadata, FragmentGet)
             fragment = await asyncio.get_running_loop().run_in_executor(
                 None, self.store.get, req.run_id, req.stage, req.epoch, req.index)
