@@ -157,6 +157,11 @@ class ServerInfo(Record):
     restored: Optional[RestoreReport] = Field(None, description="How the server's state was restored from "
                                               "checkpoint fragments, if it was.")
     lr_scale: float = Field(1.0, gt=0, description="Learning-rate multiplier after loss-spike rollbacks.")
+    rollback_generation: int = Field(0, ge=0, description="Rollbacks this server applied (a late server follows "
+                                     "the generation most servers applied, :func:`swarm.checkpoint.rollback."
+                                     "order_in_force`).")
+    rollback_issuer: str = Field("", max_length=64, description="Peer id of the issuer of the last rollback order "
+                                 "this server applied.")
     name: str = Field("", max_length=64, description="Public name its operator chose (SWARM_NAME).")
     reachability: Reachability = "direct"
     history: list[tuple[int, float, FiniteOrNone]] = Field(
@@ -283,7 +288,8 @@ def storage_key(run_id: str) -> str:
 class RollbackOrder(Record):
     """A swarm-wide order to return every stage to its checkpoint at or before ``epoch`` and scale the
     learning rate by ``lr_scale`` (cumulative), issued by a last-stage server that saw the loss spike (see
-    :mod:`swarm.checkpoint.rollback`). Stored under :func:`rollback_key`, sub-key the issuer's peer id."""
+    :mod:`swarm.checkpoint.rollback`). Stored under :func:`rollback_key`, sub-key the issuer's peer id. Servers
+    apply it only when it is in force (:func:`swarm.checkpoint.rollback.order_in_force`)."""
 
     kind: Literal["rollback"] = "rollback"
     epoch: int = Field(ge=0, description="Newest epoch whose checkpoint is still good.")

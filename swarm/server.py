@@ -344,6 +344,8 @@ class ServerSession:
             version=__version__, excluded=report.excluded if report else {}, averaging=report.wire if report else {},
             lineage=checkpoints.lineage[0] if checkpoints else "", restored=checkpoints.restored if checkpoints else None,
             lr_scale=checkpoints.lr_scale if checkpoints else 1.0, name=self.settings.name,
+            rollback_generation=checkpoints.generation if checkpoints else 0,
+            rollback_issuer=checkpoints.order_issuer if checkpoints else "",
             reachability=reachability(self.maddrs, relay_enabled(self.settings)), history=self.history,
         )
 

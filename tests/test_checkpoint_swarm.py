@@ -3,8 +3,10 @@
 import signal
 
 import pytest
+from hivemind.utils import get_dht_time
 
-from swarm.protocol import ServerState
+from swarm.identity import Identity
+from swarm.protocol import RollbackOrder, ServerState, rollback_key
 from tests.conftest import TINY
 from tests.scenario import Scenario, make_swarm
 
@@ -91,11 +93,22 @@ def test_a_loss_spike_rolls_every_stage_back_and_lowers_the_learning_rate(tmp_pa
         sc.servers(per_stage=1).trainers(1).until_epoch(10)
         for k in range(2):
             assert all(s.lr_scale == 1.0 for s in sc.directory.servers(k))
+        # a stranger's order (a fresh key, well-formed, generation 1 and its scale) is not in force: nobody obeys
+        stranger = Identity.generate()
+        forged = RollbackOrder(run_id=sc.directory.run_id, peer_id=stranger.peer_id, time=get_dht_time(), epoch=0,
+                               detected_epoch=1, lr_scale=0.5, generation=1, reason="forged")
+        assert sc.directory.announce(rollback_key(sc.directory.run_id), forged, stranger)
+        sc.holds(lambda: all(s.lr_scale == 1.0 and s.rollback_generation == 0
+                             for k in range(2) for s in sc.directory.servers(k)), 8.0, "ignoring a stranger's order")
         # bad data: a trainer whose targets are all wrong makes the training loss jump
         bad = sc.byzantine_trainer("label_flip", "--shard", "1", "--concurrency", "4")
-        sc.wait(lambda: sc.directory.rollback_orders(), 180, "a rollback order")
+
+        def genuine():
+            return [o for o, _ in sc.directory.rollback_orders() if o.peer_id != stranger.peer_id]
+
+        sc.wait(genuine, 180, "a rollback order from the last stage's server")
         sw.stop(bad)
-        order = sc.directory.rollback_orders()[0][0]
+        order = genuine()[0]
         assert order.generation == 1 and order.lr_scale == 0.5 and "moving average" in order.reason
 
         def rolled_back(k):

@@ -50,3 +50,39 @@ def test_spike_detector_waits_for_warmup_then_flags_spikes_only():
     assert det.update(math.nan)
     det.reset()
     assert not det.update(100.0) and not det.update(math.inf)  # after a reset: warm-up again
+
+
+def _order(issuer: str, generation: int, epoch: int = 8, lr_scale=None):
+    from swarm.protocol import RollbackOrder
+
+    order = RollbackOrder(run_id="r", peer_id=issuer, time=0, epoch=epoch, detected_epoch=epoch + 1,
+                          lr_scale=0.5 ** generation if lr_scale is None else lr_scale, generation=generation)
+    return order, issuer.encode()
+
+
+def test_a_rollback_order_counts_only_when_it_is_in_force():
+    from swarm.checkpoint.rollback import order_in_force
+
+    def in_force(orders, online, applied=0, authority=None):
+        found = order_in_force(orders, online, applied=applied, lr_factor=0.5, authority=authority)
+        return found[1].decode() if found else None
+
+    one = _swarm([("a", 1), ("b", 1)], [("z", 1)])
+    three = _swarm([("a", 1)], [("x", 1), ("y", 1), ("z", 1)])
+    # anyone can sign an order: a stranger's is not in force, however new or drastic
+    assert in_force([_order("stranger", 1000, lr_scale=0.5 ** 1000)], one) is None
+    assert in_force([_order("stranger", 1, lr_scale=1e-6)], one, authority="stranger") is None  # scale != 0.5
+    # the last stage's only server is its own majority; of three, two must have seen the spike
+    assert in_force([_order("z", 1)], one) == "z"
+    assert in_force([_order("z", 1)], three) is None
+    assert in_force([_order("z", 1, epoch=9), _order("y", 1, epoch=7)], three) == "y"  # the earliest good epoch
+    # the coordinator's order is in force on its own; an applied generation is never applied again
+    assert in_force([_order("coordinator", 1)], three, authority="coordinator") == "coordinator"
+    assert in_force([_order("z", 1)], one, applied=1) is None
+    # a stranger's order of the same generation is never the one chosen, even naming an earlier epoch
+    assert in_force([_order("z", 1, epoch=9), _order("y", 1, epoch=7), _order("stranger", 1, epoch=0)], three) == "y"
+    # a server that missed a rollback follows the order most servers applied
+    went = {k: [s.model_copy(update={"rollback_generation": 1, "rollback_issuer": "gone"}) for s in group]
+            for k, group in three.items()}
+    assert in_force([_order("gone", 1), _order("stranger", 1, epoch=0)], went) == "gone"
+    assert in_force([_order("stranger", 2)], went, applied=1) is None

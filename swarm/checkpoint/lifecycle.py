@@ -29,9 +29,10 @@ from hivemind.utils import get_dht_time
 from swarm.checkpoint.catalog import CheckpointView, newest_restorable
 from swarm.checkpoint.erasure import FragmentError
 from swarm.checkpoint.keeper import FragmentKeeper
-from swarm.checkpoint.rollback import LossSpikeDetector
+from swarm.checkpoint.rollback import LossSpikeDetector, order_in_force
 from swarm.checkpoint.shard import ShardError, StageShard, decode_shard, encode_shard
 from swarm.checkpoint.writer import CheckpointError, write_checkpoint
+from swarm.identity import peer_id_of
 from swarm.logs import PeerLog
 from swarm.protocol import RestoreReport, RollbackOrder, ServerState, rollback_key
 from swarm.stage import EpochEnd, StageServer, is_serving
@@ -57,7 +58,7 @@ class StageCheckpoints:
         self._skipped: set[str] = set()  # shard hashes newer than the last restore (not ancestors of our state)
         self.restored: Optional[RestoreReport] = None
         self.generation, self.order_sealed = 0, None
-        self._order_scale, self._order_issuer = 1.0, ""
+        self._order_scale, self.order_issuer = 1.0, ""
         self.detector = LossSpikeDetector(self.spec.rollback)
         try:
             self.loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
@@ -112,9 +113,9 @@ class StageCheckpoints:
             or ``"fresh"``.
         :raises RestoreError: checkpoints exist but none became restorable within ``restore_timeout_s``.
         """
-        orders = await self.keeper.io(self.directory.rollback_orders)
-        if orders:
-            self._adopt_order(*orders[0])
+        order = await self._order_in_force()
+        if order is not None:
+            self._adopt_order(*order)
         started, evidence = time.monotonic(), await self.keeper.io(self._evidence)
         last_note = 0.0
         while True:
@@ -305,7 +306,7 @@ class StageCheckpoints:
 
     def _adopt_order(self, order: RollbackOrder, sealed: bytes) -> None:
         self.generation, self.order_sealed = order.generation, sealed
-        self._order_scale, self._order_issuer = order.lr_scale, order.peer_id
+        self._order_scale, self.order_issuer = order.lr_scale, order.peer_id
         if self.optimizer is not None:
             self.optimizer.set_lr_scale(order.lr_scale)
 
@@ -322,15 +323,26 @@ class StageCheckpoints:
                          order.lr_scale, order.reason)
 
     async def follow_orders(self) -> None:
-        """Apply a rollback order newer than the last one applied, and keep the applied one published (one look;
-        the session calls it periodically)."""
+        """Apply a rollback order newer than the last one applied that is in force (:func:`order_in_force`), and
+        keep the applied one published (one look; the session calls it periodically)."""
+        io = self.keeper.io
+        order = await self._order_in_force()
+        if order is not None:
+            await self.apply_rollback(*order)
+        if self.order_sealed is not None:
+            await io(self.directory.store_sealed, rollback_key(self.keeper.run_id), self.order_issuer,
+                     self.order_sealed)
+
+    async def _order_in_force(self) -> Optional[tuple[RollbackOrder, bytes]]:
+        """The rollback order newer than the one applied that is in force (:func:`order_in_force`), or None."""
         io = self.keeper.io
         orders = await io(self.directory.rollback_orders)
-        if orders and orders[0][0].generation > self.generation:
-            await self.apply_rollback(*orders[0])
-        if self.order_sealed is not None:
-            await io(self.directory.store_sealed, rollback_key(self.keeper.run_id), self._order_issuer,
-                     self.order_sealed)
+        if not orders or orders[0][0].generation <= self.generation:
+            return None
+        online = {k: await io(self.directory.fresh_servers, k) for k in range(self.spec.model.num_stages)}
+        run_key = self.directory.run_key
+        return order_in_force(orders, online, applied=self.generation, lr_factor=self.spec.rollback.lr_factor,
+                              authority=peer_id_of(run_key) if run_key is not None else None)
 
     async def apply_rollback(self, order: RollbackOrder, sealed: bytes) -> None:
         """Restore the newest checkpoint at or before ``order.epoch`` and scale the learning rate."""

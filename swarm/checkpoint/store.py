@@ -68,7 +68,16 @@ class FragmentStore:
         return self.root / run_id / f"stage{stage}" / f"epoch{epoch}"
 
     def used_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.root.rglob("*.frag"))
+        """Bytes of the fragments on disk (a folder or file collected while this counts is skipped)."""
+        total = 0
+        for folder, _, files in os.walk(self.root):  # os.walk ignores a folder that vanishes under it
+            for name in files:
+                if name.endswith(".frag"):
+                    try:
+                        total += os.stat(os.path.join(folder, name)).st_size
+                    except FileNotFoundError:
+                        continue
+        return total
 
     def put(self, run_id: str, stage: int, epoch: int, fragment: Fragment) -> StoredFragment:
         """Verify and store ``fragment``; returns what is stored.
