@@ -8,7 +8,6 @@ their cause and skipped, so a forged or malformed record never reaches routing o
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import re
 import time
@@ -19,6 +18,7 @@ from hivemind.p2p import P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from swarm.config import PeerSettings, RunSpec, SpecError
+from swarm.dht_validation import RunRecordValidator
 from swarm.identity import Identity, derive_run_id
 from swarm.protocol import (
     BanList,
@@ -35,6 +35,7 @@ from swarm.protocol import (
     checkpoints_key,
     manifest_subkey,
     open_record,
+    open_spec,
     rollback_key,
     seal,
     spec_key,
@@ -74,8 +75,10 @@ def relay_enabled(settings: PeerSettings) -> bool:
     return settings.relay == "auto" and settings.host not in ("127.0.0.1", "localhost")
 
 
-def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, client_mode: bool = False) -> hivemind.DHT:
-    """Start a hivemind DHT node (its own process and p2pd) listening per ``settings``.
+def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, client_mode: bool = False,
+              run_id: Optional[str] = None) -> hivemind.DHT:
+    """Start a hivemind DHT node (its own process and p2pd) listening per ``settings``; with ``run_id``, it
+    validates the run's records (:class:`~swarm.dht_validation.RunRecordValidator`).
 
     With ``SWARM_RELAY=auto`` (default) on a non-loopback host, libp2p circuit relays are on: this node can
     reach relayed peers and relay for others, and, if AutoNAT finds it unreachable, it reserves a slot on a
@@ -90,6 +93,7 @@ def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, clie
         host_maddrs=[f"/ip4/{settings.host}/tcp/{settings.port}"],
         use_relay=relay,
         use_auto_relay=relay and not client_mode,
+        record_validators=[RunRecordValidator(run_id)] if run_id else [],
     )
     if loopback:
         kwargs.update(nat_port_map=False, auto_nat=False)
@@ -140,14 +144,9 @@ class RunDirectory:
             time.sleep(1.0)
 
     def verify_spec(self, sealed: bytes) -> RunSpec:
-        """Check signature, hash and run id of a sealed spec; raises ProtocolError or SpecError."""
-        rec, key = open_record(sealed, SpecRecord, run_id=self.run_id)
-        spec = RunSpec.from_dict(json.loads(rec.spec_json))
-        if spec.spec_hash() != rec.spec_hash:
-            raise ProtocolError("spec hash does not match the spec's contents; the record is corrupted")
-        if derive_run_id(spec.name, key, rec.spec_hash) != self.run_id:
-            raise ProtocolError("spec was signed by a key or has a hash that does not derive this run id")
-        self.run_key = key
+        """Check signature, hash and run id of a sealed spec (:func:`~swarm.protocol.open_spec`); raises
+        ProtocolError or SpecError."""
+        spec, self.run_key = open_spec(sealed, self.run_id)
         return spec
 
     # ---- peers -----------------------------------------------------------------------------------------
@@ -283,8 +282,8 @@ JOIN_RETRY_S = (1.0, 2.0, 4.0, 8.0)
 """Seconds between attempts to reach a run's peers (the last one repeats)."""
 
 
-def join_dht(settings: PeerSettings, maddrs: Sequence[str], *, client_mode: bool,
-             join_timeout_s: float = 0.0) -> hivemind.DHT:
+def join_dht(settings: PeerSettings, maddrs: Sequence[str], *, client_mode: bool, join_timeout_s: float = 0.0,
+             run_id: Optional[str] = None) -> hivemind.DHT:
     """:func:`start_dht` bootstrapped from ``maddrs``, trying again (:data:`JOIN_RETRY_S` apart) until one of
     them answers or ``join_timeout_s`` seconds have passed.
 
@@ -293,7 +292,7 @@ def join_dht(settings: PeerSettings, maddrs: Sequence[str], *, client_mode: bool
     deadline, attempt = time.monotonic() + join_timeout_s, 0
     while True:
         try:
-            return start_dht(settings, maddrs, client_mode=client_mode)
+            return start_dht(settings, maddrs, client_mode=client_mode, run_id=run_id)
         except P2PDaemonError as e:
             if "bootstrap" not in str(e):  # not about the run's peers (a taken port, a broken daemon): say so
                 raise
@@ -320,7 +319,7 @@ def connect_run(address: str, settings: Optional[PeerSettings] = None, *, client
     """
     run_id, maddrs = parse_run_address(address)
     dht = join_dht(settings or PeerSettings(host="127.0.0.1"), maddrs, client_mode=client_mode,
-                   join_timeout_s=join_timeout_s)
+                   join_timeout_s=join_timeout_s, run_id=run_id)
     try:
         directory = RunDirectory(dht, run_id)
         spec, sealed = directory.fetch_spec(timeout)

@@ -16,6 +16,7 @@ the tensors travel in the same messages (see :mod:`swarm.stage`).
 
 from __future__ import annotations
 
+import json
 import math
 from enum import StrEnum
 from typing import Annotated, Literal, Optional, Type, TypeVar
@@ -24,8 +25,8 @@ import msgpack
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from swarm.config import PROTOCOL_VERSION
-from swarm.identity import Identity, SignatureError, peer_id_of, verify
+from swarm.config import PROTOCOL_VERSION, RunSpec
+from swarm.identity import Identity, SignatureError, derive_run_id, peer_id_of, verify
 
 MAX_RECORD_BYTES = 64 * 1024
 """Largest sealed record accepted from the DHT (bytes)."""
@@ -421,6 +422,22 @@ def open_record(
         if record.peer_id != owner or (subkey is not None and subkey != owner):
             raise ProtocolError("record names a peer id its signer does not own")
     return record, key
+
+
+def open_spec(sealed: bytes, run_id: str) -> tuple[RunSpec, bytes]:
+    """Verify and parse a sealed :class:`SpecRecord`: its signature, its hash, and that the signer's key and the
+    hash derive ``run_id`` (:func:`~swarm.identity.derive_run_id`). Returns ``(spec, run_key)``.
+
+    :raises ProtocolError: a bad record, a hash that does not match the spec, or a spec of another run.
+    :raises SpecError: the spec itself does not validate.
+    """
+    rec, key = open_record(sealed, SpecRecord, run_id=run_id)
+    spec = RunSpec.from_dict(json.loads(rec.spec_json))
+    if spec.spec_hash() != rec.spec_hash:
+        raise ProtocolError("spec hash does not match the spec's contents; the record is corrupted")
+    if derive_run_id(spec.name, key, rec.spec_hash) != run_id:
+        raise ProtocolError("spec was signed by a key or has a hash that does not derive this run id")
+    return spec, key
 
 
 # ---- wire messages (metadata of stage RPCs) --------------------------------------------------------------

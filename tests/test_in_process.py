@@ -44,12 +44,12 @@ def test_in_process_server_and_trainer_match_the_reference_state(exact_spec_path
             trainer = Trainer(address, _settings(tmp_path, cache_dir, "trainer"),
                               TrainerOptions(shard=0, concurrency=1, max_samples=samples))
             await asyncio.wait_for(trainer.run(), 300)
-            states = [await s.server.compute(s.server.optimizer.state) for s in sessions]
+            states = [await asyncio.wait_for(s.server.compute(s.server.optimizer.state), 60) for s in sessions]
             return trainer, states, [s.epoch for s in sessions]
         finally:
             for s in sessions:
                 s.stop()
-            await asyncio.gather(*runs)
+            await asyncio.wait_for(asyncio.gather(*runs), 120)  # a drain takes seconds; a hang says so here
 
     with make_swarm(exact_spec_path, tmp_path, cache_dir) as sw:
         sw.start_coordinator()

@@ -1,0 +1,100 @@
+"""A hivemind record validator for one run's DHT keys: a value nobody could have signed is never stored or read.
+
+hivemind keeps, per key, the value with the latest expiration, and a plain value replaces a dictionary: one
+``store`` of junk at ``{run}/stage/1`` would hide every server of that stage, and junk at ``{run}/spec`` would
+keep new peers out. Every node of the run (servers, trainers, the coordinator) runs
+:class:`RunRecordValidator`, which hivemind calls on every value another node asks it to store and on every
+value a lookup brings back (``hivemind.dht.validation``, the mechanism of its own ``RSASignatureValidator``):
+
+* under the run's dictionary keys (servers, trainers, storage, checkpoints, rollback orders, bans) only
+  sub-key values that are sealed records of the key's kind, signed by the owner of their sub-key, are valid
+  (:func:`~swarm.protocol.open_record`); a plain value is not;
+* under ``{run}/spec`` only the run's genuine sealed spec (:func:`~swarm.protocol.open_spec`).
+
+Honest nodes refuse the junk, and a reader drops the answer of a node that serves it and keeps the others', so
+an outsider's store hides nothing (an answer is dropped whole if one of its sub-keys fails: honest nodes never
+hold such a value). Keys that are not the run's (hivemind's own progress and matchmaking keys) pass through.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Type
+
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.serializer import MSGPackSerializer
+
+from swarm.config import SpecError
+from swarm.protocol import (
+    BanList,
+    CheckpointManifest,
+    ProtocolError,
+    Record,
+    RollbackOrder,
+    ServerInfo,
+    SpecRecord,
+    StorageInfo,
+    TrainerInfo,
+    bans_key,
+    checkpoints_key,
+    open_record,
+    open_spec,
+    rollback_key,
+    spec_key,
+    stage_key,
+    storage_key,
+    trainers_key,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_STAGES = 256
+"""Stage keys covered (a run has fewer stages; the validator is built before the spec is known)."""
+
+
+def run_keys(run_id: str, max_stages: int = MAX_STAGES) -> dict[str, Type[Record]]:
+    """The run's DHT keys -> the record kind each holds."""
+    keys: dict[str, Type[Record]] = {spec_key(run_id): SpecRecord, trainers_key(run_id): TrainerInfo,
+                                     storage_key(run_id): StorageInfo, rollback_key(run_id): RollbackOrder,
+                                     bans_key(run_id): BanList}
+    for k in range(max_stages):
+        keys[stage_key(run_id, k)] = ServerInfo
+        keys[checkpoints_key(run_id, k)] = CheckpointManifest
+    return keys
+
+
+class RunRecordValidator(RecordValidatorBase):
+    """Valid values under run ``run_id``'s keys: see the module docstring. Picklable (it runs in the DHT's
+    process)."""
+
+    def __init__(self, run_id: str, max_stages: int = MAX_STAGES):
+        self.run_id = run_id
+        keys = run_keys(run_id, max_stages)
+        self._kinds = {DHTID.generate(source=key).to_bytes(): kind for key, kind in keys.items()}
+
+    def validate(self, record: DHTRecord) -> bool:
+        kind = self._kinds.get(record.key)
+        if kind is None:
+            return True  # not one of this run's keys
+        try:
+            sealed = MSGPackSerializer.loads(record.value)
+            if kind is SpecRecord:
+                if record.subkey != DHTProtocol.IS_REGULAR_VALUE:
+                    return False
+                open_spec(sealed, self.run_id)
+                return True
+            if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+                return False  # a plain value would replace the key's whole dictionary
+            subkey = MSGPackSerializer.loads(record.subkey)
+            if not isinstance(subkey, str) or not isinstance(sealed, bytes):
+                return False
+            open_record(sealed, kind, run_id=self.run_id, subkey=subkey)
+            return True
+        except (ProtocolError, SpecError, ValueError, TypeError) as e:
+            logger.debug("refused a DHT value under a %s key of run %s: %s", kind.__name__, self.run_id, e)
+            return False
+        except Exception as e:  # msgpack's own errors on junk bytes
+            logger.debug("refused a malformed DHT value of run %s: %r", self.run_id, e)
+            return False
