@@ -249,15 +249,26 @@ class Auditor:
             await asyncio.sleep(POLL_S)
 
     async def _verify_accusation(self, blob) -> Optional[bool]:
-        """Check one accusation; True: reducer excluded, False: accuser excluded, None: could not check (yet)."""
+        """Check one accusation; True: reducer excluded, False: settled otherwise (accuser excluded, or the
+        accusation ignored), None: could not check (yet).
+
+        The accuser's libp2p id (``p2p_id``) is only a claim of the signer: the accusation is attributed to that
+        peer only if it is signed by the key that peer signs its parts with here (:meth:`learn_key`), so a
+        stranger cannot get an honest peer excluded by accusing in its name.
+        """
         try:
-            acc, _ = open_record(blob, Accusation, run_id=self.run_id)
+            acc, signer = open_record(blob, Accusation, run_id=self.run_id)
         except ProtocolError as e:
             logger.debug(f"ignoring a malformed accusation: {e}")
             return False
         me = str(self.peer_id)
         if acc.p2p_id == me or acc.accused == me or self.exclusions.is_excluded(acc.accused):
             return True
+        if self.keys.get(acc.p2p_id) != signer:
+            if acc.p2p_id not in self.keys:
+                return None  # its key may be learned in a later round
+            logger.info(f"ignoring an accusation in the name of {acc.p2p_id}: signed by a key it does not use")
+            return False
         try:
             opened = open_receipt(acc.receipt, self.run_id)
         except ProtocolError as e:
