@@ -131,7 +131,8 @@ def run_check() -> dict:
             code = proc.wait(60)
         if code != 0:
             raise SystemExit(f"the peer container exited with {code} after SIGTERM; see {work / 'container.log'}")
-        return {"container_peer": served[0], "epochs": epochs, "exit_code": code}
+    shutil.rmtree(work, ignore_errors=True)  # kept only after a failure, for its container.log
+    return {"container_peer": served[0], "epochs": epochs, "exit_code": code}
 
 
 if __name__ == "__main__":
