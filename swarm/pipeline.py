@@ -53,6 +53,7 @@ class RemotePipeline:
         self.spec, self.run_id, self.directory, self.p2p = spec, run_id, directory, p2p
         self.bans, self.log = bans, log if log is not None else logger
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
+        self.max_reply_bytes = max_message_bytes(spec)
         self.router = Router(backoff_s=spec.timeouts.backoff_s, backoff_max_s=spec.timeouts.backoff_max_s)
         self.max_attempts, self.refresh_s = max_attempts, refresh_s
         self.num_stages = spec.model.num_stages
@@ -78,7 +79,7 @@ class RemotePipeline:
         async def call():
             responses = await getattr(stub, method)(
                 stream_out(runtime_pb2.ExpertRequest, meta, pack_tensors(tensors, self.codec)))
-            reply, out = await gather(responses, max_message_bytes(self.spec), max_tensors=MAX_WIRE_TENSORS)
+            reply, out = await gather(responses, self.max_reply_bytes, max_tensors=MAX_WIRE_TENSORS)
             reply = unpack_message(reply, StageResponse)
             return reply, unpack_tensors(out, reply.codec)
 

@@ -107,7 +107,7 @@ class StageServer(ServicerBase):
         self.paused = False  # by its operator: new forward/backward requests are refused
         self._epoch_losses: list[float] = []
         self._epoch_samples = 0
-        self.max_batch = 8 * spec.training.micro_batch_size
+        self.max_batch = max_batch(spec)
         self.max_message_bytes = max_message_bytes(spec)
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
 
@@ -369,11 +369,16 @@ MAX_WIRE_TENSORS = 4
 sends codes and scales, :mod:`swarm.codecs`)."""
 
 
+def max_batch(spec: RunSpec) -> int:
+    """Most samples a stage accepts in one micro-batch: ``8 x micro_batch_size``."""
+    return 8 * spec.training.micro_batch_size
+
+
 def max_message_bytes(spec: RunSpec) -> int:
     """Most tensor bytes a stage request or reply may carry (bytes): two float32 tensors of the largest accepted
-    micro-batch (``8 x micro_batch_size`` sequences of ``max_seq_len`` tokens, ``d_model`` wide), plus 1 MiB."""
+    micro-batch (:func:`max_batch` sequences of ``max_seq_len`` tokens, ``d_model`` wide), plus 1 MiB."""
     m = spec.model
-    return 2 * 8 * spec.training.micro_batch_size * m.max_seq_len * max(4 * m.d_model, 8) + (1 << 20)
+    return 2 * max_batch(spec) * m.max_seq_len * max(4 * m.d_model, 8) + (1 << 20)
 
 
 async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:

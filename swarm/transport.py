@@ -120,12 +120,12 @@ async def gather(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_BYTES, coun
 
 async def _collect(stream: AsyncIterator, max_bytes: int, max_tensors: Optional[int]):
     """``(metadata, chunk groups, declared bytes per tensor, bytes received)`` of a stream, within the limits."""
-    metadata, groups, declared, total, promised, payload = b"", [], [], 0, 0, 0
+    metadata, groups, declared, metadata_bytes, promised, payload = b"", [], [], 0, 0, 0
     async for msg in stream:
         if msg.metadata:
             if len(msg.metadata) > MAX_METADATA_BYTES:
                 raise ProtocolError(f"message metadata of {len(msg.metadata)} bytes exceeds {MAX_METADATA_BYTES}")
-            total += len(msg.metadata)
+            metadata_bytes += len(msg.metadata)
             metadata = msg.metadata
         for part in msg.tensors:
             if part.dtype or not groups:  # the first chunk of a tensor: its header
@@ -134,9 +134,8 @@ async def _collect(stream: AsyncIterator, max_bytes: int, max_tensors: Optional[
                 declared.append(_declared_bytes(part))
                 promised += declared[-1]
                 groups.append([])
-            total += len(part.buffer)
             payload += len(part.buffer)
             if max(promised, payload) > max_bytes:
                 raise ProtocolError(f"message exceeds {max_bytes} bytes; send smaller micro-batches")
             groups[-1].append(part)
-    return metadata, groups, declared, total
+    return metadata, groups, declared, metadata_bytes + payload
