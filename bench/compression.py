@@ -30,11 +30,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from harness import train  # noqa: E402
-from hivemind import DHT  # noqa: E402
 
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager  # noqa: E402
 from swarm.averaging.compression import make_compressor  # noqa: E402
 from swarm.config import RunSpec  # noqa: E402
+from swarm.directory import spawn_dht  # noqa: E402
+from swarm.identity import Identity  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
 
 COMPRESSORS = ("none", "float16", "blockwise8bit", "powersgd")
@@ -43,13 +44,14 @@ COMPRESSORS = ("none", "float16", "blockwise8bit", "powersgd")
 def wire_bytes(shapes, compression: str, rank: int, rounds: int, peers: int = 3) -> float:
     """Mean bytes (sent + received) per peer per round, counted by the transport of real averagers."""
     kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
-    dhts, avs = [DHT(**kw)], []
+    keys, dhts, avs = [Identity.generate() for _ in range(peers)], [], []
     try:
-        for _ in range(peers - 1):
-            dhts.append(DHT(initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()], **kw))
-        for dht in dhts:
+        for key in keys:
+            dhts.append(spawn_dht(key, initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()] if dhts else [],
+                                  **kw))
+        for key, dht in zip(keys, dhts):
             params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-            avs.append(RobustGradientAverager(params, dht=dht, prefix=f"bench-{compression}",
+            avs.append(RobustGradientAverager(params, dht=dht, prefix=f"bench-{compression}", identity=key,
                                               rules=AveragingRules(audit_probability=0.0),
                                               compressor=make_compressor(compression, rank=rank),
                                               target_group_size=peers, min_matchmaking_time=2.0,

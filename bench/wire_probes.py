@@ -10,13 +10,14 @@ but a fresh key, sends the server's ``rpc_forward`` / ``rpc_ping``:
 * ``declared_8GiB``: a tensor header declaring 2**31 float32 values, followed by 48 MiB of chunks;
 * ``ping_48MiB``: a 48 MiB tensor (in 1 MiB chunks) sent with a ping, which takes none;
 * ``unchunked_48MiB``: one 48 MiB message (a single chunk);
-* ``stalled_40``: 40 forward streams that send their first chunk and never finish.
+* ``stalled_40``: 40 forward streams that send their first chunk and never finish (one peer: those beyond
+  its admission, :mod:`swarm.admission`, are refused at once).
 
 A sampler reads the server's resident memory (its Python process plus its p2pd, ``/proc/<pid>/status``) every
 20 ms; each probe's figure is the peak above the level just before it. The last line of stdout is one JSON
 object: per probe ``peak_growth_mb``, ``ratio_to_legit``, ``refused`` (the server answered with an error or
-closed the stream) and ``seconds``; for ``stalled_40`` also how many streams the server had closed when its
-deadline (``timeouts.forward_s``, then ``backward_s``) had passed.
+closed the stream) and ``seconds``; for ``stalled_40`` also how many streams the server refused within 2 s
+(``refused_at_once``) and had closed when its deadline (``timeouts.forward_s``, then ``backward_s``) had passed.
 """
 
 from __future__ import annotations
@@ -164,12 +165,14 @@ async def _stalled(stub, run_id: str, spec: RunSpec, sampler: Sampler, ids) -> d
                               compression=ids.compression)
     tasks = [asyncio.create_task(_send(stub, "rpc_forward", _messages(_forward_meta(run_id, f"s{i}"), [half]),
                                        hang=True)) for i in range(40)]
-    done, pending = await asyncio.wait(tasks, timeout=deadline)
+    at_once, _ = await asyncio.wait(tasks, timeout=2.0)  # beyond the per-peer admission: refused at once
+    done, pending = await asyncio.wait(tasks, timeout=deadline - 2.0)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     return {"peak_growth_mb": round(max(0, sampler.peak_since(start) - base) / 1024, 1), "refused": not pending,
-            "closed_by_server": len(done), "seconds": round(time.monotonic() - start, 2)}
+            "closed_by_server": len(done), "refused_at_once": len(at_once),
+            "seconds": round(time.monotonic() - start, 2)}
 
 
 def run(spec_path: Path, cache_dir: Path) -> dict:

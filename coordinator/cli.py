@@ -67,9 +67,11 @@ def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
                                                      "metrics on this port (default: SWARM_METRICS_PORT, else off)."),
           log_level: str = typer.Option("INFO")) -> None:
     """Bootstrap the run's DHT, publish the signed spec and print the run address (first line of stdout).
-    Exit code 5 if none of the --peer addresses answered within SWARM_JOIN_TIMEOUT_S."""
+    Exit code 5 if none of the --peer addresses answered within SWARM_JOIN_TIMEOUT_S, 6 if another process
+    on this machine serves with the same key."""
     from coordinator.serve import serve as serve_run
     from swarm.directory import RunUnreachable
+    from swarm.identity import IdentityInUse
     from swarm.logs import configure_logging
 
     configure_logging(log_level)
@@ -81,6 +83,9 @@ def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
     except RunUnreachable as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(5) from None
+    except IdentityInUse as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(6) from None
 
 
 _JSON = typer.Option(False, "--json", help="Print one JSON object (with --watch: one JSON line per refresh).")

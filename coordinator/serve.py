@@ -38,7 +38,7 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
     """
     run_id, sealed = RunDirectory.seal_spec(spec, key)
     dht = join_dht(settings, initial_peers, client_mode=False, join_timeout_s=settings.join_timeout_s,
-                   run_id=run_id)
+                   run_id=run_id, identity=key)
     try:
         directory = RunDirectory(dht, run_id, ttl=spec.timeouts.record_ttl_s)
         directory.verify_spec(sealed)  # sets the run key: the ban list it re-publishes must be signed by it

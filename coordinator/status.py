@@ -18,7 +18,7 @@ and split ``excluded`` off ``banned``)::
                 "throughput", "samples_per_s", "samples", "contribution", "last_seen_s", "lagging", "loss",
                 "rejected_parts", "flagged_parts", "banned", "ban_reason", "excluded",
                 # servers also: "p2p_id", "excluded_by" (servers of its stage), "exclusion_reasons",
-                #   "averaging_bytes", "failed_rounds"
+                #   "averaging_bytes", "failed_rounds", "convicted_by" (peers listing a spot-check conviction)
                 # trainers also: "tokens", "initial_loss", "val_loss", "shard", "failures",
                 #   "bytes_sent", "bytes_received"
                 }],
@@ -129,6 +129,10 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         })
     total_rate = sum(t.samples_per_s for t in trainers)
     peers += [_trainer_row(t, total_rate, banned, now, directory) for t in trainers]
+    listing = [r.convicted for group in servers.values() for r in group] + [t.convicted for t in trainers]
+    for row in peers:
+        if row["role"] == "server":
+            row["convicted_by"] = sum(row["peer_id"] in c for c in listing)
     listed = {p["peer_id"] for p in peers}
     peers += [_gone_row(peer, reason) for peer, reason in sorted(banned.items()) if peer not in listed]
     return {"run": _run_summary(directory, spec, servers, trainers, stages, peers, rates, banned),

@@ -55,6 +55,8 @@ def peers_table(snap: dict[str, Any]) -> Table:
             shunned = f"[red]EXCLUDED[/] by {p.get('excluded_by', 0)}"
         else:
             shunned = f"excluded by {p['excluded_by']}" if p.get("excluded_by") else "no"
+        if p.get("convicted_by"):
+            shunned += f", [red]convicted[/] by {p['convicted_by']}"
         state = p["state"] + (" [yellow](lagging)[/]" if p["lagging"] else "")
         table.add_row(p["peer_id"], p["name"] or "-", p["version"] or "-", p["role"],
                       "-" if p["stage"] is None else str(p["stage"]), state, p["reachability"],

@@ -22,23 +22,28 @@ from swarm.banlist import PeerBanned
 from swarm.checkpoint.lifecycle import RestoreError
 from swarm.config import PeerSettings
 from swarm.directory import RunUnreachable, parse_run_address
+from swarm.identity import IdentityInUse
 from swarm.protocol import ServerInfo, StorageInfo
-from swarm.server import NoSuchStage, OptimizerFactory, ServerSession
+from swarm.server import NoSuchStage, OptimizerFactory, ServerSession, StageServerFactory
+from swarm.stage import StageServer
 
 
 
 def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None, *,
-               optimizer_factory: OptimizerFactory = StageOptimizer) -> None:
+               optimizer_factory: OptimizerFactory = StageOptimizer,
+               server_factory: StageServerFactory = StageServer) -> None:
     """Serve a stage of the run at ``address`` until SIGTERM/SIGINT or ``swarm-peer drain``.
 
     :param optimizer_factory: how the stage's optimizer is built (tests start Byzantine servers with it).
+    :param server_factory: how the stage's RPC server is built (tests start servers that lie to trainers).
     :raises SystemExit: 3 (restore failed), 4 (banned), 5 (run unreachable), or the message of a stage the run
         does not have.
     """
     if settings.threads:
         torch.set_num_threads(settings.threads)
     run_id, _ = parse_run_address(address)
-    session = ServerSession(address, settings, stage=stage, optimizer_factory=optimizer_factory)
+    session = ServerSession(address, settings, stage=stage, optimizer_factory=optimizer_factory,
+                            server_factory=server_factory)
     metrics = start_metrics(run_id, session.me, "server", settings)
 
     def announced(record: ServerInfo, storage: StorageInfo) -> None:
@@ -59,6 +64,9 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
     except RunUnreachable as e:
         session.log.error("%s", e)
         raise SystemExit(5) from None
+    except IdentityInUse as e:
+        session.log.error("%s", e)
+        raise SystemExit(6) from None
     except NoSuchStage as e:
         raise SystemExit(f"--stage: {e}") from None
     finally:

@@ -18,6 +18,7 @@ from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.banlist import PeerBanned
 from swarm.config import PeerSettings
 from swarm.directory import RunUnreachable, parse_run_address
+from swarm.identity import IdentityInUse
 from swarm.pipeline import RemotePipeline
 from swarm.protocol import TrainerInfo
 from swarm.trainer import PipelineFactory, Trainer, TrainerOptions
@@ -51,6 +52,9 @@ def run_trainer(address: str, settings: PeerSettings, options: TrainerOptions = 
     except RunUnreachable as e:
         trainer.log.error("%s", e)
         raise SystemExit(5) from None
+    except IdentityInUse as e:
+        trainer.log.error("%s", e)
+        raise SystemExit(6) from None
     finally:
         ttl = trainer.spec.timeouts.record_ttl_s if trainer.spec is not None else 30.0
         write_heartbeat(settings.state_path(), peer_id=trainer.identity.peer_id, role="trainer", stage=-1,

@@ -3,7 +3,8 @@
 Production classes know nothing of attacks: a test or benchmark makes a peer Byzantine by building it with
 one of the wrappers below (a compressor, reducer, averager or pipeline subclass), passed in where the library
 takes a strategy: :func:`byzantine_optimizer` for :class:`~swarm.server.ServerSession` (``optimizer_factory``),
-:func:`byzantine_pipeline` for :class:`~swarm.trainer.Trainer` (``pipeline_factory``); ``tests/byzantine_peer.py``
+:func:`byzantine_pipeline` for :class:`~swarm.trainer.Trainer` (``pipeline_factory``), :func:`lying_server` for
+:class:`~swarm.server.ServerSession` (``server_factory``: a stage server answering trainers wrongly); ``tests/byzantine_peer.py``
 starts such a peer as its own process, and ``bench/harness.py`` calls the attacks' hooks directly.
 
 A server-side :class:`Attack` corrupts what the peer sends into the all-reduce (:meth:`Attack.corrupt_part`),
@@ -23,6 +24,9 @@ the honest mean.
 * ``replay`` — sends the vector of ``delay`` (5) rounds ago.
 * ``lying_reducer`` — returns ``-k`` times the true aggregate of its partition.
 * ``false_accuser`` — accuses every reducer it audits of a wrong aggregate (:mod:`swarm.averaging.evidence`).
+
+:class:`LyingStageServer` answers a fraction of its training forwards and backwards with noise added to its
+outputs or input gradients (caught by trainers' spot checks, :mod:`swarm.spotcheck`).
 """
 
 from __future__ import annotations
@@ -40,9 +44,12 @@ from swarm.averaging.compression import Compressor, PhaseGenerator, flatten, mak
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.averaging.reducer import Reduction
 from swarm.pipeline import RemotePipeline
+from swarm.stage import StageServer
 
 ATTACKS = ("sign_flip", "noise", "alie", "ipm", "label_flip", "grad_flip", "replay", "lying_reducer", "false_accuser")
 TRAINER_ATTACKS = ("label_flip", "grad_flip")
+SERVER_LIES = ("lying_server",)
+"""Attacks on trainers by a stage server (:class:`LyingStageServer`), installed with :func:`lying_server`."""
 
 
 class Attack:
@@ -253,3 +260,36 @@ def byzantine_pipeline(name: str, **attack_kwargs):
     if name not in TRAINER_ATTACKS:
         raise ValueError(f"{name!r} is a server attack; use byzantine_optimizer")
     return partial(AttackingPipeline, attack=make_attack(name, **attack_kwargs))
+
+
+class LyingStageServer(StageServer):
+    """A stage server that answers a ``fraction`` of its training ``calls`` (forwards, backwards) wrongly: its
+    outputs, or its input gradient, plus Gaussian noise of ``scale`` times their own standard deviation. Its check-mode
+    answers (:mod:`swarm.spotcheck`) are honest, so it is never the odd one out when it checks others."""
+
+    def __init__(self, *args, fraction: float = 0.1, scale: float = 1.0, seed: int = 0,
+                 calls: tuple[str, ...] = ("forward", "backward"), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fraction, self.scale, self.calls = fraction, scale, calls
+        self.lies = 0
+        self._rng = torch.Generator().manual_seed(seed)
+
+    def _lie(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None or float(torch.rand((), generator=self._rng)) >= self.fraction:
+            return t
+        self.lies += 1
+        noise = torch.randn(t.shape, generator=self._rng, dtype=t.dtype)
+        return t + noise * self.scale * t.float().std().clamp_min(1e-6)
+
+    def forward(self, key, x, targets, train):
+        out, loss = super().forward(key, x, targets, train)
+        return (self._lie(out), loss) if train and "forward" in self.calls else (out, loss)
+
+    def backward(self, key, grad_out, x):
+        grad = super().backward(key, grad_out, x)
+        return self._lie(grad) if "backward" in self.calls else grad
+
+
+def lying_server(fraction: float = 0.1, **kwargs):
+    """A :data:`~swarm.server.StageServerFactory` building :class:`LyingStageServer` (lying on ``fraction``)."""
+    return partial(LyingStageServer, fraction=fraction, **kwargs)

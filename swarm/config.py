@@ -23,9 +23,13 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 5
 """Wire and record protocol version; peers refuse records, messages and specs of another version (2: records
-name exclusions and distrust apart from bans, servers publish state digests)."""
+name exclusions and distrust apart from bans, servers publish state digests; 3: a peer's libp2p id is its
+signing key's, and records naming another libp2p id are refused; 4: announcements carry their lifetime, and
+rollback orders and ban lists live one version per DHT sub-key)."""
+MAX_RECORD_TTL_S = 3600.0
+"""Longest lifetime of a DHT record (seconds)."""
 
 
 class SpecError(ValueError):
@@ -203,7 +207,34 @@ class TimeoutSpec(_Section):
         5.0, gt=0, description="Seconds a trainer avoids a server after a failed call; doubles per failure in a row.",
     )
     backoff_max_s: float = Field(120.0, gt=0, description="Longest back-off from a failing server (seconds).")
-    record_ttl_s: float = Field(30.0, gt=1, description="Lifetime of DHT records; peers re-announce at a third of it.")
+    record_ttl_s: float = Field(30.0, gt=1, le=MAX_RECORD_TTL_S,
+                                description="Lifetime of DHT records; peers re-announce at a third of it.")
+
+
+class SpotCheckSpec(_Section):
+    """Pipeline integrity: trainers re-run a sample of their stage calls on a second server of the stage and
+    compare the answers (:mod:`swarm.spotcheck`; issue 11 item 4)."""
+
+    rate: float = Field(
+        0.05, ge=0, le=1, description="Fraction of a trainer's stage calls (forwards, and backwards of middle "
+        "stages) re-run on another server of the stage. Each check costs that server one extra call and the "
+        "trainer nothing on its critical path (checks run beside training); a server lying on a fraction f of its "
+        "answers is caught after about 1 / (rate x f) of its calls. 0 turns checks off.",
+    )
+    rtol: float = Field(
+        0.05, gt=0, lt=1, description="Least relative L2 difference (||a - b|| / max(||a||, ||b||)) at which two "
+        "answers of servers at the same epoch disagree. The trainer raises it to spread_factor x the median "
+        "difference of answers that agreed (servers of a stage drift apart between state averagings). Raise it "
+        "if honest servers get convicted in the log.",
+    )
+    spread_factor: float = Field(
+        8.0, ge=1, description="The tolerance is at least this multiple of the median difference seen between "
+        "agreeing servers of the stage (their measured spread).",
+    )
+    max_in_flight: int = Field(
+        4, ge=1, le=64, description="Checks a trainer runs at once; a call sampled while this many run is not "
+        "checked (the bound on the extra load a trainer puts on the swarm).",
+    )
 
 
 class CheckpointSpec(_Section):
@@ -272,6 +303,7 @@ class RunSpec(_Section):
     tokenizer: TokenizerSpec = TokenizerSpec()
     optim: OptimSpec = OptimSpec()
     training: TrainingSpec = TrainingSpec()
+    spot_checks: SpotCheckSpec = SpotCheckSpec()
     averaging: AveragingSpec = AveragingSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     rollback: RollbackSpec = RollbackSpec()

@@ -7,8 +7,9 @@ keep new peers out. Every node of the run (servers, trainers, the coordinator) r
 value a lookup brings back (``hivemind.dht.validation``, the mechanism of its own ``RSASignatureValidator``):
 
 * under the run's dictionary keys (servers, trainers, storage, checkpoints, rollback orders, bans) only
-  sub-key values that are sealed records of the key's kind, signed by the owner of their sub-key, are valid
-  (:func:`~swarm.protocol.open_record`); a plain value is not;
+  sub-key values that are sealed records of the key's kind, signed by the owner of their sub-key, stored under
+  their own sub-key and (announcements) to expire within the lifetime their signer gave them, are valid
+  (:func:`~swarm.protocol.open_record`, its *Shadowing* rules); a plain value is not;
 * under ``{run}/spec`` only the run's genuine sealed spec (:func:`~swarm.protocol.open_spec`).
 
 Honest nodes refuse the junk, and a reader drops the answer of a node that serves it and keeps the others', so
@@ -90,7 +91,7 @@ class RunRecordValidator(RecordValidatorBase):
             subkey = MSGPackSerializer.loads(record.subkey)
             if not isinstance(subkey, str) or not isinstance(sealed, bytes):
                 return False
-            open_record(sealed, kind, run_id=self.run_id, subkey=subkey)
+            open_record(sealed, kind, run_id=self.run_id, subkey=subkey, expiration=record.expiration_time)
             return True
         except (ProtocolError, SpecError, ValueError, TypeError) as e:
             logger.debug("refused a DHT value under a %s key of run %s: %s", kind.__name__, self.run_id, e)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import re
+import tempfile
 import time
 from typing import Optional, Sequence, Type, TypeVar
 
@@ -19,8 +21,9 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import PeerSettings, RunSpec, SpecError
 from swarm.dht_validation import RunRecordValidator
-from swarm.identity import Identity, derive_run_id
+from swarm.identity import Identity, claim_identity, derive_run_id
 from swarm.protocol import (
+    AnnouncedRecord,
     BanList,
     CheckpointManifest,
     ProtocolError,
@@ -33,7 +36,6 @@ from swarm.protocol import (
     TrainerInfo,
     bans_key,
     checkpoints_key,
-    manifest_subkey,
     open_record,
     open_spec,
     rollback_key,
@@ -75,10 +77,35 @@ def relay_enabled(settings: PeerSettings) -> bool:
     return settings.relay == "auto" and settings.host not in ("127.0.0.1", "localhost")
 
 
+def spawn_dht(identity: Optional[Identity], **kwargs) -> hivemind.DHT:
+    """``hivemind.DHT(**kwargs)`` whose p2pd speaks as ``identity`` (its libp2p id is ``identity.p2p_id``; see
+    :mod:`swarm.identity`), or a random libp2p key when ``identity`` is None (a monitoring client that signs
+    nothing). The key reaches p2pd through a file readable by this user only, deleted once the daemon runs.
+
+    :raises IdentityInUse: another process on this machine runs as ``identity`` (:func:`claim_identity`).
+    :raises RuntimeError: the daemon came up under another libp2p id (it did not take the key).
+    """
+    if identity is None:
+        return hivemind.DHT(**kwargs)
+    claim_identity(identity)
+    with tempfile.TemporaryDirectory(prefix="swarm-key-") as folder:
+        path = os.path.join(folder, "p2p.key")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(identity.libp2p_private_key())
+        # hivemind's own "identity taken" probe reads RSA keys only; claim_identity covers this machine
+        dht = hivemind.DHT(identity_path=path, check_if_identity_free=False, **kwargs)
+    if str(dht.peer_id) != identity.p2p_id:
+        dht.shutdown()
+        raise RuntimeError(f"p2pd came up as {dht.peer_id}, not as this peer's key {identity.p2p_id}")
+    return dht
+
+
 def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, client_mode: bool = False,
-              run_id: Optional[str] = None) -> hivemind.DHT:
+              run_id: Optional[str] = None, identity: Optional[Identity] = None) -> hivemind.DHT:
     """Start a hivemind DHT node (its own process and p2pd) listening per ``settings``; with ``run_id``, it
-    validates the run's records (:class:`~swarm.dht_validation.RunRecordValidator`).
+    validates the run's records (:class:`~swarm.dht_validation.RunRecordValidator`); with ``identity``, its
+    libp2p id is that key's (:func:`spawn_dht`): every peer that signs records passes its identity.
 
     With ``SWARM_RELAY=auto`` (default) on a non-loopback host, libp2p circuit relays are on: this node can
     reach relayed peers and relay for others, and, if AutoNAT finds it unreachable, it reserves a slot on a
@@ -99,7 +126,7 @@ def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, clie
         kwargs.update(nat_port_map=False, auto_nat=False)
     if settings.announce_host:
         kwargs["announce_maddrs"] = [f"/ip4/{settings.announce_host}/tcp/{settings.port}"]
-    return hivemind.DHT(**kwargs)
+    return spawn_dht(identity, **kwargs)
 
 
 class RunDirectory:
@@ -151,7 +178,14 @@ class RunDirectory:
 
     # ---- peers -----------------------------------------------------------------------------------------
     def announce(self, key: str, record: Record, identity: Identity) -> bool:
-        return bool(self.dht.store(key, seal(record, identity), get_dht_time() + self.ttl, subkey=identity.peer_id))
+        """Sign ``record`` and store it under its own sub-key for ``ttl`` seconds (an announcement's lifetime
+        is signed into it: :class:`~swarm.protocol.AnnouncedRecord`). False if no DHT node took it."""
+        if isinstance(record, AnnouncedRecord):
+            record = record.model_copy(update={"ttl_s": self.ttl})
+            expiration = record.time + self.ttl
+        else:
+            expiration = get_dht_time() + self.ttl
+        return bool(self.dht.store(key, seal(record, identity), expiration, subkey=record.dht_subkey()))
 
     def announce_server(self, info: ServerInfo, identity: Identity) -> bool:
         return self.announce(stage_key(self.run_id, info.stage), info, identity)
@@ -168,7 +202,8 @@ class RunDirectory:
         out = []
         for subkey, item in found.value.items():
             try:
-                rec, _ = open_record(item.value, cls, run_id=self.run_id, subkey=subkey)
+                rec, _ = open_record(item.value, cls, run_id=self.run_id, subkey=subkey,
+                                     expiration=item.expiration_time)
             except ProtocolError as e:
                 logger.warning("dropped a record under %s/%s: %s", key, subkey, e)
                 continue
@@ -211,8 +246,7 @@ class RunDirectory:
         return sorted(found, key=lambda mb: (-mb[0].epoch, mb[0].peer_id))
 
     def publish_manifest(self, manifest: CheckpointManifest, sealed: bytes) -> bool:
-        return self.store_sealed(checkpoints_key(self.run_id, manifest.stage),
-                                 manifest_subkey(manifest.epoch, manifest.peer_id), sealed)
+        return self.store_sealed(checkpoints_key(self.run_id, manifest.stage), manifest.dht_subkey(), sealed)
 
     def bans(self) -> tuple[Optional[BanList], Optional[bytes]]:
         """The newest ban list signed by the run key, with its sealed bytes; ``(None, None)`` if there is none
@@ -236,7 +270,7 @@ class RunDirectory:
     def publish_bans(self, bans: BanList, sealed: bytes, ttl: Optional[float] = None) -> bool:
         """Store a sealed ban list (the coordinator's, re-published verbatim by peers)."""
         return bool(self.dht.store(bans_key(self.run_id), sealed, get_dht_time() + (ttl or self.ttl),
-                                   subkey=bans.peer_id))
+                                   subkey=bans.dht_subkey()))
 
     def rollback_orders(self) -> list[tuple[RollbackOrder, bytes]]:
         """Verified rollback orders, newest generation first."""
@@ -283,7 +317,7 @@ JOIN_RETRY_S = (1.0, 2.0, 4.0, 8.0)
 
 
 def join_dht(settings: PeerSettings, maddrs: Sequence[str], *, client_mode: bool, join_timeout_s: float = 0.0,
-             run_id: Optional[str] = None) -> hivemind.DHT:
+             run_id: Optional[str] = None, identity: Optional[Identity] = None) -> hivemind.DHT:
     """:func:`start_dht` bootstrapped from ``maddrs``, trying again (:data:`JOIN_RETRY_S` apart) until one of
     them answers or ``join_timeout_s`` seconds have passed.
 
@@ -292,7 +326,7 @@ def join_dht(settings: PeerSettings, maddrs: Sequence[str], *, client_mode: bool
     deadline, attempt = time.monotonic() + join_timeout_s, 0
     while True:
         try:
-            return start_dht(settings, maddrs, client_mode=client_mode, run_id=run_id)
+            return start_dht(settings, maddrs, client_mode=client_mode, run_id=run_id, identity=identity)
         except P2PDaemonError as e:
             if "bootstrap" not in str(e):  # not about the run's peers (a taken port, a broken daemon): say so
                 raise
@@ -308,10 +342,12 @@ def join_dht(settings: PeerSettings, maddrs: Sequence[str], *, client_mode: bool
 
 
 def connect_run(address: str, settings: Optional[PeerSettings] = None, *, client_mode: bool = True,
-                timeout: float = 30.0, join_timeout_s: float = 0.0
+                timeout: float = 30.0, join_timeout_s: float = 0.0, identity: Optional[Identity] = None
                 ) -> tuple[hivemind.DHT, RunDirectory, RunSpec, bytes]:
     """Join the DHT of a run address and fetch its verified spec: ``(dht, directory, spec, sealed_spec)``.
 
+    :param identity: the peer's key, which becomes its libp2p identity (servers and trainers); None for a
+        monitoring client.
     :param timeout: seconds to wait for the spec once joined.
     :param join_timeout_s: seconds to keep trying to reach the address's peers (:func:`join_dht`).
     :raises RunUnreachable: none of the address's peers answered within ``join_timeout_s``.
@@ -319,7 +355,7 @@ def connect_run(address: str, settings: Optional[PeerSettings] = None, *, client
     """
     run_id, maddrs = parse_run_address(address)
     dht = join_dht(settings or PeerSettings(host="127.0.0.1"), maddrs, client_mode=client_mode,
-                   join_timeout_s=join_timeout_s, run_id=run_id)
+                   join_timeout_s=join_timeout_s, run_id=run_id, identity=identity)
     try:
         directory = RunDirectory(dht, run_id)
         spec, sealed = directory.fetch_spec(timeout)

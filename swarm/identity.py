@@ -3,6 +3,13 @@
 A peer id is the lowercase base32 of the first 10 bytes of SHA-256(public key): 16 characters, stable for
 as long as the identity file is kept. The run id is ``<name>-<16 chars>``, the same digest taken over the
 coordinator's public key and the spec hash, so a run id alone pins both who signs the spec and what it says.
+
+**One key per peer.** A peer's libp2p identity (the key its p2pd daemon authenticates its connections with)
+is the same Ed25519 key: its libp2p id (``12D3KooW...``) is the identity multihash of the public key (libp2p
+peer-ids spec, "Ed25519 keys are inlined"), so :func:`public_key_of_p2p_id` recovers the key from the id
+alone. A record or accusation naming a libp2p id is therefore checkable by anyone, offline, with no
+challenge round trip: the id *is* the key, and libp2p's handshake proves that whoever speaks for the id holds
+it (:func:`swarm.directory.spawn_dht` starts the daemon with the key).
 """
 
 from __future__ import annotations
@@ -10,11 +17,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import socket
+import sys
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -22,6 +33,36 @@ SIGNATURE_BYTES = 64
 
 class SignatureError(ValueError):
     """A signature or key that does not verify."""
+
+
+class IdentityInUse(RuntimeError):
+    """Another process on this machine already runs as this identity (two peers would share one libp2p id)."""
+
+
+_CLAIMED: dict[str, socket.socket] = {}
+
+
+def claim_identity(identity: "Identity") -> None:
+    """Make this process the only one on this machine that runs as ``identity``, until it exits.
+
+    The claim is an abstract Unix socket named after the peer id (Linux; released by the kernel when the
+    process dies, even on SIGKILL, and it leaves no file behind). A process may claim its own identity again.
+    Elsewhere this is a no-op.
+
+    :raises IdentityInUse: another live process holds the claim.
+    """
+    if identity.peer_id in _CLAIMED or not sys.platform.startswith("linux"):
+        return
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(f"\0swarm-peer-{identity.peer_id}")
+    except OSError:
+        sock.close()
+        raise IdentityInUse(
+            f"another process on this machine already runs as peer {identity.peer_id} (libp2p id "
+            f"{identity.p2p_id}); two peers cannot share a key. Give each peer its own key file with "
+            "SWARM_IDENTITY_FILE (default <SWARM_CACHE_DIR>/identity.key), or its own SWARM_CACHE_DIR") from None
+    _CLAIMED[identity.peer_id] = sock
 
 
 def _digest16(*parts: bytes) -> str:
@@ -37,6 +78,37 @@ def peer_id_of(public_key: bytes) -> str:
     if len(public_key) != PUBLIC_KEY_BYTES:
         raise SignatureError(f"public key has {len(public_key)} bytes, expected {PUBLIC_KEY_BYTES} (Ed25519 raw)")
     return _digest16(b"swarm-peer", public_key)
+
+
+def _libp2p_public_key(public_key: bytes) -> bytes:
+    return crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.Ed25519, data=public_key).SerializeToString()
+
+
+def p2p_id_of(public_key: bytes) -> str:
+    """The libp2p peer id (base58, ``12D3KooW...``) of a raw 32-byte Ed25519 public key: the identity multihash
+    (code 0x00) of the key's libp2p protobuf encoding."""
+    if len(public_key) != PUBLIC_KEY_BYTES:
+        raise SignatureError(f"public key has {len(public_key)} bytes, expected {PUBLIC_KEY_BYTES} (Ed25519 raw)")
+    encoded = _libp2p_public_key(public_key)
+    return PeerID(bytes([0x00, len(encoded)]) + encoded).to_base58()
+
+
+def public_key_of_p2p_id(p2p_id: str) -> bytes:
+    """The raw Ed25519 public key inlined in a libp2p peer id (inverse of :func:`p2p_id_of`).
+
+    :raises SignatureError: not base58, or not an Ed25519 identity-multihash id (e.g. an RSA peer's ``Qm...``
+        hash, which no peer of this project has).
+    """
+    try:
+        raw = PeerID.from_base58(p2p_id).to_bytes()
+        if raw[0] != 0x00 or raw[1] != len(raw) - 2:
+            raise ValueError("not an identity multihash")
+        key = crypto_pb2.PublicKey.FromString(raw[2:])
+    except Exception as e:
+        raise SignatureError(f"libp2p id {p2p_id[:64]!r} does not inline an Ed25519 key ({e})") from None
+    if key.key_type != crypto_pb2.KeyType.Ed25519 or len(key.data) != PUBLIC_KEY_BYTES:
+        raise SignatureError(f"libp2p id {p2p_id[:64]!r} does not inline an Ed25519 key")
+    return bytes(key.data)
 
 
 def derive_run_id(name: str, public_key: bytes, spec_hash: str) -> str:
@@ -61,6 +133,7 @@ class Identity:
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
         self.peer_id: str = peer_id_of(self.public_key)
+        self.p2p_id: str = p2p_id_of(self.public_key)
 
     @classmethod
     def generate(cls) -> "Identity":
@@ -100,6 +173,12 @@ class Identity:
         with os.fdopen(fd, "wb") as f:
             f.write(pem)
         return ident
+
+    def libp2p_private_key(self) -> bytes:
+        """This key in libp2p's protobuf encoding (the file format of p2pd's ``-id``); a secret like the key."""
+        raw = self._key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                      serialization.NoEncryption())
+        return crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=raw + self.public_key).SerializeToString()
 
     def sign(self, message: bytes) -> bytes:
         """64-byte Ed25519 signature of ``message``."""

@@ -6,7 +6,10 @@ input, and the gradient flows back through the servers that ran the forward. Any
 timeout, unreachable peer) backs off from that server (exponentially) and retries the same step on another
 server of the stage; a backward retried elsewhere carries the stage inputs so the new server recomputes the
 forward (SWARM, sec. 3.2). The trainer keeps every stage input of a micro-batch until its backward is done.
-Servers on the run's ban list are never used.
+Servers on the run's ban list, and servers convicted by spot checks (:mod:`swarm.spotcheck`: a sample of
+training calls is re-run on other servers of the stage) are never used: this trainer's own convictions, whose
+evidence it hands to the servers, and those a server lists whose evidence this trainer fetched and verified
+(:mod:`swarm.convictions`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from swarm.config import RunSpec
 from swarm.directory import RunDirectory
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
 from swarm.routing import NoServerError, Router
+from swarm.convictions import ConvictionBook, fetch_evidence, push_evidence
+from swarm.spotcheck import SpotChecker, SpotEvidence, StageReply
 from swarm.stage import MAX_WIRE_TENSORS, StageServer, max_message_bytes
 from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.transport import gather, stream_out
@@ -33,6 +38,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NOT_CACHED = "is not cached here"
+MAX_ASKED = 1024
+"""Listed convictions a trainer fetches evidence for at most (a flood of listings costs it nothing more)."""
 
 
 class PipelineError(RuntimeError):
@@ -46,10 +53,11 @@ class RemotePipeline:
     :param log: the trainer's log (its retries are logged there).
     :param max_attempts: tries per stage call before the micro-batch fails with :class:`PipelineError`.
     :param refresh_s: seconds between reads of a stage's server records from the DHT.
+    :param rng: the spot checks' sampling (:class:`~swarm.spotcheck.SpotChecker`; seeded in tests).
     """
 
     def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, p2p: P2P, *, bans=None, log=None,
-                 max_attempts: int = 8, refresh_s: float = 2.0):
+                 max_attempts: int = 8, refresh_s: float = 2.0, rng=None):
         self.spec, self.run_id, self.directory, self.p2p = spec, run_id, directory, p2p
         self.bans, self.log = bans, log if log is not None else logger
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
@@ -59,6 +67,10 @@ class RemotePipeline:
         self.num_stages = spec.model.num_stages
         self._servers: dict[int, tuple[float, list[ServerInfo]]] = {}
         self.failures = 0
+        self.checker = SpotChecker(spec, self, rng=rng, log=self.log)
+        self.checker.on_evidence = self._share
+        self.book = ConvictionBook(run_id, me="")
+        self._asked: set[tuple[str, str]] = set()  # (listing server, accused) whose evidence this trainer fetched
 
     async def servers(self, stage: int, force: bool = False) -> list[ServerInfo]:
         """ServerInfo records of ``stage`` (cached for ``refresh_s`` seconds)."""
@@ -68,20 +80,54 @@ class RemotePipeline:
             if self.bans is not None:
                 found = [s for s in found if not self.bans.is_banned(s.peer_id)]
             cached = self._servers[stage] = (time.monotonic(), found)
-        return cached[1]
+            self._follow_convictions(found)
+        return [s for s in cached[1] if s.peer_id not in self.checker.convicted]
+
+    # ---- convictions shared (swarm.convictions) ----------------------------------------------------------
+    def _share(self, evidence: SpotEvidence) -> None:
+        """Hand this trainer's evidence to every server it knows (they verify it before they list it)."""
+        accused = self.book.add(evidence)[0].peer_id
+        servers = {s.peer_id: s for _, found in self._servers.values() for s in found}
+
+        async def push():
+            targets = [s for p, s in servers.items() if p != accused]
+            results = await asyncio.gather(*(push_evidence(self.p2p, s.p2p_id, evidence) for s in targets),
+                                           return_exceptions=True)
+            self.log.info("handed the spot-check evidence to %d of %d servers",
+                          sum(not isinstance(r, BaseException) for r in results), len(targets))
+        self.checker.spawn(push())
+
+    def _follow_convictions(self, found: list[ServerInfo]) -> None:
+        """Fetch and verify the evidence behind convictions the servers in ``found`` list (once per accused)."""
+        for server in found:
+            for accused in server.convicted:
+                asked = (server.peer_id, accused)
+                if accused in self.checker.convicted or asked in self._asked or len(self._asked) >= MAX_ASKED:
+                    continue
+                self._asked.add(asked)
+                self.checker.spawn(self._adopt(server, accused))
+
+    async def _adopt(self, server: ServerInfo, accused: str) -> None:
+        try:
+            evidence = await fetch_evidence(self.p2p, server.p2p_id, self.spec, self.run_id, accused)
+            receipt, _ = await asyncio.get_running_loop().run_in_executor(None, self.book.add, evidence)
+        except Exception as e:
+            self.log.info("the evidence %s lists against %s does not hold: %s", server.peer_id, accused, str(e)[:200])
+            return
+        self.checker.adopt(receipt.peer_id, self.book.listed()[receipt.peer_id])
 
     async def _rpc(self, server: ServerInfo, method: str, msg, tensors: list[torch.Tensor],
-                   timeout: float) -> tuple[StageResponse, list[torch.Tensor]]:
+                   timeout: float) -> StageReply:
         """Call ``method`` with ``msg`` (its float tensors sent with this pipeline's activation codec)."""
         stub = StageServer.get_stub(self.p2p, PeerID.from_base58(server.p2p_id), namespace=self.run_id)
         meta = pack_message(msg.model_copy(update={"codec": self.codec}))
+        request = pack_tensors(tensors, self.codec)
 
         async def call():
-            responses = await getattr(stub, method)(
-                stream_out(runtime_pb2.ExpertRequest, meta, pack_tensors(tensors, self.codec)))
+            responses = await getattr(stub, method)(stream_out(runtime_pb2.ExpertRequest, meta, request))
             reply, out = await gather(responses, self.max_reply_bytes, max_tensors=MAX_WIRE_TENSORS)
             reply = unpack_message(reply, StageResponse)
-            return reply, unpack_tensors(out, reply.codec)
+            return StageReply(server, reply, unpack_tensors(out, reply.codec), request, out)
 
         return await asyncio.wait_for(call(), timeout)
 
@@ -99,6 +145,7 @@ class RemotePipeline:
                     last_error = e
                     await asyncio.sleep(min(1.0 * (attempt + 1), 5.0))
                     continue
+            started = time.monotonic()
             try:
                 result = await attempt_fn(server)
             except asyncio.CancelledError:
@@ -110,7 +157,7 @@ class RemotePipeline:
                 self.log.warning("stage %d server %s failed (%s: %s); backing off %.0f s, retrying elsewhere",
                                  stage, server.peer_id, type(e).__name__, str(e)[:200], backoff)
                 continue
-            self.router.report_success(server.peer_id)
+            self.router.report_success(server.peer_id, work, time.monotonic() - started)
             return result, server
         raise PipelineError(f"stage {stage}: {self.max_attempts} attempts failed, last: {last_error}")
 
@@ -132,36 +179,44 @@ class RemotePipeline:
         """
         mb_id, work, t = uuid.uuid4().hex, float(inputs.shape[0]), self.spec.timeouts
         mode = "train" if train else "eval"
-        acts, route = [inputs], []
+        acts, replies = [inputs], []
         for k in range(self.num_stages - 1):
             meta = ForwardRequest(run_id=self.run_id, stage=k, mb_id=mb_id, mode=mode)
 
             async def fwd(s: ServerInfo, k=k, meta=meta):
-                _, out = await self._rpc(s, "rpc_forward", meta, [acts[k]], t.forward_s)
-                return out[0]
+                return await self._rpc(s, "rpc_forward", meta, [acts[k]], t.forward_s)
 
-            out, server = await self._on_stage(k, work, fwd)
-            acts.append(out)
-            route.append(server)
+            reply, _ = await self._on_stage(k, work, fwd)
+            if train and self.checker.sample():
+                self.checker.check_forward(k, meta, [acts[k]], reply)
+            acts.append(reply.tensors[0])
+            replies.append(reply)
         meta = ForwardRequest(run_id=self.run_id, stage=self.num_stages - 1, mb_id=mb_id, mode=mode)
 
         async def fwd_last(s: ServerInfo):
-            reply, out = await self._rpc(s, "rpc_forward", meta, [acts[-1], targets], t.forward_s + t.backward_s)
-            if reply.loss is None:
+            reply = await self._rpc(s, "rpc_forward", meta, [acts[-1], targets], t.forward_s + t.backward_s)
+            if reply.msg.loss is None:
                 raise PipelineError(f"last-stage server {s.peer_id} returned no loss")
-            return reply.loss, (out[0] if out else None)
+            return reply
 
-        (loss, grad), _ = await self._on_stage(self.num_stages - 1, work, fwd_last)
+        last, _ = await self._on_stage(self.num_stages - 1, work, fwd_last)
+        if train and self.checker.sample():
+            self.checker.check_forward(self.num_stages - 1, meta, [acts[-1], targets], last)
+        grad = last.tensors[0] if last.tensors else None
         if train:
             for k in reversed(range(self.num_stages - 1)):
-                grad = await self.backward(k, mb_id, grad, acts[k], route[k])
-        return loss
+                reply = await self.backward(k, mb_id, grad, acts[k], replies[k].server)
+                if k > 0 and self.checker.sample():
+                    forward = replies[k] if replies[k].server.peer_id == reply.server.peer_id else None
+                    self.checker.check_backward(k, mb_id, grad, acts[k], reply, forward)
+                grad = reply.tensors[0] if reply.tensors else None
+        return last.msg.loss
 
     async def backward(self, stage: int, mb_id: str, grad: torch.Tensor, inputs: torch.Tensor,
-                       forward_server: ServerInfo) -> Optional[torch.Tensor]:
+                       forward_server: ServerInfo) -> StageReply:
         """Send ``grad`` (float32, the gradient of ``stage``'s outputs) back through ``stage``, preferring the
-        server that ran its forward (another one recomputes the forward from ``inputs``); returns the gradient of
-        the stage's inputs (None for stage 0)."""
+        server that ran its forward (another one recomputes the forward from ``inputs``); the reply's tensors
+        are the gradient of the stage's inputs (none for stage 0)."""
         bwd = self._backward_fn(stage, mb_id, grad, inputs, forward_peer=forward_server.peer_id)
         return (await self._on_stage(stage, float(inputs.shape[0]), bwd, prefer=forward_server))[0]
 
@@ -180,10 +235,9 @@ class RemotePipeline:
 
         return bwd
 
-    async def _send_backward(self, s, stage, mb_id, grad, inputs, *, with_inputs: bool, timeout: float):
+    async def _send_backward(self, s, stage, mb_id, grad, inputs, *, with_inputs: bool, timeout: float) -> StageReply:
         meta = BackwardRequest(run_id=self.run_id, stage=stage, mb_id=mb_id, with_inputs=with_inputs)
-        _, out = await self._rpc(s, "rpc_backward", meta, [grad, inputs] if with_inputs else [grad], timeout)
-        return out[0] if out else None
+        return await self._rpc(s, "rpc_backward", meta, [grad, inputs] if with_inputs else [grad], timeout)
 
 
 async def validation_loss(pipeline: RemotePipeline, dataset, max_batches: int = 16, batch_size: int = 0) -> float:

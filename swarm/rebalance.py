@@ -4,7 +4,8 @@ SWARM parallelism (Ryabinin et al., ICML 2023, sec. 3.3) moves peers from the fa
 pipeline's bottleneck; its public code never shipped it. Petals (Borzunov et al., 2023, sec. 3.2) uses the
 same idea to choose blocks for inference servers. Here, every ``rebalance.period_s`` each movable server
 evaluates :func:`plan_move` on the announced throughputs (samples/s) of the online and joining servers
-(only records announced within the last re-announce period: a dead server's record lingers until it expires):
+(records announced within the last two re-announce periods: a dead server's record lingers until it expires,
+and a busy live server's announcement may come a little late):
 
 * the pipeline's throughput is its slowest stage's, ``min_k T_k`` with ``T_k`` the sum over stage ``k``'s
   servers;
@@ -14,14 +15,18 @@ evaluates :func:`plan_move` on the announced throughputs (samples/s) of the onli
 * only the stage's server whose move helps most (ties: lowest peer id) moves in a period, so a crowd does
   not stampede to the bottleneck and back.
 
-The reverse move cannot also pass the gain test, so the swarm does not oscillate; ``min_dwell_s`` between
-moves of one server bounds churn when throughputs are noisy. A moving server drains, restores the new stage's
-state (from its live servers or its checkpoint) and only then announces itself online there.
+The reverse move cannot also pass the gain test on the same figures. Throughputs are re-measured on every
+join and a view of the DHT can be momentarily partial (a late announcement, a record just appeared, a dead
+server's record not expired yet), so a server moves only when consecutive checks keep planning the same move
+for at least the two re-announce periods a record counts (:class:`MovePlanner`), and ``min_dwell_s`` between
+moves of one server bounds churn when throughputs are noisy. A moving server drains, restores the new
+stage's state (from its live servers or its checkpoint) and only then announces itself online there.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 from swarm.protocol import ServerInfo, ServerState
 
@@ -57,3 +62,29 @@ def plan_move(me: str, stage: int, servers: dict[int, list[ServerInfo]], min_gai
         return None
     return bottleneck
 
+
+
+class MovePlanner:
+    """Debounces :func:`plan_move` for one server: a move is made only when every check plans it for at least
+    ``confirm_s`` seconds (the window in which a dead server's record still counts: a move the record of a
+    server killed a moment ago supports, such as leaving a stage it seems to share, is never confirmed).
+
+    ``clock`` returns seconds (monotonic).
+    """
+
+    def __init__(self, min_gain: float, confirm_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+        self.min_gain, self.confirm_s, self.clock = min_gain, confirm_s, clock
+        self.pending: Optional[int] = None
+        self.since = 0.0
+
+    def check(self, me: str, stage: int, servers: dict[int, list[ServerInfo]]) -> Optional[int]:
+        """The stage to move to now: the one this check plans, if the checks before it planned it too, for at
+        least ``confirm_s`` seconds and at least one earlier check."""
+        planned, now = plan_move(me, stage, servers, self.min_gain), self.clock()
+        if planned is None or planned != self.pending:
+            self.pending, self.since = planned, now
+            return None
+        if now - self.since < self.confirm_s:
+            return None
+        self.pending = None
+        return planned

@@ -7,6 +7,11 @@ broken at random. A server that fails is avoided (*backed off*) for ``backoff_s 
 (capped at ``backoff_max_s``) and the micro-batch is retried on another server of the same stage. Servers
 that most of their stage excluded from averaging (:func:`excluded_by_stage`) are not routed to either.
 
+A server's throughput is what it announces, a figure nobody checks; once a trainer has seen the server answer,
+it uses the lower of the announced figure and the one it observed (a moving average of samples per second of
+the server's answers, network and queueing included). A server announcing more than it delivers, a lie or an
+overloaded machine, gets no more than the share its answers earn.
+
 A joining server picks the stage whose servers together have the least throughput, the pipeline's bottleneck
 (Petals' block choice, Borzunov et al., "Distributed Inference and Fine-tuning of LLMs over the Internet",
 2023, sec. 3.2).
@@ -46,6 +51,13 @@ class Router:
     clock: Callable[[], float] = time.monotonic
     busy: dict[str, float] = field(default_factory=dict)
     backoffs: dict[str, _BackOff] = field(default_factory=dict)
+    observed: dict[str, float] = field(default_factory=dict)  # peer id -> samples/s of its answers (moving average)
+    smoothing: float = 0.2  # weight of the newest answer in ``observed``
+
+    def rate(self, server: ServerInfo) -> float:
+        """Samples/s used for ``server``: the lower of its announced throughput and the observed one."""
+        seen = self.observed.get(server.peer_id)
+        return server.throughput if seen is None else min(server.throughput, seen)
 
     def is_backed_off(self, peer_id: str) -> bool:
         found = self.backoffs.get(peer_id)
@@ -74,7 +86,7 @@ class Router:
             self.busy.setdefault(s.peer_id, floor)
 
         def cost(s: ServerInfo) -> float:
-            return self.busy[s.peer_id] + work / max(s.throughput, 1e-6)
+            return self.busy[s.peer_id] + work / max(self.rate(s), 1e-6)
 
         best = min(cost(s) for s in candidates)
         chosen = self.rng.choice([s for s in candidates if cost(s) <= best * (1 + 1e-9)])
@@ -89,8 +101,13 @@ class Router:
         found.until = self.clock() + length
         return length
 
-    def report_success(self, peer_id: str) -> None:
+    def report_success(self, peer_id: str, work: float = 0.0, seconds: float = 0.0) -> None:
+        """``peer_id`` answered: end its back-off and, given the answer's ``work`` (samples) and ``seconds``,
+        update its observed throughput."""
         self.backoffs.pop(peer_id, None)
+        if work > 0 and seconds > 0:
+            now, seen = work / seconds, self.observed.get(peer_id)
+            self.observed[peer_id] = now if seen is None else seen + self.smoothing * (now - seen)
 
 
 def stage_demand(spec: ModelSpec) -> list[float]:

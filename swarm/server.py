@@ -51,12 +51,13 @@ from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.lifecycle import StageCheckpoints
 from swarm.config import PeerSettings, RunSpec
+from swarm.convictions import ConvictionBook, EvidenceService
 from swarm.directory import connect_run, reachability, relay_enabled, visible_maddrs
 from swarm.identity import Identity
 from swarm.logs import PeerLog
 from swarm.model import build_stage
 from swarm.protocol import ServerInfo, ServerState, StorageInfo, add_history
-from swarm.rebalance import plan_move
+from swarm.rebalance import MovePlanner
 from swarm.routing import choose_stage
 from swarm.stage import EpochEnd, StageServer
 
@@ -74,6 +75,8 @@ ORDERS_PERIOD_S = 2.0
 """Seconds between looks at the run's rollback orders."""
 
 OptimizerFactory = Callable[..., StageOptimizer]
+StageServerFactory = Callable[..., StageServer]
+"""Builds a stage's server: ``(spec, run_id, stage, module, *, bans, identity) -> StageServer``."""
 """Builds a stage's optimizer: ``(spec, run_id, stage, dht, module, identity=...)`` (tests and benchmarks pass
 a Byzantine one, :mod:`swarm.attacks`)."""
 AnnounceHook = Callable[[ServerInfo, StorageInfo], None]
@@ -92,6 +95,7 @@ class ServerSession:
     :param stage: serve this stage and never move (default: the bottleneck stage, moving when another lacks
         throughput more).
     :param optimizer_factory: builds the stage's optimizer (default :class:`StageOptimizer`).
+    :param server_factory: builds the stage's RPC server (default :class:`~swarm.stage.StageServer`).
     :param on_announce: called after each announcement (:data:`AnnounceHook`).
 
     Call :meth:`run` on the event loop's thread (hivemind's averagers install signal handlers there), and
@@ -99,9 +103,10 @@ class ServerSession:
     """
 
     def __init__(self, address: str, settings: PeerSettings, *, stage: Optional[int] = None,
-                 optimizer_factory: OptimizerFactory = StageOptimizer, on_announce: Optional[AnnounceHook] = None):
+                 optimizer_factory: OptimizerFactory = StageOptimizer, server_factory: StageServerFactory = StageServer,
+                 on_announce: Optional[AnnounceHook] = None):
         self.address, self.settings, self.pinned = address, settings, stage
-        self.optimizer_factory, self.on_announce = optimizer_factory, on_announce
+        self.optimizer_factory, self.server_factory, self.on_announce = optimizer_factory, server_factory, on_announce
         self.identity = Identity.load_or_create(settings.identity_path())
         self.me = self.identity.peer_id
         self.log = PeerLog(logger, self.me)
@@ -147,7 +152,7 @@ class ServerSession:
         loop = asyncio.get_running_loop()
         self.dht, self.directory, self.spec, self.sealed_spec = await loop.run_in_executor(
             None, lambda: connect_run(self.address, self.settings, client_mode=False,
-                                      join_timeout_s=self.settings.join_timeout_s))
+                                      join_timeout_s=self.settings.join_timeout_s, identity=self.identity))
         drained, watchdog = False, None
         try:
             keeping = await self._join()
@@ -179,6 +184,8 @@ class ServerSession:
         self.keeper = FragmentKeeper(self.spec, self.directory, self.identity, store, bans=self.bans)
         self.p2p = await self.dht.replicate_p2p()
         await self.keeper.start(self.p2p)
+        self.convictions = ConvictionBook(self.directory.run_id, self.me)
+        await EvidenceService(self.spec, self.convictions).add_p2p_handlers(self.p2p, namespace=self.directory.run_id)
         self.bans.check(self.me)
         self.maddrs = await self._io(visible_maddrs, self.dht)
         self._say_reachability()
@@ -229,7 +236,8 @@ class ServerSession:
         self.stage, self.history, self._excluded, self.checkpoints = stage, [], set(), None
         self.keeper.stage = stage
         module = build_stage(self.spec.model, stage)
-        server = self.server = StageServer(self.spec, self.directory.run_id, stage, module, bans=self.bans)
+        server = self.server = self.server_factory(self.spec, self.directory.run_id, stage, module, bans=self.bans,
+                                                   identity=self.identity)
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: server.epoch)
         throughput = await self._io(server.measure_throughput)
         await self._announce(ServerState.JOINING)
@@ -282,6 +290,7 @@ class ServerSession:
                  asyncio.create_task(periodic(leave, ORDERS_PERIOD_S, self.checkpoints.follow_orders,
                                               "following rollback orders", self.log))]
         online_since, next_check, target = time.monotonic(), time.monotonic() + self.spec.rebalance.period_s, None
+        planner = MovePlanner(self.spec.rebalance.min_gain, confirm_s=2 * self.directory.ttl / 3)
         try:
             while target is None and not self._stop.is_set():
                 await self._apply_bans()
@@ -291,7 +300,7 @@ class ServerSession:
                 if self.pinned is None and not self.server.paused and time.monotonic() >= next_check:
                     next_check = time.monotonic() + self.spec.rebalance.period_s
                     if time.monotonic() - online_since >= self.spec.rebalance.min_dwell_s:
-                        target = await self._rebalance_target()
+                        target = await self._rebalance_target(planner)
                 if target is None and await sleep_or_stop(self._stop, self.directory.ttl / 3, self._changed):
                     break
                 self._changed.clear()
@@ -302,13 +311,13 @@ class ServerSession:
             await self._announce(ServerState.DRAINING)
         return target
 
-    async def _rebalance_target(self) -> Optional[int]:
-        """The stage to move to now (:func:`swarm.rebalance.plan_move`), or None."""
+    async def _rebalance_target(self, planner: MovePlanner) -> Optional[int]:
+        """The stage to move to now (:class:`swarm.rebalance.MovePlanner`), or None."""
         if not self.spec.rebalance.enabled:
             return None
-        servers = {k: await self._io(self.directory.fresh_servers, k, 1.5, SUPPLY_STATES)
+        servers = {k: await self._io(self.directory.fresh_servers, k, self.directory.ttl / 3, SUPPLY_STATES)
                    for k in range(self.spec.model.num_stages)}
-        target = plan_move(self.me, self.stage, servers, self.spec.rebalance.min_gain)
+        target = planner.check(self.me, self.stage, servers)
         if target is not None:
             self.log.info("rebalancing: moving to stage %d, which lacks throughput", target)
         return target
@@ -320,15 +329,18 @@ class ServerSession:
 
     async def _apply_bans(self) -> None:
         """Follow the run's ban list (refreshed by the keeper): stop if this peer is on it, else keep banned
-        servers out of this server's averaging groups (the stage RPCs refuse them through the same list).
+        servers out of this server's averaging groups (the stage RPCs refuse them through the same list), and
+        the servers of this stage convicted by spot-check evidence this server verified (:mod:`swarm.convictions`).
 
         :raises PeerBanned: this peer is banned.
         """
         self.bans.check(self.me)
-        for p2p, reason in self.bans.banned_p2p_ids.items():
+        shunned = {p2p: f"banned by the run's coordinator: {reason}" for p2p, reason in self.bans.banned_p2p_ids.items()}
+        shunned |= self.convictions.of_stage(self.stage)
+        for p2p, reason in shunned.items():
             if p2p not in self._excluded:
-                self.log.warning("refusing %s: banned by the run's coordinator (%s)", p2p, reason)
-                if await self._io(self.server.optimizer.exclude, p2p, f"banned by the run's coordinator: {reason}"):
+                self.log.warning("excluding %s from averaging: %s", p2p, reason)
+                if await self._io(self.server.optimizer.exclude, p2p, reason):
                     self._excluded.add(p2p)
 
     # ---- announcements -----------------------------------------------------------------------------------
@@ -347,6 +359,7 @@ class ServerSession:
             rollback_generation=checkpoints.generation if checkpoints else 0,
             rollback_issuer=checkpoints.order_issuer if checkpoints else "",
             reachability=reachability(self.maddrs, relay_enabled(self.settings)), history=self.history,
+            convicted=self.convictions.listed(),
         )
 
     async def _announce(self, state: ServerState) -> None:
@@ -395,4 +408,4 @@ def _drain_watchdog(log: PeerLog, deadline_s: float = DRAIN_DEADLINE_S) -> threa
     return timer
 
 
-__all__ = ["AnnounceHook", "HAND_OFF_S", "NoSuchStage", "OptimizerFactory", "ServerSession"]
+__all__ = ["AnnounceHook", "HAND_OFF_S", "NoSuchStage", "OptimizerFactory", "ServerSession", "StageServerFactory"]

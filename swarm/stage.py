@@ -12,6 +12,12 @@ RPCs (streams of ``runtime_pb2.ExpertRequest``, namespace ``<run_id>``; see :mod
 * ``rpc_ping`` — :class:`~swarm.protocol.PingRequest`: answers with its epoch, so a peer can tell a live
   server from a stale record (:func:`is_serving`).
 
+A trainer's spot check (:mod:`swarm.spotcheck`) sends a forward with ``mode="check"`` or a backward with
+``check`` set: the server answers what a training call would (outputs, loss, input gradient) from the inputs
+sent along and keeps nothing (no cache, no gradient accumulated, no samples counted). A server with an identity
+signs every forward and backward reply (:class:`~swarm.protocol.StageReceipt`, :mod:`swarm.receipts`), stating
+the epoch of the parameters it computed with.
+
 All compute runs on one worker thread, in arrival order. After each backward the micro-batch's parameter
 gradients go to the stage's collaborative optimizer with the trainer that sent it
 (:meth:`swarm.averaging.optimizer.StageOptimizer.step`), which averages with the other servers of the stage
@@ -33,13 +39,16 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
 import torch
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
 from hivemind.utils.performance_ema import PerformanceEMA
 
+from swarm.admission import PeerAdmission
 from swarm.aio import periodic
 from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.config import RunSpec
+from swarm.identity import Identity
 from swarm.model import build_stage, lm_loss
 from swarm.protocol import (
     BackwardRequest,
@@ -50,7 +59,8 @@ from swarm.protocol import (
     pack_message,
     unpack_message,
 )
-from swarm.transport import gather, stream_out
+from swarm.receipts import sign_receipt, tensors_digest
+from swarm.transport import ProtocolServicer, gather, stream_out
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +86,22 @@ class EpochEnd:
     seconds: float
 
 
-class StageServer(ServicerBase):
+class StageServer(ProtocolServicer):
     """Serves stage ``stage`` of ``spec``; see the module docstring for the RPCs.
 
     :param optimizer: the stage's :class:`~swarm.averaging.optimizer.StageOptimizer` (set before serving);
         ``None`` runs forward/backward only (tests of the RPC layer).
     :param bans: the run's ban list (:class:`~swarm.banlist.RunBans`); requests from banned peers are refused.
     :param cache_size: micro-batches whose autograd graph is kept between forward and backward.
+    :param identity: signs a receipt for every forward and backward reply (:mod:`swarm.receipts`); None sends
+        none (trainers that spot-check treat such a server's sampled replies as unverifiable).
     """
 
+    wire_name = "StageServer"
+
     def __init__(self, spec: RunSpec, run_id: str, stage: int, module: Optional[torch.nn.Module] = None, *,
-                 bans=None, cache_size: int = 16):
-        self.spec, self.run_id, self.stage = spec, run_id, stage
+                 bans=None, cache_size: int = 16, identity: Optional[Identity] = None):
+        self.spec, self.run_id, self.stage, self.identity = spec, run_id, stage, identity
         self.module = module if module is not None else build_stage(spec.model, stage)
         self.is_last = stage == spec.model.num_stages - 1
         self.optimizer = None
@@ -110,6 +124,7 @@ class StageServer(ServicerBase):
         self.max_batch = max_batch(spec)
         self.max_message_bytes = max_message_bytes(spec)
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
+        self.admission = PeerAdmission()  # requests in flight per peer (swarm.admission)
 
     @property
     def epoch(self) -> int:
@@ -138,8 +153,7 @@ class StageServer(ServicerBase):
     def _leaf(self, x: torch.Tensor) -> torch.Tensor:
         return x if x.dtype == torch.int64 else x.detach().requires_grad_(True)
 
-    def forward(self, key: tuple[str, str], x: torch.Tensor, targets: Optional[torch.Tensor], train: bool):
-        """Run the stage on ``x``. Returns ``(outputs or input grad or None, loss or None)``."""
+    def _check_forward(self, x: torch.Tensor, targets: Optional[torch.Tensor]) -> None:
         self._check_inputs(x)
         if self.is_last:
             if targets is None:
@@ -147,6 +161,10 @@ class StageServer(ServicerBase):
             self._check_like("targets", targets, torch.empty(x.shape[:2], dtype=torch.int64))
             if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= self.spec.model.vocab_size):
                 raise StageError(f"targets must lie in [0, {self.spec.model.vocab_size})")
+
+    def forward(self, key: tuple[str, str], x: torch.Tensor, targets: Optional[torch.Tensor], train: bool):
+        """Run the stage on ``x``. Returns ``(outputs or input grad or None, loss or None)``."""
+        self._check_forward(x, targets)
         if not train:
             with torch.no_grad():
                 out = self.module(x)
@@ -197,6 +215,37 @@ class StageServer(ServicerBase):
         self._accumulate(key[0], grad_out.shape[0], time.perf_counter() - start)
         self._finish(key, (grad, None))
         return grad
+
+    def check_forward(self, x: torch.Tensor, targets: Optional[torch.Tensor]):
+        """A spot check's forward: what a training forward returns — outputs (middle stage) or the input gradient
+        and loss (last stage) — with nothing cached or accumulated. Returns ``(tensor or None, loss or None)``."""
+        if not self.is_last:
+            return self.forward(("", ""), x, None, train=False)
+        self._check_forward(x, targets)
+        leaf = self._leaf(x)
+        with torch.enable_grad():
+            loss = lm_loss(self.module(leaf), targets)
+            if not torch.isfinite(loss):
+                raise StageError(f"stage {self.stage}: loss is not finite; the inputs are corrupt")
+            grad = torch.autograd.grad(loss, leaf)[0] if leaf.requires_grad else None
+        return grad, loss.item()
+
+    def check_backward(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A spot check's backward: the input gradient for ``grad_out`` recomputed from ``x``, nothing
+        accumulated. :raises StageError: stage 0 (its inputs are token ids: it returns nothing to check)."""
+        self._check_inputs(x)
+        leaf = self._leaf(x)
+        if not leaf.requires_grad:
+            raise StageError(f"stage {self.stage} takes token ids: its backward returns nothing to check")
+        with torch.enable_grad():
+            out = self.module(leaf)
+            self._check_like("grad_outputs", grad_out, out)
+            return torch.autograd.grad(out, leaf, grad_out)[0]
+
+    def _at_epoch(self, fn, *args):
+        """(compute thread) ``(epoch of the parameters fn computes with, fn(*args))``."""
+        epoch = self.epoch
+        return epoch, fn(*args)
 
     def _finish(self, key, result) -> None:
         self._done[key] = result
@@ -306,10 +355,10 @@ class StageServer(ServicerBase):
             raise StageError(f"refused: the run's coordinator banned this peer ({reason})")
 
     async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], cls):
-        """Gather a request stream into ``(message, tensors)``; refuses other runs, stages and versions, and
-        tensors sent with a message that carries none (:class:`PingRequest`, refused at the first chunk), streams
-        larger than :func:`max_message_bytes` and streams that take longer than the trainer waits for a reply
-        (``timeouts.forward_s`` or ``backward_s``)."""
+        """Gather a request stream into ``(message, tensors, digest of their wire form)``; refuses other runs,
+        stages and versions, and tensors sent with a message that carries none (:class:`PingRequest`, refused at
+        the first chunk), streams larger than :func:`max_message_bytes` and streams that take longer than the
+        trainer waits for a reply (``timeouts.forward_s`` or ``backward_s``)."""
         timeouts = self.spec.timeouts
         meta, tensors = await gather(requests, self.max_message_bytes, max_tensors=MAX_WIRE_TENSORS if "codec" in
                                      cls.model_fields else 0, deadline_s=max(timeouts.forward_s, timeouts.backward_s))
@@ -319,46 +368,71 @@ class StageServer(ServicerBase):
         if codec is None:
             if tensors:
                 raise StageError(f"a {cls.__name__} carries no tensors, got {len(tensors)}")
-            return req, []
-        return req, unpack_tensors(tensors, codec)
+            return req, [], ""
+        digest = tensors_digest(tensors) if self.identity is not None else ""
+        return req, unpack_tensors(tensors, codec), digest
 
-    def _respond(self, tensor: Optional[torch.Tensor], loss: Optional[float] = None):
-        reply = pack_message(StageResponse(loss=loss, epoch=self.epoch, codec=self.codec))
-        return stream_out(runtime_pb2.ExpertResponse, reply, [] if tensor is None else pack_tensors([tensor], self.codec))
+    def _respond(self, tensor: Optional[torch.Tensor], loss: Optional[float] = None, *, epoch: Optional[int] = None,
+                 receipt: Optional[dict] = None):
+        """The reply stream; with ``receipt`` (``mb_id``, ``call``, ``request_sha256``) and an identity, signed."""
+        wire = [] if tensor is None else pack_tensors([tensor], self.codec)
+        epoch = self.epoch if epoch is None else epoch
+        sealed = b""
+        if receipt is not None and self.identity is not None:
+            sealed = sign_receipt(self.identity, self.run_id, stage=self.stage, epoch=epoch, loss=loss,
+                                  reply_sha256=tensors_digest(wire), time=get_dht_time(), **receipt)
+        reply = pack_message(StageResponse(loss=loss, epoch=epoch, codec=self.codec, receipt=sealed))
+        return stream_out(runtime_pb2.ExpertResponse, reply, wire)
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        self._admit(context)
-        req, tensors = await self._receive(requests, ForwardRequest)
-        if len(tensors) != (2 if self.is_last else 1):
-            raise StageError(f"stage {self.stage} forward takes {'inputs and targets' if self.is_last else 'inputs'}")
-        key = (str(context.remote_id), req.mb_id)
-        out, loss = await self._compute(self.forward, key, tensors[0], tensors[1] if self.is_last else None,
-                                        req.mode == "train")
-        async for msg in self._respond(out, loss):
-            yield msg
+        with self.admission.admit(str(context.remote_id)):
+            self._admit(context)
+            req, tensors, digest = await self._receive(requests, ForwardRequest)
+            if len(tensors) != (2 if self.is_last else 1):
+                raise StageError(f"stage {self.stage} forward takes "
+                                 f"{'inputs and targets' if self.is_last else 'inputs'}")
+            targets = tensors[1] if self.is_last else None
+            if req.mode == "check":
+                epoch, (out, loss) = await self._compute(self._at_epoch, self.check_forward, tensors[0], targets)
+            else:
+                key = (str(context.remote_id), req.mb_id)
+                epoch, (out, loss) = await self._compute(self._at_epoch, self.forward, key, tensors[0], targets,
+                                                         req.mode == "train")
+            receipt = dict(mb_id=req.mb_id, call="forward", request_sha256=digest)
+            async for msg in self._respond(out, loss, epoch=epoch, receipt=receipt):
+                yield msg
 
     async def rpc_backward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        req, tensors = await self._receive(requests, BackwardRequest)
-        self._admit(context, req.mb_id)
-        if self.is_last:
-            raise StageError("the last stage backpropagates inside rpc_forward; do not call rpc_backward on it")
-        if len(tensors) != (2 if req.with_inputs else 1):
-            raise StageError("backward takes grad_outputs, plus inputs when with_inputs is set")
-        key = (str(context.remote_id), req.mb_id)
-        grad = await self._compute(self.backward, key, tensors[0], tensors[1] if req.with_inputs else None)
-        async for msg in self._respond(grad):
-            yield msg
+        with self.admission.admit(str(context.remote_id)):
+            req, tensors, digest = await self._receive(requests, BackwardRequest)
+            self._admit(context, req.mb_id)
+            if self.is_last:
+                raise StageError("the last stage backpropagates inside rpc_forward; do not call rpc_backward on it")
+            if len(tensors) != (2 if req.with_inputs else 1):
+                raise StageError("backward takes grad_outputs, plus inputs when with_inputs is set")
+            if req.check:
+                if not req.with_inputs:
+                    raise StageError("a check backward recomputes from the inputs: set with_inputs and send them")
+                epoch, grad = await self._compute(self._at_epoch, self.check_backward, tensors[0], tensors[1])
+            else:
+                key = (str(context.remote_id), req.mb_id)
+                epoch, grad = await self._compute(self._at_epoch, self.backward, key, tensors[0],
+                                                  tensors[1] if req.with_inputs else None)
+            receipt = dict(mb_id=req.mb_id, call="backward", request_sha256=digest)
+            async for msg in self._respond(grad, epoch=epoch, receipt=receipt):
+                yield msg
 
     async def rpc_ping(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        await self._receive(requests, PingRequest)
-        async for msg in self._respond(None):
-            yield msg
+        with self.admission.admit(str(context.remote_id)):
+            await self._receive(requests, PingRequest)
+            async for msg in self._respond(None):
+                yield msg
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -18,6 +18,7 @@ logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds it measures the val
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -159,7 +160,7 @@ class Trainer:
         loop = asyncio.get_running_loop()
         self.dht, self.directory, self.spec, _ = await loop.run_in_executor(
             None, lambda: connect_run(self.address, self.settings, client_mode=True,
-                                      join_timeout_s=self.settings.join_timeout_s))
+                                      join_timeout_s=self.settings.join_timeout_s, identity=self.identity))
         try:
             await self._join()
             await self._train(grace_s)
@@ -202,6 +203,8 @@ class Trainer:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.pipeline.checker.drain(), grace_s)
         finally:
             self._stop.set()
             validator.cancel()
@@ -248,7 +251,8 @@ class Trainer:
             samples_per_s=self.samples / elapsed, failures=self.pipeline.failures,
             bytes_sent=GLOBAL_COUNTER.sent, bytes_received=GLOBAL_COUNTER.received, version=__version__,
             name=self.settings.name, p2p_id=str(self.p2p.peer_id), state=self.state, val_loss=self.val_loss,
-            val_time=self.val_time,
+            val_time=self.val_time, spot_checks=dict(self.pipeline.checker.counts),
+            convicted={p: r[:200] for p, r in sorted(self.pipeline.checker.convicted.items())[:32]},
         )
 
     async def _validate(self, batches: int = 4) -> None:
@@ -289,10 +293,11 @@ class Trainer:
         epochs = [max((s.epoch for s in group), default=0) for group in stages]
         total = await asyncio.get_running_loop().run_in_executor(None, self._swarm_samples_per_s)
         self.log.info(
-            "epoch=%s loss=%s samples=%d samples/s=%.2f share=%s failures=%d servers=%s state=%s", min(epochs),
-            f"{info.loss:.4f}" if info.loss is not None else "-", info.samples, info.samples_per_s,
-            f"{100 * info.samples_per_s / total:.0f}%" if total else "-", info.failures,
-            "/".join(str(len(g)) for g in stages), info.state,
+            "epoch=%s loss=%s samples=%d samples/s=%.2f share=%s failures=%d servers=%s checks=%d/%d convicted=%d "
+            "state=%s", min(epochs), f"{info.loss:.4f}" if info.loss is not None else "-", info.samples,
+            info.samples_per_s, f"{100 * info.samples_per_s / total:.0f}%" if total else "-", info.failures,
+            "/".join(str(len(g)) for g in stages), info.spot_checks.get("agreed", 0),
+            info.spot_checks.get("sampled", 0), len(info.convicted), info.state,
         )
 
     def _swarm_samples_per_s(self) -> float:

@@ -15,6 +15,7 @@ from typing import AsyncIterator, Optional, Sequence, Type
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
@@ -139,3 +140,17 @@ async def _collect(stream: AsyncIterator, max_bytes: int, max_tensors: Optional[
                 raise ProtocolError(f"message exceeds {max_bytes} bytes; send smaller micro-batches")
             groups[-1].append(part)
     return metadata, groups, declared, metadata_bytes + payload
+
+
+class ProtocolServicer(ServicerBase):
+    """A hivemind servicer whose libp2p handlers are named ``<namespace>::<wire_name>.<rpc>``, after the protocol
+    (:attr:`wire_name`) rather than the Python class as hivemind names them, so a subclass (a test's Byzantine
+    server or averager) still speaks to everyone else. The one place hivemind's handler naming is overridden."""
+
+    wire_name = ""
+    """The protocol's name in libp2p handler names (set by each concrete servicer; subclasses keep it)."""
+
+    @classmethod
+    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
+        name = f"{cls.wire_name or cls.__name__}.{method_name}"
+        return f"{namespace}::{name}" if namespace is not None else name

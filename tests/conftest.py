@@ -13,8 +13,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+from hypothesis import settings
 
 from swarm.config import RunSpec
+
+# the fuzz suites: derandomized in CI (the same examples every run, no flaky finds), a longer random search
+# with HYPOTHESIS_PROFILE=explore; no example database is written into the checkout
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=150)
+settings.register_profile("explore", database=None, deadline=None, max_examples=5000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,14 +66,48 @@ def tiny_dataset(cache_dir: Path, tmp_path_factory):
     return prepare_dataset(TINY, cache_dir)
 
 
+LOOPBACK_DHT = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
+"""hivemind.DHT arguments of a node on loopback in a test."""
+
+
+def keyed_dhts(n: int, **kw):
+    """``n`` DHT nodes on loopback (real p2pd daemons), each speaking as a fresh identity, the others
+    bootstrapped from the first (or from ``initial_peers`` in ``kw``): a list of ``(identity, dht)``. The caller
+    shuts them down."""
+    from swarm.directory import spawn_dht
+    from swarm.identity import Identity
+
+    nodes = []
+    try:
+        for _ in range(n):
+            ident = Identity.generate()
+            peers = [str(m) for m in nodes[0][1].get_visible_maddrs()] if nodes else []
+            nodes.append((ident, spawn_dht(ident, **(LOOPBACK_DHT | {"initial_peers": peers} | kw))))
+    except BaseException:
+        for _, dht in nodes:
+            dht.shutdown()
+        raise
+    return nodes
+
+
+def endorsed(run_id: str, writer, *, stage: int, epoch: int, state_sha256: str = "c" * 64, endorser=None) -> dict:
+    """The ``state_sha256`` and ``endorsements`` fields of a test manifest by ``writer`` (an Identity): one
+    witness endorsement by ``endorser`` (a fresh identity if None)."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.identity import Identity
+    from swarm.protocol import Endorsement, seal
+
+    endorser = endorser or Identity.generate()
+    sealed = seal(Endorsement(run_id=run_id, peer_id=endorser.peer_id, time=get_dht_time(), stage=stage, epoch=epoch,
+                              state_sha256=state_sha256, writer=writer.peer_id, basis="witness"), endorser)
+    return dict(state_sha256=state_sha256, endorsements=[sealed])
+
+
 @pytest.fixture
 def dhts():
     """Two hivemind DHT nodes on loopback in this process (real p2pd daemons): ``(a, b)``, b bootstrapped from a."""
-    from hivemind import DHT
-
-    kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
-    a = DHT(**kw)
-    b = DHT(initial_peers=[str(m) for m in a.get_visible_maddrs()], **kw)
-    yield a, b
-    b.shutdown()
-    a.shutdown()
+    nodes = keyed_dhts(2)
+    yield tuple(dht for _, dht in nodes)
+    for _, dht in reversed(nodes):
+        dht.shutdown()

@@ -1,8 +1,11 @@
 """An accusation counts against its accuser only if the accuser signed it: a stranger who signs an accusation in
-an honest peer's name (its libp2p id) with a garbage receipt gets nobody excluded (issue 11)."""
+an honest peer's name (its libp2p id) with a garbage receipt gets nobody excluded, while any peer, whether or not
+it ever averaged with the accuser, can attribute a genuine one (a peer's libp2p id is its key; issue 11)."""
 
 import asyncio
+from types import SimpleNamespace
 
+import pytest
 from hivemind.utils import get_dht_time
 
 from swarm.averaging.auditor import Auditor
@@ -14,11 +17,12 @@ RUN = "tiny-aaaaaaaaaaaaaaaa"
 
 
 class Judge(Auditor):
-    """The auditing side of an averager, without the averager: what a stage-mate does with an accusation."""
+    """The auditing side of an averager, without the averager: what any peer does with an accusation."""
 
     def __init__(self):
-        self._init_audit(Identity.generate(), RUN, audit_probability=0.0)
-        self.peer_id, self.exclusions = "12D3KooWjudge", ExclusionBook()
+        me = Identity.generate()
+        self._init_audit(me, RUN, audit_probability=0.0, dht=SimpleNamespace(peer_id=me.p2p_id))
+        self.peer_id, self.exclusions = me.p2p_id, ExclusionBook()
 
 
 def _accusation(signer: Identity, accuser: str, accused: str) -> bytes:
@@ -27,15 +31,17 @@ def _accusation(signer: Identity, accuser: str, accused: str) -> bytes:
 
 
 def test_an_accusation_in_someone_elses_name_excludes_nobody():
-    judge, honest, stranger = Judge(), Identity.generate(), Identity.generate()
-    accuser, reducer = "12D3KooWhonestaccuser", "12D3KooWhonestreducer"
-    judge.learn_key(accuser, honest.public_key)  # the accuser sent this peer parts signed with its key
+    judge, honest, stranger, reducer = Judge(), Identity.generate(), Identity.generate(), Identity.generate()
 
-    forged = asyncio.run(judge._verify_accusation(_accusation(stranger, accuser, reducer)))
+    forged = asyncio.run(judge._verify_accusation(_accusation(stranger, honest.p2p_id, reducer.p2p_id)))
     assert forged is False and judge.exclusions.excluded() == []
-    # an accuser this peer never averaged with cannot be attributed yet: nothing happens
-    assert asyncio.run(judge._verify_accusation(_accusation(stranger, "12D3KooWunknown", reducer))) is None
-    assert judge.exclusions.excluded() == []
-    # the accuser's own garbage accusation excludes the accuser (never the accused)
-    assert asyncio.run(judge._verify_accusation(_accusation(honest, accuser, reducer))) is False
-    assert judge.exclusions.excluded() == [accuser]
+    # the accuser's own garbage accusation excludes the accuser (never the accused), on a peer that never
+    # averaged with it: its libp2p id names its key
+    assert asyncio.run(judge._verify_accusation(_accusation(honest, honest.p2p_id, reducer.p2p_id))) is False
+    assert judge.exclusions.excluded() == [honest.p2p_id]
+
+
+def test_an_auditor_refuses_an_identity_its_daemon_does_not_speak_as():
+    me, other = Identity.generate(), Identity.generate()
+    with pytest.raises(ValueError, match="spawn_dht"):
+        Auditor()._init_audit(me, RUN, audit_probability=0.0, dht=SimpleNamespace(peer_id=other.p2p_id))

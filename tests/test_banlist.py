@@ -54,6 +54,9 @@ def test_an_older_list_never_replaces_a_newer_one(run):
     update_bans(directory, coordinator, ban=("peerx", "first", ""))
     follower.refresh()
     stale = BanList(run_id=directory.run_id, peer_id=coordinator.peer_id, time=get_dht_time() - 60, banned={})
-    directory.dht.store(bans_key(directory.run_id), seal(stale, coordinator), get_dht_time() + 10,
-                        subkey=coordinator.peer_id)
+    # a replay of an older list, kept alive longer than the newest (hivemind keeps, per sub-key, the value that
+    # expires last): every version lives under its own sub-key, so it hides nothing
+    assert directory.dht.store(bans_key(directory.run_id), seal(stale, coordinator), get_dht_time() + 600,
+                               subkey=stale.dht_subkey())
     assert follower.refresh().banned == {"peerx": "first"}
+    assert RunBans(directory).refresh().banned == {"peerx": "first"}, "a newcomer reads the newest list too"

@@ -54,3 +54,34 @@ def test_a_noisy_server_is_excluded_by_its_stage_and_routed_around(tmp_path, cac
                               for t in ts)
 
         sc.wait(learning, 240, "the trainer's loss to fall 0.15 nats below its first losses")
+
+
+@pytest.mark.scenario
+def test_a_server_lying_to_trainers_is_convicted_listed_by_every_server_and_excluded(tmp_path, cache_dir, tiny_dataset):
+    """Real processes: a stage-0 server answers half of its training forwards and backwards with noise. A
+    trainer's spot checks convict it; every honest server verifies the evidence and lists it; its stage-mates
+    exclude it from averaging; the trainer stops routing to it."""
+    spec = TINY.updated(spot_checks={"rate": 0.2})
+    with make_swarm(spec, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+        sc.servers(per_stage=2)
+        bad = sc.byzantine_server("lying_server", 0, name="liar")
+        sc.wait(lambda: any(s.peer_id == bad.peer_id and s.state == ServerState.ONLINE for s in sc.directory.servers(0)),
+                120, "the liar online")
+        sc.trainers(1, "--concurrency", "2")
+        sc.wait(lambda: any(bad.peer_id in t.convicted for t in sc.directory.trainers()), 300,
+                "the trainer to convict the liar")
+        honest = lambda: [s for k in range(2) for s in sc.directory.servers(k) if s.peer_id != bad.peer_id]  # noqa: E731
+        sc.wait(lambda: len(honest()) == 4 and all(bad.peer_id in s.convicted for s in honest()), 120,
+                "every honest server to list the conviction")
+        bad_p2p = next(s.p2p_id for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
+        sc.wait(lambda: all(bad_p2p in s.excluded for s in honest() if s.stage == 0), 120,
+                "the liar's stage-mates to exclude it from averaging")
+        assert not any(s.convicted.keys() - {bad.peer_id} for s in honest()), "an honest server was convicted"
+        trainer = sc.directory.trainers()[0]
+        assert trainer.convicted.keys() == {bad.peer_id} and trainer.spot_checks["agreed"] > 0
+
+        frozen = next(s.samples for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
+        before = sc.trainer_samples()
+        sc.wait(lambda: sc.trainer_samples() >= before + 64, 180, "training to go on")
+        after = next(s.samples for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
+        assert after - frozen <= 8, "the trainer kept routing to a convicted server"

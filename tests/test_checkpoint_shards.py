@@ -9,6 +9,7 @@ from swarm.checkpoint import (Fragment, FragmentError, ShardError, StageShard, d
                               join_fragments, split_into_fragments)
 from swarm.identity import Identity
 from swarm.protocol import CheckpointManifest, FragmentEntry, ProtocolError, open_record, seal
+from tests.conftest import endorsed
 
 
 def _shard():
@@ -70,11 +71,34 @@ def test_manifest_is_signed_and_lists_fragments():
     me = Identity.generate()
     manifest = CheckpointManifest(
         run_id="run-x", peer_id=me.peer_id, time=0.0, stage=1, epoch=7, shard_sha256=sha, size=len(blob), k=2, n=4,
-        fragments=[FragmentEntry(index=f.index, sha256=f.sha256, holders=[me.peer_id]) for f in fragments])
+        fragments=[FragmentEntry(index=f.index, sha256=f.sha256, holders=[me.peer_id]) for f in fragments],
+        **endorsed("run-x", me, stage=1, epoch=7))
     opened, _ = open_record(seal(manifest, me), CheckpointManifest, run_id="run-x")
     assert opened == manifest
     with pytest.raises(ProtocolError):
         open_record(seal(manifest, me), CheckpointManifest, run_id="run-y")
+
+
+def test_a_manifest_counts_only_with_a_second_peers_matching_endorsement():
+    """A fresh key alone cannot commit a checkpoint: it needs another peer's endorsement of the same stage,
+    epoch, state and writer (swarm.checkpoint.authority)."""
+    me, other = Identity.generate(), Identity.generate()
+    fields = dict(run_id="run-x", peer_id=me.peer_id, time=0.0, stage=1, epoch=7, shard_sha256="a" * 64, size=1,
+                  k=1, n=1, fragments=[FragmentEntry(index=0, sha256="b" * 64)])
+    with pytest.raises(ValueError, match="endorsements"):
+        CheckpointManifest(**fields, state_sha256="c" * 64, endorsements=[])
+    good = CheckpointManifest(**fields, **endorsed("run-x", me, stage=1, epoch=7, endorser=other))
+    assert open_record(seal(good, me), CheckpointManifest, run_id="run-x")[0] == good
+    bad = {
+        "its writer": endorsed("run-x", me, stage=1, epoch=7, endorser=me),
+        "another epoch": endorsed("run-x", me, stage=1, epoch=8, endorser=other),
+        "another state": endorsed("run-x", me, stage=1, epoch=7, state_sha256="d" * 64, endorser=other),
+        "another writer": endorsed("run-x", other, stage=1, epoch=7, endorser=Identity.generate()),
+    }
+    for what, endorsement in bad.items():
+        forged = good.model_copy(update={"endorsements": endorsement["endorsements"]})
+        with pytest.raises(ProtocolError, match="endorse"):
+            open_record(seal(forged, me), CheckpointManifest, run_id="run-x")  # endorsed by ``what``
 
 
 def test_stage_state_restores_bit_exactly_and_training_continues_identically(tiny_spec):

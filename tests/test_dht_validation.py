@@ -11,7 +11,7 @@ from hivemind.utils import get_dht_time
 from swarm.dht_validation import RunRecordValidator
 from swarm.directory import RunDirectory
 from swarm.identity import Identity
-from swarm.protocol import ServerInfo, ServerState, seal, spec_key, stage_key
+from swarm.protocol import RollbackOrder, ServerInfo, ServerState, rollback_key, seal, spec_key, stage_key
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,7 +40,7 @@ def test_junk_and_forged_values_under_a_runs_keys_hide_nothing():
         directory = RunDirectory(honest, run_id, ttl=60)
         assert directory.publish_spec(sealed_spec)
         info = ServerInfo(run_id=run_id, peer_id=server.peer_id, time=get_dht_time(), stage=1,
-                          state=ServerState.ONLINE, throughput=5.0, p2p_id="12D3KooWabc")
+                          state=ServerState.ONLINE, throughput=5.0, p2p_id=server.p2p_id)
         assert directory.announce_server(info, server)
         later = get_dht_time() + 600  # hivemind keeps the value that expires last
         # a plain value where a dictionary of servers lives, and junk where the spec lives
@@ -60,7 +60,8 @@ def test_junk_and_forged_values_under_a_runs_keys_hide_nothing():
         assert sealed == sealed_spec and spec.spec_hash() == TINY.spec_hash()
         # a sealed record of the right kind, signed by its sub-key's owner, is still taken from anyone
         other = Identity.generate()
-        legit = seal(info.model_copy(update={"peer_id": other.peer_id, "throughput": 7.0}), other)
+        legit = seal(info.model_copy(update={"peer_id": other.peer_id, "p2p_id": other.p2p_id, "throughput": 7.0,
+                                             "time": get_dht_time(), "ttl_s": 60.0}), other)
         assert attacker.store(stage_key(run_id, 1), legit, get_dht_time() + 60, subkey=other.peer_id)
         assert sorted(s.throughput for s in mine.servers(1)) == [5.0, 7.0]
     finally:
@@ -85,3 +86,43 @@ def test_the_validator_leaves_other_keys_alone_and_refuses_plain_values_under_th
     assert not validator.validate(record(stage_key(run_id, 3), b"junk"))
     assert not validator.validate(record(stage_key(run_id, 3), b"\xc1\xc1", subkey="peer"))
     assert not validator.validate(record(spec_key(run_id), b"junk"))
+    server = Identity.generate()
+    info = ServerInfo(run_id=run_id, peer_id=server.peer_id, time=get_dht_time(), stage=3, state=ServerState.ONLINE,
+                      throughput=5.0, p2p_id=server.p2p_id, ttl_s=10.0)
+    assert validator.validate(record(stage_key(run_id, 3), seal(info, server), subkey=server.peer_id))
+    replay = seal(info.model_copy(update={"time": get_dht_time() - 60}), server)  # stored to expire 70 s after it
+    assert not validator.validate(record(stage_key(run_id, 3), replay, subkey=server.peer_id))
+
+
+def test_a_replayed_record_kept_alive_longer_hides_no_newer_one():
+    """hivemind keeps, per sub-key, the value that expires last: an attacker who stores a peer's own old
+    announcement (or an old rollback order) again with a later expiration must not freeze what readers see."""
+    coordinator, server, issuer = Identity.generate(), Identity.generate(), Identity.generate()
+    run_id, _ = RunDirectory.seal_spec(TINY, coordinator)
+    honest = _node(validators=[RunRecordValidator(run_id)])
+    maddrs = [str(m) for m in honest.get_visible_maddrs()]
+    reader, attacker = _node(maddrs, [RunRecordValidator(run_id)]), _node(maddrs)
+    try:
+        directory, mine = RunDirectory(honest, run_id, ttl=30), RunDirectory(reader, run_id, ttl=30)
+        online = ServerInfo(run_id=run_id, peer_id=server.peer_id, time=get_dht_time(), stage=0,
+                            state=ServerState.ONLINE, throughput=5.0, p2p_id=server.p2p_id)
+        assert directory.announce_server(online, server)
+        old = honest.get(stage_key(run_id, 0), latest=True).value[server.peer_id].value
+        attacker.store(stage_key(run_id, 0), old, get_dht_time() + 3600, subkey=server.peer_id)  # honest nodes refuse
+        draining = online.model_copy(update={"time": get_dht_time(), "state": ServerState.DRAINING})
+        directory.announce_server(draining, server)  # False if the attacker's node keeps the replay; others take it
+        assert [s.state for s in mine.servers(0)] == [ServerState.DRAINING], "the newer announcement is what counts"
+        for node in (honest, reader):  # the run's nodes refused the replay outright
+            kept = node.get(stage_key(run_id, 0), latest=True).value[server.peer_id]
+            assert kept.expiration_time < get_dht_time() + 60
+
+        first = RollbackOrder(run_id=run_id, peer_id=issuer.peer_id, time=get_dht_time(), epoch=4, detected_epoch=5,
+                              lr_scale=0.5, generation=1)
+        assert attacker.store(rollback_key(run_id), seal(first, issuer), get_dht_time() + 3600,
+                              subkey=first.dht_subkey())
+        second = first.model_copy(update={"time": get_dht_time(), "generation": 2, "lr_scale": 0.25})
+        assert directory.announce(rollback_key(run_id), second, issuer)
+        assert [o.generation for o, _ in mine.rollback_orders()] == [2, 1], "each generation has its own sub-key"
+    finally:
+        for node in (honest, reader, attacker):
+            node.shutdown()

@@ -1,10 +1,12 @@
 """Fragment keepers on real hivemind DHT nodes (one process): commit, restore, repair, bans, re-publishing."""
 
 import asyncio
+import contextlib
 import random
 
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 
 from swarm.averaging.schedule import make_stage_torch_optimizer
 from swarm.checkpoint import FragmentError, FragmentStore, capture_stage_state, decode_shard
@@ -16,8 +18,9 @@ from swarm.config import RunSpec
 from swarm.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.model import build_stage
-from swarm.protocol import FragmentReply, pack_message
+from swarm.protocol import FragmentReply, ServerInfo, ServerState, pack_message
 from swarm.transport import stream_out
+from tests.conftest import endorsed, keyed_dhts
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
 pytestmark = pytest.mark.timeout(180)
@@ -37,24 +40,51 @@ async def _serve_garbage(self, stream, context):
 LyingService = type("FragmentService", (FragmentService,), {"rpc_get_fragment": _serve_garbage})
 
 
+async def _announce_servers(nodes, stop: asyncio.Event) -> None:
+    """Keep a fresh ONLINE ServerInfo of every node for its keeper's stage (the checkpoint authority asks) and
+    a fresh StorageInfo (with a 4 s TTL, a record announced only at the test's ticks may expire on a busy machine
+    while a checkpoint is being written, and the writer then rightly falls back to its own disk)."""
+    while not stop.is_set():
+        for node in nodes:
+            info = ServerInfo(run_id=RUN, peer_id=node.me, time=get_dht_time(), stage=node.stage,
+                              state=ServerState.ONLINE, throughput=1.0, p2p_id=node.identity.p2p_id)
+            with contextlib.suppress(OSError, EOFError):  # a node the test shut down announces nothing
+                await node.io(node.directory.announce_server, info, node.identity)
+                if node.p2p is not None:
+                    await node.io(node.announce)
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except asyncio.TimeoutError:
+            pass
+
+
+@contextlib.asynccontextmanager
+async def serving(nodes):
+    """Start every keeper's fragment service and announce each node as a server of its stage meanwhile."""
+    stop = asyncio.Event()
+    announcer = asyncio.create_task(_announce_servers(nodes, stop))
+    try:
+        for node in nodes:
+            if node.p2p is None:
+                await node.start(await node.directory.dht.replicate_p2p())
+        yield
+    finally:
+        stop.set()
+        await announcer
+
+
 @pytest.fixture
 def swarm_of_keepers(tmp_path, tiny_spec):
     """Five DHT nodes, each with a fragment keeper (record TTL 4 s); the first serves stage 1, the others
-    stage 0. Yields ``(spec, nodes)``."""
-    from hivemind import DHT
-
+    stage 0 (announced as servers while :func:`serving`). Yields ``(spec, nodes)``."""
     spec = RunSpec.from_dict(tiny_spec.model_dump() | {"checkpoint": {"fragments_needed": 2, "fragments_total": 4}})
-    kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
-    first = DHT(**kw)
-    dhts = [first] + [DHT(initial_peers=[str(m) for m in first.get_visible_maddrs()], **kw) for _ in range(4)]
-    nodes = []
-    for i, dht in enumerate(dhts):
+    keyed, nodes = keyed_dhts(5), []
+    for i, (ident, dht) in enumerate(keyed):
         directory = RunDirectory(dht, RUN, ttl=4.0)
         store = FragmentStore(tmp_path / f"peer{i}", max_bytes=1 << 26, keep_epochs=2)
-        nodes.append(FragmentKeeper(spec, directory, Identity.generate(), store, stage=1 if i == 0 else 0,
-                                   rng=random.Random(i)))
+        nodes.append(FragmentKeeper(spec, directory, ident, store, stage=1 if i == 0 else 0, rng=random.Random(i)))
     yield spec, nodes
-    for dht in reversed(dhts):
+    for _, dht in reversed(keyed):
         dht.shutdown()
 
 
@@ -72,8 +102,10 @@ def test_commit_restore_repair_and_ban(swarm_of_keepers):
     writer, liar, *others = nodes
 
     async def main():
-        for node in nodes:
-            await node.start(await node.directory.dht.replicate_p2p())
+        async with serving(nodes):
+            await scenario()
+
+    async def scenario():
         await liar.service.remove_p2p_handlers(liar.p2p, namespace=RUN)
         liar.service = LyingService(liar.store, RUN)
         await liar.service.add_p2p_handlers(liar.p2p, namespace=RUN)
@@ -137,15 +169,14 @@ def test_commit_restore_repair_and_ban(swarm_of_keepers):
 
 
 def test_views_count_only_live_holders_of_the_listed_hash(tiny_spec):
-    from hivemind.utils import get_dht_time
-
     from swarm.checkpoint.catalog import choose_holders, holding, newest_restorable
     from swarm.protocol import CheckpointManifest, FragmentEntry, StorageInfo
 
     me = Identity.generate()
     frags = [FragmentEntry(index=i, sha256=f"{i}" * 64) for i in range(4)]
     manifest = CheckpointManifest(run_id=RUN, peer_id=me.peer_id, time=get_dht_time(), stage=0, epoch=30,
-                                  shard_sha256="a" * 64, size=100, k=2, n=4, fragments=frags)
+                                  shard_sha256="a" * 64, size=100, k=2, n=4, fragments=frags,
+                                  **endorsed(RUN, me, stage=0, epoch=30))
     holder = StorageInfo(run_id=RUN, peer_id="p1", time=0, p2p_id="x", free_bytes=10, stage=1,
                          held=[holding(0, 30, 0, "0" * 64), holding(0, 30, 1, "9" * 64)])  # index 1: another hash
     (view,) = checkpoint_views([(manifest, b"")], [holder])
@@ -164,8 +195,11 @@ def test_a_draining_holder_hands_its_fragments_off(swarm_of_keepers):
     writer = nodes[0]
 
     async def main():
+        async with serving(nodes):
+            await scenario()
+
+    async def scenario():
         for node in nodes:
-            await node.start(await node.directory.dht.replicate_p2p())
             await node.tick(repair=False)
         manifest, sealed = await write_checkpoint(writer, _shard(spec), parent=("f" * 64, 5), loss=4.2)
         holders = {f.index: f.holders[0] for f in manifest.fragments}
@@ -185,3 +219,55 @@ def test_a_draining_holder_hands_its_fragments_off(swarm_of_keepers):
             await node.stop()
 
     asyncio.run(main())
+
+
+def test_only_a_stages_servers_commit_and_a_second_one_must_agree(swarm_of_keepers, tmp_path):
+    """Checkpoint authority (issue 11): a stranger's fragments and endorsement requests are refused; a stage's
+    server endorses a stage-mate's checkpoint only if its own state at that epoch has the same digest; a witness
+    endorses only a stage's only server."""
+    from swarm.checkpoint.erasure import split_into_fragments
+    from swarm.checkpoint.service import put_fragment, request_endorsement
+    from swarm.protocol import Endorsement, EndorseRequest, open_record
+
+    spec, nodes = swarm_of_keepers
+    lone, mate_a, mate_b, mate_c, _ = nodes  # lone: stage 1's only server; the others serve stage 0
+    [(stranger_key, stranger_dht)] = keyed_dhts(1, initial_peers=[str(m) for m in
+                                                                  lone.directory.dht.get_visible_maddrs()])
+    fragment = split_into_fragments(b"x" * 1000, 1, 1)[0]
+    digest, other = "a" * 64, "b" * 64
+
+    def ask(req):
+        return EndorseRequest(run_id=RUN, stage=req[0], epoch=req[1], state_sha256=req[2])
+
+    async def main():
+        async with serving(nodes):
+            p2p = await stranger_dht.replicate_p2p()
+            with pytest.raises(FragmentError, match="not an online server of stage 0"):
+                await put_fragment(p2p, mate_a.identity.p2p_id, RUN, 0, 40, fragment)
+            with pytest.raises(FragmentError, match="not an online server of stage 1"):
+                await request_endorsement(p2p, mate_a.identity.p2p_id, ask((1, 40, digest)))
+            # stage 0: mate_b's state at epoch 40 is the writer's, mate_c's is not
+            for node, state in ((mate_a, digest), (mate_b, digest), (mate_c, other)):
+                node.authority.record_state(0, 40, state)
+            sealed = await request_endorsement(mate_a.p2p, mate_b.identity.p2p_id, ask((0, 40, digest)))
+            endorsement, _ = open_record(sealed, Endorsement, run_id=RUN)
+            assert (endorsement.basis, endorsement.writer, endorsement.peer_id) == ("same_state", mate_a.me, mate_b.me)
+            with pytest.raises(FragmentError, match="has digest bbbbbbbb"):
+                await request_endorsement(mate_a.p2p, mate_c.identity.p2p_id, ask((0, 40, digest)))
+            # a witness (stage 1's server) refuses stage 0, which has other servers; it endorses stage 1's only one
+            with pytest.raises(FragmentError, match="other online servers"):
+                await request_endorsement(mate_a.p2p, lone.identity.p2p_id, ask((0, 40, digest)))
+            sealed = await request_endorsement(lone.p2p, mate_a.identity.p2p_id, ask((1, 40, digest)))
+            assert open_record(sealed, Endorsement, run_id=RUN)[0].basis == "witness"
+            got = await mate_a.authority.gather(mate_a.p2p, ask((0, 40, digest)), timeout_s=5)
+            assert [open_record(g, Endorsement, run_id=RUN)[0].peer_id for g in got] == [mate_b.me]
+            # the writer's put of a fragment of its own stage is taken
+            await put_fragment(mate_a.p2p, lone.identity.p2p_id, RUN, 0, 40, fragment)
+            assert [(h.stage, h.epoch) for h in lone.store.held()] == [(0, 40)]
+        for node in nodes:
+            await node.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stranger_dht.shutdown()

@@ -8,6 +8,7 @@ import pytest
 from swarm.checkpoint.erasure import Fragment, FragmentError, split_into_fragments
 from swarm.checkpoint.service import FragmentService, get_fragment, put_fragment
 from swarm.checkpoint.store import FragmentStore
+from tests.conftest import endorsed
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
 
@@ -60,7 +61,8 @@ def test_a_holder_takes_only_manifests_that_verify_and_list_its_fragments(dhts, 
 
     def manifest(entries, run_id=RUN):
         return CheckpointManifest(run_id=run_id, peer_id=writer.peer_id, time=get_dht_time(), stage=0, epoch=5,
-                                  shard_sha256="a" * 64, size=4096, k=2, n=3, fragments=entries)
+                                  shard_sha256="a" * 64, size=4096, k=2, n=3, fragments=entries,
+                                  **endorsed(run_id, writer, stage=0, epoch=5))
 
     good = seal(manifest([FragmentEntry(index=f.index, sha256=f.sha256) for f in fragments]), writer)
     wrong = seal(manifest([FragmentEntry(index=f.index, sha256="b" * 64) for f in fragments]), writer)

@@ -19,11 +19,12 @@ from swarm.protocol import (
     seal,
     unpack_message,
 )
+from tests.conftest import endorsed
 
 
 def _info(ident: Identity, run_id="r-aaaaaaaaaaaaaaaa", **kw) -> ServerInfo:
     fields = dict(run_id=run_id, peer_id=ident.peer_id, time=1.0, stage=0, state=ServerState.ONLINE,
-                  throughput=3.5, p2p_id="12D3KooWabc")
+                  throughput=3.5, p2p_id=ident.p2p_id)
     fields.update(kw)
     return ServerInfo(**fields)
 
@@ -93,7 +94,7 @@ def test_record_rejections():
             open_record(blob, ServerInfo, run_id=run)
     with pytest.raises(ProtocolError, match="not 'r-bbbbbbbbbbbbbbbb'"):
         open_record(good, ServerInfo, run_id="r-bbbbbbbbbbbbbbbb")
-    with pytest.raises(ProtocolError, match="does not own"):
+    with pytest.raises(ProtocolError, match="not its own"):
         open_record(good, ServerInfo, run_id=run, subkey=other.peer_id)
     with pytest.raises(ProtocolError):
         open_record(good, TrainerInfo, run_id=run)
@@ -121,7 +122,8 @@ def test_records_with_absurd_numbers_are_refused_or_read_as_unknown():
     assert open_record(honest, ServerInfo, run_id=run)[0].loss is None
 
     manifest = dict(kind="manifest", run_id=run, peer_id=ident.peer_id, time=now, stage=0, epoch=3,
-                    shard_sha256="a" * 64, size=10, k=3, n=2, v=PROTOCOL_VERSION)
+                    shard_sha256="a" * 64, size=10, k=3, n=2, v=PROTOCOL_VERSION,
+                    **endorsed(run, ident, stage=0, epoch=3))
     frag = [{"index": 0, "sha256": "b" * 64}, {"index": 0, "sha256": "c" * 64}]
     cases = [(manifest, "no restore is possible"), ({**manifest, "k": 1, "fragments": frag}, "repeated"),
              ({**manifest, "k": 1, "fragments": [{**frag[0], "index": 2}]}, "not below n=2")]

@@ -5,7 +5,7 @@ import math
 from swarm.checkpoint.rollback import LossSpikeDetector
 from swarm.config import RollbackSpec
 from swarm.protocol import ServerInfo, ServerState
-from swarm.rebalance import plan_move
+from swarm.rebalance import MovePlanner, plan_move
 
 
 def _server(peer: str, stage: int, throughput: float, state=ServerState.ONLINE) -> ServerInfo:
@@ -39,6 +39,31 @@ def test_draining_servers_do_not_count_and_strangers_do_not_move():
     servers[1] = [_server("z", 1, 50, ServerState.DRAINING)]
     assert plan_move("a", 0, servers, min_gain=0.25) == 1  # stage 1 has no throughput: any server helps
     assert plan_move("x", 0, servers, min_gain=0.25) is None
+
+
+def test_a_move_is_made_only_when_the_checks_plan_it_for_the_confirmation_window():
+    crowded = _swarm([("a", 10), ("b", 10)], [("c", 5)])
+    glimpse = _swarm([("a", 10), ("b", 10)], [])  # c's announcement came late once: stage 1 looks empty
+    now = [0.0]
+    planner = MovePlanner(min_gain=0.25, confirm_s=10.0, clock=lambda: now[0])
+    assert planner.check("a", 0, glimpse) is None, "one partial view moves nobody"
+    now[0] = 3.0
+    assert planner.check("a", 0, _swarm([("a", 10), ("b", 10)], [("c", 15)])) is None
+    assert planner.pending is None, "the next full view plans nothing: the glimpse is forgotten"
+    for t in (6.0, 9.0, 12.0):
+        now[0] = t
+        assert planner.check("a", 0, crowded) is None and planner.pending == 1, "planned, not confirmed yet"
+    now[0] = 16.0
+    assert planner.check("a", 0, crowded) == 1, "planned for 10 s by consecutive checks: a move"
+    assert planner.pending is None
+    # a stage-mate killed a moment ago is still listed (its record has not expired): a's move away would leave
+    # stage 1 empty once the record goes, and the plan changes before it is confirmed
+    alone = MovePlanner(min_gain=0.25, confirm_s=10.0, clock=lambda: now[0])
+    ghost = _swarm([("x", 5)], [("a", 10), ("dead", 10)])
+    now[0] = 20.0
+    assert alone.check("a", 1, ghost) is None and alone.pending == 0
+    now[0] = 31.0  # the dead server's record is stale now: a serves stage 1 alone and stays
+    assert alone.check("a", 1, _swarm([("x", 5)], [("a", 10)])) is None and alone.pending is None
 
 
 def test_spike_detector_waits_for_warmup_then_flags_spikes_only():
@@ -86,3 +111,4 @@ def test_a_rollback_order_counts_only_when_it_is_in_force():
             for k, group in three.items()}
     assert in_force([_order("gone", 1), _order("stranger", 1, epoch=0)], went) == "gone"
     assert in_force([_order("stranger", 2)], went, applied=1) is None
+

@@ -21,7 +21,7 @@ class _Optimizer:
 
 def _checkpoints(spec, donor_epoch, manifests=()):
     directory = SimpleNamespace(manifests=lambda stage: list(manifests))
-    keeper = SimpleNamespace(spec=spec, directory=directory)
+    keeper = SimpleNamespace(spec=spec, directory=directory, authority=SimpleNamespace(states={}))
     server = SimpleNamespace(stage=0, epoch=0, optimizer=_Optimizer(donor_epoch))
     return StageCheckpoints(keeper, server, SimpleNamespace(peer_id="me"))
 

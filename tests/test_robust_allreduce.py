@@ -7,13 +7,13 @@ import time
 
 import pytest
 import torch
-from hivemind import DHT
 
 from swarm.attacks import ByzantineGradientAverager, make_attack
 from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager
 from swarm.averaging.compression import make_compressor
 from swarm.averaging.exclusion import ExclusionPolicy
+from tests.conftest import keyed_dhts
 
 SHAPES = [(300, 40), (40,)]
 
@@ -21,14 +21,11 @@ SHAPES = [(300, 40), (40,)]
 @contextlib.contextmanager
 def averagers(n: int, *, aggregator="mean", compression="none", attack=None, attackers=0, audit=0.25,
               flag_penalty=0.5):
-    kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
-    dhts, avs = [DHT(**kw)], []
+    nodes, avs = keyed_dhts(n), []
     try:
-        for _ in range(n - 1):
-            dhts.append(DHT(initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()], **kw))
         rules = AveragingRules(aggregator=make_aggregator(aggregator), phase_timeout=10.0, audit_probability=audit,
                                exclusion=ExclusionPolicy(threshold=3.0, flag_penalty=flag_penalty))
-        for i, dht in enumerate(dhts):
+        for i, (ident, dht) in enumerate(nodes):
             params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
             kind, extra = RobustGradientAverager, {}
             if i >= n - attackers:  # a Byzantine peer: the attack is installed from outside, as a subclass
@@ -36,12 +33,12 @@ def averagers(n: int, *, aggregator="mean", compression="none", attack=None, att
             avs.append(kind(
                 params, dht=dht, prefix="robust-test", compressor=make_compressor(compression), rules=rules,
                 target_group_size=n, min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30,
-                start=True, **extra))
+                identity=ident, start=True, **extra))
         yield avs
     finally:
         for av in avs:
             av.shutdown()
-        for dht in dhts:
+        for _, dht in nodes:
             dht.shutdown()
 
 
@@ -191,10 +188,10 @@ def test_a_false_accusation_is_refuted_and_excludes_the_accuser_not_the_honest_r
 
 @pytest.mark.timeout(60)
 def test_after_a_failed_round_a_server_steps_on_its_own_gradient_not_zeros():
-    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
+    [(ident, dht)] = keyed_dhts(1)
     try:
         params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
-        av = RobustGradientAverager(params, dht=dht, prefix="fallback", start=False)
+        av = RobustGradientAverager(params, dht=dht, prefix="fallback", identity=ident, start=False)
         grads = _grads(2, seed=3)
         for g in grads:
             av.accumulate("t0", [t.clone() for t in g], 4)

@@ -27,6 +27,21 @@ def test_load_follows_throughput():
     assert picks["fast"] == pytest.approx(300, abs=5) and picks["slow"] == pytest.approx(100, abs=5)
 
 
+def test_a_server_announcing_more_than_it_delivers_gets_the_share_its_answers_earn():
+    router = Router(rng=random.Random(0))
+    servers = [server("liar", 1e6), server("honest", 30.0)]
+    router.report_success("liar", work=10, seconds=1.0)  # it answers at 10 samples/s whatever it announces
+    router.report_success("honest", work=30, seconds=1.0)
+    picks = Counter(router.choose(servers, work=8).peer_id for _ in range(400))
+    assert picks["liar"] == pytest.approx(100, abs=5) and picks["honest"] == pytest.approx(300, abs=5)
+    for _ in range(30):  # it speeds up: the moving average follows, capped by what it announces
+        router.report_success("liar", work=90, seconds=1.0)
+    assert router.rate(servers[0]) == pytest.approx(90, rel=0.01)
+    assert router.rate(server("modest", 20.0)) == 20.0 and router.rate(servers[1]) == 30.0
+    router.report_success("modest", work=50, seconds=1.0)
+    assert router.rate(server("modest", 20.0)) == 20.0, "never more than it announces"
+
+
 def test_ties_are_random_and_states_respected():
     router = Router(rng=random.Random(1))
     servers = [server("a"), server("b"), server("joining", state=ServerState.JOINING),

@@ -6,11 +6,10 @@ import time
 
 import pytest
 import torch
-from hivemind import DHT
 
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.model import build_stage
-from tests.conftest import TINY
+from tests.conftest import TINY, keyed_dhts
 
 MICRO_BATCHES = TINY.training.target_batch_size // TINY.training.micro_batch_size  # per epoch
 
@@ -32,23 +31,26 @@ def test_a_server_out_of_sync_loads_the_stages_state_into_the_tensors_that_are_a
     """The second server joins two epochs late: a micro-batch finds it out of sync and it loads the stage's state
     inside ``step`` (hivemind ``load_state_from_peers``, which replaces the optimizer's state tensors). The loaded
     values must land in the original tensors, or its Adam moments are never averaged with the stage again."""
-    kw = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
-    first = DHT(**kw)
-    second = DHT(initial_peers=[str(m) for m in first.get_visible_maddrs()], **kw)
+    (first_key, first), (second_key, second) = keyed_dhts(2)
     modules = [build_stage(TINY.model, 0), build_stage(TINY.model, 0)]
     optimizers = []
     try:
-        optimizers.append(StageOptimizer(TINY, "seam", 0, first, modules[0]))
+        optimizers.append(StageOptimizer(TINY, "seam", 0, first, modules[0], identity=first_key))
         ahead = optimizers[0]
         ahead.jump_to_epoch(0)
         for i in range(2 * MICRO_BATCHES):  # two epochs alone
             ahead.step(_gradients(modules[0], i), TINY.training.micro_batch_size, "trainer0")
         assert ahead.epoch == 2
-        optimizers.append(StageOptimizer(TINY, "seam", 0, second, modules[1]))
+        optimizers.append(StageOptimizer(TINY, "seam", 0, second, modules[1], identity=second_key))
         late = optimizers[1]
         held = _statistics(late)
         late.announce_progress()
         deadline = time.monotonic() + 60
+        # until its tracker has read the ahead server's epoch-2 record, the late one takes an older record for
+        # the stage's epoch and (hivemind) steps on its own gradients to catch up instead of loading the state
+        while late._opt.tracker.global_epoch < 2:
+            assert time.monotonic() < deadline, "the late server's tracker never saw the stage's epoch"
+            time.sleep(0.1)
         while late.epoch < 2:  # once its tracker saw the stage's epoch, a micro-batch finds it out of sync
             assert time.monotonic() < deadline, "the late server never loaded the stage's state"
             late.step(_gradients(modules[1], 999), TINY.training.micro_batch_size, "trainer1")

@@ -1,8 +1,9 @@
 """The averager's side of the audit protocol (:mod:`swarm.averaging.evidence`): signing, audits, accusations.
 
-:class:`Auditor` is mixed into the averagers and runs in the averager process. It signs this peer's commitments and receipts with the
-peer's Ed25519 identity, learns which key each libp2p id uses from what arrives over authenticated libp2p
-streams, audits the partitions the audit plan assigns to it, serves its parts and its evidence
+:class:`Auditor` is mixed into the averagers and runs in the averager process. It signs this peer's commitments
+and receipts with the peer's Ed25519 identity, which is also its libp2p identity (:mod:`swarm.identity`), so
+a commitment, receipt or accusation naming a libp2p id verifies against the key that id inlines, here and on
+every other peer (no key has to be learned first). It audits the partitions the audit plan assigns to it, serves its parts and its evidence
 (``rpc_audit_part``, ``rpc_audit_evidence``), publishes accusations to the DHT and verifies everyone else's
 before excluding.
 """
@@ -63,7 +64,6 @@ class _SigningAccountant(Accountant):
             raise RoundFailed(f"reducer {reducer}'s receipt signs another aggregate than the one it sent")
         if reply.accepted and commitment not in r.commitments:
             raise RoundFailed(f"reducer {reducer}'s receipt leaves out this peer's accepted part")
-        self.owner.learn_key(reducer, opened.signer)
         return opened
 
 
@@ -71,21 +71,20 @@ class Auditor:
     """Needs ``identity``, ``run_id``, ``audit_probability``, ``rules`` (aggregator, policy, phase timeout),
     ``exclusions`` and ``wire`` (set by :meth:`_init_audit` and the robust all-reduce mixin)."""
 
-    def _init_audit(self, identity: Optional[Identity], run_id: str, audit_probability: float) -> None:
-        self.identity = identity or Identity.generate()
+    def _init_audit(self, identity: Optional[Identity], run_id: str, audit_probability: float, dht) -> None:
+        """:raises ValueError: no ``identity``, or not the key ``dht``'s libp2p daemon speaks as (start the DHT
+            with :func:`swarm.directory.spawn_dht`)."""
+        if identity is None or dht is None or str(dht.peer_id) != identity.p2p_id:
+            raise ValueError("an averager signs as its peer: pass the Identity its DHT was started with "
+                             "(swarm.directory.spawn_dht(identity, ...))")
+        self.identity = identity
         self.run_id, self.audit_probability = run_id, audit_probability
         self.accountant = _SigningAccountant(self)
-        self.keys: dict[str, bytes] = {}  # libp2p id -> Ed25519 key, learned over authenticated streams
         self._phases: OrderedDict[str, PhaseOutcome] = OrderedDict()  # the last phases: parts sent, receipts, ...
         self._evidence: OrderedDict[tuple[str, int], tuple] = OrderedDict()
         self._seen_accusations: set[str] = set()
         self._poller: Optional[asyncio.Task] = None
         self.audits_done = 0
-
-    def learn_key(self, p2p_id: str, key: bytes) -> None:
-        known = self.keys.setdefault(p2p_id, key)
-        if known != key:
-            logger.warning(f"{p2p_id} signs with a new key; keeping the first one it used")
 
     def open_commitment(self, sender: str, meta: AveragingPart) -> Optional[str]:
         """Check a received part's commitment; returns the reason to refuse it, or None."""
@@ -96,7 +95,6 @@ class Auditor:
         if (c.p2p_id, c.group, c.partition, c.numel, c.codec, c.digest, c.weight) != (
                 sender, meta.group, meta.partition, meta.numel, meta.codec, meta.digest, meta.weight):
             return "commitment does not match the part"
-        self.learn_key(sender, key)
         return None
 
     # ---- each phase: keep what audits need, audit our share ------------------------------------------------
@@ -252,22 +250,19 @@ class Auditor:
         """Check one accusation; True: reducer excluded, False: settled otherwise (accuser excluded, or the
         accusation ignored), None: could not check (yet).
 
-        The accuser's libp2p id (``p2p_id``) is only a claim of the signer: the accusation is attributed to that
-        peer only if it is signed by the key that peer signs its parts with here (:meth:`learn_key`), so a
-        stranger cannot get an honest peer excluded by accusing in its name.
+        The accuser's libp2p id (``p2p_id``) is the signer's own (:func:`~swarm.protocol.open_record` refuses any
+        other), so a stranger cannot accuse in an honest peer's name, and every peer can attribute an
+        accusation, whether or not it ever averaged with the accuser.
         """
         try:
-            acc, signer = open_record(blob, Accusation, run_id=self.run_id)
+            acc, _ = open_record(blob, Accusation, run_id=self.run_id)
         except ProtocolError as e:
             logger.debug(f"ignoring a malformed accusation: {e}")
             return False
         me = str(self.peer_id)
         if acc.p2p_id == me or acc.accused == me or self.exclusions.is_excluded(acc.accused):
             return True
-        if self.keys.get(acc.p2p_id) != signer:
-            if acc.p2p_id not in self.keys:
-                return None  # its key may be learned in a later round
-            logger.info(f"ignoring an accusation in the name of {acc.p2p_id}: signed by a key it does not use")
+        if not acc.p2p_id:
             return False
         try:
             opened = open_receipt(acc.receipt, self.run_id)
@@ -277,9 +272,6 @@ class Auditor:
         if opened.receipt.p2p_id != acc.accused:
             self.exclusions.exclude(acc.p2p_id, "accused a peer of a receipt it did not sign")
             return False
-        if self.keys.get(acc.accused) != opened.signer:
-            logger.info(f"cannot check the accusation against {acc.accused}: its key is unknown here")
-            return None
         got = await self._fetch(acc.p2p_id, "rpc_audit_evidence",
                                 AuditRequest(group=opened.receipt.group, partition=opened.receipt.partition),
                                 evidence=True)

@@ -38,7 +38,7 @@ from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.reducer import ReducePolicy, partition_bounds
 from swarm.config import AveragingSpec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
-from swarm.transport import gather, stream_out
+from swarm.transport import ProtocolServicer, gather, stream_out
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class AveragingRules:
             phase_timeout=avg.next_chunk_timeout, audit_probability=avg.audit_probability)
 
 
-class RobustAllReduceMixin(Auditor):
+class RobustAllReduceMixin(Auditor, ProtocolServicer):
     """Replaces a hivemind ``DecentralizedAverager``'s all-reduce with ours; call :meth:`_init_robust` before the
     averager's ``__init__`` (which forks the averager process).
 
@@ -84,20 +84,10 @@ class RobustAllReduceMixin(Auditor):
         (a fresh one if omitted); ``run_id`` namespaces them.
     """
 
-    wire_name = ""
-    """The protocol's name in libp2p handler names (set by each concrete averager; subclasses keep it)."""
-
-    @classmethod
-    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
-        """hivemind names a handler after the Python class; here it is named after the protocol
-        (:attr:`wire_name`), so a subclass (a test's Byzantine averager) still speaks to everyone else."""
-        name = f"{cls.wire_name or cls.__name__}.{method_name}"
-        return f"{namespace}::{name}" if namespace is not None else name
-
-    def _init_robust(self, rules: AveragingRules, compressor: Optional[Compressor] = None, identity=None,
-                     run_id: str = "local") -> None:
+    def _init_robust(self, rules: AveragingRules, compressor: Optional[Compressor], identity, run_id: str,
+                     dht) -> None:
         self.rules = rules
-        self._init_audit(identity, run_id, rules.audit_probability)
+        self._init_audit(identity, run_id, rules.audit_probability, dht)
         self.compressor = compressor or make_compressor("none")
         self.exclusions = ExclusionBook(rules.exclusion)
         self.wire = WireStats()
@@ -298,7 +288,7 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
 
     def __init__(self, parameters, *, rules: AveragingRules = AveragingRules(), compressor=None, identity=None,
                  run_id: str = "local", clip_ratio: float = 5.0, **kwargs):
-        self._init_robust(rules, compressor, identity, run_id)
+        self._init_robust(rules, compressor, identity, run_id, kwargs.get("dht"))
         self.contributions = TrainerContributions(aggregator=rules.aggregator, clip_ratio=clip_ratio)
         self._last_local: Optional[list[torch.Tensor]] = None
         super().__init__(parameters, **kwargs)
@@ -346,5 +336,5 @@ class RobustStateAverager(RobustAllReduceMixin, TrainingStateAverager):
     wire_name = "RobustStateAverager"
 
     def __init__(self, *, rules: AveragingRules = AveragingRules(), identity=None, run_id: str = "local", **kwargs):
-        self._init_robust(rules, make_compressor("none"), identity, run_id)
+        self._init_robust(rules, make_compressor("none"), identity, run_id, kwargs.get("dht"))
         super().__init__(**kwargs)

@@ -30,6 +30,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.aio import periodic
 from swarm.banlist import RunBans
+from swarm.checkpoint.authority import CheckpointAuthority
 from swarm.checkpoint.catalog import CheckpointView, checkpoint_views, choose_holders, holding
 from swarm.checkpoint.erasure import CorruptFragment, Fragment, FragmentError, join_fragments, split_into_fragments
 from swarm.checkpoint.service import FragmentService, get_fragment, put_fragment, put_manifest
@@ -59,8 +60,9 @@ class FragmentKeeper:
         self.spec, self.directory, self.identity, self.store = spec, directory, identity, store
         self.run_id, self.me, self.stage = directory.run_id, identity.peer_id, stage
         self.log = PeerLog(logger, identity.peer_id)
+        self.authority = CheckpointAuthority(directory, identity, spec.model.num_stages)
         self.service = FragmentService(store, directory.run_id, on_manifest=directory.publish_manifest,
-                                       num_stages=spec.model.num_stages)
+                                       num_stages=spec.model.num_stages, authority=self.authority)
         self.distrusted: dict[str, str] = {}  # holders that served corrupt fragments to this peer -> reason
         self.bans = bans if bans is not None else RunBans(directory)
         self.p2p: Optional[P2P] = None

@@ -31,6 +31,7 @@ from swarm.checkpoint.erasure import FragmentError
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.rollback import LossSpikeDetector, order_in_force
 from swarm.checkpoint.shard import ShardError, StageShard, decode_shard, encode_shard
+from swarm.checkpoint.state import state_digest
 from swarm.checkpoint.writer import CheckpointError, write_checkpoint
 from swarm.identity import peer_id_of
 from swarm.logs import PeerLog
@@ -58,7 +59,7 @@ class StageCheckpoints:
         self._skipped: set[str] = set()  # shard hashes newer than the last restore (not ancestors of our state)
         self.restored: Optional[RestoreReport] = None
         self.generation, self.order_sealed = 0, None
-        self._order_scale, self.order_issuer = 1.0, ""
+        self._order_scale, self.order_issuer, self.order_subkey = 1.0, "", ""
         self.detector = LossSpikeDetector(self.spec.rollback)
         try:
             self.loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
@@ -67,6 +68,7 @@ class StageCheckpoints:
         self.peer_epoch = 0  # the epoch the stage's live servers announced when restore_at_start chose them
         self._writing = False
         self._pending: set = set()  # futures of commits and rollback orders submitted from the compute thread
+        keeper.authority.states.setdefault(self.stage, {})  # endorse this stage's checkpoints by state only
 
     @property
     def optimizer(self):
@@ -186,6 +188,9 @@ class StageCheckpoints:
         if shard.run_id != self.keeper.run_id or shard.stage != self.stage or shard.epoch != m.epoch:
             raise ShardError(f"the shard is run {shard.run_id} stage {shard.stage} epoch {shard.epoch}, "
                              f"not what its manifest says")
+        if await self.keeper.io(state_digest, shard.tensors) != m.state_sha256:
+            raise ShardError(f"the state in the shard of epoch {m.epoch} is not the one its manifest's endorsers "
+                             "agreed on")
         recaptured = await self.server.compute(self._load, shard, set_epoch)
         report = RestoreReport(epoch=m.epoch, shard_sha256=m.shard_sha256, bit_exact=recaptured == m.shard_sha256,
                                seconds=round(time.monotonic() - started, 3), fragments_bad=bad)
@@ -238,7 +243,9 @@ class StageCheckpoints:
         meta = {"lr_scale": self.lr_scale, "rollback_generation": self.generation,
                 "samples": epoch * self.spec.training.target_batch_size}
         self._writing = True
-        return StageShard(self.keeper.run_id, self.stage, epoch, self.optimizer.state(), meta)
+        shard = StageShard(self.keeper.run_id, self.stage, epoch, self.optimizer.state(), meta)
+        self.keeper.authority.record_state(self.stage, epoch, state_digest(shard.tensors))  # to endorse the writer
+        return shard
 
     async def commit(self, shard: StageShard) -> None:
         """Commit ``shard`` to the swarm if this server is the stage's writer; a failure is logged, not raised."""
@@ -266,7 +273,9 @@ class StageCheckpoints:
         future.add_done_callback(self._pending.discard)
 
     async def close(self, timeout: float = 30.0) -> None:
-        """Let a checkpoint being committed finish (bounded by ``timeout`` seconds), then cancel the rest."""
+        """Let a checkpoint being committed finish (bounded by ``timeout`` seconds), then cancel the rest; this
+        server no longer endorses the stage's checkpoints."""
+        self.keeper.authority.states.pop(self.stage, None)
         pending = [asyncio.wrap_future(f) for f in list(self._pending)]
         if pending:
             _, late = await asyncio.wait(pending, timeout=timeout)
@@ -306,7 +315,7 @@ class StageCheckpoints:
 
     def _adopt_order(self, order: RollbackOrder, sealed: bytes) -> None:
         self.generation, self.order_sealed = order.generation, sealed
-        self._order_scale, self.order_issuer = order.lr_scale, order.peer_id
+        self._order_scale, self.order_issuer, self.order_subkey = order.lr_scale, order.peer_id, order.dht_subkey()
         if self.optimizer is not None:
             self.optimizer.set_lr_scale(order.lr_scale)
 
@@ -330,7 +339,7 @@ class StageCheckpoints:
         if order is not None:
             await self.apply_rollback(*order)
         if self.order_sealed is not None:
-            await io(self.directory.store_sealed, rollback_key(self.keeper.run_id), self.order_issuer,
+            await io(self.directory.store_sealed, rollback_key(self.keeper.run_id), self.order_subkey,
                      self.order_sealed)
 
     async def _order_in_force(self) -> Optional[tuple[RollbackOrder, bytes]]:

@@ -8,17 +8,19 @@ the hash it was given is caught (:class:`~swarm.checkpoint.erasure.FragmentError
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Optional
 
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
+from swarm.admission import Busy, PeerAdmission
 from swarm.checkpoint.erasure import Fragment, FragmentError
 from swarm.checkpoint.store import FragmentStore, StoreFull
 from swarm.protocol import (
     MAX_RECORD_BYTES,
     CheckpointManifest,
+    EndorseRequest,
     FragmentGet,
     FragmentPut,
     FragmentReply,
@@ -28,52 +30,82 @@ from swarm.protocol import (
     pack_message,
     unpack_message,
 )
-from swarm.transport import gather, stream_out
+from swarm.transport import ProtocolServicer, gather, stream_out
+
+if TYPE_CHECKING:
+    from swarm.checkpoint.authority import CheckpointAuthority
 
 PUT_DEADLINE_S = 300.0
 """Seconds a fragment upload may take (a 50 MB fragment at 1 MB/s takes 50 s); a slower one is dropped."""
 REQUEST_DEADLINE_S = 30.0
 """Seconds a small request (a fragment get, a manifest) may take to arrive."""
+FRAGMENT_IN_FLIGHT = 8
+"""Requests of one peer a holder serves at once (a writer places one fragment per holder at a time)."""
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-class FragmentService(ServicerBase):
+class FragmentService(ProtocolServicer):
     """Serves ``store`` for run ``run_id`` (register with ``add_p2p_handlers(p2p, namespace=run_id)``)."""
 
-    def __init__(self, store: FragmentStore, run_id: str, on_manifest=None, num_stages: Optional[int] = None):
+    wire_name = "FragmentService"
+
+    def __init__(self, store: FragmentStore, run_id: str, on_manifest=None, num_stages: Optional[int] = None,
+                 authority: Optional["CheckpointAuthority"] = None):
         """:param on_manifest: called with ``(manifest, sealed)`` after a manifest is saved (e.g. to publish it
         in the DHT at once, so a checkpoint is visible even if its writer dies before publishing it).
-        :param num_stages: the run's stages; fragments of any other stage number are refused."""
+        :param num_stages: the run's stages; fragments of any other stage number are refused.
+        :param authority: who may put fragments here and what this peer endorses
+            (:class:`~swarm.checkpoint.authority.CheckpointAuthority`); None takes puts from anyone and endorses
+            nothing (a unit test's bare store)."""
         self.store, self.run_id, self.on_manifest, self.num_stages = store, run_id, on_manifest, num_stages
+        self.authority = authority
+        self.admission = PeerAdmission(FRAGMENT_IN_FLIGHT)
 
-    async def _reply(self, reply: FragmentReply, data: bytes = b"") -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), [_bytes_tensor(data)] if data else []):
+    async def _serve(self, work, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Run ``work(stream, context) -> (reply, data)`` within the peer's admission (:mod:`swarm.admission`)
+        and stream the reply back; an expected refusal becomes a reply that names its cause."""
+        data = b""
+        try:
+            with self.admission.admit(str(context.remote_id)):
+                reply, data = await work(stream, context)
+        except FileNotFoundError:
+            reply = FragmentReply(error="fragment not held here")
+        except (ProtocolError, FragmentError, StoreFull, ValueError, Busy) as e:
+            reply = FragmentReply(error=str(e)[:512])
+        tensors = [_bytes_tensor(data)] if data else []
+        async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), tensors):
             yield msg
 
     async def rpc_put_fragment(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Store a fragment; replies with an error naming the cause (wrong run, hash, full store)."""
-        try:
-            metadata, tensors = await gather(stream, max_bytes=self.store.max_bytes, max_tensors=1,
-                                             deadline_s=PUT_DEADLINE_S)
-            req = unpack_message(metadata, FragmentPut)
-            if req.run_id != self.run_id:
-                raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
-            if self.num_stages is not None and req.stage >= self.num_stages:
-                raise ProtocolError(f"run {self.run_id} has stages 0..{self.num_stages - 1}, not {req.stage}")
-            if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
-                raise ProtocolError("a fragment travels as one uint8 vector")
-            fragment = Fragment(req.index, tensors[0].numpy().tobytes(), req.sha256)
-            await asyncio.get_running_loop().run_in_executor(
-                None, self.store.put, req.run_id, req.stage, req.epoch, fragment)
-            reply = FragmentReply(sha256=req.sha256)
-        except (ProtocolError, FragmentError, StoreFull, ValueError) as e:
-            reply = FragmentReply(error=str(e)[:512])
-        async for msg in self._reply(reply):
+        async for msg in self._serve(self._put_fragment, stream, context):
             yield msg
+
+    async def _put_fragment(self, stream, context: P2PContext) -> tuple[FragmentReply, bytes]:
+        metadata, tensors = await gather(stream, max_bytes=self.store.max_bytes, max_tensors=1,
+                                         deadline_s=PUT_DEADLINE_S)
+        req = unpack_message(metadata, FragmentPut)
+        if req.run_id != self.run_id:
+            raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
+        if self.num_stages is not None and req.stage >= self.num_stages:
+            raise ProtocolError(f"run {self.run_id} has stages 0..{self.num_stages - 1}, not {req.stage}")
+        if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+            raise ProtocolError("a fragment travels as one uint8 vector")
+        loop = asyncio.get_running_loop()
+        if self.authority is not None:
+            refusal = await loop.run_in_executor(
+                None, self.authority.may_put, str(context.remote_id), req.stage, req.epoch, req.index, req.sha256)
+            if refusal is not None:
+                raise ProtocolError(refusal)
+        fragment = Fragment(req.index, tensors[0].numpy().tobytes(), req.sha256)
+        await loop.run_in_executor(None, self.store.put, req.run_id, req.stage, req.epoch, fragment,
+                                   str(context.remote_id))
+        return FragmentReply(sha256=req.sha256), b""
 
     def accept_manifest(self, sealed: bytes) -> CheckpointManifest:
         """Verify a sealed manifest against the fragments held here and save it (commits the checkpoint).
@@ -94,39 +126,49 @@ class FragmentService(ServicerBase):
     async def rpc_put_manifest(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Take the sealed manifest of a checkpoint this peer holds fragments of."""
-        try:
-            metadata, tensors = await gather(stream, max_bytes=MAX_RECORD_BYTES, max_tensors=1,
-                                             deadline_s=REQUEST_DEADLINE_S)
-            req = unpack_message(metadata, ManifestPut)
-            if req.run_id != self.run_id:
-                raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
-            if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
-                raise ProtocolError("a manifest travels as one uint8 vector")
-            await asyncio.get_running_loop().run_in_executor(None, self.accept_manifest, tensors[0].numpy().tobytes())
-            reply = FragmentReply()
-        except (ProtocolError, FileNotFoundError, ValueError) as e:
-            reply = FragmentReply(error=str(e)[:512])
-        async for msg in self._reply(reply):
+        async for msg in self._serve(self._put_manifest, stream, context):
             yield msg
+
+    async def _put_manifest(self, stream, context: P2PContext) -> tuple[FragmentReply, bytes]:
+        metadata, tensors = await gather(stream, max_bytes=MAX_RECORD_BYTES, max_tensors=1,
+                                         deadline_s=REQUEST_DEADLINE_S)
+        req = unpack_message(metadata, ManifestPut)
+        if req.run_id != self.run_id:
+            raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
+        if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+            raise ProtocolError("a manifest travels as one uint8 vector")
+        await asyncio.get_running_loop().run_in_executor(None, self.accept_manifest, tensors[0].numpy().tobytes())
+        return FragmentReply(), b""
+
+    async def rpc_endorse(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                          ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Endorse a checkpoint its writer is committing (:meth:`CheckpointAuthority.endorse`), or say why not."""
+        async for msg in self._serve(self._endorse, stream, context):
+            yield msg
+
+    async def _endorse(self, stream, context: P2PContext) -> tuple[FragmentReply, bytes]:
+        metadata, _ = await gather(stream, max_bytes=1 << 16, max_tensors=0, deadline_s=REQUEST_DEADLINE_S)
+        req = unpack_message(metadata, EndorseRequest)
+        if req.run_id != self.run_id:
+            raise ProtocolError(f"this peer endorses checkpoints of run {self.run_id}, not {req.run_id}")
+        if self.authority is None:
+            raise ProtocolError("this peer endorses no checkpoints")
+        return FragmentReply(), await self.authority.endorse(req, str(context.remote_id))
 
     async def rpc_get_fragment(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Serve a fragment this peer holds (verified on read)."""
-        data = b""
-        try:
-            metadata, _ = await gather(stream, max_bytes=1 << 16, max_tensors=0, deadline_s=REQUEST_DEADLINE_S)
-            req = unpack_message(metadata, FragmentGet)
-            fragment = await asyncio.get_running_loop().run_in_executor(
-                None, self.store.get, req.run_id, req.stage, req.epoch, req.index)
-            if req.sha256 and fragment.sha256 != req.sha256:  # another checkpoint of the same epoch (a race)
-                raise FileNotFoundError
-            reply, data = FragmentReply(sha256=fragment.sha256), fragment.data
-        except FileNotFoundError:
-            reply = FragmentReply(error="fragment not held here")
-        except (ProtocolError, FragmentError, ValueError) as e:
-            reply = FragmentReply(error=str(e)[:512])
-        async for msg in self._reply(reply, data):
+        async for msg in self._serve(self._get_fragment, stream, context):
             yield msg
+
+    async def _get_fragment(self, stream, context: P2PContext) -> tuple[FragmentReply, bytes]:
+        metadata, _ = await gather(stream, max_bytes=1 << 16, max_tensors=0, deadline_s=REQUEST_DEADLINE_S)
+        req = unpack_message(metadata, FragmentGet)
+        fragment = await asyncio.get_running_loop().run_in_executor(
+            None, self.store.get, req.run_id, req.stage, req.epoch, req.index)
+        if req.sha256 and fragment.sha256 != req.sha256:  # another checkpoint of the same epoch (a race)
+            raise FileNotFoundError
+        return FragmentReply(sha256=fragment.sha256), fragment.data
 
 
 async def _call(call, peer: str, run_id: str, timeout: float):
@@ -173,6 +215,29 @@ async def put_manifest(p2p: P2P, peer: str, run_id: str, sealed: bytes, timeout:
     reply = await _call(call, peer, run_id, timeout)
     if reply.error:
         raise FragmentError(f"{peer} refused the manifest: {reply.error}")
+
+
+class EndorsementRefused(FragmentError):
+    """A peer answered an endorsement request with a refusal (its reason): its answer, which asking again cannot
+    change."""
+
+
+async def request_endorsement(p2p: P2P, peer: str, req: EndorseRequest, timeout: float = 30.0) -> bytes:
+    """Ask ``peer`` (libp2p id) to endorse a checkpoint; returns the sealed endorsement.
+
+    :raises EndorsementRefused: it answered and refused (its reason).
+    :raises FragmentError: it is unreachable or did not answer.
+    """
+    stub = FragmentService.get_stub(p2p, PeerID.from_base58(peer), namespace=req.run_id)
+
+    async def call():
+        stream = await stub.rpc_endorse(stream_out(runtime_pb2.ExpertRequest, pack_message(req), []))
+        return await gather(stream, max_bytes=1 << 17, max_tensors=1)
+    metadata, tensors = await _call(call, peer, req.run_id, timeout)
+    reply = unpack_message(metadata, FragmentReply)
+    if reply.error or len(tensors) != 1:
+        raise EndorsementRefused(f"{peer} did not endorse: {reply.error or 'no endorsement in its reply'}")
+    return tensors[0].numpy().tobytes()
 
 
 async def get_fragment(p2p: P2P, peer: str, run_id: str, stage: int, epoch: int, index: int, sha256: str,

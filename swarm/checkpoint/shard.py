@@ -76,8 +76,10 @@ def decode_shard(blob: bytes, sha256: str, *, run_id: str | None = None, stage: 
         raise ShardError(f"shard does not parse as safetensors ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ShardError(f"shard is not in format {FORMAT!r} (another version or not a swarm shard); upgrade the peer")
-    shard = StageShard(run_id=str(header.get("run_id", "")), stage=int(header.get("stage", -1)),
-                       epoch=int(header.get("epoch", -1)), tensors=tensors, meta=header.get("meta") or {})
+    held, epoch, meta = header.get("stage", -1), header.get("epoch", -1), header.get("meta") or {}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (held, epoch)) or not isinstance(meta, dict):
+        raise ShardError("shard header's stage, epoch or meta has the wrong type; the shard is not a swarm shard")
+    shard = StageShard(run_id=str(header.get("run_id", "")), stage=held, epoch=epoch, tensors=tensors, meta=meta)
     if run_id is not None and shard.run_id != run_id:
         raise ShardError(f"shard is from run {shard.run_id!r}, not {run_id!r}")
     if stage is not None and shard.stage != stage:

@@ -8,11 +8,17 @@ looks whole; reads verify the hash, and a corrupt file is deleted and reported. 
 ``max_bytes``: a write that would is refused with :class:`StoreFull` (after old epochs were collected), and
 ``OSError`` from a full disk becomes the same error, naming the setting to change.
 
-Retention per (run, stage): the newest ``keep_epochs`` committed epochs, plus at most ``keep_epochs``
-uncommitted epochs newer than those (checkpoints still being written); everything else is deleted, so an
-old committed checkpoint is never dropped for a newer one that was never committed. An epoch pushed out of
-the newest ``keep_epochs`` less than ``grace_s`` ago stays while the budget allows: a server may be fetching
-it right now, or be about to follow a rollback order to it that the DHT has not delivered yet.
+Retention per (run, stage): the newest ``keep_epochs`` committed epochs, plus, per putter, at most
+``keep_epochs`` uncommitted epochs newer than those (checkpoints still being written), none older than
+``pending_s``; everything else is deleted, so an old committed checkpoint is never dropped for a newer one that
+was never committed. An epoch pushed out of the newest ``keep_epochs`` less than ``grace_s`` ago stays while
+the budget allows: a server may be fetching it right now, or be about to follow a rollback order to it that
+the DHT has not delivered yet.
+
+Putters (issue 11): an uncommitted epoch belongs to the peer that put its first fragment (``putter`` beside
+the fragments). Junk a putter places, say fragments for epoch 10**9 that will never be committed, only ever
+displaces its own uncommitted epochs, never another writer's checkpoint in progress, and it is deleted after
+``pending_s``.
 """
 
 from __future__ import annotations
@@ -54,12 +60,15 @@ class FragmentStore:
     :param keep_epochs: per (run, stage), fragments of older epochs than the newest ``keep_epochs`` are deleted.
     :param grace_s: seconds an epoch pushed out of the newest ``keep_epochs`` is still kept (budget allowing);
         peers pass twice the run's DHT record TTL, the horizon of what other peers may still act on.
+    :param pending_s: seconds after its last fragment arrived that an epoch nobody committed is deleted.
     """
 
-    def __init__(self, root: Path, max_bytes: int, keep_epochs: int = 2, grace_s: float = 0.0):
-        if max_bytes <= 0 or keep_epochs < 1 or grace_s < 0:
-            raise ValueError("max_bytes must be > 0, keep_epochs >= 1 and grace_s >= 0")
+    def __init__(self, root: Path, max_bytes: int, keep_epochs: int = 2, grace_s: float = 0.0,
+                 pending_s: float = 3600.0):
+        if max_bytes <= 0 or keep_epochs < 1 or grace_s < 0 or pending_s <= 0:
+            raise ValueError("max_bytes must be > 0, keep_epochs >= 1, grace_s >= 0 and pending_s > 0")
         self.root, self.max_bytes, self.keep_epochs, self.grace_s = Path(root), max_bytes, keep_epochs, grace_s
+        self.pending_s = pending_s
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _dir(self, run_id: str, stage: int, epoch: int) -> Path:
@@ -79,9 +88,10 @@ class FragmentStore:
                         continue
         return total
 
-    def put(self, run_id: str, stage: int, epoch: int, fragment: Fragment) -> StoredFragment:
+    def put(self, run_id: str, stage: int, epoch: int, fragment: Fragment, putter: str = "") -> StoredFragment:
         """Verify and store ``fragment``; returns what is stored.
 
+        :param putter: who placed it (a libp2p id; empty: this peer itself), see the module docstring.
         :raises FragmentError: the bytes do not match the fragment's hash.
         :raises SlotTaken: a fragment with another hash is held in that slot (kept: the first one wins).
         :raises StoreFull: over ``max_bytes`` even after collecting old epochs, or the disk is full.
@@ -98,13 +108,16 @@ class FragmentStore:
         if held is not None and path.exists():
             raise SlotTaken(f"fragment {fragment.index} of stage {stage} epoch {epoch} is already held here for "
                             "another checkpoint of that epoch; place this one on another peer")
-        self.collect(run_id, stage, newest=epoch)
+        owner = _owner(folder) if folder.is_dir() else putter
+        self.collect(run_id, stage, newest=epoch, newest_owner=owner)
         if self.used_bytes() + len(fragment.data) > self.max_bytes:
-            self.collect(run_id, stage, newest=epoch, grace=False)
+            self.collect(run_id, stage, newest=epoch, grace=False, newest_owner=owner)
         if self.used_bytes() + len(fragment.data) > self.max_bytes:
             raise StoreFull(errno.ENOSPC, f"storing {len(fragment.data)} bytes would exceed the fragment budget of "
                                           f"{self.max_bytes} bytes; raise SWARM_FRAGMENT_MAX_BYTES or free disk")
         folder.mkdir(parents=True, exist_ok=True)
+        if not (folder / "putter").exists():
+            _atomic_write(folder / "putter", owner.encode())
         try:
             _atomic_write(path, fragment.data)
             _atomic_write(folder / f"{fragment.index}.sha256", fragment.sha256.encode())
@@ -169,9 +182,11 @@ class FragmentStore:
             except (ValueError, OSError):
                 continue
 
-    def collect(self, run_id: str, stage: int, newest: int | None = None, grace: bool = True) -> list[int]:
+    def collect(self, run_id: str, stage: int, newest: int | None = None, grace: bool = True,
+                newest_owner: str = "") -> list[int]:
         """Apply the retention rule (module docstring) to (run, stage), counting ``newest`` (an epoch about to
-        be written) as uncommitted; ``grace=False`` ignores ``grace_s``. Returns the epochs deleted."""
+        be written by ``newest_owner``) as uncommitted; ``grace=False`` ignores ``grace_s``. Returns the epochs
+        deleted."""
         folder = self._dir(run_id, stage, 0).parent
         if not folder.exists():
             return []
@@ -186,14 +201,36 @@ class FragmentStore:
                         kept.add(older)
                 except OSError:
                     continue
-        floor = max(kept, default=-1)
-        pending = sorted(e for e in epochs | ({newest} if newest is not None else set())
-                         if e > floor and e not in kept)
-        kept |= set(pending[-self.keep_epochs:])
+        floor, now = max(kept, default=-1), time.time()
+        by_owner: dict[str, list[int]] = {}
+        for e in epochs | ({newest} if newest is not None else set()):
+            if e > floor and e not in kept:
+                path = folder / f"epoch{e}"
+                if e != newest and now - _mtime(path) > self.pending_s:
+                    continue  # never committed in pending_s: junk
+                by_owner.setdefault(newest_owner if e == newest else _owner(path), []).append(e)
+        for owned in by_owner.values():
+            kept |= set(sorted(owned)[-self.keep_epochs:])
         doomed = sorted(e for e in epochs if e not in kept and e != newest)
         for e in doomed:
             shutil.rmtree(folder / f"epoch{e}", ignore_errors=True)
         return doomed
+
+
+def _owner(folder: Path) -> str:
+    """The putter of an epoch's first fragment ("" if it put no name, or before owners were recorded)."""
+    try:
+        return (folder / "putter").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _mtime(path: Path) -> float:
+    """When the newest fragment of an epoch folder was written (its folder's mtime); now if it is gone."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return time.time()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

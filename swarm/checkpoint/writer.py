@@ -1,4 +1,8 @@
-"""Commit a stage's checkpoint to the swarm: encode, erasure-code, place, hand over the manifest, publish.
+"""Commit a stage's checkpoint to the swarm: endorse, encode, erasure-code, place, hand over the manifest, publish.
+
+First a second peer endorses it (:mod:`swarm.checkpoint.authority`: another server of the stage whose state at
+that epoch has the same digest, or a witness where the writer is the stage's only server); without one
+nothing is placed.
 
 A checkpoint is *committed* once at least ``k`` of its fragments sit on holders that also took its signed
 manifest (so it can be restored, and re-published, even if its writer and the DHT's copy are gone); only
@@ -16,7 +20,8 @@ from hivemind.utils import get_dht_time
 from swarm.checkpoint.erasure import split_into_fragments
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.shard import StageShard, encode_shard
-from swarm.protocol import CheckpointManifest, FragmentEntry, StorageInfo, seal
+from swarm.checkpoint.state import state_digest
+from swarm.protocol import CheckpointManifest, EndorseRequest, FragmentEntry, ProtocolError, StorageInfo, seal
 
 
 class CheckpointError(RuntimeError):
@@ -29,10 +34,17 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
     """Commit ``shard`` (see the module docstring); returns the manifest and its sealed bytes.
 
     :param parent: ``(shard sha256, epoch)`` of the checkpoint the state descends from (hash chain).
-    :raises CheckpointError: fewer than ``k`` fragments were placed with their manifest; nothing is published.
+    :raises CheckpointError: no peer endorsed it, or fewer than ``k`` fragments were placed with their manifest;
+        nothing is published.
     """
     ckpt = keeper.spec.checkpoint
     start = time.perf_counter()
+    state_sha = await keeper.io(state_digest, shard.tensors)
+    try:
+        endorsements = await keeper.authority.gather(keeper.p2p, EndorseRequest(
+            run_id=keeper.run_id, stage=shard.stage, epoch=shard.epoch, state_sha256=state_sha))
+    except ProtocolError as e:
+        raise CheckpointError(str(e)) from None
     blob, sha = await keeper.io(encode_shard, shard)
     fragments = await keeper.io(split_into_fragments, blob, ckpt.fragments_needed, ckpt.fragments_total)
     storage = [s for s in await keeper.io(keeper.directory.storage) if s.peer_id != keeper.me]
@@ -48,6 +60,7 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
         fragments=[FragmentEntry(index=f.index, sha256=f.sha256, holders=[placed[f.index]] if f.index in placed else [])
                    for f in fragments],
         parent=parent[0], parent_epoch=parent[1], loss=loss, data_position=dict(data_position or {}),
+        state_sha256=state_sha, endorsements=endorsements,
     )
     sealed = seal(manifest, keeper.identity)
     by_peer: dict[str, StorageInfo] = {s.peer_id: s for s in storage}

@@ -1,17 +1,28 @@
 """Every DHT record and wire message of the protocol, as typed, versioned schemas (msgpack on the wire).
 
 DHT records live under keys namespaced by run id (:func:`spec_key`, :func:`stage_key`,
-:func:`trainers_key`, ...), one sub-key per peer (its peer id; a manifest's is ``<epoch>:<peer id>``), and expire (``timeouts.record_ttl_s``). Each
-value is a *sealed* record: ``msgpack({"p": payload, "k": ed25519_public_key, "s": signature(payload)})``
+:func:`trainers_key`, ...), under the sub-key :meth:`Record.dht_subkey` gives, and expire. Each value is a
+*sealed* record: ``msgpack({"p": payload, "k": ed25519_public_key, "s": signature(payload)})``
 where the payload is the msgpack of a :class:`Record` subclass. :func:`open_record` checks the size, the
-signature, the protocol version, the run id, that the signer owns the sub-key, that the record is not dated
+signature, the protocol version, the run id, that the signer owns the sub-key and any libp2p id the record
+names (:mod:`swarm.identity`: the id is the key), that the record is not dated
 in the future (:data:`MAX_CLOCK_SKEW_S`) and that its numbers are finite and in range, before a record is
-used; anything else raises :class:`ProtocolError` with the cause. Unknown fields are ignored so newer peers can
+used; anything else raises :class:`ProtocolError` with the cause.
+
+**Shadowing.** hivemind keeps, per sub-key, the value that expires last, so a value stored again with a later
+expiration hides the newer ones under its sub-key. Two rules make that harmless. A peer's own announcements
+(:class:`AnnouncedRecord`: servers, trainers, holders) are re-signed with a fresh ``time`` at every
+announcement and carry the lifetime their signer gave them (``ttl_s``); a value stored to expire after
+``time + ttl_s`` is refused (a replay of an old announcement cannot outlive the newer one). Records re-published
+verbatim by others (manifests, rollback orders, ban lists) live one version per sub-key (``<epoch>:<peer id>``,
+``<generation>:<peer id>``, ``<time>:<peer id>``), so an old version kept alive never hides a new one: readers
+take the newest among them. Unknown fields are ignored so newer peers can
 add fields without breaking older ones (same protocol version); a removed or retyped field needs a new
 :data:`~swarm.config.PROTOCOL_VERSION`.
 
 Wire messages are the ``metadata`` of hivemind's ``runtime_pb2.ExpertRequest``/``ExpertResponse`` streams;
-the tensors travel in the same messages (see :mod:`swarm.stage`).
+the tensors travel in the same messages (see :mod:`swarm.stage`). They live in :mod:`swarm.protocol.wire` and
+are imported here: every schema is read from this one namespace, ``swarm.protocol``.
 """
 
 from __future__ import annotations
@@ -25,13 +36,17 @@ import msgpack
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from swarm.config import PROTOCOL_VERSION, RunSpec
-from swarm.identity import Identity, SignatureError, derive_run_id, peer_id_of, verify
+from swarm.config import MAX_RECORD_TTL_S, PROTOCOL_VERSION, RunSpec
+from swarm.identity import Identity, SignatureError, derive_run_id, p2p_id_of, peer_id_of, verify
 
 MAX_RECORD_BYTES = 64 * 1024
 """Largest sealed record accepted from the DHT (bytes)."""
+MAX_ENDORSEMENTS = 8
+"""Endorsements a manifest carries at most."""
 MAX_METADATA_BYTES = 16 * 1024
 """Largest wire-message metadata accepted (bytes)."""
+EXPIRY_SLACK_S = 5.0
+"""Seconds a stored announcement may expire after ``time + ttl_s`` (its store is computed a moment later)."""
 MAX_CLOCK_SKEW_S = 60.0
 """Seconds a record's ``time`` may lie ahead of the reader's clock (peers keep their clocks with NTP); a record
 dated later is refused, so a forged one cannot stay "fresh" after its signer is gone."""
@@ -106,6 +121,18 @@ class Record(_Schema):
     peer_id: str
     time: float = Field(ge=0)
 
+    def dht_subkey(self) -> str:
+        """The DHT sub-key this record lives under: its signer's peer id (versioned kinds add the version)."""
+        return self.peer_id
+
+
+class AnnouncedRecord(Record):
+    """A record its signer re-announces, re-signed with a fresh ``time``, every ``ttl_s / 3`` seconds (module
+    docstring, *Shadowing*): a value of it stored to expire later than ``time + ttl_s`` is refused."""
+
+    ttl_s: float = Field(0.0, ge=0, le=MAX_RECORD_TTL_S,
+                         description="Seconds the record lives (set by RunDirectory.announce from record_ttl_s).")
+
 
 class SpecRecord(Record):
     """The signed run spec, published by the coordinator (and re-published verbatim by peers)."""
@@ -126,14 +153,15 @@ class RestoreReport(BaseModel):
     fragments_bad: int = Field(0, ge=0, description="Fragments refused for a wrong hash (their holders distrusted).")
 
 
-class ServerInfo(Record):
+class ServerInfo(AnnouncedRecord):
     """A stage server's announcement under :func:`stage_key`."""
 
     kind: Literal["server"] = "server"
     stage: int = Field(ge=0)
     state: ServerState
     throughput: float = Field(ge=0, description="Measured samples/s of forward+backward on this stage.")
-    p2p_id: str = Field(description="libp2p peer id (base58) to call the stage RPCs on.")
+    p2p_id: str = Field(min_length=1, max_length=128, description="libp2p peer id (base58) to call the stage RPCs "
+                        "on; the signer's own (swarm.identity).")
     maddrs: list[str] = Field(default_factory=list)
     epoch: int = Field(0, ge=0)
     samples: int = Field(0, ge=0, description="Samples processed since the server started.")
@@ -165,6 +193,9 @@ class ServerInfo(Record):
                                  "this server applied.")
     name: str = Field("", max_length=64, description="Public name its operator chose (SWARM_NAME).")
     reachability: Reachability = "direct"
+    convicted: dict[str, str] = Field(
+        default_factory=dict, max_length=32, description="Peer ids of servers convicted by spot-check evidence "
+        "this server verified (swarm.convictions) -> reason; anyone can fetch the evidence (rpc_get_evidence).")
     history: list[tuple[int, float, FiniteOrNone]] = Field(
         default_factory=list, max_length=HISTORY_POINTS,
         description="(epoch, DHT time it began, mean training loss of the epoch before or None) per epoch "
@@ -175,7 +206,7 @@ class PartCommitment(Record):
     """A sender's signed statement of the part it sent a reducer (see :mod:`swarm.averaging.evidence`)."""
 
     kind: Literal["commitment"] = "commitment"
-    p2p_id: str = Field(max_length=128, description="libp2p id the part was sent from.")
+    p2p_id: str = Field(min_length=1, max_length=128, description="libp2p id the part was sent from.")
     group: str = Field(min_length=1, max_length=128)
     partition: int = Field(ge=0)
     numel: int = Field(ge=0)
@@ -189,7 +220,7 @@ class ReductionReceipt(Record):
     :class:`PartCommitment` bytes) and the SHA-256 of the encoded aggregate it returned to every sender."""
 
     kind: Literal["receipt"] = "receipt"
-    p2p_id: str = Field(max_length=128, description="libp2p id of the reducer.")
+    p2p_id: str = Field(min_length=1, max_length=128, description="libp2p id of the reducer.")
     group: str = Field(min_length=1, max_length=128)
     partition: int = Field(ge=0)
     numel: int = Field(ge=0)
@@ -199,13 +230,30 @@ class ReductionReceipt(Record):
     output_digest: str = Field(max_length=64)
 
 
+class StageReceipt(Record):
+    """A stage server's signed statement of one reply (:mod:`swarm.spotcheck`): for the request tensors with
+    SHA-256 ``request_sha256`` (:func:`swarm.spotcheck.tensors_digest` of their wire form) it answered, with its
+    parameters of ``epoch``, the tensors with ``reply_sha256`` and ``loss``. Anyone holding both tensor lists can
+    check the statement; three of them over one request are the evidence a trainer publishes against a liar."""
+
+    kind: Literal["stage_receipt"] = "stage_receipt"
+    p2p_id: str = Field(min_length=1, max_length=128, description="libp2p id of the server.")
+    stage: int = Field(ge=0)
+    epoch: int = Field(ge=0, description="The epoch of the parameters the reply was computed with.")
+    mb_id: str = Field(min_length=1, max_length=128)
+    call: Literal["forward", "backward"]
+    request_sha256: str = Field(min_length=64, max_length=64)
+    reply_sha256: str = Field(min_length=64, max_length=64)
+    loss: Optional[float] = Field(None, description="The loss it returned (last stage), or None.")
+
+
 class Accusation(Record):
     """An auditor's signed claim that a reducer returned a wrong aggregate, stored under
     :func:`accusations_key`; the evidence (parts, aggregate) is served by the auditor (``rpc_audit_evidence``)
     so that every peer can recompute before it excludes anyone."""
 
     kind: Literal["accusation"] = "accusation"
-    p2p_id: str = Field(max_length=128, description="libp2p id of the auditor (serves the evidence).")
+    p2p_id: str = Field(min_length=1, max_length=128, description="libp2p id of the auditor (serves the evidence).")
     accused: str = Field(max_length=128, description="libp2p id of the reducer.")
     receipt: bytes = Field(max_length=32 * 1024, description="The reducer's sealed ReductionReceipt.")
     reason: str = Field("", max_length=512)
@@ -247,6 +295,11 @@ class CheckpointManifest(Record):
     loss: FiniteOrNone = Field(None, description="The writer's training loss EMA (last stage only).")
     data_position: dict[int, int] = Field(default_factory=dict, description="Data share -> samples its trainer "
                                           "had consumed when the checkpoint was written (trainers resume there).")
+    state_sha256: str = Field(min_length=64, max_length=64, description="SHA-256 of the stage state the shard "
+                              "holds (swarm.checkpoint.state.state_digest: parameters and optimizer state only).")
+    endorsements: list[bytes] = Field(min_length=1, max_length=MAX_ENDORSEMENTS, description="Sealed "
+                                      ":class:`Endorsement` records of other peers (the checkpoint's authority, "
+                                      "swarm.checkpoint.authority); :func:`open_record` checks them.")
 
     @model_validator(mode="after")
     def _fragments_fit(self) -> "CheckpointManifest":
@@ -256,6 +309,44 @@ class CheckpointManifest(Record):
         if len(set(indices)) != len(indices) or any(i >= self.n for i in indices):
             raise ValueError(f"fragment indices {indices} are repeated or not below n={self.n}")
         return self
+
+    def dht_subkey(self) -> str:
+        return manifest_subkey(self.epoch, self.peer_id)
+
+
+class Endorsement(Record):
+    """Another peer's signed word that a checkpoint's writer may commit it, embedded sealed in the manifest
+    (see :mod:`swarm.checkpoint.authority`). ``same_state``: a server of the stage whose own state at ``epoch``
+    has digest ``state_sha256``; ``witness``: a peer that saw ``writer`` as the stage's only online server."""
+
+    kind: Literal["endorsement"] = "endorsement"
+    stage: int = Field(ge=0)
+    epoch: int = Field(ge=0)
+    state_sha256: str = Field(min_length=64, max_length=64)
+    writer: str = Field(min_length=1, max_length=64, description="Peer id of the checkpoint's writer.")
+    basis: Literal["same_state", "witness"]
+
+
+def check_endorsements(manifest: CheckpointManifest, run_id: str) -> list[Endorsement]:
+    """The manifest's endorsements, opened: each signed by a peer other than the writer, for this run, stage,
+    epoch, state and writer; at least one.
+
+    :raises ProtocolError: none, or one that does not verify or match (an honest writer embeds only good ones).
+    """
+    out, signers = [], set()
+    for sealed in manifest.endorsements:
+        e, _ = open_record(sealed, Endorsement, run_id=run_id)
+        if (e.stage, e.epoch, e.state_sha256, e.writer) != (manifest.stage, manifest.epoch, manifest.state_sha256,
+                                                             manifest.peer_id):
+            raise ProtocolError(f"an endorsement of the manifest of stage {manifest.stage} epoch {manifest.epoch} "
+                                "is for another checkpoint")
+        if e.peer_id == manifest.peer_id or e.peer_id in signers:
+            raise ProtocolError("a manifest's endorsements must come from distinct peers other than its writer")
+        signers.add(e.peer_id)
+        out.append(e)
+    if not out:
+        raise ProtocolError("the manifest carries no endorsement by a second peer")
+    return out
 
 
 def checkpoints_key(run_id: str, stage: int) -> str:
@@ -267,7 +358,7 @@ def manifest_subkey(epoch: int, peer_id: str) -> str:
     return f"{epoch}:{peer_id}"
 
 
-class StorageInfo(Record):
+class StorageInfo(AnnouncedRecord):
     """A fragment holder's announcement under :func:`storage_key`: where to reach it, its free budget and
     the fragments it holds (verified on its disk when stored)."""
 
@@ -289,8 +380,8 @@ def storage_key(run_id: str) -> str:
 class RollbackOrder(Record):
     """A swarm-wide order to return every stage to its checkpoint at or before ``epoch`` and scale the
     learning rate by ``lr_scale`` (cumulative), issued by a last-stage server that saw the loss spike (see
-    :mod:`swarm.checkpoint.rollback`). Stored under :func:`rollback_key`, sub-key the issuer's peer id. Servers
-    apply it only when it is in force (:func:`swarm.checkpoint.rollback.order_in_force`)."""
+    :mod:`swarm.checkpoint.rollback`). Stored under :func:`rollback_key`, sub-key ``<generation>:<issuer's peer
+    id>``. Servers apply it only when it is in force (:func:`swarm.checkpoint.rollback.order_in_force`)."""
 
     kind: Literal["rollback"] = "rollback"
     epoch: int = Field(ge=0, description="Newest epoch whose checkpoint is still good.")
@@ -298,6 +389,9 @@ class RollbackOrder(Record):
     lr_scale: float = Field(gt=0, le=1, description="Learning-rate multiplier after this rollback (cumulative).")
     generation: int = Field(ge=1, description="Rollbacks so far, this one included.")
     reason: str = Field("", max_length=512)
+
+    def dht_subkey(self) -> str:
+        return f"{self.generation}:{self.peer_id}"
 
 
 def rollback_key(run_id: str) -> str:
@@ -310,8 +404,8 @@ MAX_BANS = 256
 class BanList(Record):
     """Peers the run's coordinator banned (``swarm-coordinator ban``): routing, averaging, fragment placement
     and the stage RPCs all shun them, and a banned peer stops itself. Signed by the run key (the spec's
-    signer) and stored under :func:`bans_key`, sub-key the coordinator's peer id; every peer re-publishes the
-    newest list it has, so it outlives the coordinator."""
+    signer) and stored under :func:`bans_key`, sub-key ``<time>:<coordinator's peer id>`` (one per version);
+    every peer re-publishes the newest list it has, so it outlives the coordinator."""
 
     kind: Literal["bans"] = "bans"
     banned: dict[str, str] = Field(default_factory=dict, max_length=MAX_BANS,
@@ -319,12 +413,15 @@ class BanList(Record):
     p2p_ids: dict[str, str] = Field(default_factory=dict, max_length=MAX_BANS,
                                     description="Peer id -> its libp2p id when known (to refuse its connections).")
 
+    def dht_subkey(self) -> str:
+        return f"{self.time!r}:{self.peer_id}"
+
 
 def bans_key(run_id: str) -> str:
     return f"{run_id}/bans"
 
 
-class TrainerInfo(Record):
+class TrainerInfo(AnnouncedRecord):
     """A trainer's progress under :func:`trainers_key`."""
 
     kind: Literal["trainer"] = "trainer"
@@ -347,6 +444,11 @@ class TrainerInfo(Record):
     val_loss: FiniteOrNone = Field(None, description="Mean loss on held-out micro-batches (nats/token), "
                                       "measured every SWARM_VAL_EVERY_S seconds through the swarm.")
     val_time: float = Field(0.0, ge=0, description="DHT time of that measurement.")
+    spot_checks: dict[str, int] = Field(
+        default_factory=dict, max_length=8, description="Its spot checks (swarm.spotcheck): sampled, agreed, "
+        "convicted, inconclusive, unchecked.")
+    convicted: dict[str, str] = Field(
+        default_factory=dict, max_length=32, description="Peer ids of servers its spot checks convicted -> reason.")
 
 
 R = TypeVar("R", bound=Record)
@@ -383,13 +485,17 @@ def seal(record: Record, identity: Identity) -> bytes:
 
 
 def open_record(
-    blob: bytes, cls: Type[R], *, run_id: str, subkey: Optional[str] = None, signer: Optional[bytes] = None
+    blob: bytes, cls: Type[R], *, run_id: str, subkey: Optional[str] = None, signer: Optional[bytes] = None,
+    expiration: Optional[float] = None,
 ) -> tuple[R, bytes]:
     """Verify and parse a sealed record; returns ``(record, signer_public_key)``.
 
-    :param subkey: the DHT sub-key it was stored under; must equal the signer's peer id.
+    :param subkey: the DHT sub-key it was stored under; must be the record's :meth:`~Record.dht_subkey`.
     :param signer: if given, the only public key allowed to have signed it (e.g. the run's coordinator key).
-    :raises ProtocolError: oversized, malformed, bad signature, wrong kind, run or protocol version.
+    :param expiration: the DHT expiration it was stored with (DHT time, seconds); an :class:`AnnouncedRecord`
+        must expire by ``time + ttl_s`` (module docstring, *Shadowing*).
+    :raises ProtocolError: oversized, malformed, bad signature, wrong kind, run or protocol version, a sub-key
+        or libp2p id its signer does not own, a replayed announcement.
     """
     if not isinstance(blob, (bytes, bytearray)):
         raise ProtocolError(f"record is {type(blob).__name__}, expected bytes")
@@ -416,12 +522,28 @@ def open_record(
         raise ProtocolError(f"record is dated {ahead:.0f} s in the future (more than {MAX_CLOCK_SKEW_S:.0f} s "
                             "of clock skew): its signer's clock is wrong; sync it with NTP")
     if cls is not SpecRecord:
-        owner = peer_id_of(key)
-        if subkey is not None and cls is CheckpointManifest:
-            subkey = subkey.rpartition(":")[2] if subkey == manifest_subkey(record.epoch, owner) else ""
-        if record.peer_id != owner or (subkey is not None and subkey != owner):
+        if record.peer_id != peer_id_of(key):
             raise ProtocolError("record names a peer id its signer does not own")
+        _check_placement(record, subkey, expiration)
+        if cls is CheckpointManifest:
+            check_endorsements(record, run_id)
+        if getattr(record, "p2p_id", "") and record.p2p_id != p2p_id_of(key):
+            raise ProtocolError("record names a libp2p id its signer does not own (a peer's libp2p id is its "
+                                "signing key's, swarm.identity)")
     return record, key
+
+
+def _check_placement(record: Record, subkey: Optional[str], expiration: Optional[float]) -> None:
+    """:raises ProtocolError: ``record`` was stored under another sub-key than its own, or (an announcement)
+    to expire later than its signer allowed."""
+    if subkey is not None and subkey != record.dht_subkey():
+        raise ProtocolError(f"record is stored under sub-key {subkey[:80]!r}, not its own {record.dht_subkey()!r} "
+                            "(its kind, version and signer's peer id)")
+    if expiration is not None and isinstance(record, AnnouncedRecord):
+        late = expiration - (record.time + record.ttl_s)
+        if late > EXPIRY_SLACK_S:
+            raise ProtocolError(f"announcement stored to expire {late:.0f} s after the lifetime its signer gave it "
+                                f"({record.ttl_s:.0f} s): a replay kept alive to hide the signer's newer ones")
 
 
 def open_spec(sealed: bytes, run_id: str) -> tuple[RunSpec, bytes]:
@@ -432,7 +554,13 @@ def open_spec(sealed: bytes, run_id: str) -> tuple[RunSpec, bytes]:
     :raises SpecError: the spec itself does not validate.
     """
     rec, key = open_record(sealed, SpecRecord, run_id=run_id)
-    spec = RunSpec.from_dict(json.loads(rec.spec_json))
+    try:
+        raw = json.loads(rec.spec_json)
+    except ValueError as e:
+        raise ProtocolError(f"the spec is not JSON ({e}); the record is corrupted") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError("the spec is not a JSON object; the record is corrupted")
+    spec = RunSpec.from_dict(raw)
     if spec.spec_hash() != rec.spec_hash:
         raise ProtocolError("spec hash does not match the spec's contents; the record is corrupted")
     if derive_run_id(spec.name, key, rec.spec_hash) != run_id:
@@ -440,141 +568,23 @@ def open_spec(sealed: bytes, run_id: str) -> tuple[RunSpec, bytes]:
     return spec, key
 
 
-# ---- wire messages (metadata of stage RPCs) --------------------------------------------------------------
-
-
-class ForwardRequest(_Schema):
-    """Run a micro-batch through a stage.
-
-    Tensors: ``[inputs]`` — int64 token ids ``(B, T)`` for stage 0, else float32 hidden states ``(B, T, d)``;
-    the last stage also gets int64 targets ``(B, T)`` and returns the loss (and, with ``mode="train"``, the
-    input gradient, having accumulated its parameter gradients).
-    """
-
-    run_id: str
-    stage: int = Field(ge=0)
-    mb_id: str = Field(min_length=1, max_length=128)
-    mode: Literal["train", "eval"] = "train"
-    codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
-
-
-class BackwardRequest(_Schema):
-    """Backpropagate a micro-batch through a stage (not the last one).
-
-    Tensors: ``[grad_outputs]`` float32 ``(B, T, d)``, followed by the forward ``inputs`` when
-    ``with_inputs`` (a retry on a server that did not run the forward recomputes it from them).
-    """
-
-    run_id: str
-    stage: int = Field(ge=0)
-    mb_id: str = Field(min_length=1, max_length=128)
-    with_inputs: bool = False
-    codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
-
-
-class PingRequest(_Schema):
-    """Is this stage server alive and serving (``rpc_ping``)? Answered with a tensor-less StageResponse."""
-
-    run_id: str
-    stage: int = Field(ge=0)
-
-
-class StageResponse(_Schema):
-    """Reply to a stage RPC; tensors: outputs (forward) or input gradients (backward / last stage train)."""
-
-    loss: Optional[float] = None
-    epoch: int = 0
-    codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
-
-
-class AveragingPart(_Schema):
-    """One sender's part of one partition in an averaging round (:mod:`swarm.averaging.allreduce`).
-
-    Tensors: the part encoded with ``codec`` (see :mod:`swarm.averaging.compression`). ``digest`` is the
-    SHA-256 of the encoded tensors' bytes, the sender's commitment to what it sent.
-    """
-
-    group: str = Field(min_length=1, max_length=128)  # hex group id of the round, with the phase
-    partition: int = Field(ge=0)
-    weight: float  # samples behind the part, as the sender reports them (bounded by the reducer)
-    numel: int = Field(ge=0)
-    codec: str = Field(max_length=32)
-    digest: str = Field(max_length=64)
-    commitment: bytes = Field(b"", max_length=4096, description="The sender's sealed PartCommitment.")
-
-
-class AveragingReply(_Schema):
-    """The reducer's answer: the partition's aggregate (tensors, encoded with the round's codec) and what it
-    made of the sender's part. ``error`` set means there is no aggregate (tensors empty)."""
-
-    accepted: bool = False
-    flagged: bool = False
-    reason: str = Field("", max_length=512)
-    digest: str = Field("", max_length=64)  # SHA-256 of the encoded aggregate
-    senders: int = 0  # parts the aggregate used
-    error: str = Field("", max_length=512)
-    receipt: bytes = Field(b"", max_length=32 * 1024, description="The reducer's sealed ReductionReceipt.")
-
-
-class AuditRequest(_Schema):
-    """Ask a sender for its part of an audited partition (``rpc_audit_part``) or an auditor for the evidence
-    behind an accusation (``rpc_audit_evidence``)."""
-
-    group: str = Field(min_length=1, max_length=128)
-    partition: int = Field(ge=0)
-
-
-class AuditReply(_Schema):
-    """Tensors: the encoded part (``rpc_audit_part``), or the encoded aggregate followed by every committed
-    part in receipt order (``rpc_audit_evidence``). ``error`` set: nothing follows."""
-
-    error: str = Field("", max_length=512)
-    parts: int = 0
-    tensors_per_part: int = 0
-
-
-def pack_message(msg: _Schema) -> bytes:
-    return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
-
-
-def unpack_message(data: bytes, cls: Type[S]) -> S:
-    """Parse wire metadata; raises :class:`ProtocolError` (oversized, malformed, version mismatch)."""
-    if not data:
-        raise ProtocolError("empty message: the peer closed the stream without a reply (it may be shutting down)")
-    if len(data) > MAX_METADATA_BYTES:
-        raise ProtocolError(f"message metadata of {len(data)} bytes exceeds {MAX_METADATA_BYTES}")
-    return _parse(data, cls, "message")
-
-
-class FragmentPut(_Schema):
-    """Ask a peer to hold a checkpoint fragment (``rpc_put_fragment``); tensors: the bytes as uint8 ``(size,)``."""
-
-    run_id: str
-    stage: int = Field(ge=0)
-    epoch: int = Field(ge=0)
-    index: int = Field(ge=0, lt=256)
-    sha256: str = Field(min_length=64, max_length=64)
-
-
-class FragmentGet(_Schema):
-    """Ask a holder for a fragment (``rpc_get_fragment``); ``sha256`` names the one the manifest lists."""
-
-    run_id: str
-    stage: int = Field(ge=0)
-    epoch: int = Field(ge=0)
-    index: int = Field(ge=0, lt=256)
-    sha256: str = Field("", max_length=64)
-
-
-class ManifestPut(_Schema):
-    """Hand a holder the sealed manifest of a checkpoint it holds fragments of (``rpc_put_manifest``), so it
-    can re-publish the manifest after every other peer is gone; tensors: the sealed bytes as uint8 ``(size,)``."""
-
-    run_id: str
-
-
-class FragmentReply(_Schema):
-    """``error`` empty: done (for a get, the fragment's bytes follow as uint8 and ``sha256`` names them)."""
-
-    error: str = Field("", max_length=512)
-    sha256: str = Field("", max_length=64)
+# the wire messages, at the end: they build on the base classes above
+from swarm.protocol.wire import (  # noqa: E402
+    ForwardRequest,
+    BackwardRequest,
+    PingRequest,
+    StageResponse,
+    EvidenceMessage,
+    EvidenceRequest,
+    AveragingPart,
+    AveragingReply,
+    AuditRequest,
+    AuditReply,
+    pack_message,
+    unpack_message,
+    FragmentPut,
+    FragmentGet,
+    ManifestPut,
+    EndorseRequest,
+    FragmentReply,
+)

@@ -1,0 +1,193 @@
+"""Convictions shared: a spot check's evidence, verified by every peer that acts on it (issue 11, item 4).
+
+A trainer whose spot check convicts a server (:mod:`swarm.spotcheck`) pushes the evidence to the run's
+servers (``rpc_push_evidence``). Checking it needs no parameters (:func:`~swarm.spotcheck.verify_evidence`:
+signatures, digests, distances), so any server can: one that verifies it keeps it (:class:`ConvictionBook`),
+lists the accused in its :class:`~swarm.protocol.ServerInfo` (``convicted``) and, if the accused serves its own
+stage, excludes it from its averaging groups. A trainer that sees a peer id listed there fetches the evidence
+from the listing server (``rpc_get_evidence``), verifies it itself, and stops routing to the accused. No peer
+takes another's word: each acts only on evidence it verified, and evidence that does not verify is refused with
+its cause (one log line), costing the sender its request.
+
+Wire: :class:`~swarm.protocol.EvidenceMessage` with the evidence's tensors in six groups (the check request,
+the three answers, the accused's own request and forward request when they differ), at most
+:data:`MAX_GROUP_TENSORS` each, within ``6 x`` a stage message's byte budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import AsyncIterator, Callable, Optional
+
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+
+from swarm.admission import PeerAdmission
+from swarm.config import RunSpec
+from swarm.protocol import EvidenceMessage, EvidenceRequest, ProtocolError, Refusal, StageReceipt, open_record
+from swarm.protocol import pack_message, unpack_message
+from swarm.spotcheck import SpotEvidence, verify_evidence
+from swarm.stage import max_message_bytes
+from swarm.transport import ProtocolServicer, gather, stream_out
+
+logger = logging.getLogger(__name__)
+MAX_GROUP_TENSORS = 4
+"""Wire tensors per evidence group (a stage message's most: two tensors, each two on the wire)."""
+MAX_CONVICTIONS = 32
+"""Convictions a peer keeps (and lists in its record); the oldest go first."""
+EVIDENCE_TIMEOUT_S = 30.0
+"""Seconds a push or fetch of evidence may take."""
+
+
+class EvidenceRefused(RuntimeError, Refusal):
+    """A push or fetch of evidence this peer refuses (the cause named)."""
+
+
+def pack_evidence(evidence: SpotEvidence) -> tuple[EvidenceMessage, list[torch.Tensor]]:
+    groups = [evidence.request_wire, *(wire for _, wire in evidence.answers), evidence.accused_request_wire,
+              evidence.forward_request_wire]
+    msg = EvidenceMessage(run_id=evidence.run_id, stage=evidence.stage, call=evidence.call, codec=evidence.codec,
+                          accused=evidence.accused, tolerance=evidence.tolerance,
+                          receipts=[sealed for sealed, _ in evidence.answers],
+                          forward_receipt=evidence.forward_receipt, groups=[len(g) for g in groups])
+    return msg, [t for g in groups for t in g]
+
+
+def unpack_evidence(msg: EvidenceMessage, tensors: list[torch.Tensor]) -> SpotEvidence:
+    """:raises ProtocolError: the tensors do not follow the message's groups."""
+    if len(msg.groups) != 6 or sum(msg.groups) != len(tensors) or len(msg.receipts) != 3:
+        raise ProtocolError(f"evidence groups {msg.groups} do not match {len(tensors)} tensors and 3 receipts")
+    groups, i = [], 0
+    for n in msg.groups:
+        groups.append(list(tensors[i:i + n]))
+        i += n
+    return SpotEvidence(run_id=msg.run_id, stage=msg.stage, call=msg.call, codec=msg.codec,
+                        request_wire=groups[0], answers=list(zip(msg.receipts, groups[1:4])), accused=msg.accused,
+                        tolerance=msg.tolerance, accused_request_wire=groups[4], forward_receipt=msg.forward_receipt,
+                        forward_request_wire=groups[5])
+
+
+class ConvictionBook:
+    """The convictions this peer verified: accused peer id -> (reason, evidence), at most :data:`MAX_CONVICTIONS`.
+
+    :param me: this peer's id (evidence against it is refused, not listed).
+    """
+
+    def __init__(self, run_id: str, me: str):
+        self.run_id, self.me = run_id, me
+        self._known: OrderedDict[str, tuple[str, SpotEvidence, StageReceipt]] = OrderedDict()
+
+    def __contains__(self, peer_id: str) -> bool:
+        return peer_id in self._known
+
+    def listed(self) -> dict[str, str]:
+        """Accused peer id -> reason (what this peer announces)."""
+        return {peer: reason for peer, (reason, _, _) in self._known.items()}
+
+    def of_stage(self, stage: Optional[int]) -> dict[str, str]:
+        """libp2p id -> reason of the convicted servers that answered for ``stage`` (to exclude from its
+        averaging)."""
+        return {receipt.p2p_id: reason for reason, _, receipt in self._known.values() if receipt.stage == stage}
+
+    def evidence(self, peer_id: str) -> Optional[SpotEvidence]:
+        found = self._known.get(peer_id)
+        return found[1] if found else None
+
+    def add(self, evidence: SpotEvidence) -> tuple[StageReceipt, bool]:
+        """Verify ``evidence`` and keep it. Returns the accused's receipt (its ``peer_id``, ``p2p_id``, ``stage``)
+        and whether the conviction is new here.
+
+        :raises ProtocolError: the evidence does not verify, is for another run, or accuses this peer.
+        """
+        if evidence.run_id != self.run_id:
+            raise ProtocolError(f"evidence is for run {evidence.run_id!r}, not {self.run_id!r}")
+        accused = verify_evidence(evidence)
+        if accused == self.me:
+            raise ProtocolError("evidence accuses this peer; it is not listed (check this server's hardware and code)")
+        receipt, _ = open_record(evidence.answers[evidence.accused][0], StageReceipt, run_id=self.run_id)
+        if accused in self._known:
+            return receipt, False
+        reason = f"spot check: its stage {receipt.stage} {receipt.call} answer at epoch {receipt.epoch} is far from two " \
+                 f"agreeing servers' (verified evidence)"
+        self._known[accused] = (reason, evidence, receipt)
+        while len(self._known) > MAX_CONVICTIONS:
+            self._known.popitem(last=False)
+        return receipt, True
+
+
+class EvidenceService(ProtocolServicer):
+    """``rpc_push_evidence`` (a trainer hands over a conviction) and ``rpc_get_evidence`` (a peer asks for the
+    evidence behind a listed conviction), on namespace ``run_id``.
+
+    :param on_conviction: called with the accused's receipt after evidence verified (e.g. to exclude it).
+    """
+
+    wire_name = "EvidenceService"
+
+    def __init__(self, spec: RunSpec, book: ConvictionBook,
+                 on_conviction: Optional[Callable[[StageReceipt], None]] = None):
+        self.spec, self.book, self.on_conviction = spec, book, on_conviction
+        self.max_bytes = 6 * max_message_bytes(spec)
+        self.admission = PeerAdmission(max_in_flight=4)
+
+    async def rpc_push_evidence(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        with self.admission.admit(str(context.remote_id)):
+            meta, tensors = await gather(requests, self.max_bytes, max_tensors=6 * MAX_GROUP_TENSORS,
+                                         deadline_s=EVIDENCE_TIMEOUT_S)
+            msg = unpack_message(meta, EvidenceMessage)
+            evidence = unpack_evidence(msg, tensors)
+            receipt, new = await asyncio.get_running_loop().run_in_executor(None, self.book.add, evidence)
+            if new:
+                logger.warning("verified the evidence from %s: stage %d server %s lied to a trainer; listing it",
+                               context.remote_id, receipt.stage, receipt.peer_id)
+                if self.on_conviction is not None:
+                    self.on_conviction(receipt)
+            ack = EvidenceRequest(run_id=self.book.run_id, accused=receipt.peer_id)
+            async for out in stream_out(runtime_pb2.ExpertResponse, pack_message(ack), []):
+                yield out
+
+    async def rpc_get_evidence(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                               ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        with self.admission.admit(str(context.remote_id)):
+            meta, _ = await gather(requests, max_tensors=0, deadline_s=EVIDENCE_TIMEOUT_S)
+            req = unpack_message(meta, EvidenceRequest)
+            evidence = self.book.evidence(req.accused) if req.run_id == self.book.run_id else None
+            if evidence is None:
+                raise EvidenceRefused(f"no evidence against {req.accused[:64]!r} here")
+            msg, tensors = pack_evidence(evidence)
+            async for out in stream_out(runtime_pb2.ExpertResponse, pack_message(msg), tensors):
+                yield out
+
+
+async def push_evidence(p2p: P2P, p2p_id: str, evidence: SpotEvidence) -> None:
+    """Hand ``evidence`` to the peer ``p2p_id``. :raises Exception: refused or unreachable."""
+    stub = EvidenceService.get_stub(p2p, PeerID.from_base58(p2p_id), namespace=evidence.run_id)
+    msg, tensors = pack_evidence(evidence)
+
+    async def call():
+        return await gather(await stub.rpc_push_evidence(stream_out(runtime_pb2.ExpertRequest, pack_message(msg),
+                                                                    tensors)), max_tensors=0)
+    await asyncio.wait_for(call(), EVIDENCE_TIMEOUT_S)
+
+
+async def fetch_evidence(p2p: P2P, p2p_id: str, spec: RunSpec, run_id: str, accused: str) -> SpotEvidence:
+    """The evidence against ``accused`` kept by peer ``p2p_id`` (not yet verified: see :class:`ConvictionBook`).
+
+    :raises Exception: refused, unreachable, or malformed (:class:`~swarm.protocol.ProtocolError`).
+    """
+    stub = EvidenceService.get_stub(p2p, PeerID.from_base58(p2p_id), namespace=run_id)
+    request = pack_message(EvidenceRequest(run_id=run_id, accused=accused))
+
+    async def call():
+        meta, tensors = await gather(await stub.rpc_get_evidence(stream_out(runtime_pb2.ExpertRequest, request, [])),
+                                     6 * max_message_bytes(spec), max_tensors=6 * MAX_GROUP_TENSORS)
+        return unpack_evidence(unpack_message(meta, EvidenceMessage), tensors)
+    return await asyncio.wait_for(call(), EVIDENCE_TIMEOUT_S)
+
+
+__all__ = ["ConvictionBook", "EvidenceService", "fetch_evidence", "pack_evidence", "push_evidence",
+           "unpack_evidence"]

@@ -1,0 +1,216 @@
+"""Spot checks over real libp2p (hivemind DHT nodes in this process, each server its own key): a stage server
+lying to trainers is convicted with evidence anyone can verify, honest servers drifting apart are not, and a
+convicted server gets no more work (:mod:`swarm.spotcheck`, :mod:`swarm.receipts`)."""
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from swarm.attacks import LyingStageServer
+from swarm.convictions import ConvictionBook, EvidenceService, push_evidence
+from swarm.directory import RunDirectory
+from swarm.pipeline import RemotePipeline
+from swarm.protocol import ProtocolError, ServerInfo, ServerState
+from swarm.receipts import check_receipt, sign_receipt, tensors_digest
+from swarm.spotcheck import odd_one_out, relative_difference, verify_evidence
+from swarm.stage import StageServer
+from swarm.identity import Identity
+from tests.conftest import TINY, keyed_dhts
+
+RUN = "tiny-aaaaaaaaaaaaaaaa"
+pytestmark = pytest.mark.timeout(240)
+SPEC = TINY.updated(model={"n_layers": 3, "stage_layers": [1, 1, 1]}, spot_checks={"rate": 1.0})
+"""Three stages, so that stage 1's backward returns an input gradient to check; every call checked."""
+
+
+@contextlib.asynccontextmanager
+async def serving(layout, trainers: int = 1):
+    """Start ``layout`` = [(stage, server factory)] each on its own DHT node and key, announced ONLINE and
+    serving evidence (each its own :class:`ConvictionBook`, ``server.book``); yields ``(servers, pipeline)``, or
+    ``(servers, [pipelines])`` for several ``trainers``."""
+    nodes = keyed_dhts(len(layout) + trainers)
+    try:
+        servers = []
+        for (ident, dht), (stage, make) in zip(nodes, layout):
+            server = make(SPEC, RUN, stage, identity=ident)
+            p2p = await dht.replicate_p2p()
+            await server.add_p2p_handlers(p2p, namespace=RUN)
+            server.book = ConvictionBook(RUN, ident.peer_id)
+            await EvidenceService(SPEC, server.book).add_p2p_handlers(p2p, namespace=RUN)
+            server.peer_id, server.ident, server.directory = ident.peer_id, ident, RunDirectory(dht, RUN, ttl=600)
+            announce(server, stage)
+            servers.append(server)
+        pipes = [RemotePipeline(SPEC, RUN, RunDirectory(dht, RUN, ttl=600), await dht.replicate_p2p(),
+                                rng=random.Random(i)) for i, (_, dht) in enumerate(nodes[len(layout):])]
+        yield servers, (pipes[0] if trainers == 1 else pipes)
+        for pipe in pipes:
+            await pipe.checker.drain()
+    finally:
+        for _, dht in reversed(nodes):
+            dht.shutdown()
+
+
+def announce(server, stage):
+    info = ServerInfo(run_id=RUN, peer_id=server.peer_id, time=get_dht_time(), stage=stage, state=ServerState.ONLINE,
+                      throughput=10.0, p2p_id=server.ident.p2p_id, convicted=server.book.listed())
+    assert server.directory.announce_server(info, server.ident)
+
+
+def _batches(tiny_dataset, n):
+    b = SPEC.training.micro_batch_size
+    return [tiny_dataset.batch(list(range(i * b, (i + 1) * b))) for i in range(n)]
+
+
+def _perturbed(scale):
+    """A server factory whose parameters are off by ``scale`` x their magnitude (honest drift between averagings)."""
+    def make(*args, **kwargs):
+        server = StageServer(*args, **kwargs)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in server.module.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean())
+        return server
+    return make
+
+
+def liar(calls):
+    return lambda *a, **kw: LyingStageServer(*a, fraction=0.5, calls=calls, **kw)
+
+
+@pytest.mark.parametrize("calls", [("forward",), ("backward",)])
+def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_dataset, calls):
+    layout = [(0, StageServer), (1, liar(calls)), (1, StageServer), (1, _perturbed(1e-3)), (2, StageServer)]
+
+    async def main():
+        async with serving(layout) as (servers, pipe):
+            lying, honest = servers[1], [servers[2], servers[3]]
+            for batch in _batches(tiny_dataset, 12):
+                await pipe.forward_loss(batch, train=True)
+                await pipe.checker.drain()
+                if lying.peer_id in pipe.checker.convicted:
+                    break
+            assert set(pipe.checker.convicted) == {lying.peer_id}, pipe.checker.convicted
+            assert pipe.checker.counts["agreed"] > 0, "honest servers 1e-3 apart agree"
+            evidence = pipe.checker.evidence[-1]
+            assert evidence.call == calls[0] and verify_evidence(evidence) == lying.peer_id
+
+            # tampered evidence proves nothing
+            sealed, wire = evidence.answers[evidence.accused]
+            forged = dataclasses.replace(evidence, answers=[*evidence.answers])
+            forged.answers[evidence.accused] = (sealed, [w.clone() for w in wire])
+            forged.answers[evidence.accused][1][0].view(-1)[0] += 1
+            for bad, cause in [(forged, "not the one its receipt states"),
+                               (dataclasses.replace(evidence, accused=(evidence.accused + 1) % 3), "single out|another request"),
+                               (dataclasses.replace(evidence, tolerance=1e9), "single out"),
+                               (dataclasses.replace(evidence, answers=evidence.answers[:2]), "three answers"),
+                               (dataclasses.replace(evidence, run_id="other-aaaaaaaaaaaaaaaa"), "run")]:
+                with pytest.raises(ProtocolError, match=cause):
+                    verify_evidence(bad)
+
+            # the convicted server gets no more work from this trainer
+            before = lying.samples
+            for batch in _batches(tiny_dataset, 4):
+                await pipe.forward_loss(batch, train=True)
+            await pipe.checker.drain()
+            assert lying.samples == before and all(s.samples > 0 for s in honest)
+            assert set(pipe.checker.convicted) == {lying.peer_id}
+
+    asyncio.run(main())
+
+
+def test_an_unsigned_reply_convicts_and_two_disagreeing_servers_convict_no_one(tiny_dataset):
+    unsigned = lambda *a, identity, **kw: StageServer(*a, **kw)  # noqa: E731 (signs nothing)
+    layout = [(0, StageServer), (0, unsigned), (1, liar(("forward",))), (1, StageServer), (2, StageServer)]
+
+    async def main():
+        async with serving(layout) as (servers, pipe):
+            for batch in _batches(tiny_dataset, 6):
+                await pipe.forward_loss(batch, train=True)
+            await pipe.checker.drain()
+            assert set(pipe.checker.convicted) == {servers[1].peer_id}, pipe.checker.convicted
+            assert "no receipt" in pipe.checker.convicted[servers[1].peer_id]
+            assert pipe.checker.counts["inconclusive"] > 0, "stage 1's two servers disagree: no third to break the tie"
+
+    asyncio.run(main())
+
+
+def test_receipts_state_exactly_the_reply():
+    ident = Identity.generate()
+    request, reply = [torch.arange(6).view(2, 3)], [torch.ones(2, 3)]
+    fields = dict(stage=1, mb_id="mb", call="forward", request_sha256=tensors_digest(request),
+                  reply_sha256=tensors_digest(reply))
+    sealed = sign_receipt(ident, RUN, epoch=3, loss=2.5, time=get_dht_time(), **fields)
+    assert check_receipt(sealed, RUN, p2p_id=ident.p2p_id, loss=2.5, **fields).epoch == 3
+    wrong = [dict(loss=2.4), dict(p2p_id=Identity.generate().p2p_id), dict(mb_id="other"),
+             dict(reply_sha256=tensors_digest([torch.ones(2, 3) * 2])), dict(call="backward")]
+    for change in wrong:
+        with pytest.raises(ProtocolError, match="receipt states"):
+            check_receipt(sealed, RUN, **({"p2p_id": ident.p2p_id, "loss": 2.5} | fields | change))
+    with pytest.raises(ProtocolError, match="no receipt"):
+        check_receipt(b"", RUN, p2p_id=ident.p2p_id, loss=2.5, **fields)
+    assert tensors_digest([torch.zeros(2, 3)]) != tensors_digest([torch.zeros(3, 2)])
+    assert tensors_digest([torch.zeros(2)]) != tensors_digest([torch.zeros(2, dtype=torch.int32)])
+
+
+def test_the_odd_one_out_needs_two_agreeing_answers():
+    a, b = [torch.ones(4)], [torch.ones(4) * 1.01]
+    assert relative_difference(a, None, b, None) == pytest.approx(0.01 / 1.01, rel=1e-4)
+    assert relative_difference(a, 1.0, a, 2.0) == pytest.approx(0.5)
+    assert relative_difference(a, None, [torch.ones(5)], None) == float("inf")
+    assert relative_difference(a, None, a, 1.0) == float("inf")
+    assert odd_one_out({(0, 1): 1.0, (0, 2): 1.0, (1, 2): 0.0}, 0.1) == 0
+    assert odd_one_out({(0, 1): 1.0, (0, 2): 0.0, (1, 2): 1.0}, 0.1) == 1
+    assert odd_one_out({(0, 1): 1.0, (0, 2): 1.0, (1, 2): 1.0}, 0.1) is None
+    assert odd_one_out({(0, 1): 0.0, (0, 2): 0.0, (1, 2): 0.0}, 0.1) is None
+
+
+def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(tiny_dataset):
+    """Trainer A convicts the liar and hands its evidence over; every server verifies it and lists the liar;
+    trainer B, which checks nothing itself, fetches the evidence from a listing server, verifies it, and stops
+    routing to the liar. Evidence that does not verify is refused and lists no one."""
+    layout = [(0, StageServer), (1, liar(("forward", "backward"))), (1, StageServer), (1, StageServer),
+              (2, StageServer)]
+
+    async def main():
+        async with serving(layout, trainers=2) as (servers, (a, b)):
+            b.checker.cfg = b.checker.cfg.model_copy(update={"rate": 0.0})
+            lying, honest = servers[1], [s for s in servers if s is not servers[1]]
+            for batch in _batches(tiny_dataset, 12):
+                await a.forward_loss(batch, train=True)
+                await a.checker.drain()
+                if lying.peer_id in a.checker.convicted:
+                    break
+            assert set(a.checker.convicted) == {lying.peer_id}
+            assert all(lying.peer_id in s.book for s in honest), "every server verified the evidence"
+            assert lying.peer_id not in lying.book, "the accused does not list itself"
+
+            # a forged push: the accused answer swapped for a witness's is refused, the sender named in the log
+            evidence = a.checker.evidence[-1]
+            forged = dataclasses.replace(evidence, accused=(evidence.accused + 1) % 3)
+            with pytest.raises(Exception, match="single out|another request"):
+                await push_evidence(b.p2p, honest[0].ident.p2p_id, forged)
+            assert honest[0].book.listed().keys() == {lying.peer_id}
+
+            for batch in _batches(tiny_dataset, 2):
+                await b.forward_loss(batch, train=True)
+            assert lying.peer_id not in b.checker.convicted, "nothing listed yet: B routes to everyone"
+            announce(honest[1], 1)  # its record now lists the conviction
+            before = lying.samples
+            b.refresh_s = 0.0
+            for _ in range(50):
+                await b.servers(1)
+                await b.checker.drain()
+                if lying.peer_id in b.checker.convicted:
+                    break
+                await asyncio.sleep(0.2)
+            assert b.checker.convicted.keys() == {lying.peer_id} and b.checker.counts["adopted"] == 1
+            for batch in _batches(tiny_dataset, 6):
+                await b.forward_loss(batch, train=True)
+            assert lying.samples == before, "B no longer routes to the liar"
+
+    asyncio.run(main())
