@@ -82,3 +82,53 @@ def test_a_checkpoint_pushed_out_recently_stays_while_the_budget_allows(tmp_path
     long_ago = time.time() - 61  # epoch 30 was committed here more than grace_s ago: 20's grace is over
     os.utime(tmp_path / "run-x" / "stage0" / "epoch30" / "manifest.bin", (long_ago, long_ago))
     assert store.collect("run-x", 0) == [20]
+
+
+def test_a_putters_junk_displaces_only_its_own_uncommitted_epochs_and_expires(tmp_path):
+    """A stage server placing fragments for epochs nobody will commit (10**9, 10**9 + 1) must not push out
+    another writer's checkpoint in progress (the newest uncommitted epochs used to win), and its junk goes
+    after ``pending_s``."""
+    frags = _fragments()
+    store = FragmentStore(tmp_path, max_bytes=1 << 20, keep_epochs=1, pending_s=600)
+    store.put("run-x", 0, 40, frags[0], putter="honest")  # a checkpoint being written
+    store.put("run-x", 0, 10**9, frags[0], putter="liar")
+    store.put("run-x", 0, 10**9 + 1, frags[0], putter="liar")  # the liar's older junk epoch goes
+    assert sorted(h.epoch for h in store.held()) == [40, 10**9 + 1]
+    store.put("run-x", 0, 40, frags[1], putter="honest")  # its next fragment: epoch 40 is still there
+    store.save_manifest("run-x", 0, 40, b"sealed-40")
+    assert sorted((h.epoch, h.index) for h in store.held()) == [(40, 0), (40, 1), (10**9 + 1, 0)]
+    long_ago = time.time() - 601
+    os.utime(tmp_path / "run-x" / "stage0" / f"epoch{10**9 + 1}", (long_ago, long_ago))
+    assert store.collect("run-x", 0) == [10**9 + 1], "junk nobody committed within pending_s is collected"
+    assert {h.epoch for h in store.held()} == {40}
+
+
+def test_listing_survives_epoch_folders_deleted_while_it_reads(tmp_path):
+    # retention (this peer's or a put's collect) deletes epoch folders while the keeper lists what it holds;
+    # pathlib's glob raised FileNotFoundError on a folder gone between listing its parent and reading it
+    import shutil
+    import threading
+
+    store = FragmentStore(tmp_path, max_bytes=1 << 30)
+    stop = threading.Event()
+
+    def churn():
+        i = 0
+        while not stop.is_set():
+            folder = tmp_path / "run" / "stage1" / f"epoch{i % 5}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "0.frag").write_bytes(b"x")
+            shutil.rmtree(folder, ignore_errors=True)
+            i += 1
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        for _ in range(1500):
+            list(store.held())
+            list(store.committed("run"))
+            store.collect("run", 1)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert not thread.is_alive()

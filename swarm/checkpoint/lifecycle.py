@@ -59,6 +59,7 @@ class StageCheckpoints:
         self._skipped: set[str] = set()  # shard hashes newer than the last restore (not ancestors of our state)
         self.restored: Optional[RestoreReport] = None
         self.generation, self.order_sealed = 0, None
+        self._issued = (0, 0.0)  # (generation, time.monotonic()) of the last rollback order this server issued
         self._order_scale, self.order_issuer, self.order_subkey = 1.0, "", ""
         self.detector = LossSpikeDetector(self.spec.rollback)
         try:
@@ -304,13 +305,19 @@ class StageCheckpoints:
     # ---- rollback --------------------------------------------------------------------------------------
     def is_spike(self, end: EpochEnd) -> bool:
         """(compute thread) Judge the mean training loss of the epoch that ended (last stage, rollback enabled):
-        True on a spike, which the caller answers with :meth:`issue_rollback`."""
+        True on a spike, which the caller answers with :meth:`issue_rollback`; False on the later spikes of a streak
+        while this server's order is alive (a record TTL) and not yet applied: the first spike names the epoch to
+        return to, a later one would name an epoch already trained on the bad data."""
         if not (self.spec.rollback.enabled and self.server.is_last and end.loss is not None):
             return False
         if not self.detector.update(end.loss):
             return False
         self.log.warning("loss spike: epoch mean %.4f > (1 + %.2f) x moving average %.4f", end.loss,
                          self.spec.rollback.margin, self.detector.average)
+        generation, issued_at = self._issued
+        if generation > self.generation and time.monotonic() - issued_at < self.directory.ttl:
+            return False  # its order is out, alive and not yet applied: the first spike names the epoch to return to
+        self._issued = (self.generation + 1, time.monotonic())
         return True
 
     def _adopt_order(self, order: RollbackOrder, sealed: bytes) -> None:
@@ -327,7 +334,11 @@ class StageCheckpoints:
                               lr_scale=self.lr_scale * self.spec.rollback.lr_factor, generation=self.generation + 1,
                               reason=f"epoch {detected_epoch} mean loss {loss:.4f} > (1 + {self.spec.rollback.margin}) "
                                      f"x moving average {self.detector.average:.4f}")
-        await self.keeper.io(self.directory.announce, rollback_key(self.keeper.run_id), order, self.identity)
+        if not await self.keeper.io(self.directory.announce, rollback_key(self.keeper.run_id), order, self.identity):
+            self._issued = (self.generation, 0.0)  # not stored: the next spike issues it again
+            self.log.warning("could not store rollback #%d in the DHT; it is issued again at the next spike",
+                             order.generation)
+            return
         self.log.warning("issued rollback #%d to epoch <= %d, lr scale %.3g: %s", order.generation, order.epoch,
                          order.lr_scale, order.reason)
 

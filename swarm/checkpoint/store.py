@@ -24,6 +24,7 @@ displaces its own uncommitted epochs, never another writer's checkpoint in progr
 from __future__ import annotations
 
 import errno
+import fnmatch
 import os
 import shutil
 import time
@@ -163,7 +164,7 @@ class FragmentStore:
 
     def committed(self, run_id: str) -> Iterator[tuple[int, int, bytes]]:
         """``(stage, epoch, sealed manifest)`` of every committed checkpoint held for ``run_id``."""
-        for path in sorted(self.root.glob(f"{run_id}/stage*/epoch*/manifest.bin")):
+        for path in _listing(self.root, f"{run_id}/stage*/epoch*/manifest.bin"):
             try:
                 yield int(path.parts[-3][5:]), int(path.parts[-2][5:]), path.read_bytes()
             except (ValueError, OSError):
@@ -174,7 +175,7 @@ class FragmentStore:
 
     def held(self) -> Iterator[StoredFragment]:
         """Every fragment on disk (to re-announce after a restart); unreadable entries are skipped."""
-        for frag in sorted(self.root.glob("*/stage*/epoch*/*.frag")):
+        for frag in _listing(self.root, "*/stage*/epoch*/*.frag"):
             try:
                 run_id, stage, epoch = frag.parts[-4], int(frag.parts[-3][5:]), int(frag.parts[-2][5:])
                 sha = frag.with_suffix(".sha256").read_text().strip()
@@ -190,7 +191,7 @@ class FragmentStore:
         folder = self._dir(run_id, stage, 0).parent
         if not folder.exists():
             return []
-        epochs = {int(p.name[5:]) for p in folder.glob("epoch*") if p.name[5:].isdigit()}
+        epochs = {int(p.name[5:]) for p in _listing(folder, "epoch*") if p.name[5:].isdigit()}
         committed = sorted(e for e in epochs if (folder / f"epoch{e}" / "manifest.bin").exists())
         kept = set(committed[-self.keep_epochs:])
         if grace and self.grace_s > 0:
@@ -215,6 +216,23 @@ class FragmentStore:
         for e in doomed:
             shutil.rmtree(folder / f"epoch{e}", ignore_errors=True)
         return doomed
+
+
+def _listing(root: Path, pattern: str) -> list[Path]:
+    """``sorted(root.glob(pattern))`` for a pattern of ``/``-separated name patterns, skipping a folder deleted
+    while it is listed (pathlib's glob raises FileNotFoundError then, and retention or a stage-mate's collect
+    deletes epoch folders at any time)."""
+    level = [root]
+    for part in pattern.split("/"):
+        found: list[Path] = []
+        for folder in level:
+            try:
+                names = os.listdir(folder)
+            except OSError:  # deleted meanwhile, or not a folder
+                continue
+            found += [folder / name for name in fnmatch.filter(names, part)]
+        level = found
+    return sorted(level)
 
 
 def _owner(folder: Path) -> str:
