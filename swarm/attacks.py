@@ -27,6 +27,8 @@ the honest mean.
 
 :class:`LyingStageServer` answers a fraction of its training forwards and backwards with noise added to its
 outputs or input gradients (caught by trainers' spot checks, :mod:`swarm.spotcheck`).
+:class:`LyingDonorAverager` hands servers that load the stage's state from it a corrupted one (caught by
+:mod:`swarm.statecheck`); :func:`lying_donor` installs it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Optional
 import torch
 
 from swarm.averaging.allreduce import PartitionReducer
-from swarm.averaging.averager import RobustGradientAverager
+from swarm.averaging.averager import RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import Compressor, PhaseGenerator, flatten, make_compressor, unflatten
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.averaging.reducer import Reduction
@@ -293,3 +295,37 @@ class LyingStageServer(StageServer):
 def lying_server(fraction: float = 0.1, **kwargs):
     """A :data:`~swarm.server.StageServerFactory` building :class:`LyingStageServer` (lying on ``fraction``)."""
     return partial(LyingStageServer, fraction=fraction, **kwargs)
+
+
+class LyingDonorAverager(RobustStateAverager):
+    """A stage state averager that hands servers loading the stage's state (:mod:`swarm.averaging.donors`) its
+    parameters plus Gaussian noise of ``scale`` times each one's standard deviation, and declares a donor
+    priority ``boost`` epochs above its own so that it is asked first. Caught by :mod:`swarm.statecheck`."""
+
+    def __init__(self, *, scale: float = 1.0, boost: float = 1000.0, seed: int = 0, **kwargs):
+        self.scale, self.boost, self.seed, self.lies = scale, boost, seed, 0
+        super().__init__(**kwargs)
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return RobustStateAverager.state_sharing_priority.fget(self) + self.boost
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        RobustStateAverager.state_sharing_priority.fset(self, value)
+
+    def get_current_state(self):
+        metadata, tensors, infos = super().get_current_state()
+        params = sum(len(group["params"]) for group in self.optimizer.param_groups)
+        gen = torch.Generator().manual_seed(self.seed + self.lies)
+        self.lies += 1
+        lied = [t + self.scale * t.std().clamp_min(1e-6) * torch.randn(t.shape, generator=gen) if i < params else t
+                for i, t in enumerate(tensors)]
+        return metadata, lied, infos
+
+
+def lying_donor(**kwargs):
+    """An :data:`~swarm.server.OptimizerFactory` whose stage optimizer serves a corrupted state to servers that
+    load it (:class:`LyingDonorAverager`)."""
+    return partial(StageOptimizer, state_averager_factory=partial(LyingDonorAverager, **kwargs))
+

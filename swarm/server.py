@@ -39,6 +39,7 @@ import logging
 import sys
 import threading
 import time
+from functools import partial
 from typing import Callable, Optional
 
 from hivemind.utils import get_dht_time
@@ -60,6 +61,7 @@ from swarm.protocol import ServerInfo, ServerState, StorageInfo, add_history
 from swarm.rebalance import MovePlanner
 from swarm.routing import choose_stage
 from swarm.stage import EpochEnd, StageServer
+from swarm.statecheck import DonorStateCheck
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +248,9 @@ class ServerSession:
         server.optimizer = self.optimizer_factory(self.spec, self.directory.run_id, stage, self.dht, module,
                                                   identity=self.identity)
         self.checkpoints = StageCheckpoints(self.keeper, server, self.identity)
+        check = DonorStateCheck(self.p2p, self.directory.run_id, partial(self.directory.fresh_servers, stage),
+                                partial(self.keeper.known_manifests, stage), me=str(self.dht.peer_id))
+        server.optimizer.state_check = check.blocking(asyncio.get_running_loop())
 
     async def _restore(self) -> None:
         """Load the stage's state from its live servers, else its newest checkpoint, else start fresh; then make
@@ -352,7 +357,8 @@ class ServerSession:
             run_id=self.directory.run_id, peer_id=self.me, time=get_dht_time(), stage=self.stage, state=state,
             throughput=server.throughput.samples_per_second, p2p_id=str(self.dht.peer_id), maddrs=self.maddrs,
             epoch=server.epoch, samples=server.samples, loss=server.loss_ema,
-            peers_in_last_round=report.peers if report else 0, state_digests=server.state_digests, round_s=server.mean_round_s, rounds=server.rounds,
+            peers_in_last_round=report.peers if report else 0, state_digests=server.recent_digests(8),
+            round_s=server.mean_round_s, rounds=server.rounds,
             version=__version__, excluded=report.excluded if report else {}, averaging=report.wire if report else {},
             lineage=checkpoints.lineage[0] if checkpoints else "", restored=checkpoints.restored if checkpoints else None,
             lr_scale=checkpoints.lr_scale if checkpoints else 1.0, name=self.settings.name,

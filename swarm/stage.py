@@ -56,6 +56,7 @@ from swarm.protocol import (
     PingRequest,
     Refusal,
     StageResponse,
+    StateDigestRequest,
     pack_message,
     unpack_message,
 )
@@ -116,7 +117,7 @@ class StageServer(ProtocolServicer):
         self.throughput = PerformanceEMA(alpha=0.1)
         self.samples = 0
         self.loss_ema: Optional[float] = None
-        self.state_digests: dict[int, str] = {}  # epoch -> digest of the full state, at state-averaging epochs
+        self.state_digests: dict[int, str] = {}  # epoch -> digest of the full state after its step (recent ones)
         self.rounds, self.round_seconds = 0, 0.0
         self.paused = False  # by its operator: new forward/backward requests are refused
         self._epoch_losses: list[float] = []
@@ -309,13 +310,17 @@ class StageServer(ProtocolServicer):
         epoch = self.optimizer.epoch
         losses, self._epoch_losses = self._epoch_losses, []
         samples, self._epoch_samples = self._epoch_samples, 0
-        if epoch % self.spec.averaging.average_state_every == 0:
-            self.state_digests[epoch] = self.optimizer.state_digest()
-            for old in sorted(self.state_digests)[:-4]:
-                del self.state_digests[old]
+        self.state_digests[epoch] = self.optimizer.state_digest()  # stage-mates ask for it (rpc_state_digest)
+        for old in sorted(self.state_digests)[:-DIGESTS_KEPT]:
+            del self.state_digests[old]
         if self.on_epoch is not None:
             self.on_epoch(EpochEnd(epoch=epoch, loss=sum(losses) / len(losses) if losses else None,
                                    samples=samples, seconds=seconds))
+
+    def recent_digests(self, n: int) -> dict[int, str]:
+        """The state digests of this server's last ``n`` epochs (any thread: the dict is copied at once)."""
+        held = dict(self.state_digests)  # one C-level copy: the compute thread may add an epoch meanwhile
+        return {e: held[e] for e in sorted(held)[-n:]}
 
     def measure_throughput(self, repeats: int = 2) -> float:
         """Samples/s of forward+backward on a random micro-batch (gradients discarded)."""
@@ -434,10 +439,22 @@ class StageServer(ProtocolServicer):
             async for msg in self._respond(None):
                 yield msg
 
+    async def rpc_state_digest(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """This server's epoch now and the digest of its state at the asked epoch (:class:`StateDigestRequest`)."""
+        with self.admission.admit(str(context.remote_id)):
+            req, _, _ = await self._receive(requests, StateDigestRequest)
+            reply = StageResponse(epoch=self.epoch, state_sha256=self.state_digests.get(req.epoch, ""))
+            async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), []):
+                yield msg
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+DIGESTS_KEPT = 64
+"""Epochs whose state digest a server keeps (:attr:`StageServer.state_digests`, asked by ``rpc_state_digest``)."""
 MAX_WIRE_TENSORS = 4
 """Most wire tensors in a stage request or reply: two tensors, each at most two on the wire (blockwise 8-bit
 sends codes and scales, :mod:`swarm.codecs`)."""
@@ -475,4 +492,24 @@ async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:
         return False
 
 
-__all__ = ["EpochEnd", "StageServer", "StageError", "is_serving"]
+async def ask_state_digest(p2p, server, run_id: str, epoch: int, timeout: float = 3.0) -> tuple[int, str]:
+    """Ask ``server`` (a :class:`~swarm.protocol.ServerInfo`) for its state digest at ``epoch``: returns ``(its
+    epoch now, the SHA-256 hex digest or "")``.
+
+    :raises ProtocolError: a malformed reply. :raises TimeoutError: no reply within ``timeout`` seconds.
+    :raises Exception: hivemind's errors for an unreachable peer (P2PDaemonError, P2PHandlerError).
+    """
+    from hivemind.p2p import PeerID
+
+    stub = StageServer.get_stub(p2p, PeerID.from_base58(server.p2p_id), namespace=run_id)
+    meta = pack_message(StateDigestRequest(run_id=run_id, stage=server.stage, epoch=epoch))
+
+    async def call() -> StageResponse:
+        replies = await stub.rpc_state_digest(stream_out(runtime_pb2.ExpertRequest, meta, []))
+        return unpack_message((await gather(replies, max_tensors=0))[0], StageResponse)
+
+    reply = await asyncio.wait_for(call(), timeout)
+    return reply.epoch, reply.state_sha256
+
+
+__all__ = ["EpochEnd", "StageServer", "StageError", "ask_state_digest", "is_serving"]

@@ -1,11 +1,11 @@
 """Property-based fuzzing of the live RPC handlers over real libp2p (two hivemind DHT nodes in this process):
-stage servers (``rpc_forward``, ``rpc_backward``, ``rpc_ping``), a fragment holder (``rpc_put_fragment``,
-``rpc_get_fragment``, ``rpc_put_manifest``, ``rpc_endorse``) and a server's evidence service
-(``rpc_push_evidence``, ``rpc_get_evidence``) take hypothesis-made requests: metadata that is
-junk or shaped like the schema, tensors of every wire dtype and odd shapes. Each request is answered (a reply
-or a refusal, within its deadline; a refusal at a request's first chunk may instead reset the stream); afterwards the handlers logged no traceback, the servers still compute
-the same output for a well-formed request, the store holds only fragments that verify, within budget, and no
-conviction was listed."""
+stage servers (``rpc_forward``, ``rpc_backward``, ``rpc_ping``, ``rpc_state_digest``), a fragment holder
+(``rpc_put_fragment``, ``rpc_get_fragment``, ``rpc_put_manifest``, ``rpc_endorse``) and a server's evidence
+service (``rpc_push_evidence``, ``rpc_get_evidence``) take hypothesis-made requests: metadata that is junk or
+shaped like the schema, tensors of every wire dtype and odd shapes. Each request is answered (a reply or a
+refusal, within its deadline; a refusal at a request's first chunk may instead reset the stream); afterwards
+the handlers logged no traceback, the servers still compute the same output for a well-formed request, the
+store holds only fragments that verify, within budget, and no conviction was listed."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(600)
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
 STAGE_CALLS = {"rpc_forward": ForwardRequest, "rpc_backward": protocol.BackwardRequest,
-               "rpc_ping": protocol.PingRequest}
+               "rpc_ping": protocol.PingRequest, "rpc_state_digest": protocol.StateDigestRequest}
 HOLDER_CALLS = {"rpc_put_fragment": protocol.FragmentPut, "rpc_get_fragment": protocol.FragmentGet,
                 "rpc_put_manifest": protocol.ManifestPut, "rpc_endorse": protocol.EndorseRequest}
 EVIDENCE_CALLS = {"rpc_push_evidence": protocol.EvidenceMessage, "rpc_get_evidence": protocol.EvidenceRequest}

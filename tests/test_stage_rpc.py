@@ -163,7 +163,10 @@ def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
             return await gather(await stub.rpc_forward(stream))
 
         hanging = [asyncio.create_task(call(stalled())) for _ in range(40)]
-        done, _ = await asyncio.wait(hanging, timeout=10, return_when=asyncio.ALL_COMPLETED)
+        deadline = asyncio.get_running_loop().time() + 60  # 40 streams through p2pd: slow on a busy 2-core box
+        while sum(t.done() for t in hanging) < 36 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        done = [t for t in hanging if t.done()]
         refusals = [t.exception() for t in done]
         assert len(done) == 36 and all("already serves 4 requests of yours" in str(e) for e in refusals), refusals
         assert server.admission.in_flight[str(client_dht.peer_id)] == 4

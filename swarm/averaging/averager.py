@@ -34,6 +34,7 @@ from swarm.averaging.allreduce import PartitionReducer, RoundFailed, WireStats, 
 from swarm.averaging.auditor import Auditor
 from swarm.averaging.compression import Compressor, make_compressor
 from swarm.averaging.contributions import TrainerContributions
+from swarm.averaging.donors import DonorChoice
 from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.reducer import ReducePolicy, partition_bounds
 from swarm.config import AveragingSpec
@@ -323,18 +324,25 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
                 avg.copy_(g)
 
     @torch.no_grad()
+    def load_state_from_peers(self, **kwargs) -> None:
+        """Nothing: hivemind.Optimizer asks its gradient averager too, which would download a peer's gradient
+        buffers (unchecked) only to drop them; the state comes through :class:`RobustStateAverager`."""
+        return None
+
     def reset_accumulated_grads_(self):
         self._accumulators_used_in_step = False
         self.local_samples_accumulated = self.local_times_accumulated = 0
         self.contributions.reset()
 
 
-class RobustStateAverager(RobustAllReduceMixin, TrainingStateAverager):
+class RobustStateAverager(DonorChoice, RobustAllReduceMixin, TrainingStateAverager):
     """hivemind's TrainingStateAverager (parameters and optimizer statistics) with our all-reduce, uncompressed
-    (fp32 without error feedback: parameters are not gradients)."""
+    (fp32 without error feedback: parameters are not gradients), and our choice of donor when it loads the state
+    from a live server (:mod:`swarm.averaging.donors`)."""
 
     wire_name = "RobustStateAverager"
 
     def __init__(self, *, rules: AveragingRules = AveragingRules(), identity=None, run_id: str = "local", **kwargs):
         self._init_robust(rules, make_compressor("none"), identity, run_id, kwargs.get("dht"))
+        self._init_donors()
         super().__init__(**kwargs)

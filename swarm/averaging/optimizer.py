@@ -7,7 +7,8 @@ and per trainer, :mod:`swarm.averaging.contributions`); once the stage's servers
 with the spec's compressor and robust aggregator (:mod:`swarm.averaging.averager`) and each applies the same
 AdamW step, so the servers of a stage stay equal. Every ``average_state_every`` epochs parameters and optimizer
 statistics are averaged too, which re-syncs a server that missed a round. A late joiner downloads the state
-from a live server (hivemind ``load_state_from_peers``).
+from a live server (hivemind ``load_state_from_peers`` with our donor choice, :mod:`swarm.averaging.donors`)
+and keeps it only if :attr:`StageOptimizer.state_check` accepts it.
 
 Nothing outside this module calls into hivemind's ``Optimizer``, ``ProgressTracker`` or averager internals:
 :class:`StageOptimizer` is the surface (``step``, ``finish_epoch_if_ready``, ``jump_to_epoch``, ``state`` /
@@ -22,7 +23,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import hivemind
 import hivemind.optim.progress_tracker
@@ -36,6 +37,10 @@ from swarm.config import RunSpec
 
 logger = logging.getLogger(__name__)
 
+StateCheck = Callable[[int, str, str], Optional[str]]
+"""Judges a state loaded from a donor: ``(epoch, SHA-256 of the loaded state, the donor's libp2p id)`` -> None to
+keep it, else why it is refused (blocking; :class:`swarm.statecheck.DonorStateCheck`)."""
+MAX_DONORS_TRIED = 3
 AveragerFactory = Callable[..., RobustGradientAverager]
 """Builds the stage's gradient averager (keyword arguments of :class:`RobustGradientAverager`); tests and
 benchmarks pass a Byzantine one (:mod:`swarm.attacks`)."""
@@ -76,8 +81,9 @@ class _CollaborativeOptimizer(hivemind.Optimizer):
       also when ``contribute`` finds the server out of sync).
     """
 
-    def __init__(self, *, state_rules: dict, **kwargs):
-        self._state_rules = state_rules
+    def __init__(self, *, state_rules: dict, state_averager_factory=RobustStateAverager, **kwargs):
+        self._state_rules, self._state_averager_factory = state_rules, state_averager_factory
+        self.reload: Callable[[], object] = self.load_state_from_peers  # the out-of-sync path (StageOptimizer's)
         super().__init__(**kwargs)
 
     def contribute(self, gradients: Sequence[torch.Tensor], samples: int, contributor: str) -> None:
@@ -86,7 +92,7 @@ class _CollaborativeOptimizer(hivemind.Optimizer):
         self.state_averager.step(apply_delayed_updates=True)
         if self._should_load_state_from_peers():
             logger.info("this server is out of sync with its stage: loading the state from its peers")
-            self.load_state_from_peers()
+            self.reload()
             return  # the gradients were computed with out-of-sync parameters
         self.grad_averager.accumulate(contributor, gradients, samples)
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
@@ -109,7 +115,7 @@ class _CollaborativeOptimizer(hivemind.Optimizer):
         return super()._begin_averaging_gradients(grad_scaler)
 
     def _make_state_averager(self, **kwargs) -> RobustStateAverager:
-        return RobustStateAverager(
+        return self._state_averager_factory(
             dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
             allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
@@ -157,13 +163,17 @@ class StageOptimizer:
     """
 
     def __init__(self, spec: RunSpec, run_id: str, stage: int, dht: hivemind.DHT, module: torch.nn.Module, *,
-                 identity=None, averager_factory: AveragerFactory = RobustGradientAverager):
+                 identity=None, averager_factory: AveragerFactory = RobustGradientAverager,
+                 state_averager_factory: Callable[..., RobustStateAverager] = RobustStateAverager):
         avg = spec.averaging
         rules = AveragingRules.from_spec(avg)
         self.module, self.stage, self.schedule = module, stage, Schedule(spec.optim)
         self._target = spec.training.target_batch_size
+        self.state_check: Optional[StateCheck] = None
+        self.donors_refused: dict[str, str] = {}  # libp2p id -> why its state was refused (the last 32)
         self._opt = _CollaborativeOptimizer(
             state_rules=dict(rules=rules, identity=identity, run_id=run_id),
+            state_averager_factory=state_averager_factory,
             dht=dht, run_id=f"{run_id}-stage{stage}", params=module.parameters(),
             optimizer=partial(make_stage_torch_optimizer, spec.optim),
             scheduler=partial(make_scheduler, spec.optim, schedule=self.schedule),
@@ -181,6 +191,7 @@ class StageOptimizer:
             averager_opts=dict(request_timeout=1.0, min_vector_size=0),
             verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
         )
+        self._opt.reload = self.load_state_from_peers
 
     # ---- training ----------------------------------------------------------------------------------------
     @property
@@ -261,11 +272,46 @@ class StageOptimizer:
         return target
 
     def load_state_from_peers(self) -> int:
-        """Download the state of a live server of the stage (hivemind ``load_state_from_peers``: one donor, no
-        integrity check; blocking), into the tensors the state averager averages (see
-        :class:`_CollaborativeOptimizer`). Returns the epoch after it (unchanged if no donor gave anything)."""
-        self._opt.load_state_from_peers()
+        """Download the state of a live server of the stage (the *donor*, :mod:`swarm.averaging.donors`) into the
+        tensors the state averager averages (see :class:`_CollaborativeOptimizer`), and keep it only if
+        :attr:`state_check` accepts it; a refused donor is skipped and the next one tried (at most
+        :data:`MAX_DONORS_TRIED`), and this server's previous state, epoch and schedule are put back. Blocking
+        (downloads, and the check's questions to the stage's servers). Returns the epoch after it (unchanged if
+        no donor gave a state that verified)."""
+        if self.state_check is None:
+            self._opt.load_state_from_peers()
+            return self.epoch
+        averager = self._opt.state_averager
+        for _ in range(MAX_DONORS_TRIED):
+            before = self._snapshot()
+            self._opt.load_state_from_peers()
+            donor, epoch = averager.last_donor()
+            if not donor:
+                return self.epoch  # no donor answered (or none is left that was not refused)
+            problem = self.state_check(epoch, self.state_digest(), donor)
+            if problem is None:
+                return self.epoch
+            logger.warning("refused the state of donor %s at epoch %d: %s", donor, epoch, problem)
+            self.donors_refused = dict(list(self.donors_refused.items())[-31:]) | {donor: problem[:200]}
+            averager.refuse_donor(donor, problem)
+            self._restore(before)
         return self.epoch
+
+    def _snapshot(self) -> tuple[int, dict, dict[str, torch.Tensor]]:
+        scheduler = self._opt.state_averager.scheduler
+        return self.epoch, scheduler.state_dict() if scheduler else {}, self.state()
+
+    def _restore(self, snapshot: tuple[int, dict, dict[str, torch.Tensor]]) -> None:
+        """Put back a :meth:`_snapshot`: state, epoch, schedule and the donor priority hivemind declared."""
+        epoch, schedule, tensors = snapshot
+        self.load_state(tensors)
+        averager = self._opt.state_averager
+        averager.local_epoch = epoch
+        if averager.scheduler is not None:
+            averager.scheduler.load_state_dict(schedule)
+            self.set_lr_scale(self.schedule.scale)
+        averager.state_sharing_priority = self._opt.grad_averager.state_sharing_priority = epoch
+        self.announce_progress()
 
     def state_digest(self) -> str:
         """SHA-256 of :meth:`state` (:func:`swarm.checkpoint.state.state_digest`), read in place, without copies."""
@@ -329,4 +375,5 @@ def _put_back(opt: torch.optim.Optimizer, originals: dict) -> None:
                     opt.state[p][key] = old.copy_(new)
 
 
-__all__ = ["AveragingReport", "AveragerFactory", "SampleCountTracker", "StageOptimizer"]
+__all__ = ["AveragingReport", "AveragerFactory", "MAX_DONORS_TRIED", "SampleCountTracker", "StageOptimizer",
+           "StateCheck"]

@@ -90,10 +90,11 @@ class StageCheckpoints:
         return min((s.epoch for s, ok in zip(candidates, answers) if ok), default=None)
 
     def load_from_peers(self) -> bool:
-        """(blocking) Load the state of the stage's live servers (hivemind ``load_state_from_peers``: one donor,
-        no integrity check). False if no donor gave it: the optimizer's epoch stayed more than one behind the
-        epoch the live servers announced (their donor records may all be stale, or every donor busy), and
-        the caller restores the checkpoint instead of serving the initial parameters."""
+        """(blocking) Load the state of the stage's live servers (:meth:`StageOptimizer.load_state_from_peers`:
+        a donor's state, kept only if the stage's other servers vouch for it, :mod:`swarm.statecheck`). False if
+        no donor gave one: the optimizer's epoch stayed more than one behind the epoch the live servers
+        announced (their donor records may all be stale, every donor busy, or every donor refused), and the
+        caller restores the checkpoint instead of serving the initial parameters."""
         before = self.optimizer.epoch
         loaded = self.optimizer.load_state_from_peers()
         if loaded < self.peer_epoch - 1:

@@ -171,8 +171,8 @@ class ServerInfo(AnnouncedRecord):
     rounds: int = Field(0, ge=0, description="Epoch transitions since the server started.")
     state_digests: dict[int, str] = Field(
         default_factory=dict, max_length=8, description="Epoch -> SHA-256 of the server's whole state (parameters "
-        "and optimizer state) right after that epoch's step, at epochs that averaged the state too: the servers of "
-        "a stage that took part in that round hold the same digest.")
+        "and optimizer state) right after that epoch's step, for its last 8 epochs: the servers of a stage that took "
+        "part in every round since the last state-averaging round hold the same digest.")
     version: str = ""
     excluded: dict[str, str] = Field(
         default_factory=dict, description="libp2p ids this server excluded from averaging -> reason (at most 32)."
@@ -574,6 +574,7 @@ from swarm.protocol.wire import (  # noqa: E402
     BackwardRequest,
     PingRequest,
     StageResponse,
+    StateDigestRequest,
     EvidenceMessage,
     EvidenceRequest,
     AveragingPart,

@@ -52,6 +52,17 @@ class PingRequest(_Schema):
     stage: int = Field(ge=0)
 
 
+class StateDigestRequest(_Schema):
+    """What is your state's digest at ``epoch`` (``rpc_state_digest``)? A server that loaded the stage's state
+    from a live server asks the stage's other servers before it keeps that state (:mod:`swarm.statecheck`).
+    Answered with a tensor-less StageResponse: the server's ``epoch`` now and ``state_sha256`` at ``epoch``
+    (empty if it has none: it had not reached that epoch, joined after it, or forgot it)."""
+
+    run_id: str
+    stage: int = Field(ge=0)
+    epoch: int = Field(ge=0)
+
+
 class StageResponse(_Schema):
     """Reply to a stage RPC; tensors: outputs (forward) or input gradients (backward / last stage train)."""
 
@@ -60,6 +71,8 @@ class StageResponse(_Schema):
     codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
     receipt: bytes = Field(b"", max_length=4096, description="The server's sealed StageReceipt for this reply "
                            "(empty from a server without an identity, e.g. a bare StageServer in a test).")
+    state_sha256: str = Field("", max_length=64, description="rpc_state_digest only: SHA-256 of the server's "
+                              "whole state at the asked epoch (swarm.checkpoint.state.state_digest), or empty.")
 
 
 class EvidenceMessage(_Schema):

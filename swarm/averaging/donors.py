@@ -1,0 +1,143 @@
+"""Which live server a server downloads the stage's state from (the *donor*), read within bounds, and refused
+once its state did not verify.
+
+hivemind 1.1.12 (``DecentralizedAverager._load_state_from_peers``) tries the peers that declared themselves
+donors, highest priority (epoch) first, takes the first that answers, deserializes whatever dtype and size the
+donor's stream names, and never says who it was. Here, in the averager's process:
+
+* donors this server refused (:meth:`DonorChoice.refuse_donor`, for :data:`REFUSAL_S` seconds) and peers it
+  excluded from averaging are skipped;
+* the stream is read with :func:`swarm.transport.gather`: tensor headers are checked before anything is
+  buffered (dtype, rank, size), the whole download is bounded by the size of this server's own state, and
+  the tensors must have this server's shapes and dtypes one for one;
+* the donor that answered is kept, for the caller to verify its state and name it
+  (:meth:`DonorChoice.last_donor`; :class:`swarm.averaging.optimizer.StageOptimizer` does, with
+  :mod:`swarm.statecheck`).
+
+Loading the state into the optimizer stays hivemind's (``TrainingStateAverager.load_state_from_peers``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from itertools import chain
+from types import SimpleNamespace
+from typing import AsyncIterator, Optional
+
+import torch
+from hivemind.optim.state_averager import dump_optimizer_state
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from swarm.protocol import ProtocolError
+from swarm.transport import gather
+
+logger = logging.getLogger(__name__)
+
+REFUSAL_S = 120.0
+"""Seconds a refused donor is skipped (an honest server that had missed a round is in sync again by then)."""
+
+
+class DonorChoice:
+    """Mixin for hivemind's ``TrainingStateAverager`` (see the module docstring); call :meth:`_init_donors` in
+    ``__init__`` before the averager process starts. The methods without a leading underscore are the main
+    process's API (through the averager's pipe, at most ``timeout`` seconds); the others run in its process."""
+
+    def _init_donors(self) -> None:
+        self._refused: dict[str, tuple[float, str]] = {}  # libp2p id -> (time.monotonic() until, reason)
+        self._donor: tuple[str, int] = ("", -1)
+
+    # ---- main-process API -----------------------------------------------------------------------------
+    def refuse_donor(self, peer: str, reason: str, timeout: float = 5.0) -> None:
+        """Skip donor ``peer`` (a libp2p id) for :data:`REFUSAL_S` seconds."""
+        future = MPFuture()
+        self._outer_pipe.send(("_refuse_donor", [], dict(peer=peer, reason=reason, future=future)))
+        future.result(timeout)
+
+    def last_donor(self, timeout: float = 5.0) -> tuple[str, int]:
+        """``(libp2p id, epoch)`` of the state the last ``load_state_from_peers`` received (``("", -1)``: none).
+        The epoch is the donor's: hivemind may then move this server one epoch on to the stage's."""
+        future = MPFuture()
+        self._outer_pipe.send(("_last_donor", [], dict(future=future)))
+        return future.result(timeout)
+
+    # ---- the averager's process ---------------------------------------------------------------------------
+    async def _refuse_donor(self, peer: str, reason: str, future: MPFuture) -> None:
+        self._refused[peer] = (time.monotonic() + REFUSAL_S, reason)
+        future.set_result(None)
+
+    async def _last_donor(self, future: MPFuture) -> None:
+        future.set_result(self._donor)
+
+    def _donor_candidates(self) -> list[PeerID]:
+        """Declared donors, highest priority first (random among equals), without this peer, refused donors
+        and peers excluded from averaging."""
+        found = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True)
+        declared = found.value if found is not None and isinstance(found.value, dict) else {}
+        now = time.monotonic()
+        skipped = {p for p, (until, _) in self._refused.items() if until > now} | set(self.exclusions.excluded())
+        priority = {PeerID(p): (float(item.value), random.random()) for p, item in declared.items()
+                    if isinstance(item, ValueWithExpiration) and isinstance(item.value, (int, float))
+                    and isinstance(p, bytes)}
+        return [p for p in sorted(priority, key=priority.get, reverse=True)
+                if p != self.peer_id and str(p) not in skipped]
+
+    def _expected_state(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of the tensors a donor sends: parameters, extra tensors, optimizer statistics."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        _, statistics = dump_optimizer_state(self.optimizer)
+        return [(tuple(t.shape), t.dtype) for t in chain(params, self.extra_tensors, statistics)]
+
+    async def _download(self, peer: PeerID, expected: list, timeout: Optional[float]):
+        """``(metadata, tensors)`` of ``peer``'s state. :raises ProtocolError: it does not fit ``expected``."""
+        limit = sum(torch.Size(shape).numel() * max(dtype.itemsize, 4) for shape, dtype in expected) + (1 << 20)
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        raw, tensors = await gather(_as_messages(aiter_with_timeout(stream, timeout)), limit,
+                                    max_tensors=len(expected))
+        if not raw:
+            raise ProtocolError("the donor sent no metadata (it does not share its state)")
+        got = [(tuple(t.shape), t.dtype) for t in tensors]
+        if got != expected:
+            wrong = next((i for i, (g, e) in enumerate(zip(got, expected)) if g != e), min(len(got), len(expected)))
+            raise ProtocolError(f"the donor's state is not this stage's: {len(got)} tensors for {len(expected)}, "
+                                f"the first that differs is #{wrong}")
+        metadata = self.serializer.loads(raw)
+        if not isinstance(metadata, dict) or not isinstance(metadata.get("epoch"), int):
+            raise ProtocolError("the donor's state metadata carries no epoch")
+        return metadata, tensors
+
+    async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None) -> None:
+        timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        self._donor = ("", -1)
+        try:
+            expected = self._expected_state()
+            for peer in self._donor_candidates():
+                started = time.monotonic()
+                try:
+                    metadata, tensors = await self._download(peer, expected, timeout)
+                except Exception as e:  # unreachable, refused, malformed or not this stage's state: the next one
+                    logger.warning("could not load the state of donor %s: %s", peer, str(e)[:300] or repr(e))
+                    continue
+                logger.info("downloaded the state of donor %s (epoch %d) in %.1f s", peer, metadata["epoch"],
+                            time.monotonic() - started)
+                self._donor = (str(peer), metadata["epoch"])
+                future.set_result((metadata, tensors))
+                return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+
+async def _as_messages(stream: AsyncIterator[averaging_pb2.DownloadData]) -> AsyncIterator[SimpleNamespace]:
+    """hivemind's state stream (one tensor chunk per message) as messages :func:`swarm.transport.gather` reads."""
+    async for msg in stream:
+        yield SimpleNamespace(metadata=msg.metadata, tensors=[msg.tensor_part] if msg.HasField("tensor_part") else [])
+
+
+__all__ = ["DonorChoice", "REFUSAL_S"]

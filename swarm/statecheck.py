@@ -1,0 +1,125 @@
+"""Verifying a stage state loaded from a live server (the *donor*) before a server keeps it.
+
+A joining server, or one that fell out of sync, downloads its stage's whole state (parameters and AdamW
+statistics) from one live server of the stage (:mod:`swarm.averaging.donors`). A lying donor could hand it
+anything, and the receiver would serve trainers with it and average it into the stage. Honest servers of a
+stage that took part in the same rounds hold the same state bit for bit (every honest peer ends a round with
+the same bytes, :doc:`docs/averaging.md`), so the receiver asks the stage's *other* servers (not the donor) for
+their state's SHA-256 at the donor's epoch (``rpc_state_digest``; each keeps its last
+:data:`~swarm.stage.DIGESTS_KEPT` epochs) and compares with the state it received
+(:func:`~swarm.checkpoint.state.state_digest`). The rule (:func:`judge_donor_state`):
+
+1. a state older than the stage's newest checkpoint is refused; one at a checkpoint's epoch must match that
+   checkpoint's endorsed state digest (``CheckpointManifest.state_sha256``);
+2. otherwise a strict majority of the other servers that hold a digest for that epoch must hold this one;
+3. if other servers answer but none reached that epoch (within ``wait_s``), the state is refused (a donor
+   claiming an epoch nobody else has);
+4. if no other server answers at all, the donor is the stage's only server and its state is kept, unverified,
+   and said so in the log: with one server per stage nothing can contradict it (docs/threat-model.md).
+
+A refused donor is skipped for a while and the next one tried; the server keeps its previous state meanwhile
+(:meth:`swarm.averaging.optimizer.StageOptimizer.load_state_from_peers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from swarm.protocol import CheckpointManifest, ServerInfo
+from swarm.stage import ask_state_digest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a donor's state is kept (``ok``) and why, in words for the log."""
+
+    ok: bool
+    why: str
+
+
+def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str]],
+                      checkpoints: Sequence[CheckpointManifest]) -> Verdict:
+    """Judge a donor's state (rules in the module docstring).
+
+    :param epoch: the donor's epoch (the state is the one after that epoch's step).
+    :param digest: SHA-256 (hex) of the state received.
+    :param answers: the stage's other servers, neither this one nor the donor: libp2p id -> (its epoch now,
+        its digest at ``epoch`` or "").
+    :param checkpoints: the stage's committed checkpoints (manifests) known to this server.
+    """
+    newest = max(checkpoints, key=lambda m: m.epoch, default=None)
+    if newest is not None and epoch < newest.epoch:
+        return Verdict(False, f"epoch {epoch} is older than the stage's newest checkpoint (epoch {newest.epoch})")
+    same = [m for m in checkpoints if m.epoch == epoch]
+    if same:
+        if any(m.state_sha256 == digest for m in same):
+            return Verdict(True, f"it is the stage's checkpoint of epoch {epoch}")
+        return Verdict(False, f"it differs from the stage's checkpoint of epoch {epoch} "
+                              f"({same[0].state_sha256[:16]}, received {digest[:16]})")
+    held = {peer: d for peer, (_, d) in answers.items() if d}
+    agree = sum(d == digest for d in held.values())
+    if held:
+        if 2 * agree > len(held):
+            return Verdict(True, f"{agree} of the {len(held)} other servers with epoch {epoch} hold the same state")
+        return Verdict(False, f"{len(held) - agree} of the {len(held)} other servers with epoch {epoch} hold another "
+                              f"state (received {digest[:16]})")
+    if answers:
+        epochs = sorted({e for e, _ in answers.values()})
+        return Verdict(False, f"none of the {len(answers)} other servers holds a state of epoch {epoch} (they are at "
+                              f"epochs {epochs}): the donor is out of step with its stage")
+    return Verdict(True, "unverified: the donor is the stage's only other server")
+
+
+class DonorStateCheck:
+    """Asks the stage's other servers and judges a donor's state (:func:`judge_donor_state`).
+
+    :param servers: the stage's servers announced online now (blocking, e.g. ``RunDirectory.fresh_servers``).
+    :param checkpoints: the stage's committed checkpoints (blocking).
+    :param me: this server's libp2p id.
+    :param wait_s: seconds to wait for servers behind the donor's epoch to reach it.
+    :param timeout_s: seconds one server has to answer.
+    """
+
+    def __init__(self, p2p, run_id: str, servers: Callable[[], list[ServerInfo]],
+                 checkpoints: Callable[[], list[CheckpointManifest]], me: str, wait_s: float = 10.0,
+                 timeout_s: float = 3.0):
+        self.p2p, self.run_id, self.servers, self.checkpoints, self.me = p2p, run_id, servers, checkpoints, me
+        self.wait_s, self.timeout_s = wait_s, timeout_s
+
+    async def judge(self, epoch: int, digest: str, donor: str) -> Verdict:
+        """Ask the stage's other servers for their digest at ``epoch`` (again every 0.5 s while some are behind
+        it, for at most ``wait_s`` seconds), then judge."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            others = [s for s in await asyncio.to_thread(self.servers) if s.p2p_id not in (donor, self.me)]
+            replies = await asyncio.gather(*(ask_state_digest(self.p2p, s, self.run_id, epoch, self.timeout_s)
+                                             for s in others), return_exceptions=True)
+            answers = {s.p2p_id: r for s, r in zip(others, replies) if isinstance(r, tuple)}
+            behind = [e for e, d in answers.values() if not d and e < epoch]
+            if not behind or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        return judge_donor_state(epoch, digest, answers, await asyncio.to_thread(self.checkpoints))
+
+    def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Optional[str]]:
+        """A :data:`swarm.averaging.optimizer.StateCheck` for threads other than ``loop``'s: runs :meth:`judge`
+        on ``loop`` and logs its verdict."""
+
+        def check(epoch: int, digest: str, donor: str) -> Optional[str]:
+            future = asyncio.run_coroutine_threadsafe(self.judge(epoch, digest, donor), loop)
+            verdict = future.result(self.wait_s + 4 * self.timeout_s + 30)
+            if verdict.ok:
+                logger.info("kept the state of donor %s at epoch %d: %s", donor, epoch, verdict.why)
+                return None
+            return verdict.why
+
+        return check
+
+
+__all__ = ["DonorStateCheck", "Verdict", "judge_donor_state"]

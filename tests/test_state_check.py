@@ -1,0 +1,187 @@
+"""A state loaded from a live server (a donor) is kept only if it verifies: the judging rule, and a lying donor
+refused over real hivemind averagers (DHT and p2pd on loopback)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from swarm.attacks import LyingDonorAverager
+from swarm.averaging.optimizer import StageOptimizer
+from swarm.model import build_stage
+from swarm.protocol import CheckpointManifest
+from swarm.statecheck import judge_donor_state
+from tests.conftest import TINY, keyed_dhts
+
+A, B = "a" * 64, "b" * 64
+MICRO_BATCHES = TINY.training.target_batch_size // TINY.training.micro_batch_size  # per epoch
+
+
+def _manifest(epoch: int, state: str) -> CheckpointManifest:
+    return CheckpointManifest.model_construct(epoch=epoch, state_sha256=state, stage=0)
+
+
+def test_a_majority_of_the_other_servers_vouches_for_the_state():
+    assert judge_donor_state(9, A, {"x": (9, A), "y": (10, A), "z": (9, B)}, []).ok
+    refused = judge_donor_state(9, A, {"x": (9, B), "y": (10, B), "z": (9, A)}, [])
+    assert not refused.ok and "2 of the 3 other servers" in refused.why
+    assert not judge_donor_state(9, A, {"x": (9, A), "y": (9, B)}, []).ok, "a tie is no majority"
+    # servers that cannot vouch (joined after the epoch) do not count either way
+    assert judge_donor_state(9, A, {"x": (9, A), "late": (12, "")}, []).ok
+
+
+def test_a_donor_ahead_of_its_stage_or_behind_its_checkpoint_is_refused():
+    ahead = judge_donor_state(1_000_000, A, {"x": (9, ""), "y": (9, "")}, [])
+    assert not ahead.ok and "none of the 2 other servers" in ahead.why
+    old = judge_donor_state(4, A, {"x": (4, A)}, [_manifest(6, B)])
+    assert not old.ok and "older than the stage's newest checkpoint (epoch 6)" in old.why
+
+
+def test_a_checkpoint_of_the_same_epoch_decides():
+    assert judge_donor_state(6, A, {"x": (6, B)}, [_manifest(6, A)]).ok
+    assert not judge_donor_state(6, A, {"x": (6, A)}, [_manifest(6, B)]).ok
+
+
+def test_a_donor_alone_in_its_stage_is_kept_unverified():
+    verdict = judge_donor_state(9, A, {}, [])
+    assert verdict.ok and verdict.why.startswith("unverified")
+
+
+@pytest.mark.timeout(120)
+def test_the_other_servers_are_asked_over_rpc_and_one_behind_is_waited_for(tiny_spec):
+    """Three live stage servers answer ``rpc_state_digest``; the donor is not asked; a server one epoch behind
+    the donor is asked again until it reaches the epoch; a listed server that does not answer is left out."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from swarm.protocol import ServerInfo
+    from swarm.stage import StageServer
+    from swarm.statecheck import DonorStateCheck
+
+    nodes = keyed_dhts(5)  # the checker, three servers, and a peer that serves no stage (a stale record)
+    servers = [StageServer(tiny_spec, "rpc-run", 0) for _ in range(3)]
+    epochs = [5, 5, 4]
+    for server, epoch, digest in zip(servers, epochs, (A, B, "")):
+        server.optimizer = SimpleNamespace(epoch=epoch)
+        if digest:
+            server.state_digests[5] = digest
+    x, y, z, gone = (str(d.peer_id) for _, d in nodes[1:])
+    listed = [ServerInfo.model_construct(p2p_id=p, stage=0, peer_id=p) for p in (x, y, z, gone)]
+
+    async def scenario():
+        for server, (_, dht) in zip(servers, nodes[1:4]):
+            await server.add_p2p_handlers(await dht.replicate_p2p(), namespace="rpc-run")
+        check = DonorStateCheck(await nodes[0][1].replicate_p2p(), "rpc-run", lambda: listed, lambda: [],
+                                me=str(nodes[0][1].peer_id), wait_s=20, timeout_s=2)
+
+        async def catch_up():  # z reaches epoch 5 a second later, with the stage's state
+            await asyncio.sleep(1.0)
+            servers[2].state_digests[5] = A
+            servers[2].optimizer.epoch = 5
+
+        task = asyncio.create_task(catch_up())
+        kept = await check.judge(5, A, donor=y)
+        await task
+        refused = await check.judge(5, B, donor=x)  # y holds B, z holds A: a tie
+        return kept, refused
+
+    try:
+        kept, refused = asyncio.run(scenario())
+        assert kept.ok and kept.why.startswith("2 of the 2 other servers"), kept
+        assert not refused.ok and "1 of the 2 other servers" in refused.why, refused
+    finally:
+        for server in servers:
+            server.shutdown()
+        for _, dht in nodes:
+            dht.shutdown()
+
+
+def _gradients(module: torch.nn.Module, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [0.01 * torch.randn(p.shape, generator=gen) for p in module.parameters()]
+
+
+def _declared(dht, prefix: str) -> dict:
+    found = dht.get(f"{prefix}.all_averagers", latest=True)
+    return {} if found is None else {k: v.value for k, v in found.value.items()}
+
+
+@pytest.mark.timeout(240)
+def test_a_lying_donor_is_refused_and_the_state_comes_from_an_honest_one():
+    """An honest server trains two epochs; a lying donor (a state averager that adds noise to the parameters it
+    hands out and declares a priority 1000 epochs ahead, so it is asked first) loads the state from it; a third
+    server loads the stage's state with a check: it refuses the liar, takes the honest server's state, and
+    names the liar."""
+    nodes = keyed_dhts(3)
+    modules = [build_stage(TINY.model, 0) for _ in nodes]
+    optimizers = []
+    try:
+        (k0, d0), (k1, d1), (k2, d2) = nodes
+        honest = StageOptimizer(TINY, "donors", 0, d0, modules[0], identity=k0)
+        optimizers.append(honest)
+        honest.jump_to_epoch(0)
+        for i in range(2 * MICRO_BATCHES):
+            honest.step(_gradients(modules[0], i), TINY.training.micro_batch_size, "trainer0")
+        assert honest.epoch == 2
+        liar = StageOptimizer(TINY, "donors", 0, d1, modules[1], identity=k1,
+                              state_averager_factory=LyingDonorAverager)
+        optimizers.append(liar)
+        assert liar.load_state_from_peers() == 2  # the liar itself loads honestly
+        deadline = time.monotonic() + 60
+        while not any(v >= 1000 for v in _declared(d2, "donors-stage0_state_averager").values()):
+            assert time.monotonic() < deadline, "the liar never declared itself a donor"
+            time.sleep(0.2)
+        truth = honest.state_digest()
+        asked: list[tuple[int, str]] = []
+
+        def check(epoch: int, digest: str, donor: str):
+            asked.append((epoch, donor))
+            return None if digest == truth else "another state than the stage's"
+
+        joiner = StageOptimizer(TINY, "donors", 0, d2, modules[2], identity=k2)
+        optimizers.append(joiner)
+        joiner.state_check = check
+        assert joiner.load_state_from_peers() >= 2
+        assert [donor for _, donor in asked] == [str(d1.peer_id), str(d0.peer_id)], asked
+        assert joiner.donors_refused.keys() == {str(d1.peer_id)}
+        mine, theirs = joiner.state(), honest.state()
+        assert not [k for k in theirs if not torch.equal(mine[k], theirs[k])], "the joiner kept another state"
+    finally:
+        for o in optimizers:
+            o.shutdown()
+        for _, dht in nodes:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_refused_state_is_undone_when_no_donor_verifies():
+    """The only donor lies: the joiner refuses it and keeps the state, epoch and schedule it had."""
+    nodes = keyed_dhts(2)
+    modules = [build_stage(TINY.model, 0) for _ in nodes]
+    optimizers = []
+    try:
+        (k0, d0), (k1, d1) = nodes
+        liar = StageOptimizer(TINY, "alone", 0, d0, modules[0], identity=k0, state_averager_factory=LyingDonorAverager)
+        optimizers.append(liar)
+        liar.jump_to_epoch(0)
+        for i in range(2 * MICRO_BATCHES):
+            liar.step(_gradients(modules[0], i), TINY.training.micro_batch_size, "trainer0")
+        deadline = time.monotonic() + 60
+        while not _declared(d1, "alone-stage0_state_averager"):
+            assert time.monotonic() < deadline, "the liar never declared itself a donor"
+            time.sleep(0.2)
+        joiner = StageOptimizer(TINY, "alone", 0, d1, modules[1], identity=k1)
+        optimizers.append(joiner)
+        before, lr = joiner.state(), joiner.lr
+        joiner.state_check = lambda epoch, digest, donor: f"refused {donor}"
+        assert joiner.load_state_from_peers() == 0
+        after = joiner.state()
+        assert all(torch.equal(before[k], after[k]) for k in before) and joiner.lr == lr
+        assert list(joiner.donors_refused) == [str(d0.peer_id)]
+    finally:
+        for o in optimizers:
+            o.shutdown()
+        for _, dht in nodes:
+            dht.shutdown()
