@@ -11,10 +11,12 @@ One round of :func:`train` is what a stage's servers do in one epoch, with the n
   phases; partition ``j`` is reduced by :func:`~swarm.averaging.reducer.reduce_partition` over the parts as
   decoded from the wire encoding, and its encoded aggregate (corrupted if peer ``j`` is a lying reducer) is
   what every peer receives — exactly the data path of :mod:`swarm.averaging.allreduce`;
-* verdicts go to a :class:`~swarm.averaging.exclusion.ExclusionBook`; each partition is audited with probability
+* every honest peer keeps its own :class:`~swarm.averaging.exclusion.ExclusionBook` and scores only the senders
+  of the partition it reduced, as a real peer does; each partition is audited with probability
   ``audit_probability`` by the peer :func:`~swarm.averaging.evidence.audit_plan` draws (signatures and the
-  evidence exchange are left out: the auditor's comparison and its outcome are the same); excluded peers leave
-  the group;
+  evidence exchange are left out: the auditor's comparison and its outcome are the same, and a confirmed lie or
+  a refuted accusation is verified, so it lands in every honest book); a peer leaves the group once most honest
+  peers excluded it (matchmaking keeps excluded peers out of the excluders' groups);
 * AdamW steps on the aggregate.
 
 Bytes here are the encoded tensors' sizes; the benchmarks count real wire bytes with real averagers.
@@ -79,10 +81,41 @@ class HarnessResult:
     val_loss: float  # nats/token on held-out text, mean of the last 3 evaluations (every EVAL_EVERY rounds)
     rounds: int
     samples: int
-    excluded_at: dict = field(default_factory=dict)  # peer index -> round it was excluded
-    honest_excluded: int = 0
+    excluded_at: dict = field(default_factory=dict)  # peer index -> round most honest peers had excluded it
+    honest_excluded: int = 0  # honest peers excluded by at least one honest peer
     bytes_per_round: float = 0.0  # encoded bytes one peer sends per round (parts + aggregates it returns)
     seconds: float = 0.0
+
+
+class Books:
+    """The exclusion books of the honest peers, each fed only with what that peer saw."""
+
+    def __init__(self, honest: list[int], policy: ExclusionPolicy):
+        self.books = {i: ExclusionBook(policy) for i in honest}
+
+    def record_round(self, reducer: int, verdicts: dict) -> None:
+        """Reducer ``reducer``'s verdicts on its partition's senders (an attacker's own book is not kept)."""
+        if reducer in self.books:
+            self.books[reducer].record_round(verdicts)
+
+    def exclude_everywhere(self, peer: str, reason: str) -> None:
+        """A verified verdict (a confirmed audit, a refuted accusation): every honest peer excludes ``peer``."""
+        for book in self.books.values():
+            book.exclude(peer, reason)
+
+    def excluded(self) -> set[str]:
+        """Peers that most honest peers excluded: they are out of the group."""
+        counts: dict[str, int] = {}
+        for book in self.books.values():
+            for peer in book.excluded():
+                counts[peer] = counts.get(peer, 0) + 1
+        return {p for p, c in counts.items() if 2 * c > len(self.books)}
+
+    def excluded_by_any(self) -> set[str]:
+        return {p for book in self.books.values() for p in book.excluded()}
+
+    def is_excluded(self, peer: str) -> bool:
+        return peer in self.excluded()
 
 
 def _grad(model, inputs, targets) -> list[torch.Tensor]:
@@ -106,7 +139,7 @@ def _val_loss(model, dataset, spec, batches: int = 32) -> float:
 
 def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0, attack: Optional[str] = None,
           aggregator: str = "centered_clip", compression: str = "none", rank: int = 4, rounds: int = 60,
-          checks: bool = True, audit_probability: float = 0.25, seed: int = 0) -> HarnessResult:
+          checks: bool = True, audit_probability: float = 0.25, seed: int = 0, pre: str = "none") -> HarnessResult:
     """Train ``rounds`` epochs with ``peers`` simulated servers, the last ``byzantine`` of them attackers.
 
     ``checks=False`` turns the reducer's norm check and exclusions off (plain averaging: the control).
@@ -119,11 +152,12 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
     opt = make_torch_optimizer(spec.optim, model.parameters())
     sched = make_scheduler(spec.optim, opt)
     params = list(model.parameters())
-    agg = make_aggregator(aggregator)
+    agg = make_aggregator(aggregator, pre=pre, byzantine_fraction=min(0.45, max(byzantine / peers, 0.3)))
     policy = ReducePolicy(reject_norm_ratio=10.0 if checks else 1e30, outlier_ratio=3.0 if checks else 1e30)
-    book = ExclusionBook(ExclusionPolicy(threshold=3.0 if checks else math.inf))
     trainer_mode = attack in TRAINER_ATTACKS
     attackers = {peers - 1 - i: make_attack(attack, n=peers, f=byzantine, seed=i) for i in range(byzantine)}
+    book = Books([i for i in range(peers) if i not in attackers],
+                 ExclusionPolicy(threshold=3.0 if checks else math.inf))
     compressors = [make_compressor(compression, rank=rank) for _ in range(peers)]
     b = spec.training.micro_batch_size
     per_peer = max(1, spec.training.target_batch_size // (b * peers))
@@ -160,13 +194,13 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
             bytes_sent += sent
             for peer in book.excluded():
                 result.excluded_at.setdefault(int(peer), r + 1)
+            result.honest_excluded = len(book.excluded_by_any() - {str(i) for i in attackers})
         for p, g in zip(params, averaged):
             p.grad = g.clone()
         opt.step()
         sched.step()
         if r >= rounds - 3 * EVAL_EVERY and (rounds - 1 - r) % EVAL_EVERY == 0:
             evals.append(_val_loss(model, dataset, spec))
-    result.honest_excluded = sum(1 for p in result.excluded_at if p not in attackers)
     result.bytes_per_round = bytes_sent / max(1, rounds)
     result.val_loss = sum(evals) / len(evals)
     result.seconds = time.perf_counter() - start
@@ -209,8 +243,8 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
             try:
                 red = reduce_partition(parts, weights, b - a, agg, policy)
                 out = red.aggregate
-                for s, v in red.verdicts.items():
-                    verdicts.setdefault(s, []).append(v)
+                for sender, v in red.verdicts.items():  # reducer j scores the senders of its partition only
+                    verdicts.setdefault(j, {}).setdefault(sender, []).append(v)
             except NoValidParts:
                 out = torch.zeros(b - a)
             honest_out = out
@@ -230,7 +264,8 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
             except StopIteration as stop:
                 outputs[i] = stop.value
         phases = next_phases
-    book.record_round({s: worst(vs) for s, vs in verdicts.items()})
+    for j, seen in verdicts.items():
+        book.record_round(j, {sender: worst(vs) for sender, vs in seen.items()})
     reference = next(i for i in active if i not in attackers) if any(i not in attackers for i in active) else active[0]
     return outputs[reference], sent_bytes
 
@@ -247,7 +282,7 @@ def _audit(outputs, active, attackers, codec, book, probability, group):
         lying = not matches(received, honest_out, codec)[0]
         accuser = int(auditor) in attackers and getattr(attackers[int(auditor)], "accuse_always", False)
         if lying and int(auditor) not in attackers:
-            book.exclude(str(j), "audit: wrong aggregate")
+            book.exclude_everywhere(str(j), "audit: wrong aggregate")
         elif accuser and not lying:
-            book.exclude(auditor, "false accusation")
+            book.exclude_everywhere(auditor, "false accusation")
 

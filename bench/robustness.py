@@ -1,17 +1,25 @@
-"""Attacks x aggregators with 2 of 7 peers Byzantine: final validation loss next to the clean run's.
+"""Attacks x aggregators with 3 of 7 peers Byzantine: final validation loss next to two clean runs'.
 
-    python bench/robustness.py [--rounds 100] [--attacks sign_flip,noise,...] [--aggregators mean,centered_clip]
+    python bench/robustness.py [--rounds 100] [--byzantine 3] [--attacks sign_flip,noise,...]
+                               [--aggregators mean,centered_clip,nnm+centered_clip]
 
 Runs the in-process harness (``bench/harness.py``: the real compressor, reducer, aggregator, exclusion and attack
-code with the network taken out) on a 2-layer GPT over Shakespeare. For every aggregator the baseline is
-the same aggregator with no attacker, measured in the same run. ``mean`` is the control: plain averaging
-as hivemind does it (no norm check, no exclusions); the robust rules run with the reducer's checks and exclusions.
-Server attacks put the 2 attackers among 7 servers of a stage; trainer attacks (``label_flip``,
-``grad_flip``) among 7 trainers of a server.
+code with the network taken out) on a 2-layer GPT over Shakespeare. An aggregator is a rule of
+``swarm.averaging.aggregation`` with an optional pre-aggregation (``nnm+centered_clip``,
+``bucketing+median``). For every aggregator two baselines are measured in the same run, with no attacker:
+``clean_val_loss`` (all 7 peers honest: the same data as the attacked runs' peers) and ``honest_val_loss``
+(only the honest peers: what the attacked run could at best reach without the attackers' data). ``mean`` is the
+control: plain averaging as hivemind does it (no norm check, no exclusions); the robust rules run with the
+reducer's checks and exclusions, every honest peer with its own exclusion book. Server attacks put the
+attackers among 7 servers of a stage; trainer attacks (``label_flip``, ``grad_flip``) among 7 trainers of a
+server.
 
-Prints one JSON line per configuration on stderr and, last on stdout,
-``{"byzantine_fraction", "results": [{"attack", "aggregator", "val_loss", "clean_val_loss", "rounds_to_exclusion",
-"honest_excluded"}]}``; ``rounds_to_exclusion`` is the round at which the last attacker was excluded (null: never).
+Prints one JSON line per configuration on stderr and, last on stdout, ``{"byzantine_fraction", "results":
+[{"attack", "aggregator", "val_loss", "clean_val_loss", "honest_val_loss", "ratio_to_clean",
+"rounds_to_exclusion", "honest_excluded"}], "within_5pct": {aggregator: bool}}``; ``rounds_to_exclusion`` is the
+round by which most honest peers had excluded the last attacker (null: never), ``honest_excluded`` the honest
+peers excluded by at least one honest peer, ``within_5pct`` whether every attack ended within 5% of the clean
+loss with no honest peer excluded.
 """
 
 from __future__ import annotations
@@ -30,35 +38,43 @@ from harness import bench_spec, train  # noqa: E402
 
 from swarm.attacks import ATTACKS  # noqa: E402
 
-PEERS, BYZANTINE = 7, 2
+PEERS = 7
+
+
+def _run(spec, args, aggregator: str, **kw):
+    pre, _, rule = aggregator.rpartition("+")
+    return train(spec, args.cache_dir, peers=kw.pop("peers", PEERS), aggregator=rule, pre=pre or "none",
+                 rounds=args.rounds, checks=rule != "mean", **kw)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=100, help="averaging rounds (epochs) per configuration")
+    ap.add_argument("--byzantine", type=int, default=3, help="attackers among the 7 peers")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
-    ap.add_argument("--aggregators", default="mean,median,trimmed_mean,centered_clip")
+    ap.add_argument("--aggregators", default="mean,median,trimmed_mean,centered_clip,nnm+centered_clip")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("SWARM_CACHE_DIR", ROOT / ".test-cache")))
     args = ap.parse_args()
-    spec = bench_spec()
-    results = []
+    spec, f = bench_spec(), args.byzantine
+    results, within = [], {}
     for aggregator in args.aggregators.split(","):
-        checks = aggregator != "mean"
-        clean = train(spec, args.cache_dir, peers=PEERS, aggregator=aggregator, rounds=args.rounds, checks=checks)
-        print(json.dumps({"aggregator": aggregator, "attack": None, "val_loss": round(clean.val_loss, 4)}),
-              file=sys.stderr, flush=True)
+        clean = _run(spec, args, aggregator)
+        honest = _run(spec, args, aggregator, peers=PEERS - f)
+        print(json.dumps({"aggregator": aggregator, "attack": None, "val_loss": round(clean.val_loss, 4),
+                          "honest_val_loss": round(honest.val_loss, 4)}), file=sys.stderr, flush=True)
+        within[aggregator] = True
         for attack in args.attacks.split(","):
-            r = train(spec, args.cache_dir, peers=PEERS, byzantine=BYZANTINE, attack=attack, aggregator=aggregator,
-                      rounds=args.rounds, checks=checks)
-            attackers = range(PEERS - BYZANTINE, PEERS)
-            excluded = [r.excluded_at.get(i) for i in attackers]
+            r = _run(spec, args, aggregator, byzantine=f, attack=attack)
+            excluded = [r.excluded_at.get(i) for i in range(PEERS - f, PEERS)]
             row = {"attack": attack, "aggregator": aggregator, "val_loss": round(r.val_loss, 4),
-                   "clean_val_loss": round(clean.val_loss, 4),
+                   "clean_val_loss": round(clean.val_loss, 4), "honest_val_loss": round(honest.val_loss, 4),
+                   "ratio_to_clean": round(r.val_loss / clean.val_loss, 4),
                    "rounds_to_exclusion": max(excluded) if all(b is not None for b in excluded) else None,
                    "honest_excluded": r.honest_excluded}
+            within[aggregator] &= row["ratio_to_clean"] <= 1.05 and r.honest_excluded == 0
             print(json.dumps(row | {"seconds": round(r.seconds, 1)}), file=sys.stderr, flush=True)
             results.append(row)
-    print(json.dumps({"byzantine_fraction": round(BYZANTINE / PEERS, 3), "results": results}))
+    print(json.dumps({"byzantine_fraction": round(f / PEERS, 3), "results": results, "within_5pct": within}))
 
 
 if __name__ == "__main__":

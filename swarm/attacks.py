@@ -4,8 +4,10 @@ Production classes know nothing of attacks: a test or benchmark makes a peer Byz
 one of the wrappers below (a compressor, reducer, averager or pipeline subclass), passed in where the library
 takes a strategy: :func:`byzantine_optimizer` for :class:`~swarm.server.ServerSession` (``optimizer_factory``),
 :func:`byzantine_pipeline` for :class:`~swarm.trainer.Trainer` (``pipeline_factory``), :func:`lying_server` for
-:class:`~swarm.server.ServerSession` (``server_factory``: a stage server answering trainers wrongly); ``tests/byzantine_peer.py``
-starts such a peer as its own process, and ``bench/harness.py`` calls the attacks' hooks directly.
+:class:`~swarm.server.ServerSession` (``server_factory``: a stage server answering trainers wrongly),
+:func:`lying_donor` for ``optimizer_factory`` (a state served wrongly to servers that load it);
+``tests/byzantine_peer.py`` starts such a peer as its own process, and ``bench/harness.py`` calls the attacks'
+hooks directly.
 
 A server-side :class:`Attack` corrupts what the peer sends into the all-reduce (:meth:`Attack.corrupt_part`),
 or, as a reducer, the aggregate it returns (:meth:`Attack.corrupt_aggregate`), or accuses honest reducers
@@ -19,6 +21,9 @@ the honest mean.
 * ``alie`` — "A Little Is Enough" (Baruch et al., NeurIPS 2019, sec. 3): ``mu - z sigma`` per coordinate,
   ``z`` from the group size and the number of attackers (their eq. for ``z_max``).
 * ``ipm`` — inner-product manipulation (Xie et al., UAI 2019, sec. 3): ``-eps * mu`` (eps = 0.5).
+* ``mimic`` — every attacker copies one honest peer's vector (Karimireddy et al., ICLR 2022, sec. 5).
+* ``minmax`` — ``mu - gamma sigma`` as far as the honest vectors' own spread allows (Shejwalkar & Houmansadr,
+  NDSS 2021, sec. IV-B).
 * ``label_flip`` — trains on ``vocab - 1 - target`` instead of the target (trainer).
 * ``grad_flip`` — relays output gradients times ``-k`` (trainer).
 * ``replay`` — sends the vector of ``delay`` (5) rounds ago.
@@ -48,7 +53,8 @@ from swarm.averaging.reducer import Reduction
 from swarm.pipeline import RemotePipeline
 from swarm.stage import StageServer
 
-ATTACKS = ("sign_flip", "noise", "alie", "ipm", "label_flip", "grad_flip", "replay", "lying_reducer", "false_accuser")
+ATTACKS = ("sign_flip", "noise", "alie", "ipm", "mimic", "minmax", "label_flip", "grad_flip", "replay", "lying_reducer",
+           "false_accuser")
 TRAINER_ATTACKS = ("label_flip", "grad_flip")
 SERVER_LIES = ("lying_server",)
 """Attacks on trainers by a stage server (:class:`LyingStageServer`), installed with :func:`lying_server`."""
@@ -120,6 +126,44 @@ class IPM(Attack):
         return -self.eps * mu
 
 
+class Mimic(Attack):
+    """Mimic (Karimireddy, He, Jaggi, ICLR 2022, sec. 5): every attacker sends the same honest peer's vector, so
+    that peer's data counts ``f + 1`` times and duplicates form a block (it exploits heterogeneity and any rule
+    that trusts agreement). The copied peer is the honest one farthest from the honest mean (the paper picks
+    the one with the largest variance along the top principal direction); with no honest vectors known, its
+    own."""
+
+    name = "mimic"
+
+    def corrupt_part(self, vector, round, honest=None):
+        if honest is None or honest.shape[0] < 2:
+            return vector
+        return honest[int((honest - honest.mean(0)).norm(dim=1).argmax())].clone()
+
+
+class MinMax(Attack):
+    """Min-Max (Shejwalkar & Houmansadr, "Manipulating the Byzantine", NDSS 2021, sec. IV-B, AGR-agnostic):
+    ``mu - gamma * sigma`` (coordinate-wise honest mean and standard deviation) with the largest ``gamma`` (binary
+    search) whose distance to every honest vector stays within the largest distance between two honest
+    vectors, so no distance-based check singles it out."""
+
+    name = "minmax"
+
+    def corrupt_part(self, vector, round, honest=None):
+        if honest is None or honest.shape[0] < 2:
+            return vector
+        mu, direction = honest.mean(0), honest.std(0)
+        limit = torch.cdist(honest[None], honest[None])[0].max()
+        lo, hi = 0.0, 10.0
+        for _ in range(30):
+            gamma = (lo + hi) / 2
+            if (honest - (mu - gamma * direction)).norm(dim=1).max() <= limit:
+                lo = gamma
+            else:
+                hi = gamma
+        return mu - lo * direction
+
+
 class LabelFlip(Attack):
     name = "label_flip"
 
@@ -170,6 +214,7 @@ def make_attack(name: Optional[str], *, n: int = 7, f: int = 2, seed: int = 0) -
     if not name or name == "none":
         return None
     table = {"sign_flip": SignFlip, "noise": lambda: Noise(seed=seed), "alie": lambda: ALIE(n, f), "ipm": IPM,
+             "mimic": Mimic, "minmax": MinMax,
              "label_flip": LabelFlip, "grad_flip": GradFlip, "replay": Replay, "lying_reducer": LyingReducer,
              "false_accuser": FalseAccuser}
     if name not in table:

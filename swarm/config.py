@@ -164,6 +164,18 @@ class AveragingSpec(_Section):
         "to their coordinate-wise median. Lower resists more, biases more.",
     )
     clip_iterations: int = Field(20, ge=1, le=1000, description="centered_clip: iteration cap.")
+    pre_aggregation: Literal["none", "nnm", "bucketing"] = Field(
+        "none", description="Mixes the parts before the aggregator runs, against attackers exploiting the honest "
+        "parts' differences (non-IID data) or sending duplicates: 'nnm' replaces each part by the mean of its "
+        "nearest (1 - byzantine_fraction) share of parts (Allouah et al. 2023); 'bucketing' averages random "
+        "buckets of bucket_size parts (Karimireddy et al. 2022). Use with a robust aggregator; 'nnm' costs "
+        "n^2 distances per partition.",
+    )
+    byzantine_fraction: float = Field(
+        0.3, ge=0, lt=0.5, description="nnm: the fraction of a group's servers assumed Byzantine (f = floor of it "
+        "times the group size); raise it towards 0.45 for more attackers, at some accuracy cost.",
+    )
+    bucket_size: int = Field(2, ge=1, le=16, description="bucketing: parts averaged per bucket.")
     reject_norm_ratio: float = Field(
         10.0, gt=1, description="Reject a part whose norm exceeds this multiple of the median part norm.",
     )

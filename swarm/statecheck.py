@@ -12,13 +12,15 @@ their state's SHA-256 at the donor's epoch (``rpc_state_digest``; each keeps its
 1. a state older than the stage's newest checkpoint is refused; one at a checkpoint's epoch must match that
    checkpoint's endorsed state digest (``CheckpointManifest.state_sha256``);
 2. otherwise a strict majority of the other servers that hold a digest for that epoch must hold this one;
-3. if other servers answer but none reached that epoch (within ``wait_s``), the state is refused (a donor
-   claiming an epoch nobody else has);
-4. if no other server answers at all, the donor is the stage's only server and its state is kept, unverified,
-   and said so in the log: with one server per stage nothing can contradict it (docs/threat-model.md).
+3. if other servers are listed but none holds a digest for that epoch (within ``wait_s``: they are behind it,
+   between two epochs, loaded their own state, or do not answer), the state is refused as unverifiable (a donor
+   claiming an epoch nobody else has is refused this way);
+4. if no other server is listed, the donor is the stage's only server and its state is kept, unverified, and
+   said so in the log: with one server per stage nothing can contradict it (docs/threat-model.md).
 
-A refused donor is skipped for a while and the next one tried; the server keeps its previous state meanwhile
-(:meth:`swarm.averaging.optimizer.StageOptimizer.load_state_from_peers`).
+A donor contradicted by rule 1 or 2 is skipped for :data:`~swarm.averaging.donors.REFUSAL_S`, one refused as
+unverifiable for :data:`~swarm.averaging.donors.RETRY_S`, and the next one tried; the server keeps its previous
+state meanwhile (:meth:`swarm.averaging.optimizer.StageOptimizer.load_state_from_peers`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from swarm.averaging.donors import REFUSAL_S, RETRY_S
 from swarm.protocol import CheckpointManifest, ServerInfo
 from swarm.stage import ask_state_digest
 
@@ -37,14 +40,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether a donor's state is kept (``ok``) and why, in words for the log."""
+    """Whether a donor's state is kept (``ok``) and why, in words for the log; ``contradicted``: refused because
+    the stage's checkpoint or servers hold another state (not merely because nobody could vouch for it)."""
 
     ok: bool
     why: str
+    contradicted: bool = False
 
 
 def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str]],
-                      checkpoints: Sequence[CheckpointManifest]) -> Verdict:
+                      checkpoints: Sequence[CheckpointManifest], listed: int = -1) -> Verdict:
     """Judge a donor's state (rules in the module docstring).
 
     :param epoch: the donor's epoch (the state is the one after that epoch's step).
@@ -52,27 +57,30 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
     :param answers: the stage's other servers, neither this one nor the donor: libp2p id -> (its epoch now,
         its digest at ``epoch`` or "").
     :param checkpoints: the stage's committed checkpoints (manifests) known to this server.
+    :param listed: how many other servers the stage lists online, answering or not (-1: ``len(answers)``).
     """
+    listed = len(answers) if listed < 0 else listed
     newest = max(checkpoints, key=lambda m: m.epoch, default=None)
     if newest is not None and epoch < newest.epoch:
-        return Verdict(False, f"epoch {epoch} is older than the stage's newest checkpoint (epoch {newest.epoch})")
+        return Verdict(False, f"epoch {epoch} is older than the stage's newest checkpoint (epoch {newest.epoch})",
+                       contradicted=True)
     same = [m for m in checkpoints if m.epoch == epoch]
     if same:
         if any(m.state_sha256 == digest for m in same):
             return Verdict(True, f"it is the stage's checkpoint of epoch {epoch}")
         return Verdict(False, f"it differs from the stage's checkpoint of epoch {epoch} "
-                              f"({same[0].state_sha256[:16]}, received {digest[:16]})")
+                              f"({same[0].state_sha256[:16]}, received {digest[:16]})", contradicted=True)
     held = {peer: d for peer, (_, d) in answers.items() if d}
     agree = sum(d == digest for d in held.values())
     if held:
         if 2 * agree > len(held):
             return Verdict(True, f"{agree} of the {len(held)} other servers with epoch {epoch} hold the same state")
         return Verdict(False, f"{len(held) - agree} of the {len(held)} other servers with epoch {epoch} hold another "
-                              f"state (received {digest[:16]})")
-    if answers:
+                              f"state (received {digest[:16]})", contradicted=2 * (len(held) - agree) > len(held))
+    if listed:
         epochs = sorted({e for e, _ in answers.values()})
-        return Verdict(False, f"none of the {len(answers)} other servers holds a state of epoch {epoch} (they are at "
-                              f"epochs {epochs}): the donor is out of step with its stage")
+        return Verdict(False, f"none of the {listed} other servers vouches for epoch {epoch} ({len(answers)} answered, "
+                              f"at epochs {epochs})")
     return Verdict(True, "unverified: the donor is the stage's only other server")
 
 
@@ -101,23 +109,27 @@ class DonorStateCheck:
             replies = await asyncio.gather(*(ask_state_digest(self.p2p, s, self.run_id, epoch, self.timeout_s)
                                              for s in others), return_exceptions=True)
             answers = {s.p2p_id: r for s, r in zip(others, replies) if isinstance(r, tuple)}
-            behind = [e for e, d in answers.values() if not d and e < epoch]
-            if not behind or time.monotonic() > deadline:
+            # one at the epoch without its digest is between two epochs (the digest follows the step)
+            waiting = [e for e, d in answers.values() if not d and e <= epoch]
+            if not waiting or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
-        return judge_donor_state(epoch, digest, answers, await asyncio.to_thread(self.checkpoints))
+        return judge_donor_state(epoch, digest, answers, await asyncio.to_thread(self.checkpoints), len(others))
 
-    def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Optional[str]]:
+    def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Optional[tuple[str, float]]]:
         """A :data:`swarm.averaging.optimizer.StateCheck` for threads other than ``loop``'s: runs :meth:`judge`
-        on ``loop`` and logs its verdict."""
+        on ``loop`` and logs its verdict. :raises TimeoutError: no verdict within ``wait_s`` + 60 s."""
 
-        def check(epoch: int, digest: str, donor: str) -> Optional[str]:
+        def check(epoch: int, digest: str, donor: str) -> Optional[tuple[str, float]]:
             future = asyncio.run_coroutine_threadsafe(self.judge(epoch, digest, donor), loop)
-            verdict = future.result(self.wait_s + 4 * self.timeout_s + 30)
+            try:
+                verdict = future.result(self.wait_s + 4 * self.timeout_s + 60)
+            finally:
+                future.cancel()
             if verdict.ok:
                 logger.info("kept the state of donor %s at epoch %d: %s", donor, epoch, verdict.why)
                 return None
-            return verdict.why
+            return verdict.why, REFUSAL_S if verdict.contradicted else RETRY_S
 
         return check
 

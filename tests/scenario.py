@@ -148,8 +148,9 @@ class Scenario:
         full-state digest (parameters and optimizer state) for a common epoch of at least ``min_epoch``, the
         newest one they share; returns ``(epoch, digest)``.
 
-        Servers publish a digest at the epochs that average the state too (every ``average_state_every``); a
-        server that missed a round differs until the next one re-syncs it, so this waits for agreement.
+        Servers publish a digest after every epoch's step (their last 8); a server that missed a round differs
+        until the next state-averaging round (every ``average_state_every``) re-syncs it, so this waits for
+        agreement.
         :raises AssertionError: they never agreed within ``timeout`` seconds (the digests seen are listed).
         """
         seen: dict[str, dict[int, str]] = {}

@@ -26,15 +26,16 @@ def _manifest(epoch: int, state: str) -> CheckpointManifest:
 def test_a_majority_of_the_other_servers_vouches_for_the_state():
     assert judge_donor_state(9, A, {"x": (9, A), "y": (10, A), "z": (9, B)}, []).ok
     refused = judge_donor_state(9, A, {"x": (9, B), "y": (10, B), "z": (9, A)}, [])
-    assert not refused.ok and "2 of the 3 other servers" in refused.why
-    assert not judge_donor_state(9, A, {"x": (9, A), "y": (9, B)}, []).ok, "a tie is no majority"
+    assert not refused.ok and refused.contradicted and "2 of the 3 other servers" in refused.why
+    tie = judge_donor_state(9, A, {"x": (9, A), "y": (9, B)}, [])
+    assert not tie.ok and not tie.contradicted, "a tie is no majority, nor a contradiction"
     # servers that cannot vouch (joined after the epoch) do not count either way
     assert judge_donor_state(9, A, {"x": (9, A), "late": (12, "")}, []).ok
 
 
 def test_a_donor_ahead_of_its_stage_or_behind_its_checkpoint_is_refused():
     ahead = judge_donor_state(1_000_000, A, {"x": (9, ""), "y": (9, "")}, [])
-    assert not ahead.ok and "none of the 2 other servers" in ahead.why
+    assert not ahead.ok and "none of the 2 other servers vouches" in ahead.why
     old = judge_donor_state(4, A, {"x": (4, A)}, [_manifest(6, B)])
     assert not old.ok and "older than the stage's newest checkpoint (epoch 6)" in old.why
 
@@ -47,6 +48,9 @@ def test_a_checkpoint_of_the_same_epoch_decides():
 def test_a_donor_alone_in_its_stage_is_kept_unverified():
     verdict = judge_donor_state(9, A, {}, [])
     assert verdict.ok and verdict.why.startswith("unverified")
+    # listed servers that do not answer are no proof that the donor is alone
+    silent = judge_donor_state(9, A, {}, [], listed=2)
+    assert not silent.ok and not silent.contradicted and "0 answered" in silent.why
 
 
 @pytest.mark.timeout(120)
@@ -138,7 +142,7 @@ def test_a_lying_donor_is_refused_and_the_state_comes_from_an_honest_one():
 
         def check(epoch: int, digest: str, donor: str):
             asked.append((epoch, donor))
-            return None if digest == truth else "another state than the stage's"
+            return None if digest == truth else ("another state than the stage's", 120.0)
 
         joiner = StageOptimizer(TINY, "donors", 0, d2, modules[2], identity=k2)
         optimizers.append(joiner)
@@ -175,7 +179,7 @@ def test_a_refused_state_is_undone_when_no_donor_verifies():
         joiner = StageOptimizer(TINY, "alone", 0, d1, modules[1], identity=k1)
         optimizers.append(joiner)
         before, lr = joiner.state(), joiner.lr
-        joiner.state_check = lambda epoch, digest, donor: f"refused {donor}"
+        joiner.state_check = lambda epoch, digest, donor: (f"refused {donor}", 120.0)
         assert joiner.load_state_from_peers() == 0
         after = joiner.state()
         assert all(torch.equal(before[k], after[k]) for k in before) and joiner.lr == lr

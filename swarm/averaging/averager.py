@@ -68,7 +68,8 @@ class AveragingRules:
         """The rules of the run spec's ``[averaging]`` section."""
         return cls(
             aggregator=make_aggregator(avg.aggregator, trim=avg.trim, tau_ratio=avg.clip_tau,
-                                       iterations=avg.clip_iterations),
+                                       iterations=avg.clip_iterations, pre=avg.pre_aggregation,
+                                       byzantine_fraction=avg.byzantine_fraction, bucket_size=avg.bucket_size),
             policy=ReducePolicy(reject_norm_ratio=avg.reject_norm_ratio, outlier_ratio=avg.outlier_ratio,
                                 max_weight_ratio=avg.max_weight_ratio),
             exclusion=ExclusionPolicy(threshold=avg.exclusion_threshold),
@@ -323,12 +324,12 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
             for avg, g in zip(averaged_grads, combined):
                 avg.copy_(g)
 
-    @torch.no_grad()
     def load_state_from_peers(self, **kwargs) -> None:
         """Nothing: hivemind.Optimizer asks its gradient averager too, which would download a peer's gradient
         buffers (unchecked) only to drop them; the state comes through :class:`RobustStateAverager`."""
         return None
 
+    @torch.no_grad()
     def reset_accumulated_grads_(self):
         self._accumulators_used_in_step = False
         self.local_samples_accumulated = self.local_times_accumulated = 0

@@ -10,6 +10,8 @@ donor's stream names, and never says who it was. Here, in the averager's process
 * the stream is read with :func:`swarm.transport.gather`: tensor headers are checked before anything is
   buffered (dtype, rank, size), the whole download is bounded by the size of this server's own state, and
   the tensors must have this server's shapes and dtypes one for one;
+* only the donor's tensors and epoch are used: the optimizer's settings (hyper-parameters, flags) that hivemind
+  would load from the donor's metadata are this server's own;
 * the donor that answered is kept, for the caller to verify its state and name it
   (:meth:`DonorChoice.last_donor`; :class:`swarm.averaging.optimizer.StageOptimizer` does, with
   :mod:`swarm.statecheck`).
@@ -40,7 +42,11 @@ from swarm.transport import gather
 logger = logging.getLogger(__name__)
 
 REFUSAL_S = 120.0
-"""Seconds a refused donor is skipped (an honest server that had missed a round is in sync again by then)."""
+"""Seconds a donor whose state was contradicted is skipped (an honest server that had missed a round is in sync
+again by then)."""
+RETRY_S = 15.0
+"""Seconds a donor is skipped whose download failed or whose state nobody could vouch for yet."""
+MAX_EPOCH = 2 ** 40
 
 
 class DonorChoice:
@@ -53,10 +59,10 @@ class DonorChoice:
         self._donor: tuple[str, int] = ("", -1)
 
     # ---- main-process API -----------------------------------------------------------------------------
-    def refuse_donor(self, peer: str, reason: str, timeout: float = 5.0) -> None:
-        """Skip donor ``peer`` (a libp2p id) for :data:`REFUSAL_S` seconds."""
+    def refuse_donor(self, peer: str, reason: str, seconds: float = REFUSAL_S, timeout: float = 5.0) -> None:
+        """Skip donor ``peer`` (a libp2p id) for ``seconds``."""
         future = MPFuture()
-        self._outer_pipe.send(("_refuse_donor", [], dict(peer=peer, reason=reason, future=future)))
+        self._outer_pipe.send(("_refuse_donor", [], dict(peer=peer, reason=reason, seconds=seconds, future=future)))
         future.result(timeout)
 
     def last_donor(self, timeout: float = 5.0) -> tuple[str, int]:
@@ -67,8 +73,10 @@ class DonorChoice:
         return future.result(timeout)
 
     # ---- the averager's process ---------------------------------------------------------------------------
-    async def _refuse_donor(self, peer: str, reason: str, future: MPFuture) -> None:
-        self._refused[peer] = (time.monotonic() + REFUSAL_S, reason)
+    async def _refuse_donor(self, peer: str, reason: str, seconds: float, future: MPFuture) -> None:
+        now = time.monotonic()
+        self._refused = {p: r for p, r in self._refused.items() if r[0] > now}
+        self._refused[peer] = (now + seconds, reason)
         future.set_result(None)
 
     async def _last_donor(self, future: MPFuture) -> None:
@@ -98,8 +106,9 @@ class DonorChoice:
         limit = sum(torch.Size(shape).numel() * max(dtype.itemsize, 4) for shape, dtype in expected) + (1 << 20)
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        # a donor trickling chunks is dropped: at least 1 MB/s, plus a minute
         raw, tensors = await gather(_as_messages(aiter_with_timeout(stream, timeout)), limit,
-                                    max_tensors=len(expected))
+                                    max_tensors=len(expected), deadline_s=60.0 + limit / 1e6)
         if not raw:
             raise ProtocolError("the donor sent no metadata (it does not share its state)")
         got = [(tuple(t.shape), t.dtype) for t in tensors]
@@ -108,9 +117,11 @@ class DonorChoice:
             raise ProtocolError(f"the donor's state is not this stage's: {len(got)} tensors for {len(expected)}, "
                                 f"the first that differs is #{wrong}")
         metadata = self.serializer.loads(raw)
-        if not isinstance(metadata, dict) or not isinstance(metadata.get("epoch"), int):
-            raise ProtocolError("the donor's state metadata carries no epoch")
-        return metadata, tensors
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        if not isinstance(epoch, int) or not 0 <= epoch < MAX_EPOCH:
+            raise ProtocolError("the donor's state metadata carries no valid epoch")
+        own, _ = dump_optimizer_state(self.optimizer)  # this server's settings; the tensors map one for one
+        return dict(epoch=epoch, group_bits="", optimizer_metadata=own), tensors
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None) -> None:
         timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
@@ -123,6 +134,7 @@ class DonorChoice:
                     metadata, tensors = await self._download(peer, expected, timeout)
                 except Exception as e:  # unreachable, refused, malformed or not this stage's state: the next one
                     logger.warning("could not load the state of donor %s: %s", peer, str(e)[:300] or repr(e))
+                    self._refused[str(peer)] = (time.monotonic() + RETRY_S, "its download failed")
                     continue
                 logger.info("downloaded the state of donor %s (epoch %d) in %.1f s", peer, metadata["epoch"],
                             time.monotonic() - started)
@@ -140,4 +152,4 @@ async def _as_messages(stream: AsyncIterator[averaging_pb2.DownloadData]) -> Asy
         yield SimpleNamespace(metadata=msg.metadata, tensors=[msg.tensor_part] if msg.HasField("tensor_part") else [])
 
 
-__all__ = ["DonorChoice", "REFUSAL_S"]
+__all__ = ["DonorChoice", "REFUSAL_S", "RETRY_S"]

@@ -31,15 +31,17 @@ import torch
 
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import make_compressor
+from swarm.averaging.donors import RETRY_S
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer
 from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
 
 logger = logging.getLogger(__name__)
 
-StateCheck = Callable[[int, str, str], Optional[str]]
+StateCheck = Callable[[int, str, str], Optional[tuple[str, float]]]
 """Judges a state loaded from a donor: ``(epoch, SHA-256 of the loaded state, the donor's libp2p id)`` -> None to
-keep it, else why it is refused (blocking; :class:`swarm.statecheck.DonorStateCheck`)."""
+keep it, else ``(why it is refused, seconds to skip the donor)`` (blocking; may raise, which refuses it for
+:data:`~swarm.averaging.donors.RETRY_S`; :class:`swarm.statecheck.DonorStateCheck`)."""
 MAX_DONORS_TRIED = 3
 AveragerFactory = Callable[..., RobustGradientAverager]
 """Builds the stage's gradient averager (keyword arguments of :class:`RobustGradientAverager`); tests and
@@ -171,6 +173,7 @@ class StageOptimizer:
         self._target = spec.training.target_batch_size
         self.state_check: Optional[StateCheck] = None
         self.donors_refused: dict[str, str] = {}  # libp2p id -> why its state was refused (the last 32)
+        self.reloads = 0  # loads of the stage's state from live servers (not epochs this server stepped)
         self._opt = _CollaborativeOptimizer(
             state_rules=dict(rules=rules, identity=identity, run_id=run_id),
             state_averager_factory=state_averager_factory,
@@ -204,9 +207,9 @@ class StageOptimizer:
         it) of ``samples`` samples sent by trainer ``contributor`` (its peer id). When the stage's servers
         together reached ``target_batch_size`` samples this averages with them and steps (blocking: matchmaking,
         all-reduce, AdamW; up to ``averaging_timeout`` seconds). Returns True if an epoch ended."""
-        epoch = self.epoch
+        epoch, reloads = self.epoch, self.reloads
         self._opt.contribute(gradients, samples, contributor)
-        return self.epoch != epoch
+        return self.epoch != epoch and self.reloads == reloads  # a load from peers moves the epoch without a step
 
     def finish_epoch_if_ready(self) -> bool:
         """Join the epoch's averaging round if the stage's servers together reached the target, even though no
@@ -278,8 +281,10 @@ class StageOptimizer:
         :data:`MAX_DONORS_TRIED`), and this server's previous state, epoch and schedule are put back. Blocking
         (downloads, and the check's questions to the stage's servers). Returns the epoch after it (unchanged if
         no donor gave a state that verified)."""
+        self.reloads += 1
         if self.state_check is None:
             self._opt.load_state_from_peers()
+            self.set_lr_scale(self.schedule.scale)  # the optimizer's settings were reloaded: the schedule's lr
             return self.epoch
         averager = self._opt.state_averager
         for _ in range(MAX_DONORS_TRIED):
@@ -288,13 +293,24 @@ class StageOptimizer:
             donor, epoch = averager.last_donor()
             if not donor:
                 return self.epoch  # no donor answered (or none is left that was not refused)
-            problem = self.state_check(epoch, self.state_digest(), donor)
-            if problem is None:
-                return self.epoch
-            logger.warning("refused the state of donor %s at epoch %d: %s", donor, epoch, problem)
-            self.donors_refused = dict(list(self.donors_refused.items())[-31:]) | {donor: problem[:200]}
-            averager.refuse_donor(donor, problem)
+            if epoch < before[0]:  # hivemind loads no state from a donor behind this server
+                refusal: Optional[tuple[str, float]] = (f"its epoch {epoch} is behind this server's", RETRY_S)
+            else:
+                try:
+                    refusal = self.state_check(epoch, self.state_digest(), donor)
+                except Exception as e:  # the check itself failed (timeout, DHT): nothing vouched for the state
+                    refusal = (f"the check failed ({type(e).__name__}: {e})", RETRY_S)
+                if refusal is None:
+                    self.set_lr_scale(self.schedule.scale)  # the schedule at the new epoch, with this run's scale
+                    return self.epoch
             self._restore(before)
+            why, seconds = refusal
+            logger.warning("refused the state of donor %s at epoch %d: %s", donor, epoch, why)
+            self.donors_refused = dict(list(self.donors_refused.items())[-31:]) | {donor: why[:200]}
+            try:
+                averager.refuse_donor(donor, why, seconds)
+            except Exception as e:  # the averager process is busy: the next try may ask this donor again
+                logger.debug("could not tell the averager to skip donor %s: %r", donor, e)
         return self.epoch
 
     def _snapshot(self) -> tuple[int, dict, dict[str, torch.Tensor]]:
@@ -340,6 +356,7 @@ class StageOptimizer:
         not answer (busy in a round: try again later)."""
         try:
             self._opt.grad_averager.exclude(p2p_id, reason)
+            self._opt.state_averager.exclude(p2p_id, reason)  # its state rounds, and as a donor
             return True
         except Exception as e:  # the averager process is busy or gone
             logger.debug("could not exclude %s in the averager: %s", p2p_id, e)

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from swarm.averaging.aggregation import Aggregator, bound_weights
+from swarm.averaging.aggregation import Aggregator, bound_weights, spread
 
 
 class ReducePolicy(BaseModel):
@@ -99,7 +99,7 @@ def reduce_partition(parts: Mapping[object, Union[torch.Tensor, Exception]], wei
         w = torch.ones(len(senders))
     aggregate = aggregator.aggregate(stacked, w)
     dist = (stacked - aggregate).norm(dim=1)
-    med = float(dist.median())
+    med = float(spread(dist))
     for i, s in enumerate(senders):
         flagged = len(senders) > 2 and med > 0 and float(dist[i]) > policy.outlier_ratio * med
         verdicts[s] = Verdict(True, "", flagged, float(norms[i]))
