@@ -281,7 +281,9 @@ class ServerSession:
             await self.server.remove_p2p_handlers(self.p2p, namespace=self.directory.run_id)
         await self.checkpoints.close()
         commits_s = time.monotonic() - started
-        self.server.optimizer.shutdown()
+        # on the compute thread, after any step in progress: hivemind's shutdown iterates the state averager's
+        # pending updates, which a step adds to and removes from ("Set changed size during iteration")
+        await self.server.compute(self.server.optimizer.shutdown)
         self.server.shutdown()
         self.log.info("left the stage in %.1f s (checkpoint commits %.1f s, optimizer %.1f s)",
                       time.monotonic() - started, commits_s, time.monotonic() - started - commits_s)
