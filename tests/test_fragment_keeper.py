@@ -40,34 +40,50 @@ async def _serve_garbage(self, stream, context):
 LyingService = type("FragmentService", (FragmentService,), {"rpc_get_fragment": _serve_garbage})
 
 
-async def _announce_servers(nodes, stop: asyncio.Event) -> None:
+async def _announce_servers(nodes, stop: asyncio.Event, passing: asyncio.Lock) -> None:
     """Keep a fresh ONLINE ServerInfo of every node for its keeper's stage (the checkpoint authority asks) and
     a fresh StorageInfo (with a 4 s TTL, a record announced only at the test's ticks may expire on a busy machine
     while a checkpoint is being written, and the writer then rightly falls back to its own disk)."""
     while not stop.is_set():
-        for node in nodes:
-            info = ServerInfo(run_id=RUN, peer_id=node.me, time=get_dht_time(), stage=node.stage,
-                              state=ServerState.ONLINE, throughput=1.0, p2p_id=node.identity.p2p_id)
-            with contextlib.suppress(OSError, EOFError):  # a node the test shut down announces nothing
-                await node.io(node.directory.announce_server, info, node.identity)
-                if node.p2p is not None:
-                    await node.io(node.announce)
+        async with passing:  # a node dropped (:meth:`Serving.drop`) waits for the pass: its DHT is not in use
+            await _announce_pass(nodes)
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
         except asyncio.TimeoutError:
             pass
 
 
+async def _announce_pass(nodes) -> None:
+    for node in nodes:
+        info = ServerInfo(run_id=RUN, peer_id=node.me, time=get_dht_time(), stage=node.stage,
+                          state=ServerState.ONLINE, throughput=1.0, p2p_id=node.identity.p2p_id)
+        await node.io(node.directory.announce_server, info, node.identity)
+        if node.p2p is not None:
+            await node.io(node.announce)
+
+
+class Serving:
+    """What :func:`serving` yields: :meth:`drop` stops announcing a node before the test shuts its DHT down (a
+    store to a DHT shut down meanwhile never returns)."""
+
+    def __init__(self, nodes):
+        self.nodes, self.passing = list(nodes), asyncio.Lock()
+
+    async def drop(self, node) -> None:
+        async with self.passing:
+            self.nodes.remove(node)
+
+
 @contextlib.asynccontextmanager
 async def serving(nodes):
     """Start every keeper's fragment service and announce each node as a server of its stage meanwhile."""
-    stop = asyncio.Event()
-    announcer = asyncio.create_task(_announce_servers(nodes, stop))
+    stop, handle = asyncio.Event(), Serving(nodes)
+    announcer = asyncio.create_task(_announce_servers(handle.nodes, stop, handle.passing))
     try:
         for node in nodes:
             if node.p2p is None:
                 await node.start(await node.directory.dht.replicate_p2p())
-        yield
+        yield handle
     finally:
         stop.set()
         await announcer
@@ -102,10 +118,10 @@ def test_commit_restore_repair_and_ban(swarm_of_keepers):
     writer, liar, *others = nodes
 
     async def main():
-        async with serving(nodes):
-            await scenario()
+        async with serving(nodes) as served:
+            await scenario(served)
 
-    async def scenario():
+    async def scenario(served):
         await liar.service.remove_p2p_handlers(liar.p2p, namespace=RUN)
         liar.service = LyingService(liar.store, RUN)
         await liar.service.add_p2p_handlers(liar.p2p, namespace=RUN)
@@ -141,6 +157,7 @@ def test_commit_restore_repair_and_ban(swarm_of_keepers):
         # a holder vanishes: after its record expires, the lowest live holder re-creates its fragment elsewhere
         gone = next(n for n in others if n.me in holders)
         gone_index = holders.index(gone.me)
+        await served.drop(gone)  # no announcement of it is in flight when its DHT shuts down
         await gone.stop()
         gone.directory.dht.shutdown()
         alive = [n for n in nodes if n is not gone]
