@@ -127,8 +127,14 @@ def run_check() -> dict:
                 sc.wait(lambda st=state: any(s.peer_id == served[0] and s.state == st
                                              for s in sc.directory.servers(0)), 60, f"the container {state}")
         finally:
-            subprocess.run(PODMAN + ["stop", "-t", "30", name], capture_output=True)
-            code = proc.wait(60)
+            subprocess.run(PODMAN + ["kill", "--signal", "TERM", name], capture_output=True)
+            try:
+                code = proc.wait(30)
+            except subprocess.TimeoutExpired:  # it did not exit: have it print what it waits on, then stop it
+                subprocess.run(PODMAN + ["kill", "--signal", "USR1", name], capture_output=True)
+                time.sleep(3)
+                subprocess.run(PODMAN + ["stop", "-t", "5", name], capture_output=True)
+                code = proc.wait(60)
         if code != 0:
             raise SystemExit(f"the peer container exited with {code} after SIGTERM; see {work / 'container.log'}")
     shutil.rmtree(work, ignore_errors=True)  # kept only after a failure, for its container.log
