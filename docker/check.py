@@ -137,8 +137,13 @@ def run_check() -> dict:
                 code = proc.wait(60)
         if code != 0:
             raise SystemExit(f"the peer container exited with {code} after SIGTERM; see {work / 'container.log'}")
+    # a peer forced out by its exit watchdog passes, but says so here, with the stacks it logged
+    forced = [line for line in (work / "container.log").read_text(errors="replace").splitlines()
+              if "did not exit within" in line]
+    if forced:
+        print((work / "container.log").read_text(errors="replace")[-20000:], file=sys.stderr)
     shutil.rmtree(work, ignore_errors=True)  # kept only after a failure, for its container.log
-    return {"container_peer": served[0], "epochs": epochs, "exit_code": code}
+    return {"container_peer": served[0], "epochs": epochs, "exit_code": code, "exit_forced": bool(forced)}
 
 
 if __name__ == "__main__":

@@ -20,9 +20,11 @@ import asyncio
 import faulthandler
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +38,8 @@ FILENAME = "peer-control.json"
 COMMANDS = ("pause", "resume", "drain")
 WANTED = {"pause": ("paused",), "resume": ("joining", "online", "training"), "drain": ("stopped",)}
 """Heartbeat states that show a command took effect."""
+EXIT_GRACE_S = 20.0
+"""Seconds a stopped peer's process gets to exit before :func:`_exit_watchdog` ends it."""
 
 
 def send(cache_dir: Path, command: str) -> str:
@@ -118,6 +122,28 @@ def _dump_stacks() -> None:
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
+def _exit_watchdog(grace_s: float, code: int) -> threading.Timer:
+    """Once the peer has stopped: SIGUSR1 prints the threads' stacks at C level (the event loop that handled it
+    is about to close), and if the process is still alive ``grace_s`` seconds later (a library thread that
+    never returns holds the interpreter's exit: Python waits for the default executor's threads), log that
+    with every thread's stack, end the child processes and exit with ``code`` (the peer's work is done)."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+    def force() -> None:
+        logger.error("the peer stopped but its process did not exit within %.0f s (a thread still waits on a "
+                     "library call); exiting now, thread stacks follow", grace_s)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        for child in multiprocessing.active_children():
+            child.terminate()
+        logging.shutdown()
+        os._exit(code)
+
+    timer = threading.Timer(grace_s, force)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 class Controlled(Protocol):
     """What a running peer offers its operator: :class:`swarm.server.ServerSession` and
     :class:`swarm.trainer.Trainer` both do."""
@@ -128,10 +154,12 @@ class Controlled(Protocol):
     def resume(self) -> None: ...
 
 
-async def run_controlled(peer: Controlled, state_dir: Path) -> None:
+async def run_controlled(peer: Controlled, state_dir: Path, exit_grace_s: Optional[float] = None) -> None:
     """``await peer.run()`` with SIGTERM/SIGINT and ``swarm-peer drain`` wired to ``peer.stop``, ``pause`` and
     ``resume`` to the peer's own (commands read from ``state_dir``). SIGUSR1 prints what the peer is waiting on:
-    the stack of every asyncio task and every thread, on stderr."""
+    the stack of every asyncio task and every thread, on stderr. With ``exit_grace_s`` (a process's entry point),
+    a process that does not exit within that many seconds of the peer's stop is ended (:func:`_exit_watchdog`)
+    with code 0 after a clean stop, else 1."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, peer.stop)
@@ -139,8 +167,13 @@ async def run_controlled(peer: Controlled, state_dir: Path) -> None:
     done = asyncio.Event()
     controls = asyncio.create_task(follow(state_dir, {"pause": peer.pause, "resume": peer.resume,
                                                       "drain": peer.stop}, done))
+    code = 1
     try:
         await peer.run()
+        code = 0
     finally:
         done.set()
         await controls
+        loop.remove_signal_handler(signal.SIGUSR1)
+        if exit_grace_s is not None:
+            _exit_watchdog(exit_grace_s, code)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from peer.control import run_controlled
+from peer.control import EXIT_GRACE_S, run_controlled
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.banlist import PeerBanned
@@ -54,7 +54,7 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
 
     session.on_announce = announced
     try:
-        asyncio.run(run_controlled(session, settings.state_path()))
+        asyncio.run(run_controlled(session, settings.state_path(), EXIT_GRACE_S))
     except PeerBanned as e:
         session.log.error("%s", e)
         raise SystemExit(4) from None

@@ -13,7 +13,7 @@ import asyncio
 
 import torch
 
-from peer.control import run_controlled
+from peer.control import EXIT_GRACE_S, run_controlled
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.banlist import PeerBanned
 from swarm.config import PeerSettings
@@ -45,7 +45,7 @@ def run_trainer(address: str, settings: PeerSettings, options: TrainerOptions = 
 
     trainer.on_announce = announced
     try:
-        asyncio.run(run_controlled(trainer, settings.state_path()))
+        asyncio.run(run_controlled(trainer, settings.state_path(), EXIT_GRACE_S))
     except PeerBanned as e:
         trainer.log.error("%s", e)
         raise SystemExit(4) from None

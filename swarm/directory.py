@@ -13,7 +13,8 @@ import os
 import re
 import tempfile
 import time
-from typing import Optional, Sequence, Type, TypeVar
+from concurrent.futures import CancelledError
+from typing import Any, Optional, Sequence, Type, TypeVar
 
 import hivemind
 from hivemind.p2p import P2PDaemonError
@@ -131,11 +132,50 @@ def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, clie
 
 class RunDirectory:
     """Signed records of one run in the DHT: the spec, stage servers, trainers, fragment holders, checkpoint
-    manifests and rollback orders."""
+    manifests and rollback orders.
+
+    Every DHT call returns within ``call_timeout_s`` seconds, or at once when the DHT process has stopped: a
+    call in flight when hivemind's DHT shuts down is otherwise never answered, and the thread making it (and
+    with it the process's exit) waits forever. Such a call reads as "nothing found" / "not stored".
+    """
+
+    call_timeout_s = 60.0  # well above a lookup's worst case (hivemind retries each request for 3 s)
+    _POLL_S = 1.0
 
     def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float = 30.0):
         self.dht, self.run_id, self.ttl = dht, run_id, ttl
         self.run_key: Optional[bytes] = None  # the coordinator's public key, once a spec verified
+
+    # ---- bounded DHT calls -----------------------------------------------------------------------------
+    def _get(self, key: str) -> Any:
+        """``dht.get(key, latest=True)``, or None if the DHT stopped or did not answer in time."""
+        return self._wait(lambda: self.dht.get(key, latest=True, return_future=True), f"get {key}", None)
+
+    def _store(self, key: str, value: bytes, expiration: float, subkey: Optional[str] = None) -> bool:
+        """``dht.store(...)``; False if the DHT stopped or did not answer in time."""
+        return bool(self._wait(lambda: self.dht.store(key, value, expiration, subkey=subkey, return_future=True),
+                               f"store {key}", False))
+
+    def _wait(self, call, what: str, default: Any) -> Any:
+        try:
+            future = call()
+        except OSError:  # hivemind closed its pipe: the DHT was shut down
+            return default
+        deadline = time.monotonic() + self.call_timeout_s
+        while True:
+            try:
+                return future.result(timeout=self._POLL_S)
+            except TimeoutError:
+                pass
+            except CancelledError:
+                return default
+            stopped = not self.dht.is_alive()
+            if stopped or time.monotonic() > deadline:
+                future.cancel()
+                if not stopped:
+                    logger.warning("DHT %s: no answer within %.0f s; treated as not found (check the peer's "
+                                   "network, or raise RunDirectory.call_timeout_s)", what, self.call_timeout_s)
+                return default
 
     # ---- spec ------------------------------------------------------------------------------------------
     @staticmethod
@@ -148,7 +188,7 @@ class RunDirectory:
         return run_id, seal(rec, coordinator)
 
     def publish_spec(self, sealed: bytes) -> bool:
-        return bool(self.dht.store(spec_key(self.run_id), sealed, get_dht_time() + self.ttl))
+        return self._store(spec_key(self.run_id), sealed, get_dht_time() + self.ttl)
 
     def fetch_spec(self, timeout: float = 30.0) -> tuple[RunSpec, bytes]:
         """The run's verified spec and its sealed bytes (to re-publish). Polls until ``timeout`` (seconds).
@@ -157,7 +197,7 @@ class RunDirectory:
         """
         deadline, last_error = time.monotonic() + timeout, "no spec record found in the DHT"
         while True:
-            found = self.dht.get(spec_key(self.run_id), latest=True)
+            found = self._get(spec_key(self.run_id))
             if found is not None:
                 try:
                     return self.verify_spec(found.value), found.value
@@ -185,7 +225,7 @@ class RunDirectory:
             expiration = record.time + self.ttl
         else:
             expiration = get_dht_time() + self.ttl
-        return bool(self.dht.store(key, seal(record, identity), expiration, subkey=record.dht_subkey()))
+        return self._store(key, seal(record, identity), expiration, subkey=record.dht_subkey())
 
     def announce_server(self, info: ServerInfo, identity: Identity) -> bool:
         return self.announce(stage_key(self.run_id, info.stage), info, identity)
@@ -196,7 +236,7 @@ class RunDirectory:
     def read_sealed(self, key: str, cls: Type[R]) -> list[tuple[R, bytes]]:
         """Verified records under ``key`` with their sealed bytes (to re-publish verbatim); bad ones are logged
         with their cause and skipped."""
-        found = self.dht.get(key, latest=True)
+        found = self._get(key)
         if found is None or not isinstance(found.value, dict):
             return []
         out = []
@@ -215,7 +255,7 @@ class RunDirectory:
 
     def store_sealed(self, key: str, subkey: str, sealed: bytes) -> bool:
         """Store sealed bytes (signed by anyone, e.g. a manifest's writer) for ``ttl`` seconds."""
-        return bool(self.dht.store(key, sealed, get_dht_time() + self.ttl, subkey=subkey))
+        return self._store(key, sealed, get_dht_time() + self.ttl, subkey=subkey)
 
     def servers(self, stage: int) -> list[ServerInfo]:
         """Verified, unexpired ServerInfo records of ``stage``, any state."""
@@ -253,7 +293,7 @@ class RunDirectory:
         (or the spec, hence the run key, was not fetched yet)."""
         if self.run_key is None:
             return None, None
-        found = self.dht.get(bans_key(self.run_id), latest=True)
+        found = self._get(bans_key(self.run_id))
         best: tuple[Optional[BanList], Optional[bytes]] = (None, None)
         if found is None or not isinstance(found.value, dict):
             return best
@@ -269,8 +309,8 @@ class RunDirectory:
 
     def publish_bans(self, bans: BanList, sealed: bytes, ttl: Optional[float] = None) -> bool:
         """Store a sealed ban list (the coordinator's, re-published verbatim by peers)."""
-        return bool(self.dht.store(bans_key(self.run_id), sealed, get_dht_time() + (ttl or self.ttl),
-                                   subkey=bans.dht_subkey()))
+        return self._store(bans_key(self.run_id), sealed, get_dht_time() + (ttl or self.ttl),
+                           subkey=bans.dht_subkey())
 
     def rollback_orders(self) -> list[tuple[RollbackOrder, bytes]]:
         """Verified rollback orders, newest generation first."""

@@ -50,3 +50,35 @@ def test_follow_calls_the_handler_and_wait_for_reads_the_heartbeat(tmp_path):
     write_heartbeat(tmp_path, peer_id="p", role="server", state="stopped", ttl_s=30.0)
     assert wait_for(tmp_path, "drain", 1.0, since) == (True, "stopped")
     assert not probe(tmp_path)[0]
+
+
+STUCK_PEER = """
+import asyncio, logging, sys, threading
+from pathlib import Path
+from peer.control import run_controlled
+
+class Stuck:
+    '''A peer whose run leaves a default-executor thread in a call that never returns (as a hivemind DHT call
+    in flight when the DHT shut down did): Python waits for that thread before the process can exit.'''
+    async def run(self):
+        asyncio.get_running_loop().run_in_executor(None, threading.Event().wait)
+    def stop(self): pass
+    def pause(self): pass
+    def resume(self): pass
+
+logging.basicConfig(level=logging.INFO)
+asyncio.run(run_controlled(Stuck(), Path(sys.argv[1]), exit_grace_s=2.0))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_peer_whose_thread_never_returns_still_exits(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", STUCK_PEER, str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=45)
+    assert done.returncode == 0, done.stderr
+    assert "did not exit within 2 s" in done.stderr and "threading.py" in done.stderr  # the stacks say where

@@ -1,0 +1,76 @@
+"""The run directory's DHT calls are bounded: a call hivemind never answers cannot hold a thread (and with it the
+peer's exit) forever."""
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hivemind import DHT
+from hivemind.utils.mpfuture import MPFuture
+
+from swarm.directory import RunDirectory
+from swarm.identity import Identity
+from swarm.protocol import ServerInfo, ServerState
+
+RUN = "tiny-aaaaaaaaaaaaaaaa"
+
+
+class Unanswered:
+    """A DHT whose gets and stores are sent but never answered, as hivemind leaves the calls in flight when its
+    DHT process shuts down; liveness is the real node's."""
+
+    def __init__(self, dht: DHT):
+        self.dht = dht
+
+    def get(self, *args, **kwargs) -> MPFuture:
+        return MPFuture()
+
+    def store(self, *args, **kwargs) -> MPFuture:
+        return MPFuture()
+
+    def is_alive(self) -> bool:
+        return self.dht.is_alive()
+
+
+@pytest.fixture
+def node():
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
+    yield dht
+    dht.shutdown()
+
+
+def _info(ident: Identity) -> ServerInfo:
+    return ServerInfo(run_id=RUN, peer_id=ident.peer_id, time=time.time(), stage=0, state=ServerState.ONLINE,
+                      p2p_id="12D3KooWAAAA", throughput=1.0, epoch=0)
+
+
+@pytest.mark.timeout(60)
+def test_calls_in_flight_when_the_dht_stops_return_nothing_at_once(node):
+    directory, me = RunDirectory(Unanswered(node), RUN), Identity.generate()
+    pool = ThreadPoolExecutor(2)
+    try:
+        reading = pool.submit(directory.servers, 0)
+        storing = pool.submit(directory.announce_server, _info(me), me)
+        time.sleep(0.5)
+        assert not reading.done() and not storing.done()  # in flight: hivemind has not answered
+    finally:
+        node.shutdown()
+        pool.shutdown(wait=False)
+    assert reading.result(timeout=10) == [] and storing.result(timeout=10) is False
+    # calls made after the DHT stopped (hivemind's pipe is closed) return at once too
+    stopped = RunDirectory(node, RUN)
+    assert stopped.servers(0) == [] and stopped.announce_server(_info(me), me) is False
+
+
+@pytest.mark.timeout(60)
+def test_a_call_the_live_dht_never_answers_gives_up_after_its_timeout(node, caplog):
+    directory = RunDirectory(Unanswered(node), RUN)
+    directory.call_timeout_s = 2.0
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="swarm.directory"):
+        assert directory.trainers() == []
+    assert 2.0 <= time.monotonic() - started < 10
+    assert "no answer within 2 s" in caplog.text and "call_timeout_s" in caplog.text
+    # the real node answers as before
+    assert RunDirectory(node, RUN).trainers() == []
