@@ -5,8 +5,9 @@ One round of :func:`train` is what a stage's servers do in one epoch, with the n
 * every peer computes the gradient of its own micro-batches (all stages chained as one; all honest peers
   hold the same parameters, since the robust all-reduce hands every honest peer bit-identical results);
 * Byzantine peers corrupt theirs (:mod:`swarm.attacks`; ALIE and IPM see the honest gradients);
-  with ``byzantine_trainers`` the attackers are trainers instead, feeding one server whose
-  :class:`~swarm.averaging.contributions.TrainerContributions` combine them;
+  with a trainer attack the attackers are trainers instead, feeding one server whose
+  :class:`~swarm.averaging.contributions.TrainerContributions` combine and score them (its trainer exclusions
+  kept across epochs);
 * each peer runs its own :class:`~swarm.averaging.compression.Compressor` (its own error feedback) through the
   phases; partition ``j`` is reduced by :func:`~swarm.averaging.reducer.reduce_partition` over the parts as
   decoded from the wire encoding, and its encoded aggregate (corrupted if peer ``j`` is a lying reducer) is
@@ -166,6 +167,9 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
     n_train = dataset.num_samples("train")
     result = HarnessResult(val_loss=float("nan"), rounds=rounds, samples=0)
     bytes_sent, evals = 0, []
+    # one server's trainer accounts, kept across epochs as a server keeps them (its trainer exclusions persist)
+    contrib = TrainerContributions(aggregator=agg if checks else make_aggregator("mean"),
+                                   clip_ratio=5.0 if checks else 0.0, outlier_ratio=2.0 if checks else 0.0)
     for r in range(rounds):
         active = [i for i in range(peers) if not book.is_excluded(str(i))]
         grads = {}
@@ -183,11 +187,13 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
             grads[i] = [t / per_peer for t in acc]
             result.samples += per_peer * b
         if trainer_mode:  # one server combines its trainers' contributions
-            contrib = TrainerContributions(aggregator=agg if checks else make_aggregator("mean"),
-                                           clip_ratio=5.0 if checks else 0.0)
+            contrib.reset()
             for i in active:
                 contrib.add(str(i), grads[i], per_peer * b)
             averaged = contrib.combine(params)
+            for excluded in contrib.new_exclusions:
+                result.excluded_at.setdefault(int(excluded.peer), r + 1)
+            result.honest_excluded = len(set(contrib.exclusion.excluded()) - {str(i) for i in attackers})
         else:
             averaged, sent = _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed,
                                          audit_probability if checks else 0.0)

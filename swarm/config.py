@@ -200,6 +200,12 @@ class AveragingSpec(_Section):
         5.0, ge=0, description="Clip each micro-batch gradient at this multiple of the recent median norm before "
         "accumulating (0 disables). Bounds what one trainer's micro-batch can do to a server.",
     )
+    trainer_outlier_ratio: float = Field(
+        2.0, ge=0, description="A server flags a trainer whose gradient this epoch lies this many times farther "
+        "from the server's combined gradient than the median trainer's (normalized by its samples); repeated flags "
+        "exclude the trainer's gradients (as exclusion_threshold for servers). Needs 3+ trainers per server; 0 "
+        "disables. Raise it if honest trainers get excluded in the log.",
+    )
     matchmaking_time: float = Field(
         2.0, gt=0, description="Seconds to gather a group. Raise it if the log shows fewer peers than servers."
     )

@@ -131,7 +131,7 @@ class EvidenceService(ProtocolServicer):
                  on_conviction: Optional[Callable[[StageReceipt], None]] = None):
         self.spec, self.book, self.on_conviction = spec, book, on_conviction
         self.max_bytes = 6 * max_message_bytes(spec)
-        self.admission = PeerAdmission(max_in_flight=4)
+        self.admission = PeerAdmission(max_in_flight=4, rate_per_s=5.0)  # evidence is rare: one push per conviction
 
     async def rpc_push_evidence(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:

@@ -89,3 +89,55 @@ def test_trainer_contributions_equal_the_plain_mean_and_bound_a_poisoned_trainer
     out = robust.combine(like)
     assert (out[0] - base[0]).norm() < 0.25 * base[0].norm()  # ... and its account is one clipped voice of five
     assert robust.add("nan", [torch.full((30, 20), float("nan")), torch.zeros(20)], 4) == 0.0
+
+
+def _epochs(contributions, micro_batches: dict, bias: torch.Tensor, epochs: int, gen) -> dict:
+    """Feed ``epochs`` epochs of unit-noise micro-batches (``bias`` added for trainers named ``b*``); returns
+    {trainer: epoch it was excluded} and leaves the last epoch's combined gradient in ``contributions.last``."""
+    excluded_at = {}
+    for epoch in range(1, epochs + 1):
+        contributions.reset()
+        for trainer, m in micro_batches.items():
+            for _ in range(m):
+                noise = torch.randn(bias.shape, generator=gen)
+                contributions.add(trainer, [noise + bias if trainer.startswith("b") else noise], 8)
+        (contributions.last,) = contributions.combine([torch.zeros_like(bias)])
+        excluded_at.update({e.peer: epoch for e in contributions.new_exclusions})
+    return excluded_at
+
+
+def test_trainers_far_from_the_combined_gradient_epoch_after_epoch_are_excluded():
+    """3 of 7 trainers send gradients with a consistent bias (as label flippers do: 2.4-2.8x the median
+    distance in the bench): flagged every epoch and excluded within 10 epochs, honest ones never; with
+    ``outlier_ratio=0`` nobody is."""
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(4000, generator=gen)
+    bias *= 3 * 4000 ** 0.5 / bias.norm()  # 3x the noise norm of one micro-batch
+    trainers = {f"h{i}": 2 for i in range(4)} | {f"b{i}": 2 for i in range(3)}
+    early = TrainerContributions(aggregator=make_aggregator("centered_clip"), clip_ratio=0, outlier_ratio=2.0)
+    assert not _epochs(early, trainers, bias, 2, gen)  # flagged twice, not excluded yet ...
+    def towards(v):
+        return float(v @ bias / bias.norm() ** 2)  # the share of the bias in the combined gradient
+
+    assert abs(towards(early.last)) < 0.05  # ... but left out of the epoch's gradient already
+    alone = TrainerContributions(aggregator=make_aggregator("centered_clip"), clip_ratio=0, outlier_ratio=0.0)
+    _epochs(alone, trainers, bias, 2, gen)
+    assert towards(alone.last) > 0.1, towards(alone.last)  # (the robust rule alone moves towards them)
+    c = TrainerContributions(aggregator=make_aggregator("centered_clip"), clip_ratio=0, outlier_ratio=2.0)
+    excluded_at = _epochs(c, trainers, bias, 15, gen)
+    assert set(excluded_at) == {"b0", "b1", "b2"} and max(excluded_at.values()) <= 10, excluded_at
+    assert all(c.exclusion.scores.get(f"h{i}", 0) == 0 for i in range(4))
+    assert c.add("b0", [bias], 8) == 0.0  # an excluded trainer's micro-batches count for nothing
+    assert abs(towards(c.last)) < 0.05  # the last epoch: honest trainers only
+    off = TrainerContributions(aggregator=make_aggregator("centered_clip"), clip_ratio=0, outlier_ratio=0.0)
+    assert not _epochs(off, trainers, bias, 15, gen) and not off.exclusion.scores
+
+
+def test_honest_trainers_with_few_micro_batches_are_not_flagged():
+    """A trainer's mean of 1 micro-batch is noisier than one of 8: distances are put on one noise scale (times
+    sqrt(samples / median samples)), so no honest trainer is flagged for being slow."""
+    gen = torch.Generator().manual_seed(2)
+    trainers = {"h0": 1, "h1": 1, "h2": 2, "h3": 4, "h4": 4, "h5": 8, "h6": 8}
+    c = TrainerContributions(aggregator=make_aggregator("centered_clip"), clip_ratio=0, outlier_ratio=2.0)
+    assert not _epochs(c, trainers, torch.zeros(4000), 20, gen)
+    assert not any(c.exclusion.scores.values())

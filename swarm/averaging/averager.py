@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
@@ -283,15 +284,18 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
     :param rules: see :class:`AveragingRules`; ``compressor``, ``identity``, ``run_id``: see
         :class:`RobustAllReduceMixin`.
     :param clip_ratio: a micro-batch's gradient is clipped at this x the recent median norm (0: never).
+    :param trainer_outlier_ratio: see :class:`TrainerContributions` ``outlier_ratio`` (0: never flag trainers).
     :param kwargs: the rest go to hivemind's ``GradientAverager`` (``dht``, ``prefix``, matchmaking and timeouts).
     """
 
     wire_name = "RobustGradientAverager"
 
     def __init__(self, parameters, *, rules: AveragingRules = AveragingRules(), compressor=None, identity=None,
-                 run_id: str = "local", clip_ratio: float = 5.0, **kwargs):
+                 run_id: str = "local", clip_ratio: float = 5.0, trainer_outlier_ratio: float = 2.0, **kwargs):
         self._init_robust(rules, compressor, identity, run_id, kwargs.get("dht"))
-        self.contributions = TrainerContributions(aggregator=rules.aggregator, clip_ratio=clip_ratio)
+        self.contributions = TrainerContributions(aggregator=rules.aggregator, clip_ratio=clip_ratio,
+                                                  outlier_ratio=trainer_outlier_ratio,
+                                                  exclusion=ExclusionBook(rules.exclusion))
         self._last_local: Optional[list[torch.Tensor]] = None
         super().__init__(parameters, **kwargs)
 
@@ -320,6 +324,10 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
             combined = self._last_local
         else:
             combined = self._last_local = self.contributions.combine(self.parameters)
+            for excluded in self.contributions.new_exclusions:
+                logger.warning("excluded trainer %s's gradients for %.0f s (%s); raise "
+                               "averaging.trainer_outlier_ratio if it is honest", excluded.peer,
+                               excluded.until - time.time(), excluded.reason)
         with self.get_tensors() as averaged_grads:
             for avg, g in zip(averaged_grads, combined):
                 avg.copy_(g)

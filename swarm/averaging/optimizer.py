@@ -186,7 +186,8 @@ class StageOptimizer:
             average_opt_statistics=("exp_avg", "exp_avg_sq"), delay_state_averaging=False,
             grad_averager_factory=partial(
                 averager_factory, rules=rules, compressor=make_compressor(avg.compression, rank=avg.powersgd_rank),
-                identity=identity, run_id=run_id, clip_ratio=avg.microbatch_clip_ratio),
+                identity=identity, run_id=run_id, clip_ratio=avg.microbatch_clip_ratio,
+                trainer_outlier_ratio=avg.trainer_outlier_ratio),
             # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors
             # and its restarted successor stop counting it soon
             tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25,

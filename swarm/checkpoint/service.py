@@ -41,6 +41,8 @@ REQUEST_DEADLINE_S = 30.0
 """Seconds a small request (a fragment get, a manifest) may take to arrive."""
 FRAGMENT_IN_FLIGHT = 8
 """Requests of one peer a holder serves at once (a writer places one fragment per holder at a time)."""
+FRAGMENT_RATE_PER_S = 20.0
+"""Requests one peer may start per second at a holder, on average (a restore fetches a few fragments per stage)."""
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
@@ -62,7 +64,7 @@ class FragmentService(ProtocolServicer):
             nothing (a unit test's bare store)."""
         self.store, self.run_id, self.on_manifest, self.num_stages = store, run_id, on_manifest, num_stages
         self.authority = authority
-        self.admission = PeerAdmission(FRAGMENT_IN_FLIGHT)
+        self.admission = PeerAdmission(FRAGMENT_IN_FLIGHT, rate_per_s=FRAGMENT_RATE_PER_S)
 
     async def _serve(self, work, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                      ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
