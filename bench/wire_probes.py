@@ -10,14 +10,17 @@ but a fresh key, sends the server's ``rpc_forward`` / ``rpc_ping``:
 * ``declared_8GiB``: a tensor header declaring 2**31 float32 values, followed by 48 MiB of chunks;
 * ``ping_48MiB``: a 48 MiB tensor (in 1 MiB chunks) sent with a ping, which takes none;
 * ``unchunked_48MiB``: one 48 MiB message (a single chunk);
+* ``pings_2000``: 2000 well-formed pings from one peer, one after the other as fast as it can (past its token
+  bucket, :mod:`swarm.admission`, the server refuses them at once);
 * ``stalled_40``: 40 forward streams that send their first chunk and never finish (one peer: those beyond
   its admission, :mod:`swarm.admission`, are refused at once).
 
 A sampler reads the server's resident memory (its Python process plus its p2pd, ``/proc/<pid>/status``) every
 20 ms; each probe's figure is the peak above the level just before it. The last line of stdout is one JSON
-object: per probe ``peak_growth_mb``, ``ratio_to_legit``, ``refused`` (the server answered with an error or
-closed the stream) and ``seconds``; for ``stalled_40`` also how many streams the server refused within 2 s
-(``refused_at_once``) and had closed when its deadline (``timeouts.forward_s``, then ``backward_s``) had passed.
+object: per probe ``peak_growth_mb``, ``ratio_to_legit``, ``refused`` (the server answered every request with an
+error or closed the stream), ``refused_count`` (how many it refused) and ``seconds``; for ``stalled_40`` also
+how many streams the server refused within 2 s (``refused_at_once``) and had closed when its deadline
+(``timeouts.forward_s``, then ``backward_s``) had passed.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from swarm.data import prepare_dataset  # noqa: E402
 from swarm.directory import connect_run  # noqa: E402
 from swarm.protocol import ForwardRequest, PingRequest, ServerState, pack_message  # noqa: E402
 from swarm.stage import StageServer  # noqa: E402
-from swarm.transport import CHUNK_BYTES, stream_out  # noqa: E402
+from swarm.transport import CHUNK_BYTES  # noqa: E402
 
 MB = 1 << 20
 
@@ -142,6 +145,7 @@ async def _probes(p2p, server, run_id: str, spec: RunSpec, sampler: Sampler) -> 
         "ping_48MiB": [("rpc_ping", _messages(ping, _chunks(48 * MB, size=[12 * MB], dtype="float32")))],
         "unchunked_48MiB": [("rpc_ping", [runtime_pb2.ExpertRequest(metadata=ping, tensors=[runtime_pb2.Tensor(
             buffer=b"\0" * 48 * MB, size=[12 * MB], dtype="float32")])])],
+        "pings_2000": [("rpc_ping", _messages(ping, []))] * 2000,
     }
     out = {}
     for name, calls in probes.items():
@@ -149,7 +153,8 @@ async def _probes(p2p, server, run_id: str, spec: RunSpec, sampler: Sampler) -> 
         refused = [await _send(stub, method, msgs) for method, msgs in calls]
         await asyncio.sleep(1.0)  # let the sampler see what the server holds after the reply
         out[name] = {"peak_growth_mb": round(max(0, sampler.peak_since(start) - base) / 1024, 1),
-                     "refused": all(refused), "seconds": round(time.monotonic() - start, 2)}
+                     "refused": all(refused), "refused_count": sum(refused),
+                     "seconds": round(time.monotonic() - start, 2)}
     out["stalled_40"] = await _stalled(stub, run_id, spec, sampler, ids)
     legit = max(out["legit"]["peak_growth_mb"], 1.0)
     for figures in out.values():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Optional
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -27,7 +27,8 @@ from hivemind.proto import runtime_pb2
 
 from swarm.admission import PeerAdmission
 from swarm.config import RunSpec
-from swarm.protocol import EvidenceMessage, EvidenceRequest, ProtocolError, Refusal, StageReceipt, open_record
+from swarm.protocol import (EvidenceMessage, EvidenceRequest, ProtocolError, Refusal, ServerInfo, StageReceipt,
+                            open_record)
 from swarm.protocol import pack_message, unpack_message
 from swarm.spotcheck import SpotEvidence, verify_evidence
 from swarm.stage import max_message_bytes
@@ -189,5 +190,47 @@ async def fetch_evidence(p2p: P2P, p2p_id: str, spec: RunSpec, run_id: str, accu
     return await asyncio.wait_for(call(), EVIDENCE_TIMEOUT_S)
 
 
-__all__ = ["ConvictionBook", "EvidenceService", "fetch_evidence", "pack_evidence", "push_evidence",
-           "unpack_evidence"]
+MAX_ASKED = 1024
+"""(lister, accused) pairs a follower fetches evidence for at most, over its life."""
+
+
+class ConvictionFollower:
+    """Learns the convictions other servers list (``ServerInfo.convicted``): fetches the evidence from a listing
+    server once per (lister, accused), verifies it into ``book`` and calls ``on_adopted(peer_id, reason)``. Nobody
+    is convicted on another's word: evidence that does not verify is logged (one line) and dropped. A trainer
+    follows the servers it routes to; a server follows its stage-mates, so one that joins after a conviction
+    learns it from their records (before, only from the next conviction).
+
+    :param spawn: runs a coroutine beside the caller's work (the caller cancels or drains it).
+    """
+
+    def __init__(self, book: ConvictionBook, p2p: P2P, spec: RunSpec, run_id: str,
+                 spawn: Callable[[Awaitable], None], on_adopted: Callable[[str, str], None],
+                 log: logging.Logger | logging.LoggerAdapter = logger):
+        self.book, self.p2p, self.spec, self.run_id = book, p2p, spec, run_id
+        self.spawn, self.on_adopted, self.log = spawn, on_adopted, log
+        self._asked: set[tuple[str, str]] = set()
+
+    def follow(self, found: Iterable[ServerInfo]) -> None:
+        """Start fetching the evidence behind every conviction listed in ``found`` not known here yet."""
+        for server in found:
+            for accused in server.convicted:
+                asked = (server.peer_id, accused)
+                if accused in self.book or accused == self.book.me or asked in self._asked \
+                        or len(self._asked) >= MAX_ASKED:
+                    continue
+                self._asked.add(asked)
+                self.spawn(self._adopt(server, accused))
+
+    async def _adopt(self, server: ServerInfo, accused: str) -> None:
+        try:
+            evidence = await fetch_evidence(self.p2p, server.p2p_id, self.spec, self.run_id, accused)
+            receipt, _ = await asyncio.get_running_loop().run_in_executor(None, self.book.add, evidence)
+        except Exception as e:
+            self.log.info("the evidence %s lists against %s does not hold: %s", server.peer_id, accused, str(e)[:200])
+            return
+        self.on_adopted(receipt.peer_id, self.book.listed()[receipt.peer_id])
+
+
+__all__ = ["ConvictionBook", "ConvictionFollower", "EvidenceService", "fetch_evidence", "pack_evidence",
+           "push_evidence", "unpack_evidence"]

@@ -28,7 +28,7 @@ from swarm.config import RunSpec
 from swarm.directory import RunDirectory
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
 from swarm.routing import NoServerError, Router
-from swarm.convictions import ConvictionBook, fetch_evidence, push_evidence
+from swarm.convictions import ConvictionBook, ConvictionFollower, push_evidence
 from swarm.spotcheck import SpotChecker, SpotEvidence, StageReply
 from swarm.stage import MAX_WIRE_TENSORS, StageServer, max_message_bytes
 from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NOT_CACHED = "is not cached here"
-MAX_ASKED = 1024
 """Listed convictions a trainer fetches evidence for at most (a flood of listings costs it nothing more)."""
 
 
@@ -70,7 +69,8 @@ class RemotePipeline:
         self.checker = SpotChecker(spec, self, rng=rng, log=self.log)
         self.checker.on_evidence = self._share
         self.book = ConvictionBook(run_id, me="")
-        self._asked: set[tuple[str, str]] = set()  # (listing server, accused) whose evidence this trainer fetched
+        self.follower = ConvictionFollower(self.book, p2p, spec, run_id, spawn=self.checker.spawn,
+                                           on_adopted=self.checker.adopt, log=self.log)
 
     async def servers(self, stage: int, force: bool = False) -> list[ServerInfo]:
         """ServerInfo records of ``stage`` (cached for ``refresh_s`` seconds)."""
@@ -80,7 +80,7 @@ class RemotePipeline:
             if self.bans is not None:
                 found = [s for s in found if not self.bans.is_banned(s.peer_id)]
             cached = self._servers[stage] = (time.monotonic(), found)
-            self._follow_convictions(found)
+            self.follower.follow(found)
         return [s for s in cached[1] if s.peer_id not in self.checker.convicted]
 
     # ---- convictions shared (swarm.convictions) ----------------------------------------------------------
@@ -96,25 +96,6 @@ class RemotePipeline:
             self.log.info("handed the spot-check evidence to %d of %d servers",
                           sum(not isinstance(r, BaseException) for r in results), len(targets))
         self.checker.spawn(push())
-
-    def _follow_convictions(self, found: list[ServerInfo]) -> None:
-        """Fetch and verify the evidence behind convictions the servers in ``found`` list (once per accused)."""
-        for server in found:
-            for accused in server.convicted:
-                asked = (server.peer_id, accused)
-                if accused in self.checker.convicted or asked in self._asked or len(self._asked) >= MAX_ASKED:
-                    continue
-                self._asked.add(asked)
-                self.checker.spawn(self._adopt(server, accused))
-
-    async def _adopt(self, server: ServerInfo, accused: str) -> None:
-        try:
-            evidence = await fetch_evidence(self.p2p, server.p2p_id, self.spec, self.run_id, accused)
-            receipt, _ = await asyncio.get_running_loop().run_in_executor(None, self.book.add, evidence)
-        except Exception as e:
-            self.log.info("the evidence %s lists against %s does not hold: %s", server.peer_id, accused, str(e)[:200])
-            return
-        self.checker.adopt(receipt.peer_id, self.book.listed()[receipt.peer_id])
 
     async def _rpc(self, server: ServerInfo, method: str, msg, tensors: list[torch.Tensor],
                    timeout: float) -> StageReply:

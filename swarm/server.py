@@ -52,7 +52,7 @@ from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.lifecycle import StageCheckpoints
 from swarm.config import PeerSettings, RunSpec
-from swarm.convictions import ConvictionBook, EvidenceService
+from swarm.convictions import ConvictionBook, ConvictionFollower, EvidenceService
 from swarm.directory import connect_run, reachability, relay_enabled, visible_maddrs
 from swarm.identity import Identity
 from swarm.logs import PeerLog
@@ -188,6 +188,9 @@ class ServerSession:
         await self.keeper.start(self.p2p)
         self.convictions = ConvictionBook(self.directory.run_id, self.me)
         await EvidenceService(self.spec, self.convictions).add_p2p_handlers(self.p2p, namespace=self.directory.run_id)
+        self._following: set[asyncio.Task] = set()  # evidence fetched from stage-mates' listings
+        self.follower = ConvictionFollower(self.convictions, self.p2p, self.spec, self.directory.run_id,
+                                           spawn=self._follow, on_adopted=self._adopted, log=self.log)
         self.bans.check(self.me)
         self.maddrs = await self._io(visible_maddrs, self.dht)
         self._say_reachability()
@@ -198,10 +201,20 @@ class ServerSession:
         (not a failure), hand the fragments held here to other peers, so leaving costs no replica."""
         self._stop.set()
         keeping.cancel()
+        for task in self._following:
+            task.cancel()
         await asyncio.gather(keeping, return_exceptions=True)
         if drained:
             await self.keeper.hand_off(timeout_s=HAND_OFF_S)
         await self.keeper.stop()
+
+    def _follow(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._following.add(task)
+        task.add_done_callback(self._following.discard)
+
+    def _adopted(self, peer_id: str, reason: str) -> None:
+        self.log.warning("verified the evidence a stage-mate lists against %s: %s", peer_id, reason)
 
     def _choose_stage(self) -> int:
         return choose_stage(self.spec.model, self.directory.all_servers(self.spec.model.num_stages))
@@ -337,12 +350,14 @@ class ServerSession:
     async def _apply_bans(self) -> None:
         """Follow the run's ban list (refreshed by the keeper): stop if this peer is on it, else keep banned
         servers out of this server's averaging groups (the stage RPCs refuse them through the same list), and
-        the servers of this stage convicted by spot-check evidence this server verified (:mod:`swarm.convictions`).
+        the servers of this stage convicted by spot-check evidence this server verified (:mod:`swarm.convictions`:
+        pushed by a trainer, or fetched from a stage-mate's listing by :class:`ConvictionFollower`).
 
         :raises PeerBanned: this peer is banned.
         """
         self.bans.check(self.me)
         shunned = {p2p: f"banned by the run's coordinator: {reason}" for p2p, reason in self.bans.banned_p2p_ids.items()}
+        self.follower.follow(await self._io(self.directory.servers, self.stage))  # convictions this one missed
         shunned |= self.convictions.of_stage(self.stage)
         for p2p, reason in shunned.items():
             if p2p not in self._excluded:

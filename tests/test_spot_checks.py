@@ -12,7 +12,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from swarm.attacks import LyingStageServer
-from swarm.convictions import ConvictionBook, EvidenceService, push_evidence
+from swarm.convictions import ConvictionBook, ConvictionFollower, EvidenceService, push_evidence
 from swarm.directory import RunDirectory
 from swarm.pipeline import RemotePipeline
 from swarm.protocol import ProtocolError, ServerInfo, ServerState
@@ -212,5 +212,16 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
             for batch in _batches(tiny_dataset, 6):
                 await b.forward_loss(batch, train=True)
             assert lying.samples == before, "B no longer routes to the liar"
+
+            # a server that joins the stage now learns the conviction from its stage-mates' records
+            late, adopted, fetching = ConvictionBook(RUN, Identity.generate().peer_id), [], []
+            follower = ConvictionFollower(late, b.p2p, SPEC, RUN,
+                                          spawn=lambda work: fetching.append(asyncio.create_task(work)),
+                                          on_adopted=lambda peer, reason: adopted.append(peer))
+            records = await asyncio.get_running_loop().run_in_executor(None, honest[1].directory.servers, 1)
+            follower.follow(records)
+            follower.follow(records)  # fetched once per (listing server, accused)
+            await asyncio.gather(*fetching)
+            assert adopted == [lying.peer_id] and lying.peer_id in late and len(fetching) == 1
 
     asyncio.run(main())
