@@ -125,18 +125,20 @@ def _dump_stacks() -> None:
 def _exit_watchdog(grace_s: float, code: int) -> threading.Timer:
     """Once the peer has stopped: SIGUSR1 prints the threads' stacks at C level (the event loop that handled it
     is about to close), and if the process is still alive ``grace_s`` seconds later (a library thread that
-    never returns holds the interpreter's exit: Python waits for the default executor's threads), log that
-    with every thread's stack, end the child processes and exit with ``code`` (the peer's work is done)."""
+    never returns holds the interpreter's exit: Python waits for the default executor's threads), say so on
+    stderr with every thread's stack, end the child processes and exit with ``code``. It writes with
+    ``os.write``, not the logging module, whose locks the stuck thread may hold."""
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     def force() -> None:
-        logger.error("the peer stopped but its process did not exit within %.0f s (a thread still waits on a "
-                     "library call); exiting now, thread stacks follow", grace_s)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        for child in multiprocessing.active_children():
-            child.terminate()
-        logging.shutdown()
-        os._exit(code)
+        try:
+            os.write(2, f"ERROR the peer stopped but its process did not exit within {grace_s:.0f} s (a thread "
+                        "still waits on a library call); exiting now, thread stacks follow\n".encode())
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            for child in multiprocessing.active_children():
+                child.terminate()
+        finally:
+            os._exit(code)
 
     timer = threading.Timer(grace_s, force)
     timer.daemon = True
@@ -154,12 +156,13 @@ class Controlled(Protocol):
     def resume(self) -> None: ...
 
 
-async def run_controlled(peer: Controlled, state_dir: Path, exit_grace_s: Optional[float] = None) -> None:
+async def run_controlled(peer: Controlled, state_dir: Path, exit_grace_s: Optional[float] = None,
+                         exit_code: Callable[[BaseException], int] = lambda error: 1) -> None:
     """``await peer.run()`` with SIGTERM/SIGINT and ``swarm-peer drain`` wired to ``peer.stop``, ``pause`` and
     ``resume`` to the peer's own (commands read from ``state_dir``). SIGUSR1 prints what the peer is waiting on:
     the stack of every asyncio task and every thread, on stderr. With ``exit_grace_s`` (a process's entry point),
     a process that does not exit within that many seconds of the peer's stop is ended (:func:`_exit_watchdog`)
-    with code 0 after a clean stop, else 1."""
+    with code 0 after a clean stop, else ``exit_code(the error peer.run raised)``."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, peer.stop)
@@ -171,6 +174,9 @@ async def run_controlled(peer: Controlled, state_dir: Path, exit_grace_s: Option
     try:
         await peer.run()
         code = 0
+    except BaseException as error:
+        code = exit_code(error)
+        raise
     finally:
         done.set()
         await controls

@@ -16,13 +16,11 @@ from typing import Optional
 import torch
 
 from peer.control import EXIT_GRACE_S, run_controlled
+from peer.exits import EXIT_CODES, exit_code
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.averaging.optimizer import StageOptimizer
-from swarm.banlist import PeerBanned
-from swarm.checkpoint.lifecycle import RestoreError
 from swarm.config import PeerSettings
-from swarm.directory import RunUnreachable, parse_run_address
-from swarm.identity import IdentityInUse
+from swarm.directory import parse_run_address
 from swarm.protocol import ServerInfo, StorageInfo
 from swarm.server import NoSuchStage, OptimizerFactory, ServerSession, StageServerFactory
 from swarm.stage import StageServer
@@ -54,19 +52,10 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
 
     session.on_announce = announced
     try:
-        asyncio.run(run_controlled(session, settings.state_path(), EXIT_GRACE_S))
-    except PeerBanned as e:
+        asyncio.run(run_controlled(session, settings.state_path(), EXIT_GRACE_S, exit_code))
+    except tuple(cls for cls, _ in EXIT_CODES) as e:
         session.log.error("%s", e)
-        raise SystemExit(4) from None
-    except RestoreError as e:
-        session.log.error("%s", e)
-        raise SystemExit(3) from None
-    except RunUnreachable as e:
-        session.log.error("%s", e)
-        raise SystemExit(5) from None
-    except IdentityInUse as e:
-        session.log.error("%s", e)
-        raise SystemExit(6) from None
+        raise SystemExit(exit_code(e)) from None
     except NoSuchStage as e:
         raise SystemExit(f"--stage: {e}") from None
     finally:

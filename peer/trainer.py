@@ -14,11 +14,10 @@ import asyncio
 import torch
 
 from peer.control import EXIT_GRACE_S, run_controlled
+from peer.exits import EXIT_CODES, exit_code
 from peer.heartbeat import start_metrics, write_heartbeat
-from swarm.banlist import PeerBanned
 from swarm.config import PeerSettings
-from swarm.directory import RunUnreachable, parse_run_address
-from swarm.identity import IdentityInUse
+from swarm.directory import parse_run_address
 from swarm.pipeline import RemotePipeline
 from swarm.protocol import TrainerInfo
 from swarm.trainer import PipelineFactory, Trainer, TrainerOptions
@@ -45,16 +44,10 @@ def run_trainer(address: str, settings: PeerSettings, options: TrainerOptions = 
 
     trainer.on_announce = announced
     try:
-        asyncio.run(run_controlled(trainer, settings.state_path(), EXIT_GRACE_S))
-    except PeerBanned as e:
+        asyncio.run(run_controlled(trainer, settings.state_path(), EXIT_GRACE_S, exit_code))
+    except tuple(cls for cls, _ in EXIT_CODES) as e:
         trainer.log.error("%s", e)
-        raise SystemExit(4) from None
-    except RunUnreachable as e:
-        trainer.log.error("%s", e)
-        raise SystemExit(5) from None
-    except IdentityInUse as e:
-        trainer.log.error("%s", e)
-        raise SystemExit(6) from None
+        raise SystemExit(exit_code(e)) from None
     finally:
         ttl = trainer.spec.timeouts.record_ttl_s if trainer.spec is not None else 30.0
         write_heartbeat(settings.state_path(), peer_id=trainer.identity.peer_id, role="trainer", stage=-1,

@@ -31,7 +31,8 @@ MAX_RATE_PER_S = 200.0
 """Requests per second one peer may start at a stage server, on average (a trainer's forwards, backwards and spot
 checks of one stage: tens per second on a fast GPU with small micro-batches)."""
 BUCKETS_KEPT = 4096
-"""Peers whose token buckets are remembered; full buckets (idle peers) are forgotten beyond this."""
+"""Peers whose token buckets are remembered; full buckets (idle peers) are forgotten beyond this (checked at most
+once a second), and the oldest beyond four times this."""
 
 
 class Busy(RuntimeError, Refusal):
@@ -61,6 +62,7 @@ class PeerAdmission:
         self.max_in_flight, self.rate_per_s, self.burst, self.clock = max_in_flight, rate_per_s, burst, clock
         self.in_flight: Counter[str] = Counter()
         self._buckets: dict[str, tuple[float, float]] = {}  # peer -> (tokens, clock at which they were counted)
+        self._pruned_at = float("-inf")
 
     def _take_token(self, peer: str) -> None:
         now = self.clock()
@@ -71,9 +73,12 @@ class PeerAdmission:
             raise TooFast(f"more than {self.rate_per_s:g} requests/s of yours here; retry in "
                           f"{(1 - tokens) / self.rate_per_s:.2f} s (lower the trainer's concurrency)")
         self._buckets[peer] = (tokens - 1, now)
-        if len(self._buckets) > BUCKETS_KEPT:
+        if len(self._buckets) > BUCKETS_KEPT and now - self._pruned_at >= 1.0:  # at most once a second
+            self._pruned_at = now
             self._buckets = {p: (t, a) for p, (t, a) in self._buckets.items()
                              if t + (now - a) * self.rate_per_s < self.burst}
+            while len(self._buckets) > 4 * BUCKETS_KEPT:  # many ids, all busy (a Sybil): forget the oldest
+                del self._buckets[next(iter(self._buckets))]
 
     @contextmanager
     def admit(self, peer: str) -> Iterator[None]:

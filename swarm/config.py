@@ -97,7 +97,7 @@ class DataSpec(_Section):
     text_field: str = Field("text", description="Column holding the text in jsonl/parquet/HF sources.")
     seq_len: int = Field(128, ge=8, description="Tokens per sample (the model sees seq_len inputs, predicts seq_len targets).")
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of documents held out for validation.")
-    num_shards: int = Field(16, ge=1, description="Data shares trainers claim; at most this many trainers get disjoint data.")
+    num_shards: int = Field(16, ge=1, le=4096, description="Data shares trainers claim; at most this many trainers get disjoint data.")
     seed: int = Field(0, description="Seed of the sample order.")
     max_bytes: Optional[int] = Field(None, ge=1024, description="Use at most this many bytes of text (for quick tests).")
 
@@ -204,7 +204,7 @@ class AveragingSpec(_Section):
         2.0, ge=0, description="A server flags a trainer whose gradient this epoch lies this many times farther "
         "from the server's combined gradient than the median trainer's (normalized by its samples); repeated flags "
         "exclude the trainer's gradients (as exclusion_threshold for servers). Needs 3+ trainers per server; 0 "
-        "disables. Raise it if honest trainers get excluded in the log.",
+        "disables, else it must be above 1. Raise it if honest trainers get excluded in the log.",
     )
     matchmaking_time: float = Field(
         2.0, gt=0, description="Seconds to gather a group. Raise it if the log shows fewer peers than servers."
@@ -217,6 +217,14 @@ class AveragingSpec(_Section):
     average_state_every: int = Field(
         10, ge=1, description="Epochs between parameter/optimizer-state averaging rounds (re-syncs drifting servers)."
     )
+
+    @field_validator("trainer_outlier_ratio")
+    @classmethod
+    def _trainer_outlier_ratio(cls, v: float) -> float:
+        if 0 < v <= 1:
+            raise ValueError(f"trainer_outlier_ratio={v}: every trainer could be flagged; use 0 (off) or above 1 "
+                             "(default 2)")
+        return v
 
 
 class TimeoutSpec(_Section):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from typing import AsyncIterator, Awaitable, Callable, Iterable, Optional
 
@@ -75,10 +76,11 @@ class ConvictionBook:
     """The convictions this peer verified: accused peer id -> (reason, evidence), at most :data:`MAX_CONVICTIONS`.
 
     :param me: this peer's id (evidence against it is refused, not listed).
+    :param min_tolerance: the least tolerance evidence is verified at (the run's ``spot_checks.rtol``).
     """
 
-    def __init__(self, run_id: str, me: str):
-        self.run_id, self.me = run_id, me
+    def __init__(self, run_id: str, me: str, min_tolerance: float):
+        self.run_id, self.me, self.min_tolerance = run_id, me, min_tolerance
         self._known: OrderedDict[str, tuple[str, SpotEvidence, StageReceipt]] = OrderedDict()
 
     def __contains__(self, peer_id: str) -> bool:
@@ -105,7 +107,7 @@ class ConvictionBook:
         """
         if evidence.run_id != self.run_id:
             raise ProtocolError(f"evidence is for run {evidence.run_id!r}, not {self.run_id!r}")
-        accused = verify_evidence(evidence)
+        accused = verify_evidence(evidence, self.min_tolerance)
         if accused == self.me:
             raise ProtocolError("evidence accuses this peer; it is not listed (check this server's hardware and code)")
         receipt, _ = open_record(evidence.answers[evidence.accused][0], StageReceipt, run_id=self.run_id)
@@ -191,15 +193,21 @@ async def fetch_evidence(p2p: P2P, p2p_id: str, spec: RunSpec, run_id: str, accu
 
 
 MAX_ASKED = 1024
-"""(lister, accused) pairs a follower fetches evidence for at most, over its life."""
+"""(lister, accused) pairs a follower remembers having asked about (older ones are forgotten first)."""
+PER_LISTER = 32
+"""Accused one listing server can have a follower fetch evidence for (a record lists at most the book's 32)."""
+RETRY_S = 300.0
+"""Seconds before a follower asks the same listing server about the same accused again (after a failure)."""
 
 
 class ConvictionFollower:
     """Learns the convictions other servers list (``ServerInfo.convicted``): fetches the evidence from a listing
-    server once per (lister, accused), verifies it into ``book`` and calls ``on_adopted(peer_id, reason)``. Nobody
-    is convicted on another's word: evidence that does not verify is logged (one line) and dropped. A trainer
-    follows the servers it routes to; a server follows its stage-mates, so one that joins after a conviction
-    learns it from their records (before, only from the next conviction).
+    server, verifies it into ``book`` and calls ``on_adopted(peer_id, reason)``. Nobody is convicted on another's
+    word: evidence that does not verify is logged (one line) and dropped. One fetch per accused at a time; after
+    a failure the next lister is tried, the same one again after :data:`RETRY_S`; each lister gets at most
+    :data:`PER_LISTER` fetches remembered, so one record listing many made-up convictions cannot use up the
+    follower. A trainer follows the servers it routes to; a server follows its stage-mates, so one that joins
+    after a conviction learns it from their records (before, only from the next conviction).
 
     :param spawn: runs a coroutine beside the caller's work (the caller cancels or drains it).
     """
@@ -209,27 +217,41 @@ class ConvictionFollower:
                  log: logging.Logger | logging.LoggerAdapter = logger):
         self.book, self.p2p, self.spec, self.run_id = book, p2p, spec, run_id
         self.spawn, self.on_adopted, self.log = spawn, on_adopted, log
-        self._asked: set[tuple[str, str]] = set()
+        self._asked: OrderedDict[tuple[str, str], float] = OrderedDict()  # (lister, accused) -> monotonic time
+        self._fetching: set[str] = set()
 
     def follow(self, found: Iterable[ServerInfo]) -> None:
-        """Start fetching the evidence behind every conviction listed in ``found`` not known here yet."""
+        """Start fetching the evidence behind convictions listed in ``found`` not known here yet."""
+        now = time.monotonic()
         for server in found:
             for accused in server.convicted:
-                asked = (server.peer_id, accused)
-                if accused in self.book or accused == self.book.me or asked in self._asked \
-                        or len(self._asked) >= MAX_ASKED:
+                if accused in self.book or accused == self.book.me or accused in self._fetching:
                     continue
-                self._asked.add(asked)
+                asked = (server.peer_id, accused)
+                if now - self._asked.get(asked, -RETRY_S) < RETRY_S or self._count(server.peer_id) >= PER_LISTER:
+                    continue
+                self._asked[asked] = now
+                self._asked.move_to_end(asked)
+                while len(self._asked) > MAX_ASKED:
+                    self._asked.popitem(last=False)
+                self._fetching.add(accused)
                 self.spawn(self._adopt(server, accused))
+
+    def _count(self, lister: str) -> int:
+        return sum(who == lister for who, _ in self._asked)
 
     async def _adopt(self, server: ServerInfo, accused: str) -> None:
         try:
             evidence = await fetch_evidence(self.p2p, server.p2p_id, self.spec, self.run_id, accused)
             receipt, _ = await asyncio.get_running_loop().run_in_executor(None, self.book.add, evidence)
+            reason = self.book.listed().get(receipt.peer_id)
         except Exception as e:
             self.log.info("the evidence %s lists against %s does not hold: %s", server.peer_id, accused, str(e)[:200])
             return
-        self.on_adopted(receipt.peer_id, self.book.listed()[receipt.peer_id])
+        finally:
+            self._fetching.discard(accused)
+        if reason is not None:
+            self.on_adopted(receipt.peer_id, reason)
 
 
 __all__ = ["ConvictionBook", "ConvictionFollower", "EvidenceService", "fetch_evidence", "pack_evidence",

@@ -7,6 +7,7 @@ their cause and skipped, so a forged or malformed record never reaches routing o
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
@@ -157,6 +158,8 @@ class RunDirectory:
                                f"store {key}", False))
 
     def _wait(self, call, what: str, default: Any) -> Any:
+        if not self.dht.is_alive():  # stopped or died: a request sent now would never be answered
+            return default
         try:
             future = call()
         except OSError:  # hivemind closed its pipe: the DHT was shut down
@@ -167,7 +170,7 @@ class RunDirectory:
                 return future.result(timeout=self._POLL_S)
             except TimeoutError:
                 pass
-            except CancelledError:
+            except (CancelledError, asyncio.CancelledError):  # (hivemind may cancel it in its own loop)
                 return default
             stopped = not self.dht.is_alive()
             if stopped or time.monotonic() > deadline:

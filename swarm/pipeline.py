@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NOT_CACHED = "is not cached here"
-"""Listed convictions a trainer fetches evidence for at most (a flood of listings costs it nothing more)."""
 
 
 class PipelineError(RuntimeError):
@@ -68,7 +67,7 @@ class RemotePipeline:
         self.failures = 0
         self.checker = SpotChecker(spec, self, rng=rng, log=self.log)
         self.checker.on_evidence = self._share
-        self.book = ConvictionBook(run_id, me="")
+        self.book = ConvictionBook(run_id, me="", min_tolerance=spec.spot_checks.rtol)
         self.follower = ConvictionFollower(self.book, p2p, spec, run_id, spawn=self.checker.spawn,
                                            on_adopted=self.checker.adopt, log=self.log)
 

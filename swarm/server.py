@@ -120,6 +120,7 @@ class ServerSession:
         self.checkpoints: Optional[StageCheckpoints] = None
         self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before), see ServerInfo.history
         self._excluded: set[str] = set()  # banned libp2p ids already excluded from this stage's averaging
+        self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
 
     # ---- control (event loop thread) ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -186,7 +187,7 @@ class ServerSession:
         self.keeper = FragmentKeeper(self.spec, self.directory, self.identity, store, bans=self.bans)
         self.p2p = await self.dht.replicate_p2p()
         await self.keeper.start(self.p2p)
-        self.convictions = ConvictionBook(self.directory.run_id, self.me)
+        self.convictions = ConvictionBook(self.directory.run_id, self.me, self.spec.spot_checks.rtol)
         await EvidenceService(self.spec, self.convictions).add_p2p_handlers(self.p2p, namespace=self.directory.run_id)
         self._following: set[asyncio.Task] = set()  # evidence fetched from stage-mates' listings
         self.follower = ConvictionFollower(self.convictions, self.p2p, self.spec, self.directory.run_id,
@@ -203,6 +204,7 @@ class ServerSession:
         keeping.cancel()
         for task in self._following:
             task.cancel()
+        await asyncio.gather(*self._following, return_exceptions=True)
         await asyncio.gather(keeping, return_exceptions=True)
         if drained:
             await self.keeper.hand_off(timeout_s=HAND_OFF_S)
@@ -215,6 +217,7 @@ class ServerSession:
 
     def _adopted(self, peer_id: str, reason: str) -> None:
         self.log.warning("verified the evidence a stage-mate lists against %s: %s", peer_id, reason)
+        self._changed.set()  # announce (listing it) and exclude it now, not at the next period
 
     def _choose_stage(self) -> int:
         return choose_stage(self.spec.model, self.directory.all_servers(self.spec.model.num_stages))
@@ -260,6 +263,9 @@ class ServerSession:
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
         server.optimizer = self.optimizer_factory(self.spec, self.directory.run_id, stage, self.dht, module,
                                                   identity=self.identity)
+        self._roster = None
+        server.optimizer.set_progress_roster(lambda: self._roster)
+        await self._announce(ServerState.JOINING)  # with its progress key, so the stage counts it soon
         self.checkpoints = StageCheckpoints(self.keeper, server, self.identity)
         check = DonorStateCheck(self.p2p, self.directory.run_id, partial(self.directory.fresh_servers, stage),
                                 partial(self.keeper.known_manifests, stage), me=str(self.dht.peer_id))
@@ -308,7 +314,9 @@ class ServerSession:
         self.log.info("online")
         tasks = [asyncio.create_task(self.server.watch_epochs(leave)),
                  asyncio.create_task(periodic(leave, ORDERS_PERIOD_S, self.checkpoints.follow_orders,
-                                              "following rollback orders", self.log))]
+                                              "following rollback orders", self.log)),
+                 asyncio.create_task(periodic(leave, ORDERS_PERIOD_S, self._read_roster, "reading the stage's servers",
+                                              self.log))]
         online_since, next_check, target = time.monotonic(), time.monotonic() + self.spec.rebalance.period_s, None
         planner = MovePlanner(self.spec.rebalance.min_gain, confirm_s=2 * self.directory.ttl / 3)
         try:
@@ -341,6 +349,12 @@ class ServerSession:
         if target is not None:
             self.log.info("rebalancing: moving to stage %d, which lacks throughput", target)
         return target
+
+    async def _read_roster(self) -> None:
+        """Keep the progress sub-keys the stage's servers announce, the only progress this server counts
+        (:mod:`swarm.averaging.progress`; None, counting every entry, until a record names one)."""
+        servers = await self._io(self.directory.servers, self.stage)
+        self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
 
     def _apply_pause(self) -> None:
         if self._pause.is_set() != self.server.paused:
@@ -383,6 +397,7 @@ class ServerSession:
             rollback_issuer=checkpoints.order_issuer if checkpoints else "",
             reachability=reachability(self.maddrs, relay_enabled(self.settings)), history=self.history,
             convicted=self.convictions.listed(),
+            progress_key=server.optimizer.progress_key if server.optimizer is not None else "",
         )
 
     async def _announce(self, state: ServerState) -> None:

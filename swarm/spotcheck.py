@@ -288,10 +288,12 @@ class SpotChecker:
                          reason)
 
 
-def verify_evidence(evidence: SpotEvidence) -> str:
+def verify_evidence(evidence: SpotEvidence, min_tolerance: float = 0.0) -> str:
     """Check a conviction without trusting whoever shows it: the receipts' signatures, that every receipt
     states the request and reply tensors shown, that the answers are three servers' to one call of one stage
-    and micro-batch at one epoch, and that the accused answer is far from two answers that agree.
+    and micro-batch at one epoch, and that the accused answer is far from two answers that agree, at the
+    evidence's tolerance but never below ``min_tolerance`` (the verifier's ``spot_checks.rtol``: a tolerance
+    chosen between three honest servers' small differences would otherwise single one of them out).
 
     :returns: the accused server's peer id.
     :raises ProtocolError: the evidence does not prove what it claims (the cause named).
@@ -314,9 +316,10 @@ def verify_evidence(evidence: SpotEvidence) -> str:
             raise ProtocolError(f"{receipt.peer_id}'s receipt states another request than the one shown")
     diffs = {(i, j): relative_difference(replies[i], receipts[i].loss, replies[j], receipts[j].loss)
              for i in range(3) for j in range(i + 1, 3)}
-    if odd_one_out(diffs, evidence.tolerance) != evidence.accused:
+    tolerance = max(evidence.tolerance, min_tolerance)
+    if odd_one_out(diffs, tolerance) != evidence.accused:
         raise ProtocolError(f"the answers do not single out the accused (differences "
-                            f"{', '.join(f'{d:.3g}' for d in diffs.values())}, tolerance {evidence.tolerance:.3g})")
+                            f"{', '.join(f'{d:.3g}' for d in diffs.values())}, tolerance {tolerance:.3g})")
     return receipts[evidence.accused].peer_id
 
 

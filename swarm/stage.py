@@ -358,6 +358,10 @@ class StageServer(ProtocolServicer):
         reason = self.bans.banned_p2p_ids.get(str(context.remote_id)) if self.bans is not None else None
         if reason is not None:
             raise StageError(f"refused: the run's coordinator banned this peer ({reason})")
+        excluded = self.optimizer.trainer_exclusion(str(context.remote_id)) if self.optimizer is not None else None
+        if excluded is not None:
+            raise StageError(f"refused: this server excluded your gradients ({excluded}); train through other "
+                             "servers (their operators can raise averaging.trainer_outlier_ratio)")
 
     async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], cls):
         """Gather a request stream into ``(message, tensors, digest of their wire form)``; refuses other runs,

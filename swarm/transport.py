@@ -9,13 +9,15 @@ What the tensors hold (codecs and their layout) is :mod:`swarm.codecs`'s busines
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence, Type
+from types import SimpleNamespace
+from typing import Any, AsyncIterator, Optional, Sequence, Type
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import ServicerBase
+from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
@@ -154,3 +156,75 @@ class ProtocolServicer(ServicerBase):
     def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
         name = f"{cls.wire_name or cls.__name__}.{method_name}"
         return f"{namespace}::{name}" if namespace is not None else name
+
+    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: Optional[str] = None,
+                               balanced: bool = False) -> None:
+        """As hivemind's, with every handler that reads a request stream wrapped by :func:`delivering_refusals`."""
+        self._collect_rpc_handlers()
+        servicer = self if wrapper is None else wrapper
+        handlers = {h.method_name: getattr(servicer, h.method_name) for h in self._rpc_handlers}
+        for h in self._rpc_handlers:
+            if h.stream_input and h.stream_output:
+                handlers[h.method_name] = delivering_refusals(handlers[h.method_name])
+        await super().add_p2p_handlers(p2p, SimpleNamespace(**handlers), namespace=namespace, balanced=balanced)
+
+
+DRAIN_BYTES = 1 << 20
+"""Bytes of a refused request that a handler still reads so that its refusal reaches the caller."""
+DRAIN_S = 2.0
+"""Seconds a handler reads a refused request for, at most."""
+
+
+def delivering_refusals(handler):
+    """Wrap a stream handler so that what it answers before it read its whole request (an error it raises, or a
+    refusal it replies) reaches the caller.
+
+    hivemind sends a handler's error or last reply, then closes the stream; if request bytes are still unread,
+    the socket is reset and the caller may see the stream end with no reply at all (2% of immediate refusals,
+    measured on loopback). So the rest of the request is read and dropped first, up to :data:`DRAIN_BYTES` and
+    :data:`DRAIN_S` (a larger request is cut off: its sender may get no reply, only a closed stream).
+    """
+
+    @functools.wraps(handler)
+    async def handle(requests: AsyncIterator, context: P2PContext) -> AsyncIterator:
+        tracked = _TrackedStream(requests)
+        try:
+            async for reply in handler(tracked, context):
+                yield reply
+        except Exception:
+            await tracked.drain()
+            raise
+        await tracked.drain()  # (a refusal sent as a reply, before the request's end)
+
+    return handle
+
+
+class _TrackedStream:
+    """An incoming request stream that knows whether it was read to its end."""
+
+    def __init__(self, stream: AsyncIterator):
+        self._stream, self.ended = stream, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self._stream.__anext__()
+        except StopAsyncIteration:
+            self.ended = True
+            raise
+
+    async def drain(self) -> None:
+        """Read and drop the rest of the stream (within the bounds of :func:`delivering_refusals`)."""
+        if self.ended:
+            return
+        read = 0
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                async for msg in self:
+                    read += len(msg.metadata) + sum(len(part.buffer) for part in msg.tensors)
+                    if read > DRAIN_BYTES:
+                        return
+        except Exception:  # the deadline, or the stream broke: nothing more to read
+            return

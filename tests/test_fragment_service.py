@@ -8,6 +8,7 @@ import pytest
 from swarm.checkpoint.erasure import Fragment, FragmentError, split_into_fragments
 from swarm.checkpoint.service import FragmentService, get_fragment, put_fragment
 from swarm.checkpoint.store import FragmentStore
+from swarm.transport import gather as _original_gather
 from tests.conftest import endorsed
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
@@ -16,7 +17,7 @@ RUN = "tiny-aaaaaaaaaaaaaaaa"
 @pytest.mark.timeout(120)
 def test_put_and_get_fragments_with_verification_and_refusals(dhts, tmp_path):
     holder_dht, client_dht = dhts
-    store = FragmentStore(tmp_path, max_bytes=50_000)
+    store = FragmentStore(tmp_path, max_bytes=50_000, putter_share=1)  # (one putter here: the whole budget)
     fragments = split_into_fragments(random.Random(0).randbytes(25_600), 2, 4)  # 4 fragments of 12,800 bytes
 
     async def main():
@@ -44,6 +45,48 @@ def test_put_and_get_fragments_with_verification_and_refusals(dhts, tmp_path):
 
     asyncio.run(main())
     assert sorted(h.index for h in store.held()) == [0, 1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_a_put_is_judged_at_its_first_chunk_and_bounded_by_the_runs_largest_fragment(dhts, tmp_path, monkeypatch):
+    """An outsider's put is refused on its metadata, before the holder reads its bytes (an 8 MiB fragment costs
+    the holder one chunk), and nobody's fragment may exceed the run's largest (the store's whole budget before)."""
+    import swarm.checkpoint.service as service
+    from types import SimpleNamespace
+
+    holder_dht, client_dht = dhts
+    store = FragmentStore(tmp_path, max_bytes=1 << 30)
+    small = split_into_fragments(random.Random(0).randbytes(25_600), 2, 4)[0]  # 12,800 bytes
+    big = split_into_fragments(random.Random(1).randbytes(16 << 20), 2, 2)[0]  # 8 MiB
+    outsider = str(client_dht.peer_id)
+    authority = SimpleNamespace(may_put=lambda putter, *_: "not a server of stage 0" if putter == outsider else None)
+    read = []  # the byte limit of every fragment stream the holder read (the client's reads have no deadline)
+
+    def counting(stream, **kw):
+        if kw.get("deadline_s") == service.PUT_DEADLINE_S:
+            read.append(kw["max_bytes"])
+        return _original_gather(stream, **kw)
+
+    monkeypatch.setattr(service, "gather", counting)
+
+    async def main():
+        holder_p2p = await holder_dht.replicate_p2p()
+        await FragmentService(store, RUN, num_stages=2, authority=authority, max_fragment_bytes=10_000
+                              ).add_p2p_handlers(holder_p2p, namespace=RUN)
+        p2p = await client_dht.replicate_p2p()
+        holder = str(holder_dht.peer_id)
+        with pytest.raises(FragmentError, match="not a server of stage 0"):
+            await put_fragment(p2p, holder, RUN, 0, 5, small)
+        with pytest.raises(FragmentError):  # (its refusal may be cut off with the unread rest of the stream)
+            await put_fragment(p2p, holder, RUN, 0, 5, big)
+        assert read == [], "the holder read an outsider's fragment"
+        authority.may_put = lambda *_: None
+        with pytest.raises(FragmentError, match="exceeds 10000 bytes"):
+            await put_fragment(p2p, holder, RUN, 0, 5, small)
+        assert read == [10_000]
+
+    asyncio.run(main())
+    assert not list(store.held())
 
 
 @pytest.mark.timeout(120)

@@ -103,6 +103,22 @@ def test_a_putters_junk_displaces_only_its_own_uncommitted_epochs_and_expires(tm
     assert {h.epoch for h in store.held()} == {40}
 
 
+def test_one_putters_uncommitted_fragments_take_at_most_its_share_of_the_budget(tmp_path):
+    """A stage server filling a holder with fragments of one uncommitted epoch (every index of it, or many
+    stages) stops at a quarter of the budget; the others' puts and committed checkpoints still fit."""
+    frags = _fragments(size=40_000)  # 4 fragments of 20 kB
+    store = FragmentStore(tmp_path, max_bytes=100_000, keep_epochs=2)
+    store.put("run-x", 0, 7, frags[0], putter="filler")
+    with pytest.raises(StoreFull, match="filler's fragments of uncommitted checkpoints .* share of 25000"):
+        store.put("run-x", 0, 7, frags[1], putter="filler")
+    with pytest.raises(StoreFull, match="share"):
+        store.put("run-x", 1, 7, frags[1], putter="filler")  # another stage: the same putter's share
+    store.put("run-x", 0, 8, frags[0], putter="writer")  # another putter has its own share
+    store.save_manifest("run-x", 0, 7, b"sealed-7")  # committed: no longer counted against the filler
+    store.put("run-x", 0, 7, frags[1], putter="filler")
+    assert store.pending_bytes("filler") == 0 and store.pending_bytes("writer") == 20_000
+
+
 def test_listing_survives_epoch_folders_deleted_while_it_reads(tmp_path):
     # retention (this peer's or a put's collect) deletes epoch folders while the keeper lists what it holds;
     # pathlib's glob raised FileNotFoundError on a folder gone between listing its parent and reading it

@@ -56,7 +56,7 @@ class Live:
         self.nodes = keyed_dhts(2)
         self.servers = [StageServer(spec, RUN, k) for k in range(2)]
         self.holder = FragmentService(store, RUN, num_stages=2)
-        self.book = ConvictionBook(RUN, "fuzzed-server")
+        self.book = ConvictionBook(RUN, "fuzzed-server", 0.05)
         self.evidence = EvidenceService(spec, self.book)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -173,11 +173,9 @@ def test_every_handler_answers_any_request_and_the_peer_is_unharmed(live):
         fuzz()
     assert set(outcomes) == set(ANSWERS), outcomes
     seen = {kind for counts in outcomes.values() for kind in counts}
-    # "closed": a handler that refuses a request at its first chunk may close the stream while the client is still
-    # sending the rest, and the refusal is lost with it (libp2p resets the stream); the client sees no reply
-    assert seen <= {"tuple", "P2PHandlerError", "closed"}, f"a request failed otherwise than by a refusal: {outcomes}"
-    assert sum(c["tuple"] + c["P2PHandlerError"] for c in outcomes.values()) > 0.9 * sum(
-        sum(c.values()) for c in outcomes.values()), f"most refusals reach the client: {outcomes}"
+    # every refusal reaches the client, also one made before the handler read the whole request (the rest is
+    # read first, swarm.transport.delivering_refusals; these requests are far below its 1 MiB)
+    assert seen <= {"tuple", "P2PHandlerError"}, f"a request failed otherwise than by a refusal: {outcomes}"
     assert torch.equal(_reference(live), before), "a fuzzed request changed the stage's parameters"
     assert all(torch.isfinite(p).all() for s in live.servers for p in s.module.parameters())
     assert not [r.getMessage() for r in live.handler_log if r.exc_info], "a handler logged a traceback"

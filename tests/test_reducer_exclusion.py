@@ -69,6 +69,22 @@ def test_repeated_rejections_exclude_a_peer_and_honest_peers_decay():
     assert worst([ok, flag, bad]) is bad and worst([ok, flag]) is flag
 
 
+def test_a_peer_that_joins_few_rounds_is_excluded_after_as_many_bad_parts():
+    """Scores decay with the peer's own rounds: a lagging attacker in one round of six (seen in a 3-server swarm
+    on 2 cores) is excluded after its 4th rejected part, as one in every round is; with decay over every round
+    of the server its score would settle near 2.1, under the threshold, forever."""
+    book = ExclusionBook(ExclusionPolicy(threshold=3.0))
+    bad, ok = Verdict(False, "norm exceeds"), Verdict(True)
+    joined = 0
+    for r in range(1, 60):
+        verdicts = {"honest": ok}
+        if r % 6 == 0:
+            verdicts["byz"], joined = bad, joined + 1
+        if book.record_round(verdicts):
+            break
+    assert book.excluded() == ["byz"] and joined == 4
+
+
 def test_trainer_contributions_equal_the_plain_mean_and_bound_a_poisoned_trainer():
     gen = torch.Generator().manual_seed(0)
     like = [torch.zeros(30, 20), torch.zeros(20)]

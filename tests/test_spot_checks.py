@@ -15,7 +15,8 @@ from swarm.attacks import LyingStageServer
 from swarm.convictions import ConvictionBook, ConvictionFollower, EvidenceService, push_evidence
 from swarm.directory import RunDirectory
 from swarm.pipeline import RemotePipeline
-from swarm.protocol import ProtocolError, ServerInfo, ServerState
+from swarm.codecs import unpack_tensors
+from swarm.protocol import ProtocolError, ServerInfo, ServerState, StageReceipt, open_record
 from swarm.receipts import check_receipt, sign_receipt, tensors_digest
 from swarm.spotcheck import odd_one_out, relative_difference, verify_evidence
 from swarm.stage import StageServer
@@ -40,7 +41,7 @@ async def serving(layout, trainers: int = 1):
             server = make(SPEC, RUN, stage, identity=ident)
             p2p = await dht.replicate_p2p()
             await server.add_p2p_handlers(p2p, namespace=RUN)
-            server.book = ConvictionBook(RUN, ident.peer_id)
+            server.book = ConvictionBook(RUN, ident.peer_id, 0.05)
             await EvidenceService(SPEC, server.book).add_p2p_handlers(p2p, namespace=RUN)
             server.peer_id, server.ident, server.directory = ident.peer_id, ident, RunDirectory(dht, RUN, ttl=600)
             announce(server, stage)
@@ -111,6 +112,13 @@ def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_datase
                                (dataclasses.replace(evidence, run_id="other-aaaaaaaaaaaaaaaa"), "run")]:
                 with pytest.raises(ProtocolError, match=cause):
                     verify_evidence(bad)
+            # a tolerance below the verifier's own floor (spot_checks.rtol) is raised to it: evidence that singles
+            # out an answer only at a tolerance picked between small differences convicts nobody
+            apart = [relative_difference(*_answer(evidence, i), *_answer(evidence, evidence.accused))
+                     for i in range(3) if i != evidence.accused]
+            with pytest.raises(ProtocolError, match="single out"):
+                verify_evidence(evidence, min_tolerance=max(apart) * 1.01)
+            assert verify_evidence(evidence, min_tolerance=min(apart) * 0.5) == lying.peer_id
 
             # the convicted server gets no more work from this trainer
             before = lying.samples
@@ -214,7 +222,7 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
             assert lying.samples == before, "B no longer routes to the liar"
 
             # a server that joins the stage now learns the conviction from its stage-mates' records
-            late, adopted, fetching = ConvictionBook(RUN, Identity.generate().peer_id), [], []
+            late, adopted, fetching = ConvictionBook(RUN, Identity.generate().peer_id, 0.05), [], []
             follower = ConvictionFollower(late, b.p2p, SPEC, RUN,
                                           spawn=lambda work: fetching.append(asyncio.create_task(work)),
                                           on_adopted=lambda peer, reason: adopted.append(peer))
@@ -225,3 +233,10 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
             assert adopted == [lying.peer_id] and lying.peer_id in late and len(fetching) == 1
 
     asyncio.run(main())
+
+
+def _answer(evidence, i: int):
+    """Answer ``i`` of spot-check ``evidence``: (its tensors decoded, its loss)."""
+    sealed, wire = evidence.answers[i]
+    receipt, _ = open_record(sealed, StageReceipt, run_id=evidence.run_id)
+    return unpack_tensors(wire, evidence.codec), receipt.loss

@@ -66,3 +66,83 @@ def test_a_server_out_of_sync_loads_the_stages_state_into_the_tensors_that_are_a
             o.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+def _entry(epoch: int, samples: int, expiration: float = 1e12):
+    from hivemind.utils import ValueWithExpiration
+    return ValueWithExpiration(dict(peer_id=b"x", epoch=epoch, samples_accumulated=samples, samples_per_second=1e12,
+                                    time=0.0, client_mode=False), expiration)
+
+
+def test_progress_counts_only_the_stages_servers_and_at_most_one_epoch_ahead_of_them():
+    """(swarm.averaging.progress) A stranger's entry far ahead is dropped, one epoch ahead of the others' median
+    still counts (the stage moved on), samples and throughput are capped, and with a roster only its sub-keys
+    and this server's own entry count."""
+    from swarm.averaging.progress import trusted_progress
+    from swarm.protocol import MAX_SAMPLES_PER_S
+
+    entries = {b"own": _entry(5, 3), b"a": _entry(5, 4), b"b": _entry(6, 10**9), b"liar": _entry(10**8, 1)}
+    kept = trusted_progress(entries, b"own", 5, target=64)
+    assert set(kept) == {b"own", b"a", b"b"}
+    assert kept[b"b"].value["samples_accumulated"] == 64 and kept[b"b"].value["samples_per_second"] == MAX_SAMPLES_PER_S
+    assert kept[b"b"].expiration_time == 1e12
+    # a lagging server sees that the stage moved on: the median of the others is ahead of it
+    assert set(trusted_progress({b"own": _entry(0, 0), b"a": _entry(43, 1), b"b": _entry(43, 2)}, b"own", 0, 64)) \
+        == {b"own", b"a", b"b"}
+    # a minority cannot push the stage further: the lower median of {43, 10**8} is 43
+    assert set(trusted_progress({b"own": _entry(43, 0), b"a": _entry(43, 1), b"liar": _entry(10**8, 2)},
+                                b"own", 43, 64)) == {b"own", b"a"}
+    # with a roster: only its sub-keys, and this server's own entry
+    assert set(trusted_progress(entries, b"own", 5, 64, roster=frozenset({b"a"}))) == {b"own", b"a"}
+
+
+@pytest.mark.timeout(180)
+def test_a_strangers_progress_record_neither_moves_the_stages_epoch_nor_ends_it():
+    """A peer with nothing but a fresh RSA key stores progress under the stage's key (hivemind lets anyone):
+    at epoch 10**8 it does not make the server believe it is out of sync; once the server counts only the
+    progress keys its stage's records name, the stranger's samples do not count either."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    (key, dht), (_, stranger_dht), (_, mate_dht), (_, other_dht) = keyed_dhts(4)
+    module = build_stage(TINY.model, 0)
+    optimizer, trackers = None, []
+    try:
+        optimizer = StageOptimizer(TINY, "seam", 0, dht, module, identity=key)
+        tracker = optimizer._opt.tracker
+
+        def report(node, epoch: int, samples: int) -> bytes:
+            other = ProgressTracker(dht=node, prefix="seam-stage0", target_batch_size=10**6, private_key=RSAPrivateKey(),
+                                    min_refresh_period=0.1, max_refresh_period=0.5, start=True)
+            trackers.append(other)
+            other.report_local_progress(epoch, samples)
+            return other._local_public_key
+
+        def counted(samples: int) -> None:
+            deadline = time.monotonic() + 60
+            while tracker.global_progress.samples_accumulated != samples:
+                assert time.monotonic() < deadline, f"the tracker never counted {samples} samples " \
+                                                    f"({tracker.global_progress})"
+                time.sleep(0.1)
+
+        report(stranger_dht, 10**8, 5)
+        mate = report(mate_dht, 0, 7)  # a stage-mate's entry
+        deadline = time.monotonic() + 60
+        while len(getattr(dht.get("seam-stage0_progress", latest=True), "value", None) or {}) < 2:
+            assert time.monotonic() < deadline, "the stranger's and the mate's entries never reached the DHT"
+            time.sleep(0.1)
+        trackers[-1].report_local_progress(0, 8)
+        counted(8)  # a fetch that read the stranger's entry too (hivemind alone would take epoch 10**8 from it)
+        assert tracker.global_epoch == 0 and optimizer.epoch == 0
+        report(other_dht, 0, 20)  # a stranger within one epoch of the stage, and 20 more samples
+        counted(28)
+        optimizer.set_progress_roster(lambda: frozenset({mate}))
+        counted(8)
+        assert not tracker.ready_to_update_epoch
+    finally:
+        for t in trackers:
+            t.shutdown()
+        if optimizer is not None:
+            optimizer.shutdown()
+        for d in (other_dht, mate_dht, stranger_dht, dht):
+            d.shutdown()

@@ -178,15 +178,15 @@ def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
             return await gather(await stub.rpc_forward(stream))
 
         hanging = [asyncio.create_task(call(stalled())) for _ in range(40)]
-        # the server refuses 36 at their first chunk (before its 20 s stream deadline frees the 4 it holds); a
-        # refusal may be lost with the stream libp2p resets while the client still sends, so count server-side
+        # the server refuses 36 at their first chunk (before its 20 s stream deadline frees the 4 it holds), and
+        # each refusal reaches its caller once the server gave up reading the stalled rest (transport.DRAIN_S)
         deadline = asyncio.get_running_loop().time() + 15
-        while server.admission.refused < 36 and asyncio.get_running_loop().time() < deadline:
+        while sum(t.done() for t in hanging) < 36 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
         assert server.admission.refused == 36 and server.admission.most == 4
         assert server.admission.in_flight[str(client_dht.peer_id)] == 4
         refusals = [t.exception() for t in hanging if t.done()]
-        assert refusals and all("already serves 4 requests of yours" in str(e) for e in refusals), refusals
+        assert len(refusals) == 36 and all("already serves 4 requests of yours" in str(e) for e in refusals), refusals
         # (no extra call here: libp2p may reset one of the 4 held streams meanwhile, freeing its slot)
         for t in hanging:
             t.cancel()
@@ -236,6 +236,33 @@ def test_one_peer_starts_at_most_its_rate_of_requests(dhts, exact_spec_path):
         assert (await forward()).shape[:2] == (1, 8)
         with pytest.raises(Exception, match="requests/s"):
             await forward()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_this_server_excluded_is_refused_naming_why(dhts, exact_spec_path):
+    """A trainer whose gradients this server excluded (swarm.averaging.contributions) gets no more work done here:
+    its requests are refused at once with the reason and what to do, before any compute."""
+    from types import SimpleNamespace
+
+    server_dht, client_dht = dhts
+    server = StageServer(RunSpec.from_toml(exact_spec_path), RUN, 0)
+    excluded = {str(client_dht.peer_id): "score 3.05: parts repeatedly far from the aggregate"}
+    server.optimizer = SimpleNamespace(trainer_exclusion=excluded.get)
+    meta = pack_message(ForwardRequest(run_id=RUN, stage=0, mb_id="m", mode="train"))
+    x = torch.zeros(1, 8, dtype=torch.int64)
+
+    async def main():
+        await server.add_p2p_handlers(await server_dht.replicate_p2p(), namespace=RUN)
+        stub = StageServer.get_stub(await client_dht.replicate_p2p(), PeerID.from_base58(str(server_dht.peer_id)),
+                                    namespace=RUN)
+        with pytest.raises(Exception, match="excluded your gradients .*repeatedly far.*other servers"):
+            await gather(await stub.rpc_forward(stream_out(runtime_pb2.ExpertRequest, meta, [x])))
+        assert server.samples == 0 and not server._cache
 
     try:
         asyncio.run(main())

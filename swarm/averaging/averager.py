@@ -302,8 +302,10 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
     @torch.no_grad()
     def accumulate(self, contributor: str, gradients: Sequence[torch.Tensor], samples: int) -> float:
         """Add one micro-batch's ``gradients`` (one tensor per parameter, shaped like it) of ``samples`` samples
-        from ``contributor`` (the trainer's peer id); returns the scale its clipping applied (1: none, 0: dropped
-        for NaN/Inf)."""
+        from ``contributor`` (the trainer's libp2p id); returns the scale its clipping applied (1: none, 0: dropped
+        for NaN/Inf, or a trainer this server excluded: its samples are not counted either)."""
+        if self.contributions.exclusion.is_excluded(contributor):
+            return 0.0
         self.local_samples_accumulated += samples
         self.local_times_accumulated += 1
         self._accumulators_used_in_step = False
@@ -320,7 +322,7 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
         """Put this server's combined gradient into the averaged buffers. hivemind calls this again after a
         failed round, when the accumulators were already reset: the epoch's combined gradient is kept for that,
         so the server then steps on its own gradient (hivemind 1.1.12 would step on zeros)."""
-        if not self.contributions.accounts and self._last_local is not None:
+        if self._last_local is not None:  # nothing accumulated since: combined (and the trainers scored) once
             combined = self._last_local
         else:
             combined = self._last_local = self.contributions.combine(self.parameters)

@@ -12,10 +12,10 @@ Before a server's gradient enters the all-reduce, the micro-batches it backpropa
 4. then each trainer is scored as the reducer scores servers (:mod:`swarm.averaging.exclusion`): its mean's
    distance to the combined gradient, times ``sqrt(samples / median samples)`` (a trainer with fewer
    micro-batches has a noisier mean: this puts every trainer on the same noise scale), is flagged beyond
-   ``outlier_ratio`` times the median of those distances. The epoch's gradient is combined again without the
-   flagged trainers (fewer than half of them can be flagged: the median is an unflagged one's distance), and
-   repeated flags exclude the trainer, whose micro-batches then count for nothing at this server (the exclusion
-   expires like a server's).
+   ``outlier_ratio`` (> 1) times the median of those distances. The epoch's gradient is combined again without
+   the flagged trainers (at most half of them can be flagged: the (lower) median is an unflagged one's
+   distance), and repeated flags exclude the trainer: this server then refuses its requests and drops its
+   micro-batches (the exclusion expires like a server's).
 
 Why step 4: a robust rule's error grows with the spread of the honest parts (Karimireddy et al., ICLR 2022,
 sec. 3), and a trainer's mean of a few micro-batches is noisy. With 3 of 7 trainers flipping their labels,
@@ -53,7 +53,8 @@ class TrainerContributions:
 
     :param clip_ratio: clip a micro-batch gradient at this x the recent median norm (``0`` disables).
     :param outlier_ratio: flag a trainer this x farther (noise-normalized) from the combined gradient than the
-        median trainer (``0`` disables); ``exclusion`` turns repeated flags into exclusions.
+        median trainer (``0`` disables, else > 1); ``exclusion`` turns repeated flags into exclusions.
+    :raises ValueError: ``outlier_ratio`` in (0, 1]: every trainer could be flagged.
     """
 
     aggregator: Aggregator = field(default_factory=MeanAggregator)
@@ -67,6 +68,10 @@ class TrainerContributions:
     outlier_ratio: float = 2.0
     exclusion: ExclusionBook = field(default_factory=ExclusionBook)
     new_exclusions: list[Exclusion] = field(default_factory=list)  # made by the last combine
+
+    def __post_init__(self):
+        if 0 < self.outlier_ratio <= 1:
+            raise ValueError("outlier_ratio must be 0 (off) or above 1")
 
     def add(self, trainer: str, grads: Sequence[torch.Tensor], samples: int) -> float:
         """Add one micro-batch's gradients (one tensor per parameter); returns the scale applied (1 = unclipped).
@@ -109,7 +114,7 @@ class TrainerContributions:
         flat = self._aggregate(means, weights)
         if len(accounts) >= self.min_trainers_for_robust and self.outlier_ratio > 0:
             kept = self._score(list(accounts), means, weights, flat)
-            if not bool(kept.all()):  # this epoch already without the flagged trainers
+            if bool(kept.any()) and not bool(kept.all()):  # this epoch already without the flagged trainers
                 flat = self._aggregate(means[kept], weights[kept])
         out, offset = [], 0
         for t in like:

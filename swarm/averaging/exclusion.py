@@ -2,7 +2,9 @@
 
 Each server keeps its own :class:`ExclusionBook` (in its averager process). Every averaging round adds
 ``reject_penalty`` to a sender's score for a rejected part and ``flag_penalty`` for a flagged one (see
-:mod:`swarm.averaging.reducer`), then multiplies every score by ``decay``; a score at or above ``threshold``
+:mod:`swarm.averaging.reducer`), then multiplies the score of every peer that took part by ``decay`` (a peer's
+score decays with its own rounds, not the server's: one that joins a round now and then is judged on its parts
+alone); a score at or above ``threshold``
 excludes the peer for ``exclude_s`` seconds: matchmaking refuses it as a group member and its parts are
 never aggregated. A peer proven to have returned a wrong aggregate (a verified accusation,
 :mod:`swarm.averaging.evidence`) is excluded at once, and so is a peer on the run's ban list
@@ -34,7 +36,8 @@ class ExclusionPolicy(BaseModel):
     threshold: float = Field(3.0, gt=0, description="Score at which a peer is excluded.")
     reject_penalty: float = Field(1.0, ge=0, description="Score added for a rejected part.")
     flag_penalty: float = Field(0.5, ge=0, description="Score added for a flagged (outlying) part.")
-    decay: float = Field(0.9, gt=0, le=1, description="Factor applied to every score after each round.")
+    decay: float = Field(0.9, gt=0, le=1, description="Factor applied to a peer's score after each round it "
+                         "took part in.")
     exclude_s: float = Field(3600.0, gt=0, description="Seconds an exclusion lasts.")
 
 
@@ -65,7 +68,10 @@ class ExclusionBook:
             if self.scores.get(peer, 0.0) >= self.policy.threshold and not self.is_excluded(peer):
                 reason = v.reason if not v.accepted else "parts repeatedly far from the aggregate"
                 new.append(self.exclude(peer, f"score {self.scores[peer]:.2f}: {reason}"))
-        self.scores = {p: s * self.policy.decay for p, s in self.scores.items() if s * self.policy.decay > 1e-3}
+        # a score decays with the rounds its peer took part in: one that joins a round now and then (a slow or
+        # lagging attacker) is excluded after as many bad parts as one that joins every round
+        self.scores = {p: s * (self.policy.decay if p in verdicts else 1.0) for p, s in self.scores.items()}
+        self.scores = {p: s for p, s in self.scores.items() if s > 1e-3}
         self.rounds += 1
         return new
 
@@ -86,7 +92,7 @@ class ExclusionBook:
         if found is None:
             return False
         if found.until <= (time.time() if now is None else now):
-            del self.exclusions[peer]
+            self.exclusions.pop(peer, None)  # (another thread may have dropped it already)
             return False
         return True
 

@@ -26,12 +26,13 @@ from functools import partial
 from typing import Callable, Optional, Sequence
 
 import hivemind
-import hivemind.optim.progress_tracker
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import make_compressor
 from swarm.averaging.donors import RETRY_S
+from swarm.averaging.progress import Roster, SampleCountTracker
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer
 from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
@@ -49,29 +50,12 @@ benchmarks pass a Byzantine one (:mod:`swarm.attacks`)."""
 MAX_EXCLUSIONS_REPORTED = 32
 
 
-class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
-    """hivemind's progress tracker, but an epoch ends only when ``target_batch_size`` samples were counted.
-
-    hivemind also ends an epoch once its *estimated* time of arrival has passed, which makes epochs with
-    fewer samples than the target when trainers slow down; here the epoch is the spec's batch, exactly.
-    The local count is read directly, so a lone server steps right after its last micro-batch.
-    """
-
-    @property
-    def ready_to_update_epoch(self) -> bool:
-        return (
-            self.global_epoch > self.local_progress.epoch
-            or self.global_progress.samples_accumulated >= self.target_batch_size
-            or self.local_progress.samples_accumulated >= self.target_batch_size
-        )
-
-
 class _CollaborativeOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer with our averagers and two fixes for hivemind 1.1.12, through its private seams.
 
     * :class:`~swarm.averaging.averager.RobustStateAverager` for parameters and optimizer statistics
       (``_make_state_averager``); the gradient averager comes through ``grad_averager_factory``.
-    * :class:`SampleCountTracker` as the progress tracker (``_make_progress_tracker``).
+    * :class:`~swarm.averaging.progress.SampleCountTracker` as the progress tracker (``_make_progress_tracker``).
     * A pre-scheduled gradient round whose matchmaking already ended (it was scheduled at an estimated time
       that passed) makes hivemind 1.1.12 *skip* averaging and step on local gradients alone, while the other
       servers wait for it until their round times out; the servers then hold different parameters. Here
@@ -190,8 +174,9 @@ class StageOptimizer:
                 trainer_outlier_ratio=avg.trainer_outlier_ratio),
             # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors
             # and its restarted successor stop counting it soon
+            # its own progress key (hivemind's default is one per process, which servers of one process share)
             tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25,
-                              metadata_expiration=2 * spec.timeouts.record_ttl_s),
+                              metadata_expiration=2 * spec.timeouts.record_ttl_s, private_key=RSAPrivateKey()),
             averager_opts=dict(request_timeout=1.0, min_vector_size=0),
             verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
         )
@@ -352,6 +337,21 @@ class StageOptimizer:
             time.sleep(0.2)
         return self.peers >= expected
 
+    @property
+    def progress_key(self) -> str:
+        """This server's sub-key in the stage's progress records, hex (announced as ``ServerInfo.progress_key``)."""
+        return self._opt.tracker.progress_key.hex()
+
+    def set_progress_roster(self, roster: Roster) -> None:
+        """Count progress only from the sub-keys ``roster()`` returns (:mod:`swarm.averaging.progress`)."""
+        self._opt.tracker.set_roster(roster)
+
+    def trainer_exclusion(self, p2p_id: str) -> Optional[str]:
+        """Why this server excluded trainer ``p2p_id``'s gradients (:mod:`swarm.averaging.contributions`), or
+        None. Safe from any thread."""
+        found = self._opt.grad_averager.contributions.exclusion.exclusions.get(p2p_id)
+        return found.reason if found is not None and found.until > time.time() else None
+
     def exclude(self, p2p_id: str, reason: str) -> bool:
         """Keep libp2p peer ``p2p_id`` out of this server's averaging groups; False if the averager process did
         not answer (busy in a round: try again later)."""
@@ -393,5 +393,5 @@ def _put_back(opt: torch.optim.Optimizer, originals: dict) -> None:
                     opt.state[p][key] = old.copy_(new)
 
 
-__all__ = ["AveragingReport", "AveragerFactory", "MAX_DONORS_TRIED", "SampleCountTracker", "StageOptimizer",
+__all__ = ["AveragingReport", "AveragerFactory", "MAX_DONORS_TRIED", "StageOptimizer",
            "StateCheck"]

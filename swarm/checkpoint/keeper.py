@@ -34,6 +34,7 @@ from swarm.checkpoint.authority import CheckpointAuthority
 from swarm.checkpoint.catalog import CheckpointView, checkpoint_views, choose_holders, holding
 from swarm.checkpoint.erasure import CorruptFragment, Fragment, FragmentError, join_fragments, split_into_fragments
 from swarm.checkpoint.service import FragmentService, get_fragment, put_fragment, put_manifest
+from swarm.checkpoint.shard import max_shard_bytes
 from swarm.checkpoint.store import FragmentStore
 from swarm.config import RunSpec
 from swarm.directory import RunDirectory
@@ -61,8 +62,11 @@ class FragmentKeeper:
         self.run_id, self.me, self.stage = directory.run_id, identity.peer_id, stage
         self.log = PeerLog(logger, identity.peer_id)
         self.authority = CheckpointAuthority(directory, identity, spec.model.num_stages)
+        # twice the largest fragment of today's shards: room for more optimizer state, no room for 2 GiB of junk
+        fragment_bytes = 2 * -(-max_shard_bytes(spec.model) // spec.checkpoint.fragments_needed)
         self.service = FragmentService(store, directory.run_id, on_manifest=directory.publish_manifest,
-                                       num_stages=spec.model.num_stages, authority=self.authority)
+                                       num_stages=spec.model.num_stages, authority=self.authority,
+                                       max_fragment_bytes=fragment_bytes)
         self.distrusted: dict[str, str] = {}  # holders that served corrupt fragments to this peer -> reason
         self.bans = bans if bans is not None else RunBans(directory)
         self.p2p: Optional[P2P] = None

@@ -45,6 +45,12 @@ FRAGMENT_RATE_PER_S = 20.0
 """Requests one peer may start per second at a holder, on average (a restore fetches a few fragments per stage)."""
 
 
+async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for msg in rest:
+        yield msg
+
+
 def _bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
@@ -55,15 +61,18 @@ class FragmentService(ProtocolServicer):
     wire_name = "FragmentService"
 
     def __init__(self, store: FragmentStore, run_id: str, on_manifest=None, num_stages: Optional[int] = None,
-                 authority: Optional["CheckpointAuthority"] = None):
+                 authority: Optional["CheckpointAuthority"] = None, max_fragment_bytes: Optional[int] = None):
         """:param on_manifest: called with ``(manifest, sealed)`` after a manifest is saved (e.g. to publish it
         in the DHT at once, so a checkpoint is visible even if its writer dies before publishing it).
         :param num_stages: the run's stages; fragments of any other stage number are refused.
         :param authority: who may put fragments here and what this peer endorses
             (:class:`~swarm.checkpoint.authority.CheckpointAuthority`); None takes puts from anyone and endorses
-            nothing (a unit test's bare store)."""
+            nothing (a unit test's bare store).
+        :param max_fragment_bytes: the largest fragment a put may carry (the run's largest shard over ``k``,
+            :func:`~swarm.checkpoint.shard.max_shard_bytes`); default: the store's whole budget."""
         self.store, self.run_id, self.on_manifest, self.num_stages = store, run_id, on_manifest, num_stages
         self.authority = authority
+        self.max_fragment_bytes = min(store.max_bytes, max_fragment_bytes or store.max_bytes)
         self.admission = PeerAdmission(FRAGMENT_IN_FLIGHT, rate_per_s=FRAGMENT_RATE_PER_S)
 
     async def _serve(self, work, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -89,21 +98,29 @@ class FragmentService(ProtocolServicer):
             yield msg
 
     async def _put_fragment(self, stream, context: P2PContext) -> tuple[FragmentReply, bytes]:
-        metadata, tensors = await gather(stream, max_bytes=self.store.max_bytes, max_tensors=1,
-                                         deadline_s=PUT_DEADLINE_S)
-        req = unpack_message(metadata, FragmentPut)
+        """The put's metadata is read and its putter's authority checked before any more of it: an outsider's
+        fragment is refused at its first chunk (1 MiB at most buffered), and a fragment is never larger than
+        ``max_fragment_bytes``."""
+        try:
+            async with asyncio.timeout(REQUEST_DEADLINE_S):
+                first = await anext(aiter(stream))
+        except (StopAsyncIteration, TimeoutError):
+            raise ProtocolError("a fragment put sent no metadata") from None
+        req = unpack_message(first.metadata, FragmentPut)
         if req.run_id != self.run_id:
             raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
         if self.num_stages is not None and req.stage >= self.num_stages:
             raise ProtocolError(f"run {self.run_id} has stages 0..{self.num_stages - 1}, not {req.stage}")
-        if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
-            raise ProtocolError("a fragment travels as one uint8 vector")
         loop = asyncio.get_running_loop()
         if self.authority is not None:
             refusal = await loop.run_in_executor(
                 None, self.authority.may_put, str(context.remote_id), req.stage, req.epoch, req.index, req.sha256)
             if refusal is not None:
                 raise ProtocolError(refusal)
+        _, tensors = await gather(_prepend(first, stream), max_bytes=self.max_fragment_bytes, max_tensors=1,
+                                  deadline_s=PUT_DEADLINE_S)
+        if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+            raise ProtocolError("a fragment travels as one uint8 vector")
         fragment = Fragment(req.index, tensors[0].numpy().tobytes(), req.sha256)
         await loop.run_in_executor(None, self.store.put, req.run_id, req.stage, req.epoch, fragment,
                                    str(context.remote_id))

@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from swarm.model import build_stage
+
 FORMAT = "swarm-stage-shard/1"
 
 
@@ -93,3 +95,12 @@ def _metadata(blob: bytes) -> dict[str, str]:
     if n <= 0 or n > len(blob) - 8:
         raise ValueError("bad header length")
     return json.loads(blob[8:8 + n]).get("__metadata__", {}) or {}
+
+
+def max_shard_bytes(model, optimizer_states: int = 2) -> int:
+    """Upper bound of the bytes of any stage's shard of ``model`` (a :class:`~swarm.config.ModelSpec`): its
+    parameters and ``optimizer_states`` tensors like each (AdamW's two moments), in fp32, plus 1 MiB of header
+    and scalars. The stages are built on the ``meta`` device, so nothing is allocated."""
+    with torch.device("meta"):
+        largest = max(sum(p.numel() for p in build_stage(model, k).parameters()) for k in range(model.num_stages))
+    return 4 * (1 + optimizer_states) * largest + (1 << 20)

@@ -18,7 +18,9 @@ the DHT has not delivered yet.
 Putters (issue 11): an uncommitted epoch belongs to the peer that put its first fragment (``putter`` beside
 the fragments). Junk a putter places, say fragments for epoch 10**9 that will never be committed, only ever
 displaces its own uncommitted epochs, never another writer's checkpoint in progress, and it is deleted after
-``pending_s``.
+``pending_s``. One putter's uncommitted fragments take at most ``putter_share`` of the budget (a writer
+places one fragment of each of its next ``keep_epochs`` checkpoints per holder), so a putter that never commits
+cannot fill the budget for the others.
 """
 
 from __future__ import annotations
@@ -62,14 +64,16 @@ class FragmentStore:
     :param grace_s: seconds an epoch pushed out of the newest ``keep_epochs`` is still kept (budget allowing);
         peers pass twice the run's DHT record TTL, the horizon of what other peers may still act on.
     :param pending_s: seconds after its last fragment arrived that an epoch nobody committed is deleted.
+    :param putter_share: the fraction of ``max_bytes`` one putter's uncommitted fragments may take.
     """
 
     def __init__(self, root: Path, max_bytes: int, keep_epochs: int = 2, grace_s: float = 0.0,
-                 pending_s: float = 3600.0):
-        if max_bytes <= 0 or keep_epochs < 1 or grace_s < 0 or pending_s <= 0:
-            raise ValueError("max_bytes must be > 0, keep_epochs >= 1, grace_s >= 0 and pending_s > 0")
+                 pending_s: float = 3600.0, putter_share: float = 0.25):
+        if max_bytes <= 0 or keep_epochs < 1 or grace_s < 0 or pending_s <= 0 or not 0 < putter_share <= 1:
+            raise ValueError("max_bytes must be > 0, keep_epochs >= 1, grace_s >= 0, pending_s > 0 and "
+                             "putter_share in (0, 1]")
         self.root, self.max_bytes, self.keep_epochs, self.grace_s = Path(root), max_bytes, keep_epochs, grace_s
-        self.pending_s = pending_s
+        self.pending_s, self.putter_quota = pending_s, int(max_bytes * putter_share)
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _dir(self, run_id: str, stage: int, epoch: int) -> Path:
@@ -95,7 +99,8 @@ class FragmentStore:
         :param putter: who placed it (a libp2p id; empty: this peer itself), see the module docstring.
         :raises FragmentError: the bytes do not match the fragment's hash.
         :raises SlotTaken: a fragment with another hash is held in that slot (kept: the first one wins).
-        :raises StoreFull: over ``max_bytes`` even after collecting old epochs, or the disk is full.
+        :raises StoreFull: over ``max_bytes`` even after collecting old epochs, over the putter's share of it
+            (module docstring), or the disk is full.
         """
         folder = self._dir(run_id, stage, epoch)
         fragment.verify()
@@ -116,6 +121,12 @@ class FragmentStore:
         if self.used_bytes() + len(fragment.data) > self.max_bytes:
             raise StoreFull(errno.ENOSPC, f"storing {len(fragment.data)} bytes would exceed the fragment budget of "
                                           f"{self.max_bytes} bytes; raise SWARM_FRAGMENT_MAX_BYTES or free disk")
+        if owner and not (folder / "manifest.bin").exists():
+            pending = self.pending_bytes(owner)
+            if pending + len(fragment.data) > self.putter_quota:
+                raise StoreFull(errno.EDQUOT, f"{owner}'s fragments of uncommitted checkpoints would take "
+                                              f"{pending + len(fragment.data)} bytes here, over its share of "
+                                              f"{self.putter_quota}; commit them first")
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / "putter").exists():
             _atomic_write(folder / "putter", owner.encode())
@@ -129,6 +140,19 @@ class FragmentStore:
                                          "lower SWARM_FRAGMENT_MAX_BYTES") from None
             raise
         return StoredFragment(run_id, stage, epoch, fragment.index, fragment.sha256, len(fragment.data))
+
+    def pending_bytes(self, putter: str) -> int:
+        """Bytes of the fragments of uncommitted epochs that ``putter`` placed here (first in their epoch)."""
+        total = 0
+        for folder in _listing(self.root, "*/stage*/epoch*"):
+            if (folder / "manifest.bin").exists() or _owner(folder) != putter:
+                continue
+            for frag in _listing(folder, "*.frag"):
+                try:
+                    total += frag.stat().st_size
+                except OSError:
+                    continue
+        return total
 
     def get(self, run_id: str, stage: int, epoch: int, index: int) -> Fragment:
         """Read and verify a fragment.

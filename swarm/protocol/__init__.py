@@ -47,6 +47,14 @@ MAX_METADATA_BYTES = 16 * 1024
 """Largest wire-message metadata accepted (bytes)."""
 EXPIRY_SLACK_S = 5.0
 """Seconds a stored announcement may expire after ``time + ttl_s`` (its store is computed a moment later)."""
+MAX_EPOCH = 10**8
+"""Largest epoch a record may name (a stage stepping every second for three years)."""
+MAX_COUNT = 2**53
+"""Largest count (samples, tokens, bytes, rounds) a record may carry: exact in a float64."""
+MAX_SAMPLES_PER_S = 1e6
+"""Largest throughput a record may announce (samples/s; a fast GPU on a small stage does thousands)."""
+MAX_ROUND_S = 86_400.0
+"""Largest duration a record may report (seconds)."""
 MAX_CLOCK_SKEW_S = 60.0
 """Seconds a record's ``time`` may lie ahead of the reader's clock (peers keep their clocks with NTP); a record
 dated later is refused, so a forged one cannot stay "fresh" after its signer is gone."""
@@ -104,6 +112,10 @@ def _finite_or_none(value):
 
 FiniteOrNone = Annotated[Optional[float], BeforeValidator(_finite_or_none)]
 """An optional float field (a loss) where NaN and infinities read as None: published and shown as unknown."""
+Epoch = Annotated[int, Field(ge=0, le=MAX_EPOCH)]
+"""An epoch number (:data:`MAX_EPOCH`)."""
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+"""A count of samples, tokens, bytes or rounds (:data:`MAX_COUNT`)."""
 
 
 class _Schema(BaseModel):
@@ -159,26 +171,29 @@ class ServerInfo(AnnouncedRecord):
     kind: Literal["server"] = "server"
     stage: int = Field(ge=0)
     state: ServerState
-    throughput: float = Field(ge=0, description="Measured samples/s of forward+backward on this stage.")
+    throughput: float = Field(ge=0, le=MAX_SAMPLES_PER_S, description="Measured samples/s of forward+backward on "
+                              "this stage.")
     p2p_id: str = Field(min_length=1, max_length=128, description="libp2p peer id (base58) to call the stage RPCs "
                         "on; the signer's own (swarm.identity).")
     maddrs: list[str] = Field(default_factory=list)
-    epoch: int = Field(0, ge=0)
-    samples: int = Field(0, ge=0, description="Samples processed since the server started.")
+    epoch: Epoch = 0
+    samples: Count = Field(0, description="Samples processed since the server started.")
     loss: FiniteOrNone = Field(None, description="Loss EMA of micro-batches (last stage only).")
-    peers_in_last_round: int = Field(0, ge=0, description="Servers of the stage its progress tracker counts.")
-    round_s: float = Field(0.0, ge=0, description="Mean seconds an epoch transition took (averaging + step).")
-    rounds: int = Field(0, ge=0, description="Epoch transitions since the server started.")
-    state_digests: dict[int, str] = Field(
+    peers_in_last_round: int = Field(0, ge=0, le=4096, description="Servers of the stage its progress tracker "
+                                     "counts.")
+    round_s: float = Field(0.0, ge=0, le=MAX_ROUND_S, description="Mean seconds an epoch transition took "
+                           "(averaging + step).")
+    rounds: Count = Field(0, description="Epoch transitions since the server started.")
+    state_digests: dict[Epoch, Annotated[str, Field(max_length=64)]] = Field(
         default_factory=dict, max_length=8, description="Epoch -> SHA-256 of the server's whole state (parameters "
         "and optimizer state) right after that epoch's step, for its last 8 epochs: the servers of a stage that took "
         "part in every round since the last state-averaging round hold the same digest.")
-    version: str = ""
+    version: str = Field("", max_length=64)
     excluded: dict[str, str] = Field(
-        default_factory=dict, description="libp2p ids this server excluded from averaging -> reason (at most 32)."
+        default_factory=dict, max_length=32, description="libp2p ids this server excluded from averaging -> reason."
     )
-    averaging: dict[str, int] = Field(
-        default_factory=dict, description="Averaging counters: bytes sent/received on the wire, phases, failed "
+    averaging: dict[str, Count] = Field(
+        default_factory=dict, max_length=32, description="Averaging counters: bytes sent/received on the wire, phases, failed "
         "rounds, parts rejected and flagged by this server as a reducer.",
     )
     lineage: str = Field("", max_length=64, description="Shard hash of the newest checkpoint the server's state "
@@ -186,7 +201,7 @@ class ServerInfo(AnnouncedRecord):
     restored: Optional[RestoreReport] = Field(None, description="How the server's state was restored from "
                                               "checkpoint fragments, if it was.")
     lr_scale: float = Field(1.0, gt=0, description="Learning-rate multiplier after loss-spike rollbacks.")
-    rollback_generation: int = Field(0, ge=0, description="Rollbacks this server applied (a late server follows "
+    rollback_generation: int = Field(0, ge=0, le=MAX_EPOCH, description="Rollbacks this server applied (a late server follows "
                                      "the generation most servers applied, :func:`swarm.checkpoint.rollback."
                                      "order_in_force`).")
     rollback_issuer: str = Field("", max_length=64, description="Peer id of the issuer of the last rollback order "
@@ -196,7 +211,10 @@ class ServerInfo(AnnouncedRecord):
     convicted: dict[str, str] = Field(
         default_factory=dict, max_length=32, description="Peer ids of servers convicted by spot-check evidence "
         "this server verified (swarm.convictions) -> reason; anyone can fetch the evidence (rpc_get_evidence).")
-    history: list[tuple[int, float, FiniteOrNone]] = Field(
+    progress_key: str = Field("", max_length=2048, pattern=r"^([0-9a-f]{2})*$", description="Hex of its sub-key "
+                              "in the stage's hivemind progress records: the stage's servers count only the progress "
+                              "of sub-keys their records name (swarm.averaging.progress).")
+    history: list[tuple[Epoch, float, FiniteOrNone]] = Field(
         default_factory=list, max_length=HISTORY_POINTS,
         description="(epoch, DHT time it began, mean training loss of the epoch before or None) per epoch "
         "transition, thinned (:func:`add_history`): the run's progress and loss curve.")
@@ -284,17 +302,18 @@ class CheckpointManifest(Record):
 
     kind: Literal["manifest"] = "manifest"
     stage: int = Field(ge=0)
-    epoch: int = Field(ge=0)
+    epoch: Epoch
     shard_sha256: str = Field(min_length=64, max_length=64)
-    size: int = Field(ge=0, description="Shard bytes.")
+    size: int = Field(ge=0, le=1 << 40, description="Shard bytes.")
     k: int = Field(ge=1, le=256, description="Fragments needed to restore.")
     n: int = Field(ge=1, le=256, description="Fragments made.")
     fragments: list[FragmentEntry] = Field(default_factory=list, max_length=256)
     parent: str = Field("", max_length=64)
-    parent_epoch: int = Field(-1, ge=-1)
+    parent_epoch: int = Field(-1, ge=-1, le=MAX_EPOCH)
     loss: FiniteOrNone = Field(None, description="The writer's training loss EMA (last stage only).")
-    data_position: dict[int, int] = Field(default_factory=dict, description="Data share -> samples its trainer "
-                                          "had consumed when the checkpoint was written (trainers resume there).")
+    data_position: dict[Annotated[int, Field(ge=0, lt=4096)], Count] = Field(
+        default_factory=dict, max_length=4096, description="Data share -> samples its trainer had consumed when "
+        "the checkpoint was written (trainers resume there).")
     state_sha256: str = Field(min_length=64, max_length=64, description="SHA-256 of the stage state the shard "
                               "holds (swarm.checkpoint.state.state_digest: parameters and optimizer state only).")
     endorsements: list[bytes] = Field(min_length=1, max_length=MAX_ENDORSEMENTS, description="Sealed "
@@ -321,7 +340,7 @@ class Endorsement(Record):
 
     kind: Literal["endorsement"] = "endorsement"
     stage: int = Field(ge=0)
-    epoch: int = Field(ge=0)
+    epoch: Epoch
     state_sha256: str = Field(min_length=64, max_length=64)
     writer: str = Field(min_length=1, max_length=64, description="Peer id of the checkpoint's writer.")
     basis: Literal["same_state", "witness"]
@@ -364,13 +383,14 @@ class StorageInfo(AnnouncedRecord):
 
     kind: Literal["storage"] = "storage"
     p2p_id: str = Field(max_length=128, description="libp2p id serving rpc_get_fragment / rpc_put_fragment.")
-    free_bytes: int = Field(ge=0, description="Fragment budget left (bytes).")
+    free_bytes: Count = Field(description="Fragment budget left (bytes).")
     stage: int = Field(-1, ge=-1, description="Stage the peer serves (-1: none, e.g. the coordinator).")
     held: list[tuple[int, int, int, str]] = Field(
         default_factory=list, max_length=1024,
         description="Fragments held, as [stage, epoch, index, first 16 hex digits of the fragment's SHA-256].")
-    distrusted: dict[str, str] = Field(default_factory=dict, description="Peer ids that served corrupt fragments "
-                                       "to this peer -> reason (at most 32); never fetched from or placed on again.")
+    distrusted: dict[str, str] = Field(default_factory=dict, max_length=32, description="Peer ids that served "
+                                       "corrupt fragments to this peer -> reason; never fetched from or placed on "
+                                       "again.")
 
 
 def storage_key(run_id: str) -> str:
@@ -384,11 +404,17 @@ class RollbackOrder(Record):
     id>``. Servers apply it only when it is in force (:func:`swarm.checkpoint.rollback.order_in_force`)."""
 
     kind: Literal["rollback"] = "rollback"
-    epoch: int = Field(ge=0, description="Newest epoch whose checkpoint is still good.")
-    detected_epoch: int = Field(ge=0)
+    epoch: Epoch = Field(description="Newest epoch whose checkpoint is still good.")
+    detected_epoch: Epoch
     lr_scale: float = Field(gt=0, le=1, description="Learning-rate multiplier after this rollback (cumulative).")
-    generation: int = Field(ge=1, description="Rollbacks so far, this one included.")
+    generation: int = Field(ge=1, le=MAX_EPOCH, description="Rollbacks so far, this one included.")
     reason: str = Field("", max_length=512)
+
+    @model_validator(mode="after")
+    def _before_detection(self) -> "RollbackOrder":
+        if self.epoch > self.detected_epoch:
+            raise ValueError(f"rolls back to epoch {self.epoch}, after the spike it detected at {self.detected_epoch}")
+        return self
 
     def dht_subkey(self) -> str:
         return f"{self.generation}:{self.peer_id}"
@@ -425,18 +451,18 @@ class TrainerInfo(AnnouncedRecord):
     """A trainer's progress under :func:`trainers_key`."""
 
     kind: Literal["trainer"] = "trainer"
-    shard: int = Field(ge=0)
+    shard: int = Field(ge=0, lt=4096)
     loss: FiniteOrNone = None
     initial_loss: FiniteOrNone = None
-    samples: int = Field(0, ge=0)
-    position: int = Field(0, ge=0, description="Samples of its data share consumed since the run began (a trainer "
+    samples: Count = 0
+    position: Count = Field(0, description="Samples of its data share consumed since the run began (a trainer "
                           "resumes from the position recorded in the newest checkpoint manifest).")
-    tokens: int = Field(0, ge=0)
-    samples_per_s: float = Field(0.0, ge=0)
-    failures: int = Field(0, ge=0, description="Micro-batch attempts that failed and were retried.")
-    bytes_sent: int = Field(0, ge=0, description="Stage RPC bytes this trainer sent (tensors + metadata).")
-    bytes_received: int = Field(0, ge=0, description="Stage RPC bytes this trainer received.")
-    version: str = ""
+    tokens: Count = 0
+    samples_per_s: float = Field(0.0, ge=0, le=MAX_SAMPLES_PER_S)
+    failures: Count = Field(0, description="Micro-batch attempts that failed and were retried.")
+    bytes_sent: Count = Field(0, description="Stage RPC bytes this trainer sent (tensors + metadata).")
+    bytes_received: Count = Field(0, description="Stage RPC bytes this trainer received.")
+    version: str = Field("", max_length=64)
     name: str = Field("", max_length=64, description="Public name its operator chose (SWARM_NAME).")
     p2p_id: str = Field("", max_length=128, description="libp2p id its stage requests come from.")
     state: Literal["training", "paused", "draining"] = "training"
@@ -444,7 +470,7 @@ class TrainerInfo(AnnouncedRecord):
     val_loss: FiniteOrNone = Field(None, description="Mean loss on held-out micro-batches (nats/token), "
                                       "measured every SWARM_VAL_EVERY_S seconds through the swarm.")
     val_time: float = Field(0.0, ge=0, description="DHT time of that measurement.")
-    spot_checks: dict[str, int] = Field(
+    spot_checks: dict[str, Count] = Field(
         default_factory=dict, max_length=8, description="Its spot checks (swarm.spotcheck): sampled, agreed, "
         "convicted, inconclusive, unchecked.")
     convicted: dict[str, str] = Field(

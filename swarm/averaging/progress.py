@@ -1,0 +1,97 @@
+"""The stage's progress as its servers report it: hivemind's progress tracker, trusting only the stage's servers.
+
+hivemind's :class:`~hivemind.optim.progress_tracker.ProgressTracker` reads every entry under the key
+``{run_id}-stage{k}_progress``: one per RSA sub-key, and anyone can make an RSA key. The stage's epoch is the
+*highest* epoch among the entries and the samples of the epoch are their *sum*, so one stranger's entry with
+epoch 10**9 made every server believe it was out of sync and reload its state forever, and one with a huge
+sample count ended every epoch at once. :class:`SampleCountTracker` reads the entries through
+:func:`trusted_progress`:
+
+* **who**: only the sub-keys that the stage's servers name in their signed records
+  (:attr:`~swarm.protocol.ServerInfo.progress_key`, refreshed by the server through :meth:`set_roster`) and
+  this server's own count; before the server has read its stage's records, every entry is read;
+* **how far ahead**: an entry counts only up to one epoch past the (lower) median epoch of the other entries
+  (or this server's own epoch, if higher): a lagging server still sees that the stage moved on, a server one
+  step ahead still pulls the others along (hivemind's epoch transition), but a minority of the stage cannot
+  push it further;
+* **how much**: an entry's samples count at most ``target_batch_size`` and its throughput at most
+  :data:`~swarm.protocol.MAX_SAMPLES_PER_S`.
+
+An epoch ends only once ``target_batch_size`` samples were counted (hivemind also ends it when its estimated
+time passed).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import hivemind.optim.progress_tracker
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.utils import ValueWithExpiration
+
+from swarm.protocol import MAX_SAMPLES_PER_S
+
+logger = logging.getLogger(__name__)
+
+Roster = Callable[[], Optional[frozenset]]
+"""Returns the progress sub-keys (bytes) of the stage's announced servers, or None while they are unknown."""
+
+
+def trusted_progress(entries: dict, own: bytes, own_epoch: int, target: int,
+                     roster: Optional[frozenset] = None) -> dict:
+    """The progress entries (sub-key -> ``ValueWithExpiration`` of a ``LocalTrainingProgress`` dict) that count,
+    as the module docstring says: from ``roster`` (or anyone while it is None) plus ``own``, at most one epoch
+    past the lower median of the others' epochs (or ``own_epoch``), samples clipped to ``target``."""
+    progress = {}
+    for subkey, item in entries.items():
+        if item is None or item.value is None or (roster is not None and subkey != own and subkey not in roster):
+            continue
+        try:
+            progress[subkey] = (LocalTrainingProgress.parse_obj(item.value), item.expiration_time)
+        except Exception:  # hivemind's schema validator checked it already; a stray value is skipped
+            continue
+    others = sorted(p.epoch for key, (p, _) in progress.items() if key != own and not p.client_mode)
+    ceiling = max(own_epoch, others[(len(others) - 1) // 2] if others else own_epoch) + 1
+    out = {}
+    for subkey, (p, expiration) in progress.items():
+        if p.epoch > ceiling:
+            continue
+        p.samples_accumulated = min(p.samples_accumulated, target)
+        p.samples_per_second = min(p.samples_per_second, MAX_SAMPLES_PER_S)
+        out[subkey] = ValueWithExpiration(p.dict(), expiration)
+    return out
+
+
+class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
+    """hivemind's progress tracker reading only trusted entries (module docstring), where an epoch ends only
+    when ``target_batch_size`` samples were counted. The local count is read directly, so a lone server steps
+    right after its last micro-batch."""
+
+    roster: Roster = staticmethod(lambda: None)
+
+    @property
+    def progress_key(self) -> bytes:
+        """This server's sub-key under the progress key (its hivemind RSA public key, in hivemind's format)."""
+        return self._local_public_key
+
+    def set_roster(self, roster: Roster) -> None:
+        """Read entries only from the sub-keys ``roster()`` returns (called at every fetch: keep it cheap)."""
+        self.roster = roster
+
+    def _parse_swarm_progress_data(self, metadata):
+        if isinstance(metadata, dict) and metadata:
+            metadata = trusted_progress(metadata, self._local_public_key, self.local_progress.epoch,
+                                        self.target_batch_size, self.roster())
+        return super()._parse_swarm_progress_data(metadata)
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        return (
+            self.global_epoch > self.local_progress.epoch
+            or self.global_progress.samples_accumulated >= self.target_batch_size
+            or self.local_progress.samples_accumulated >= self.target_batch_size
+        )
+
+
+__all__ = ["Roster", "SampleCountTracker", "trusted_progress"]
