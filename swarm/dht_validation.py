@@ -6,7 +6,8 @@ keep new peers out. Every node of the run (servers, trainers, the coordinator) r
 :class:`RunRecordValidator`, which hivemind calls on every value another node asks it to store and on every
 value a lookup brings back (``hivemind.dht.validation``, the mechanism of its own ``RSASignatureValidator``):
 
-* under the run's dictionary keys (servers, trainers, storage, checkpoints, rollback orders, bans) only
+* under the run's dictionary keys (servers, trainers, storage, checkpoints, rollback orders, bans, the
+  stages' averagers' accusations) only
   sub-key values that are sealed records of the key's kind, signed by the owner of their sub-key, stored under
   their own sub-key and (announcements) to expire within the lifetime their signer gave them, are valid
   (:func:`~swarm.protocol.open_record`, its *Shadowing* rules); a plain value is not;
@@ -14,7 +15,8 @@ value a lookup brings back (``hivemind.dht.validation``, the mechanism of its ow
 
 Honest nodes refuse the junk, and a reader drops the answer of a node that serves it and keeps the others', so
 an outsider's store hides nothing (an answer is dropped whole if one of its sub-keys fails: honest nodes never
-hold such a value). Keys that are not the run's (hivemind's own progress and matchmaking keys) pass through.
+hold such a value). Keys that are not the run's (hivemind's own progress and matchmaking keys) pass through: who may write
+progress is judged by its readers (:mod:`swarm.averaging.progress`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.config import SpecError
 from swarm.protocol import (
+    AVERAGERS,
+    Accusation,
     BanList,
     CheckpointManifest,
     ProtocolError,
@@ -38,6 +42,7 @@ from swarm.protocol import (
     SpecRecord,
     StorageInfo,
     TrainerInfo,
+    accusations_key,
     bans_key,
     checkpoints_key,
     open_record,
@@ -63,6 +68,8 @@ def run_keys(run_id: str, max_stages: int = MAX_STAGES) -> dict[str, Type[Record
     for k in range(max_stages):
         keys[stage_key(run_id, k)] = ServerInfo
         keys[checkpoints_key(run_id, k)] = CheckpointManifest
+        for averager in AVERAGERS:
+            keys[accusations_key(f"{run_id}-stage{k}_{averager}")] = Accusation
     return keys
 
 

@@ -23,11 +23,12 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import PeerSettings, RunSpec, SpecError
 from swarm.dht_validation import RunRecordValidator
-from swarm.identity import Identity, claim_identity, derive_run_id
+from swarm.identity import Identity, claim_identity, derive_run_id, peer_id_of
 from swarm.protocol import (
     AnnouncedRecord,
     BanList,
     CheckpointManifest,
+    Endorsement,
     ProtocolError,
     Record,
     RollbackOrder,
@@ -146,6 +147,9 @@ class RunDirectory:
     def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float = 30.0):
         self.dht, self.run_id, self.ttl = dht, run_id, ttl
         self.run_key: Optional[bytes] = None  # the coordinator's public key, once a spec verified
+        self.num_stages: Optional[int] = None  # the spec's, once verified
+        self.roster: dict[int, set[str]] = {}  # stage -> peer ids this directory saw announced as its servers
+        self._refused_manifests: set[str] = set()  # (logged once each)
 
     # ---- bounded DHT calls -----------------------------------------------------------------------------
     def _get(self, key: str) -> Any:
@@ -217,6 +221,7 @@ class RunDirectory:
         """Check signature, hash and run id of a sealed spec (:func:`~swarm.protocol.open_spec`); raises
         ProtocolError or SpecError."""
         spec, self.run_key = open_spec(sealed, self.run_id)
+        self.num_stages = spec.model.num_stages
         return spec
 
     # ---- peers -----------------------------------------------------------------------------------------
@@ -261,8 +266,10 @@ class RunDirectory:
         return self._store(key, sealed, get_dht_time() + self.ttl, subkey=subkey)
 
     def servers(self, stage: int) -> list[ServerInfo]:
-        """Verified, unexpired ServerInfo records of ``stage``, any state."""
-        return [s for s in self._read(stage_key(self.run_id, stage), ServerInfo) if s.stage == stage]
+        """Verified, unexpired ServerInfo records of ``stage``, any state (their signers join :attr:`roster`)."""
+        found = [s for s in self._read(stage_key(self.run_id, stage), ServerInfo) if s.stage == stage]
+        self.roster.setdefault(stage, set()).update(s.peer_id for s in found)
+        return found
 
     def fresh_servers(self, stage: int, slack_s: float = 1.5,
                       states: tuple[ServerState, ...] = (ServerState.ONLINE,)) -> list[ServerInfo]:
@@ -283,10 +290,48 @@ class RunDirectory:
         return self._read(storage_key(self.run_id), StorageInfo)
 
     def manifests(self, stage: int) -> list[tuple[CheckpointManifest, bytes]]:
-        """Verified manifests of ``stage`` (newest epoch first) with their sealed bytes."""
-        found = [(m, b) for m, b in self.read_sealed(checkpoints_key(self.run_id, stage), CheckpointManifest)
-                 if m.stage == stage]
+        """Verified manifests of ``stage`` (newest epoch first) with their sealed bytes, from writers entitled to
+        commit it (:meth:`entitled`; a refused one is logged once)."""
+        found = []
+        for m, b in self.read_sealed(checkpoints_key(self.run_id, stage), CheckpointManifest):
+            refusal = self.entitled(m) if m.stage == stage else "stored under another stage"
+            if refusal is None:
+                found.append((m, b))
+            elif m.dht_subkey() not in self._refused_manifests and len(self._refused_manifests) < 4096:
+                self._refused_manifests.add(m.dht_subkey())
+                logger.warning("ignored the manifest of stage %d epoch %d by %s: %s", m.stage, m.epoch, m.peer_id,
+                               refusal)
         return sorted(found, key=lambda mb: (-mb[0].epoch, mb[0].peer_id))
+
+    def entitled(self, manifest: CheckpointManifest) -> Optional[str]:
+        """(blocking: may read the stage records) None if the manifest's writer and an endorser may commit it,
+        else why not: the writer must be a server of the stage this directory has seen announced, and one
+        endorser a server of the stage (``same_state``) or a witness (the run key, or a server of another
+        stage). Until this directory has seen any server of the run (a swarm restarting after every peer died),
+        the endorsements alone decide (:func:`~swarm.protocol.check_endorsements`, checked on read)."""
+        if manifest.peer_id not in self.roster.get(manifest.stage, set()):
+            self.servers(manifest.stage)
+        if not any(self.roster.values()):
+            return None
+        if manifest.peer_id not in self.roster.get(manifest.stage, set()):
+            return f"its writer was never seen announced as a server of stage {manifest.stage}"
+        for sealed in manifest.endorsements:
+            e, _ = open_record(sealed, Endorsement, run_id=self.run_id)  # (checked on read: cannot fail here)
+            if e.basis == "same_state" and e.peer_id in self.roster[manifest.stage]:
+                return None
+            if e.basis == "witness" and (self._is_run_key(e.peer_id) or self._serves_another(e.peer_id, e.stage)):
+                return None
+        return "no endorser is a known server of the stage, a server of another stage or the run key"
+
+    def _is_run_key(self, peer_id: str) -> bool:
+        return self.run_key is not None and peer_id_of(self.run_key) == peer_id
+
+    def _serves_another(self, peer_id: str, stage: int) -> bool:
+        others = [k for k in range(self.num_stages or 0) if k != stage]
+        if not any(peer_id in self.roster.get(k, set()) for k in others):
+            for k in others:
+                self.servers(k)
+        return any(peer_id in self.roster.get(k, set()) for k in others)
 
     def publish_manifest(self, manifest: CheckpointManifest, sealed: bytes) -> bool:
         return self.store_sealed(checkpoints_key(self.run_id, manifest.stage), manifest.dht_subkey(), sealed)

@@ -43,30 +43,35 @@ def configure_logging(level: str | int = "INFO") -> None:
 
 class RefusalFilter(logging.Filter):
     """Turns the traceback hivemind logs for every request a handler refused into one line per refusal class
-    (exception type) per ``period_s`` seconds: the cause, cut to 200 characters with control and non-ASCII
+    (exception type) and peer per ``period_s`` seconds: the peer (when the handler's wrapper named it,
+    :func:`swarm.transport.delivering_refusals`), the cause, cut to 200 characters with control and non-ASCII
     characters escaped (a peer's bytes never reach the log raw), and how many more were held back since.
 
     :param expected: the exception types that are expected refusals (other exceptions keep their traceback).
+    :param max_keys: (class, peer) pairs remembered; beyond, the oldest is forgotten (many peers: a Sybil).
     """
 
-    def __init__(self, expected: tuple[type, ...], period_s: float = 60.0):
+    def __init__(self, expected: tuple[type, ...], period_s: float = 60.0, max_keys: int = 4096):
         super().__init__()
-        self.expected, self.period_s = expected, period_s
-        self._last: dict[str, tuple[float, int]] = {}  # class -> (when its last line was let through, held back)
+        self.expected, self.period_s, self.max_keys = expected, period_s, max_keys
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}  # -> (when its last line went out, held back)
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if not isinstance(error, self.expected):
             return True
-        kind, now = type(error).__name__, time.monotonic()
-        last, held = self._last.get(kind, (float("-inf"), 0))
+        kind, peer, now = type(error).__name__, str(getattr(error, "remote_peer", ""))[:64], time.monotonic()
+        last, held = self._last.get((kind, peer), (float("-inf"), 0))
         if now - last < self.period_s:
-            self._last[kind] = (last, held + 1)
+            self._last[(kind, peer)] = (last, held + 1)
             return False
-        self._last[kind] = (now, 0)
+        self._last.pop((kind, peer), None)
+        self._last[(kind, peer)] = (now, 0)
+        while len(self._last) > self.max_keys:
+            del self._last[next(iter(self._last))]
         cause = repr(str(error)[:200])[1:-1].encode("ascii", "backslashreplace").decode("ascii")
-        more = f" ({held} more {kind} refusals in the last {self.period_s:.0f} s)" if held else ""
-        record.msg, record.args = f"refused a request: {kind}: {cause}{more}", ()
+        more = f" ({held} more in the last {self.period_s:.0f} s)" if held else ""
+        record.msg, record.args = f"refused a request{f' from {peer}' if peer else ''}: {kind}: {cause}{more}", ()
         record.exc_info, record.exc_text = None, None
         return True
 

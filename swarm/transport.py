@@ -191,7 +191,8 @@ def delivering_refusals(handler):
         try:
             async for reply in handler(tracked, context):
                 yield reply
-        except Exception:
+        except Exception as e:
+            e.remote_peer = str(context.remote_id)  # (who to name in the log line, swarm.logs.RefusalFilter)
             await tracked.drain()
             raise
         await tracked.drain()  # (a refusal sent as a reply, before the request's end)

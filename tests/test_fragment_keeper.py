@@ -288,3 +288,53 @@ def test_only_a_stages_servers_commit_and_a_second_one_must_agree(swarm_of_keepe
         asyncio.run(main())
     finally:
         stranger_dht.shutdown()
+
+
+def test_a_checkpoint_of_two_fresh_keys_is_ignored_by_every_reader(swarm_of_keepers):
+    """Two keys nobody saw as servers (one writes, one endorses) publish a checkpoint of stage 0: readers skip
+    it, holders refuse its manifest and the fragments it lists (issue 11). The same manifest by a server of the
+    stage, endorsed by a stage-mate, counts."""
+    from swarm.checkpoint.erasure import split_into_fragments
+    from swarm.checkpoint.service import put_fragment
+    from swarm.protocol import CheckpointManifest, Endorsement, FragmentEntry, ProtocolError, seal
+
+    spec, nodes = swarm_of_keepers
+    lone, mate_a, mate_b, _, _ = nodes
+    [(writer, stranger_dht)] = keyed_dhts(1, initial_peers=[str(m) for m in lone.directory.dht.get_visible_maddrs()])
+    fragment = split_into_fragments(b"y" * 1000, 1, 1)[0]
+
+    def manifest(by: Identity, endorser: Identity, basis: str) -> bytes:
+        endorsement = seal(Endorsement(run_id=RUN, peer_id=endorser.peer_id, time=get_dht_time(), stage=0, epoch=50,
+                                       state_sha256="c" * 64, writer=by.peer_id, basis=basis), endorser)
+        return seal(CheckpointManifest(
+            run_id=RUN, peer_id=by.peer_id, time=get_dht_time(), stage=0, epoch=50, shard_sha256=fragment.sha256,
+            size=1000, k=1, n=1, fragments=[FragmentEntry(index=0, sha256=fragment.sha256)], state_sha256="c" * 64,
+            endorsements=[endorsement]), by)
+
+    async def main():
+        async with serving(nodes):
+            await lone.io(lone.directory.servers, 0)  # the reader has seen stage 0's servers
+            for basis in ("witness", "same_state"):
+                sealed = manifest(writer, Identity.generate(), basis)
+                stranger = RunDirectory(stranger_dht, RUN, ttl=4.0)
+                assert await asyncio.to_thread(stranger.store_sealed, f"{RUN}/checkpoints/0", f"50:{writer.peer_id}",
+                                               sealed)
+                assert not [m for m, _ in await lone.io(lone.directory.manifests, 0) if m.epoch == 50]
+                with pytest.raises(ProtocolError, match="never seen announced as a server of stage 0"):
+                    await lone.io(lone.service.accept_manifest, sealed)
+                p2p = await stranger_dht.replicate_p2p()
+                with pytest.raises(FragmentError, match="no committed checkpoint of epoch 50"):
+                    await put_fragment(p2p, lone.identity.p2p_id, RUN, 0, 50, fragment)
+            genuine = manifest(mate_a.identity, mate_b.identity, "same_state")
+            assert await lone.io(lone.directory.entitled, open_record(genuine)) is None
+        for node in nodes:
+            await node.stop()
+
+    def open_record(sealed):
+        from swarm.protocol import open_record as opened
+        return opened(sealed, CheckpointManifest, run_id=RUN)[0]
+
+    try:
+        asyncio.run(main())
+    finally:
+        stranger_dht.shutdown()

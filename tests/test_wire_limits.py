@@ -107,7 +107,7 @@ def test_a_stream_that_never_ends_is_dropped_at_its_deadline():
         _gather(sender, deadline_s=1.0)
 
 
-def test_a_refused_request_logs_one_escaped_line_per_class_per_period(monkeypatch):
+def test_a_refused_request_logs_one_escaped_line_per_class_and_peer_per_period(monkeypatch):
     import logging
 
     import swarm.logs
@@ -133,4 +133,13 @@ def test_a_refused_request_logs_one_escaped_line_per_class_per_period(monkeypatc
     assert refusals.filter(crash) and crash.exc_info is not None
     clock[0] += 61.0
     later = handler_failed(ProtocolError("later"))
-    assert refusals.filter(later) and "(2 more ProtocolError refusals in the last 60 s)" in later.getMessage()
+    assert refusals.filter(later) and "(2 more in the last 60 s)" in later.getMessage()
+    # named peers (swarm.transport.delivering_refusals names them) get a line each: one noisy peer hides no other
+    for peer in ("12D3KooWnoisy", "12D3KooWother"):
+        error = ProtocolError("bad stage")
+        error.remote_peer = peer
+        named = handler_failed(error)
+        assert refusals.filter(named) and named.getMessage().startswith(f"refused a request from {peer}: ")
+    again = ProtocolError("bad stage")
+    again.remote_peer = "12D3KooWnoisy"
+    assert not refusals.filter(handler_failed(again))

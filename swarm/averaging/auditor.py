@@ -11,6 +11,7 @@ before excluding.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections import OrderedDict
 from typing import AsyncIterator, Optional
@@ -19,6 +20,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
+from swarm.admission import Busy, PeerAdmission, TooFast
 from swarm.averaging.allreduce import Accountant, PhaseOutcome, RoundFailed, digest
 from swarm.averaging.evidence import OpenedReceipt, audit_plan, matches, open_receipt, recompute, verify_evidence
 from swarm.codecs import make_codec
@@ -32,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 KEEP_PHASES = 8  # phases whose parts and evidence a peer keeps for audits
 POLL_S = 3.0  # seconds between reads of the accusations in the DHT
+AUDIT_IN_FLIGHT = 4
+"""Audit requests (parts, evidence) of one peer served at once."""
+AUDIT_RATE_PER_S = 5.0
+"""Audit requests one peer may start per second, on average (an auditor asks each member of a group once)."""
 
 
 class _SigningAccountant(Accountant):
@@ -85,6 +91,7 @@ class Auditor:
         self._seen_accusations: set[str] = set()
         self._poller: Optional[asyncio.Task] = None
         self.audits_done = 0
+        self.audit_admission = PeerAdmission(AUDIT_IN_FLIGHT, rate_per_s=AUDIT_RATE_PER_S)
 
     def open_commitment(self, sender: str, meta: AveragingPart) -> Optional[str]:
         """Check a received part's commitment; returns the reason to refuse it, or None."""
@@ -158,6 +165,7 @@ class Auditor:
         accusation = seal(Accusation(run_id=self.run_id, peer_id=self.identity.peer_id, time=get_dht_time(),
                                      p2p_id=me, accused=reducer, receipt=opened.raw, reason=reason),
                           self.identity)
+        # the sub-key is the accusation's own (Accusation.dht_subkey: the run's DHT validator checks it)
         await self.dht.store(accusations_key(self.prefix), subkey=f"{me}/{key}/{j}", value=accusation,
                              expiration_time=get_dht_time() + self.exclusions.policy.exclude_s, return_future=True)
 
@@ -184,13 +192,15 @@ class Auditor:
             return None
         return (reply, tensors) if evidence else tensors
 
-    async def _serve_audit(self, stream, lookup) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Answer an :class:`AuditRequest` with ``lookup(request) -> (AuditReply, tensors)``."""
+    async def _serve_audit(self, stream, context: P2PContext, lookup) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Answer an :class:`AuditRequest` with ``lookup(request) -> (AuditReply, tensors)``, within the asking
+        peer's admission (:data:`AUDIT_RATE_PER_S`)."""
         try:
-            metadata, _ = await asyncio.wait_for(gather(stream, max_bytes=1 << 16, counter=self.wire),
-                                                 self.rules.phase_timeout)
-            reply, out = lookup(unpack_message(metadata, AuditRequest))
-        except (ProtocolError, asyncio.TimeoutError) as e:
+            with self.audit_admission.admit(str(context.remote_id)):
+                metadata, _ = await gather(stream, max_bytes=0, max_tensors=0, counter=self.wire,
+                                           deadline_s=self.rules.phase_timeout)
+                reply, out = lookup(unpack_message(metadata, AuditRequest))
+        except (ProtocolError, Busy, TooFast) as e:
             reply, out = AuditReply(error=f"bad request: {e}"), []
         async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), out, self.wire):
             yield msg
@@ -205,7 +215,7 @@ class Auditor:
                 return AuditReply(error="unknown phase or partition"), []
             return AuditReply(parts=1, tensors_per_part=len(part)), part
 
-        async for msg in self._serve_audit(stream, lookup):
+        async for msg in self._serve_audit(stream, context, lookup):
             yield msg
 
     async def rpc_audit_evidence(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -219,7 +229,7 @@ class Auditor:
             return (AuditReply(parts=len(parts), tensors_per_part=len(aggregate)),
                     list(aggregate) + [t for p in parts for t in p])
 
-        async for msg in self._serve_audit(stream, lookup):
+        async for msg in self._serve_audit(stream, context, lookup):
             yield msg
 
     # ---- everybody else's accusations --------------------------------------------------------------------
@@ -233,13 +243,15 @@ class Auditor:
             try:
                 found = await self.dht.get(accusations_key(self.prefix), latest=True, return_future=True)
                 entries = found.value if found is not None and isinstance(found.value, dict) else {}
-                for subkey, item in entries.items():
-                    if subkey in self._seen_accusations:
+                for item in entries.values():
+                    seen = hashlib.sha256(item.value if isinstance(item.value, bytes) else b"").hexdigest()
+                    if seen in self._seen_accusations:  # (by content: junk under a sub-key hides no later value)
                         continue
                     verdict = await self._verify_accusation(item.value)
-                    tries[subkey] = tries.get(subkey, 0) + 1
-                    if verdict is not None or tries[subkey] >= 3:
-                        self._seen_accusations.add(subkey)
+                    tries[seen] = tries.get(seen, 0) + 1
+                    if verdict is not None or tries[seen] >= 3:
+                        self._seen_accusations.add(seen)
+                        tries.pop(seen, None)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -252,7 +264,8 @@ class Auditor:
 
         The accuser's libp2p id (``p2p_id``) is the signer's own (:func:`~swarm.protocol.open_record` refuses any
         other), so a stranger cannot accuse in an honest peer's name, and every peer can attribute an
-        accusation, whether or not it ever averaged with the accuser.
+        accusation, whether or not it ever averaged with the accuser. The accuser must have sent a part to the
+        accused in that round (its commitment is in the receipt): anyone else's accusation is ignored.
         """
         try:
             acc, _ = open_record(blob, Accusation, run_id=self.run_id)
@@ -262,8 +275,8 @@ class Auditor:
         me = str(self.peer_id)
         if acc.p2p_id == me or acc.accused == me or self.exclusions.is_excluded(acc.accused):
             return True
-        if not acc.p2p_id:
-            return False
+        if not acc.p2p_id or self.exclusions.is_excluded(acc.p2p_id):
+            return False  # (an excluded accuser's evidence is not fetched again)
         try:
             opened = open_receipt(acc.receipt, self.run_id)
         except ProtocolError as e:
@@ -272,6 +285,8 @@ class Auditor:
         if opened.receipt.p2p_id != acc.accused:
             self.exclusions.exclude(acc.p2p_id, "accused a peer of a receipt it did not sign")
             return False
+        if acc.p2p_id not in {c.p2p_id for c in opened.commitments}:
+            return False  # not in the group of that round: it never audited it (nobody is excluded for a stranger)
         got = await self._fetch(acc.p2p_id, "rpc_audit_evidence",
                                 AuditRequest(group=opened.receipt.group, partition=opened.receipt.partition),
                                 evidence=True)

@@ -30,6 +30,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
+from swarm.admission import Busy, PeerAdmission, TooFast
 from swarm.averaging.aggregation import Aggregator, MeanAggregator, make_aggregator
 from swarm.averaging.allreduce import PartitionReducer, RoundFailed, WireStats, decode_part, run_phase, send_part
 from swarm.averaging.auditor import Auditor
@@ -44,6 +45,12 @@ from swarm.transport import ProtocolServicer, gather, stream_out
 
 logger = logging.getLogger(__name__)
 
+PART_IN_FLIGHT = 4
+"""Parts one group member may have in flight at a reducer (one per round; rounds of two averagers overlap)."""
+PART_RATE_PER_S = 20.0
+"""Parts one peer may send a reducer per second, on average (a round takes at least a matchmaking window)."""
+MAX_PART_TENSORS = 8
+"""Tensors in one part (a codec sends one to three: values, or codes and scales, or PowerSGD's factors)."""
 REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start here (peers run phases unevenly)
 
 
@@ -96,6 +103,12 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
         self.wire = WireStats()
         self._reducers: dict[str, asyncio.Future] = {}
         self._mm_wrapped = False
+        self.part_admission = PeerAdmission(PART_IN_FLIGHT, rate_per_s=PART_RATE_PER_S)
+
+    @property
+    def max_part_bytes(self) -> int:
+        """The largest part a group member may send: 8 bytes per averaged element (fp32 is 4) plus 1 MiB."""
+        return 8 * sum(t.numel() for t in self._averaged_tensors) + (1 << 20)
 
     # ---- main-process API ---------------------------------------------------------------------------
     def report(self, timeout: float = 5.0) -> dict:
@@ -246,15 +259,19 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
 
     async def rpc_robust_part(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                               ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """A group member's part of the partition this peer reduces; replies with the partition's aggregate."""
+        """A group member's part of the partition this peer reduces; replies with the partition's aggregate. An
+        excluded sender is refused before its part is read, and a part is at most :attr:`max_part_bytes`."""
         sender = str(context.remote_id)
         try:
-            metadata, tensors = await asyncio.wait_for(gather(stream, counter=self.wire), self.rules.phase_timeout)
-            meta = unpack_message(metadata, AveragingPart)
-        except (ProtocolError, asyncio.TimeoutError) as e:
+            with self.part_admission.admit(sender):
+                if self.exclusions.is_excluded(sender):
+                    raise ProtocolError("this peer excluded you from its averaging groups")
+                metadata, tensors = await gather(stream, self.max_part_bytes, counter=self.wire,
+                                                 max_tensors=MAX_PART_TENSORS, deadline_s=self.rules.phase_timeout)
+                meta = unpack_message(metadata, AveragingPart)
+                reply, out = await self._handle_part(sender, meta, tensors)
+        except (ProtocolError, Busy, TooFast) as e:
             reply, out = AveragingReply(error=f"bad request: {e}"), []
-        else:
-            reply, out = await self._handle_part(sender, meta, tensors)
         async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), out, self.wire):
             yield msg
 

@@ -129,9 +129,13 @@ class FragmentService(ProtocolServicer):
     def accept_manifest(self, sealed: bytes) -> CheckpointManifest:
         """Verify a sealed manifest against the fragments held here and save it (commits the checkpoint).
 
-        :raises ProtocolError: bad signature, other run, or it lists none of the held fragments' hashes.
+        :raises ProtocolError: bad signature, other run, a writer or endorsers not entitled to commit it
+            (:meth:`~swarm.directory.RunDirectory.entitled`), or it lists none of the held fragments' hashes.
         """
         manifest, _ = open_record(sealed, CheckpointManifest, run_id=self.run_id)
+        refusal = self.authority.directory.entitled(manifest) if self.authority is not None else None
+        if refusal is not None:
+            raise ProtocolError(f"the manifest of stage {manifest.stage} epoch {manifest.epoch} is refused: {refusal}")
         listed = {f.index: f.sha256 for f in manifest.fragments}
         held = [h for h in self.store.held() if (h.run_id, h.stage, h.epoch) == (self.run_id, manifest.stage, manifest.epoch)]
         if not held or any(listed.get(h.index) != h.sha256 for h in held):

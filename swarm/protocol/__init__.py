@@ -276,9 +276,22 @@ class Accusation(Record):
     receipt: bytes = Field(max_length=32 * 1024, description="The reducer's sealed ReductionReceipt.")
     reason: str = Field("", max_length=512)
 
+    def dht_subkey(self) -> str:
+        """``<accuser's libp2p id>/<group>/<partition>`` of the receipt it accuses: one per audit, owned by the
+        accuser (so nobody can take an auditor's sub-key first, or hide its accusation under a later expiration).
+
+        :raises ProtocolError: the receipt does not open."""
+        receipt, _ = open_record(self.receipt, ReductionReceipt, run_id=self.run_id)
+        return f"{self.p2p_id}/{receipt.group}/{receipt.partition}"
+
 
 def accusations_key(prefix: str) -> str:
+    """Where the auditors of the averager ``prefix`` (hivemind's, e.g. ``<run>-stage0_grad_averager``) publish."""
     return f"{prefix}/accusations"
+
+
+AVERAGERS = ("grad_averager", "state_averager")
+"""hivemind's averagers of a stage (``<run>-stage<k>_<averager>``), each with its own accusations key."""
 
 
 class FragmentEntry(BaseModel):
