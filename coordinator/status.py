@@ -18,7 +18,8 @@ and split ``excluded`` off ``banned``)::
                 "throughput", "samples_per_s", "samples", "contribution", "last_seen_s", "lagging", "loss",
                 "rejected_parts", "flagged_parts", "banned", "ban_reason", "excluded",
                 # servers also: "p2p_id", "excluded_by" (servers of its stage), "exclusion_reasons",
-                #   "averaging_bytes", "failed_rounds", "convicted_by" (peers listing a spot-check conviction)
+                #   "averaging_bytes", "failed_rounds", "convicted_by" (peers listing a spot-check conviction),
+                #   "refused_as_donor_by" (servers that downloaded its state and refused it)
                 # trainers also: "tokens", "initial_loss", "val_loss", "shard", "failures",
                 #   "bytes_sent", "bytes_received"
                 }],
@@ -74,6 +75,7 @@ def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], shunned: set[st
         "rejected_parts": s.averaging.get("rejected", 0), "flagged_parts": s.averaging.get("flagged", 0),
         "averaging_bytes": s.averaging.get("sent", 0) + s.averaging.get("received", 0),
         "failed_rounds": s.averaging.get("failed", 0),
+        "refused_as_donor_by": sum(s.p2p_id in o.donors_refused for o in others),
     }
 
 

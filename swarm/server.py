@@ -121,6 +121,7 @@ class ServerSession:
         self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before), see ServerInfo.history
         self._excluded: set[str] = set()  # banned libp2p ids already excluded from this stage's averaging
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
+        self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
 
     # ---- control (event loop thread) ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -263,7 +264,7 @@ class ServerSession:
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
         server.optimizer = self.optimizer_factory(self.spec, self.directory.run_id, stage, self.dht, module,
                                                   identity=self.identity)
-        self._roster = None
+        self._roster, self._donors = None, frozenset()
         server.optimizer.set_progress_roster(lambda: self._roster)
         await self._announce(ServerState.JOINING)  # with its progress key, so the stage counts it soon
         self.checkpoints = StageCheckpoints(self.keeper, server, self.identity)
@@ -352,9 +353,13 @@ class ServerSession:
 
     async def _read_roster(self) -> None:
         """Keep the progress sub-keys the stage's servers announce, the only progress this server counts
-        (:mod:`swarm.averaging.progress`; None, counting every entry, until a record names one)."""
+        (:mod:`swarm.averaging.progress`; None, counting every entry, until a record names one), and tell the
+        optimizer which declared donors are the stage's servers."""
         servers = await self._io(self.directory.servers, self.stage)
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
+        donors = frozenset(s.p2p_id for s in servers)
+        if donors != self._donors and await self._io(self.server.optimizer.set_donor_roster, donors):
+            self._donors = donors
 
     def _apply_pause(self) -> None:
         if self._pause.is_set() != self.server.paused:
@@ -398,6 +403,7 @@ class ServerSession:
             reachability=reachability(self.maddrs, relay_enabled(self.settings)), history=self.history,
             convicted=self.convictions.listed(),
             progress_key=server.optimizer.progress_key if server.optimizer is not None else "",
+            donors_refused=dict(server.optimizer.donors_refused) if server.optimizer is not None else {},
         )
 
     async def _announce(self, state: ServerState) -> None:

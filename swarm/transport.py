@@ -173,6 +173,8 @@ DRAIN_BYTES = 1 << 20
 """Bytes of a refused request that a handler still reads so that its refusal reaches the caller."""
 DRAIN_S = 2.0
 """Seconds a handler reads a refused request for, at most."""
+DRAIN_IDLE_S = 0.25
+"""Seconds without a message after which a refused request's sender counts as stalled (nothing left unread)."""
 
 
 def delivering_refusals(handler):
@@ -182,7 +184,8 @@ def delivering_refusals(handler):
     hivemind sends a handler's error or last reply, then closes the stream; if request bytes are still unread,
     the socket is reset and the caller may see the stream end with no reply at all (2% of immediate refusals,
     measured on loopback). So the rest of the request is read and dropped first, up to :data:`DRAIN_BYTES` and
-    :data:`DRAIN_S` (a larger request is cut off: its sender may get no reply, only a closed stream).
+    :data:`DRAIN_S` (a larger request is cut off: its sender may get no reply, only a closed stream), or until
+    nothing arrived for :data:`DRAIN_IDLE_S` (a stalled sender has nothing unread).
     """
 
     @functools.wraps(handler)
@@ -223,9 +226,8 @@ class _TrackedStream:
         read = 0
         try:
             async with asyncio.timeout(DRAIN_S):
-                async for msg in self:
+                while read <= DRAIN_BYTES:
+                    msg = await asyncio.wait_for(self.__anext__(), DRAIN_IDLE_S)
                     read += len(msg.metadata) + sum(len(part.buffer) for part in msg.tensors)
-                    if read > DRAIN_BYTES:
-                        return
-        except Exception:  # the deadline, or the stream broke: nothing more to read
+        except (StopAsyncIteration, Exception):  # its end, a deadline, or the stream broke: nothing more to read
             return

@@ -76,3 +76,26 @@ def test_watch_shows_each_snapshot_until_stopped():
 
     last = watch(lambda: {"n": len(shown)}, show, 0.01, stop)
     assert [s["n"] for s in shown] == [0, 1, 2] and last == {"n": 2}
+
+
+def test_a_server_row_counts_the_stage_mates_that_refused_its_state():
+    """``status`` shows how many servers of its stage downloaded a server's state and refused it (issue 11: a
+    donor whose state does not verify is reported, not only logged)."""
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    from coordinator.status import _server_row
+    from swarm.identity import Identity
+    from swarm.protocol import ServerInfo, ServerState
+
+    keys = [Identity.generate() for _ in range(3)]
+    liar = keys[0]
+
+    def info(key, refused):
+        return ServerInfo(run_id="r", peer_id=key.peer_id, time=get_dht_time(), stage=0, state=ServerState.ONLINE,
+                          throughput=1.0, p2p_id=key.p2p_id, donors_refused=refused)
+
+    online = [info(liar, {}), info(keys[1], {liar.p2p_id: "digest matches no other server"}), info(keys[2], {})]
+    rows = [_server_row(s, 0, online, set(), 1, 0, {}, get_dht_time(), SimpleNamespace(ttl=30.0)) for s in online]
+    assert [r["refused_as_donor_by"] for r in rows] == [1, 0, 0]

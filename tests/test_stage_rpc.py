@@ -179,7 +179,7 @@ def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
 
         hanging = [asyncio.create_task(call(stalled())) for _ in range(40)]
         # the server refuses 36 at their first chunk (before its 20 s stream deadline frees the 4 it holds), and
-        # each refusal reaches its caller once the server gave up reading the stalled rest (transport.DRAIN_S)
+        # each refusal reaches its caller once the server saw the rest stall (transport.DRAIN_IDLE_S)
         deadline = asyncio.get_running_loop().time() + 15
         while sum(t.done() for t in hanging) < 36 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)

@@ -189,3 +189,28 @@ def test_a_refused_state_is_undone_when_no_donor_verifies():
             o.shutdown()
         for _, dht in nodes:
             dht.shutdown()
+
+
+def test_the_stages_announced_servers_are_tried_as_donors_before_declared_strangers():
+    """Anyone can declare itself a donor under hivemind's ``all_averagers`` key, at the highest priority: junk
+    there must not use up a joining server's tries before it reaches the stage's announced servers."""
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    from swarm.averaging.donors import DonorChoice
+    from swarm.averaging.exclusion import ExclusionBook
+    from swarm.identity import Identity
+
+    me, server, stranger = (PeerID.from_base58(Identity.generate().p2p_id) for _ in range(3))
+    declared = {p.to_bytes(): ValueWithExpiration(priority, 1e12)
+                for p, priority in ((me, 5), (server, 40), (stranger, 10**9))}
+    choice = DonorChoice()
+    choice._init_donors()
+    choice.peer_id, choice.exclusions = me, ExclusionBook()
+    choice.dht = SimpleNamespace(get=lambda key, latest: ValueWithExpiration(declared, 1e12))
+    choice._matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(prefix="run-stage0_state_averager"))
+    assert choice._donor_candidates() == [stranger, server]  # hivemind's order: the highest priority first
+    choice._roster = frozenset({str(server)})
+    assert choice._donor_candidates() == [server, stranger]

@@ -6,7 +6,9 @@ donors, highest priority (epoch) first, takes the first that answers, deserializ
 donor's stream names, and never says who it was. Here, in the averager's process:
 
 * donors this server refused (:meth:`DonorChoice.refuse_donor`, for :data:`REFUSAL_S` seconds) and peers it
-  excluded from averaging are skipped;
+  excluded from averaging are skipped, and the stage's announced servers (:meth:`DonorChoice.set_roster`) are
+  tried before peers that only declared themselves donors (anyone can, under hivemind's ``all_averagers`` key:
+  junk entries of the highest priority would otherwise use up every try);
 * the stream is read with :func:`swarm.transport.gather`: tensor headers are checked before anything is
   buffered (dtype, rank, size), the whole download is bounded by the size of this server's own state, and
   the tensors must have this server's shapes and dtypes one for one;
@@ -57,12 +59,19 @@ class DonorChoice:
     def _init_donors(self) -> None:
         self._refused: dict[str, tuple[float, str]] = {}  # libp2p id -> (time.monotonic() until, reason)
         self._donor: tuple[str, int] = ("", -1)
+        self._roster: frozenset[str] = frozenset()  # libp2p ids of the stage's announced servers
 
     # ---- main-process API -----------------------------------------------------------------------------
     def refuse_donor(self, peer: str, reason: str, seconds: float = REFUSAL_S, timeout: float = 5.0) -> None:
         """Skip donor ``peer`` (a libp2p id) for ``seconds``."""
         future = MPFuture()
         self._outer_pipe.send(("_refuse_donor", [], dict(peer=peer, reason=reason, seconds=seconds, future=future)))
+        future.result(timeout)
+
+    def set_roster(self, p2p_ids: frozenset[str], timeout: float = 5.0) -> None:
+        """Try donors among ``p2p_ids`` (the stage's announced servers, libp2p ids) first."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_roster", [], dict(p2p_ids=frozenset(p2p_ids), future=future)))
         future.result(timeout)
 
     def last_donor(self, timeout: float = 5.0) -> tuple[str, int]:
@@ -79,17 +88,22 @@ class DonorChoice:
         self._refused[peer] = (now + seconds, reason)
         future.set_result(None)
 
+    async def _set_roster(self, p2p_ids: frozenset[str], future: MPFuture) -> None:
+        self._roster = p2p_ids
+        future.set_result(None)
+
     async def _last_donor(self, future: MPFuture) -> None:
         future.set_result(self._donor)
 
     def _donor_candidates(self) -> list[PeerID]:
-        """Declared donors, highest priority first (random among equals), without this peer, refused donors
-        and peers excluded from averaging."""
+        """Declared donors, the stage's announced servers first, then highest priority first (random among
+        equals), without this peer, refused donors and peers excluded from averaging."""
         found = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True)
         declared = found.value if found is not None and isinstance(found.value, dict) else {}
         now = time.monotonic()
         skipped = {p for p, (until, _) in self._refused.items() if until > now} | set(self.exclusions.excluded())
-        priority = {PeerID(p): (float(item.value), random.random()) for p, item in declared.items()
+        priority = {PeerID(p): (str(PeerID(p)) in self._roster, float(item.value), random.random())
+                    for p, item in declared.items()
                     if isinstance(item, ValueWithExpiration) and isinstance(item.value, (int, float))
                     and isinstance(p, bytes)}
         return [p for p in sorted(priority, key=priority.get, reverse=True)

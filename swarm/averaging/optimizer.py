@@ -346,6 +346,17 @@ class StageOptimizer:
         """Count progress only from the sub-keys ``roster()`` returns (:mod:`swarm.averaging.progress`)."""
         self._opt.tracker.set_roster(roster)
 
+    def set_donor_roster(self, p2p_ids: frozenset[str]) -> bool:
+        """(blocking, not the event loop's thread) Download the stage's state from these libp2p ids (the stage's
+        announced servers) before any other declared donor (:mod:`swarm.averaging.donors`); False if the
+        averager process did not answer (try again later)."""
+        try:
+            self._opt.state_averager.set_roster(p2p_ids)
+            return True
+        except Exception as e:  # the averager process is busy or gone
+            logger.debug("could not pass the donor roster to the averager: %s", e)
+            return False
+
     def trainer_exclusion(self, p2p_id: str) -> Optional[str]:
         """Why this server excluded trainer ``p2p_id``'s gradients (:mod:`swarm.averaging.contributions`), or
         None. Safe from any thread."""
