@@ -132,6 +132,11 @@ def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, clie
     return spawn_dht(identity, **kwargs)
 
 
+ROSTER_READ_S = 2.0
+"""Seconds between two reads of a stage's records made to look up a peer not seen serving it
+(:meth:`RunDirectory.entitled`)."""
+
+
 class RunDirectory:
     """Signed records of one run in the DHT: the spec, stage servers, trainers, fragment holders, checkpoint
     manifests and rollback orders.
@@ -149,6 +154,7 @@ class RunDirectory:
         self.run_key: Optional[bytes] = None  # the coordinator's public key, once a spec verified
         self.num_stages: Optional[int] = None  # the spec's, once verified
         self.roster: dict[int, set[str]] = {}  # stage -> peer ids this directory saw announced as its servers
+        self._roster_read: dict[int, float] = {}  # stage -> time.monotonic() of its last read
         self._refused_manifests: set[str] = set()  # (logged once each)
 
     # ---- bounded DHT calls -----------------------------------------------------------------------------
@@ -269,7 +275,16 @@ class RunDirectory:
         """Verified, unexpired ServerInfo records of ``stage``, any state (their signers join :attr:`roster`)."""
         found = [s for s in self._read(stage_key(self.run_id, stage), ServerInfo) if s.stage == stage]
         self.roster.setdefault(stage, set()).update(s.peer_id for s in found)
+        self._roster_read[stage] = time.monotonic()
         return found
+
+    def _seen_serving(self, peer_id: str, stage: int) -> bool:
+        """Was ``peer_id`` seen announced as a server of ``stage``? (Reads the stage's records again if it was
+        not, at most every :data:`ROSTER_READ_S` seconds: junk naming many unknown peers costs one read.)"""
+        if peer_id not in self.roster.get(stage, ()) and \
+                time.monotonic() - self._roster_read.get(stage, float("-inf")) > ROSTER_READ_S:
+            self.servers(stage)
+        return peer_id in self.roster.get(stage, ())
 
     def fresh_servers(self, stage: int, slack_s: float = 1.5,
                       states: tuple[ServerState, ...] = (ServerState.ONLINE,)) -> list[ServerInfo]:
@@ -309,29 +324,23 @@ class RunDirectory:
         endorser a server of the stage (``same_state``) or a witness (the run key, or a server of another
         stage). Until this directory has seen any server of the run (a swarm restarting after every peer died),
         the endorsements alone decide (:func:`~swarm.protocol.check_endorsements`, checked on read)."""
-        if manifest.peer_id not in self.roster.get(manifest.stage, set()):
-            self.servers(manifest.stage)
+        writer_serves = self._seen_serving(manifest.peer_id, manifest.stage)
         if not any(self.roster.values()):
             return None
-        if manifest.peer_id not in self.roster.get(manifest.stage, set()):
+        if not writer_serves:
             return f"its writer was never seen announced as a server of stage {manifest.stage}"
+        stages = range(self.num_stages) if self.num_stages is not None else list(self.roster)  # (spec unknown)
         for sealed in manifest.endorsements:
             e, _ = open_record(sealed, Endorsement, run_id=self.run_id)  # (checked on read: cannot fail here)
-            if e.basis == "same_state" and e.peer_id in self.roster[manifest.stage]:
+            if e.basis == "same_state" and self._seen_serving(e.peer_id, manifest.stage):
                 return None
-            if e.basis == "witness" and (self._is_run_key(e.peer_id) or self._serves_another(e.peer_id, e.stage)):
+            if e.basis == "witness" and (self._is_run_key(e.peer_id) or
+                                         any(self._seen_serving(e.peer_id, k) for k in stages if k != e.stage)):
                 return None
         return "no endorser is a known server of the stage, a server of another stage or the run key"
 
     def _is_run_key(self, peer_id: str) -> bool:
         return self.run_key is not None and peer_id_of(self.run_key) == peer_id
-
-    def _serves_another(self, peer_id: str, stage: int) -> bool:
-        others = [k for k in range(self.num_stages or 0) if k != stage]
-        if not any(peer_id in self.roster.get(k, set()) for k in others):
-            for k in others:
-                self.servers(k)
-        return any(peer_id in self.roster.get(k, set()) for k in others)
 
     def publish_manifest(self, manifest: CheckpointManifest, sealed: bytes) -> bool:
         return self.store_sealed(checkpoints_key(self.run_id, manifest.stage), manifest.dht_subkey(), sealed)

@@ -61,6 +61,8 @@ class FragmentKeeper:
         self.spec, self.directory, self.identity, self.store = spec, directory, identity, store
         self.run_id, self.me, self.stage = directory.run_id, identity.peer_id, stage
         self.log = PeerLog(logger, identity.peer_id)
+        if directory.num_stages is None:  # (a directory whose spec this peer got otherwise: who may commit needs it)
+            directory.num_stages = spec.model.num_stages
         self.authority = CheckpointAuthority(directory, identity, spec.model.num_stages)
         # twice the largest fragment of today's shards: room for more optimizer state, no room for 2 GiB of junk
         fragment_bytes = 2 * -(-max_shard_bytes(spec.model) // spec.checkpoint.fragments_needed)
