@@ -263,3 +263,33 @@ def test_a_receipt_of_any_shape_is_refused_with_a_protocol_error_or_fully_checke
     except ProtocolError:
         return
     assert all(c.group == opened.receipt.group for c in opened.commitments)
+
+
+progress_entries = st.dictionaries(
+    st.sampled_from([b"own", b"a", b"b", b"c", b"d", b"e"]),
+    st.tuples(st.integers(0, 10**9), st.integers(0, 10**12), st.floats(0, 1e15), st.booleans()), max_size=6)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=200)
+@given(entries=progress_entries, own_epoch=st.integers(0, 10**6), roster=st.one_of(
+    st.none(), st.frozensets(st.sampled_from([b"a", b"b", b"c"]))))
+def test_progress_from_any_entries_counts_the_roster_at_most_one_epoch_ahead_with_capped_samples(entries, own_epoch,
+                                                                                                 roster):
+    """(swarm.averaging.progress) Whatever entries strangers and stage-mates store, what counts comes from the
+    roster or this server, lies at most one epoch past the lower median of the others' epochs (or this server's
+    own epoch) and carries at most ``target`` samples."""
+    from hivemind.utils import ValueWithExpiration
+
+    from swarm.averaging.progress import trusted_progress
+
+    wrapped = {k: ValueWithExpiration(dict(peer_id=b"x", epoch=e, samples_accumulated=n, samples_per_second=r,
+                                           time=0.0, client_mode=c), 1e12) for k, (e, n, r, c) in entries.items()}
+    kept = trusted_progress(wrapped, b"own", own_epoch, target=64, roster=roster)
+    assert set(kept) <= set(entries) and (roster is None or set(kept) <= roster | {b"own"})
+    counted = [k for k in entries if k != b"own" and (roster is None or k in roster)]
+    others = sorted(entries[k][0] for k in counted if not entries[k][3])
+    ceiling = max(own_epoch, others[(len(others) - 1) // 2] if others else own_epoch) + 1
+    for k, item in kept.items():
+        assert item.value["epoch"] <= ceiling and item.value["samples_accumulated"] <= 64
+        assert item.value["samples_per_second"] <= protocol.MAX_SAMPLES_PER_S
+    assert all(k in kept for k in counted if entries[k][0] <= ceiling)
