@@ -214,3 +214,39 @@ def test_the_stages_announced_servers_are_tried_as_donors_before_declared_strang
     assert choice._donor_candidates() == [stranger, server]  # hivemind's order: the highest priority first
     choice._roster = frozenset({str(server)})
     assert choice._donor_candidates() == [server, stranger]
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_downloads_a_servers_whole_state_only_a_few_times_a_minute():
+    """hivemind's rpc_download_state streams the whole state to anyone who asks: a stranger asking again and
+    again is refused past three downloads at once and one per 10 s (each costs the server its state's bytes)."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.proto import averaging_pb2
+
+    from swarm.averaging.averager import RobustStateAverager
+
+    (k0, d0), (_, stranger) = keyed_dhts(2)
+    server = StageOptimizer(TINY, "download", 0, d0, build_stage(TINY.model, 0), identity=k0)
+    try:
+        server.jump_to_epoch(0)
+
+        async def download(stub) -> int:
+            return sum([len(msg.tensor_part.buffer) async for msg in await stub.rpc_download_state(
+                averaging_pb2.DownloadRequest())])
+
+        async def main():
+            p2p = await stranger.replicate_p2p()
+            stub = RobustStateAverager.get_stub(p2p, PeerID.from_base58(k0.p2p_id),
+                                                namespace="download-stage0_state_averager")
+            sizes = [await download(stub) for _ in range(3)]
+            assert all(size > 0 for size in sizes)
+            with pytest.raises(Exception, match="requests/s of yours"):
+                await download(stub)
+
+        asyncio.run(main())
+    finally:
+        server.shutdown()
+        stranger.shutdown()
+        d0.shutdown()

@@ -49,6 +49,10 @@ PART_IN_FLIGHT = 4
 """Parts one group member may have in flight at a reducer (one per round; rounds of two averagers overlap)."""
 PART_RATE_PER_S = 20.0
 """Parts one peer may send a reducer per second, on average (a round takes at least a matchmaking window)."""
+DOWNLOAD_RATE_PER_S = 0.1
+DOWNLOAD_BURST = 3
+"""State downloads one peer may start at a server: 3 at once, then one per 10 s (a joining server needs one, and
+one more after each failed check; each costs the server its whole state on the wire)."""
 MAX_PART_TENSORS = 8
 """Tensors in one part (a codec sends one to three: values, or codes and scales, or PowerSGD's factors)."""
 REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start here (peers run phases unevenly)
@@ -104,6 +108,7 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
         self._reducers: dict[str, asyncio.Future] = {}
         self._mm_wrapped = False
         self.part_admission = PeerAdmission(PART_IN_FLIGHT, rate_per_s=PART_RATE_PER_S)
+        self.download_admission = PeerAdmission(1, rate_per_s=DOWNLOAD_RATE_PER_S, burst=DOWNLOAD_BURST)
 
     @property
     def max_part_bytes(self) -> int:
@@ -274,6 +279,19 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
             reply, out = AveragingReply(error=f"bad request: {e}"), []
         async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), out, self.wire):
             yield msg
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's state download (the whole state, to anyone who asks), one at a time per peer, a few per
+        minute (:data:`DOWNLOAD_RATE_PER_S`), and never to a peer this server excluded.
+
+        :raises ProtocolError: the peer is excluded. :raises Busy, TooFast: past its admission."""
+        peer = str(context.remote_id)
+        with self.download_admission.admit(peer):
+            if self.exclusions.is_excluded(peer):
+                raise ProtocolError("this peer excluded you from its averaging; it shares no state with you")
+            async for msg in super().rpc_download_state(request, context):
+                yield msg
 
     async def _handle_part(self, sender: str, meta: AveragingPart, tensors):
         if self.exclusions.is_excluded(sender):
