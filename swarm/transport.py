@@ -229,5 +229,5 @@ class _TrackedStream:
                 while read <= DRAIN_BYTES:
                     msg = await asyncio.wait_for(self.__anext__(), DRAIN_IDLE_S)
                     read += len(msg.metadata) + sum(len(part.buffer) for part in msg.tensors)
-        except (StopAsyncIteration, Exception):  # its end, a deadline, or the stream broke: nothing more to read
+        except Exception:  # its end (StopAsyncIteration), a deadline, or the stream broke: nothing more to read
             return
