@@ -23,7 +23,7 @@ from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.config import PeerSettings, RunSpec
 from swarm.directory import RunDirectory, format_run_address, join_dht, visible_maddrs
-from swarm.identity import Identity
+from swarm.identity import Identity, claim_folder
 
 logger = logging.getLogger("swarm.coordinator")
 
@@ -49,7 +49,10 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
             tmp.write_text(address + "\n")
             tmp.replace(address_file)
         logger.info("serving run %s (spec %s)", run_id, spec.spec_hash()[:16])
-        store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep,
+        # its own folder by default, beside a peer of this machine's default one (<cache>/fragments)
+        fragments = settings.fragment_dir or (settings.state_dir or settings.cache_dir / "coordinator") / "fragments"
+        claim_folder(fragments, "SWARM_FRAGMENT_DIR")
+        store = FragmentStore(fragments, settings.fragment_max_bytes, spec.checkpoint.keep,
                               grace_s=2 * spec.timeouts.record_ttl_s)
         keeper = FragmentKeeper(spec, directory, key, store)
         metrics = None

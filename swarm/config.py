@@ -454,18 +454,21 @@ class PeerSettings(BaseSettings):
         300.0, ge=0, description="Trainers: seconds between validation-loss measurements through the swarm "
         "(4 held-out micro-batches, forward only; 0: never).",
     )
-    identity_file: Optional[Path] = Field(None, description="Ed25519 key of this peer (default <cache_dir>/identity.key).")
+    identity_file: Optional[Path] = Field(None, description="Ed25519 key of this peer (default "
+                                          "<state_dir>/identity.key, or <cache_dir>/identity.key without a state_dir).")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default).")
     fragment_max_bytes: int = Field(
         2 << 30, gt=0, description="Disk budget (bytes) for checkpoint fragments this peer holds for the swarm.",
     )
     fragment_dir: Optional[Path] = Field(
-        None, description="Where held fragments live (default <cache_dir>/fragments). Keep it across restarts: "
-        "the swarm resumes from these files if every peer dies.",
+        None, description="Where held fragments live (default <state_dir>/fragments, or <cache_dir>/fragments "
+        "without a state_dir). Keep it across restarts: the swarm resumes from these files if every peer dies.",
     )
     state_dir: Optional[Path] = Field(
-        None, description="Where the running peer writes its heartbeat (peer-status.json) and reads commands "
-        "(peer-control.json); default <cache_dir>. Give each peer its own when several share one cache.",
+        None, description="This peer's own folder: its key (identity.key), held fragments (fragments/), heartbeat "
+        "(peer-status.json) and commands (peer-control.json); default <cache_dir>. Several peers on one machine "
+        "share the cache (corpus, tokenizer) and each need their own state_dir: a second peer on a folder in use "
+        "is refused (exit 6).",
     )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Port serving Prometheus metrics at /metrics (0: off; containers use 9100).",
@@ -477,10 +480,10 @@ class PeerSettings(BaseSettings):
     )
 
     def identity_path(self) -> Path:
-        return self.identity_file or self.cache_dir / "identity.key"
+        return self.identity_file or self.state_path() / "identity.key"
 
     def state_path(self) -> Path:
         return self.state_dir or self.cache_dir
 
     def fragment_path(self) -> Path:
-        return self.fragment_dir or self.cache_dir / "fragments"
+        return self.fragment_dir or self.state_path() / "fragments"

@@ -36,7 +36,8 @@ class SignatureError(ValueError):
 
 
 class IdentityInUse(RuntimeError):
-    """Another process on this machine already runs as this identity (two peers would share one libp2p id)."""
+    """Another process on this machine already runs as this identity (two peers would share one libp2p id), or
+    uses this peer's own folder (:func:`claim_folder`)."""
 
 
 _CLAIMED: dict[str, socket.socket] = {}
@@ -51,18 +52,50 @@ def claim_identity(identity: "Identity") -> None:
 
     :raises IdentityInUse: another live process holds the claim.
     """
-    if identity.peer_id in _CLAIMED or not sys.platform.startswith("linux"):
+    _claim(f"swarm-peer-{identity.peer_id}", lambda: IdentityInUse(
+        f"another process on this machine already runs as peer {identity.peer_id} (libp2p id {identity.p2p_id}); "
+        "two peers cannot share a key. Give each peer on this machine its own SWARM_STATE_DIR (its key, "
+        "fragments and heartbeat then live there), or its own SWARM_IDENTITY_FILE"))
+
+
+def claim_folder(path: Path, setting: str) -> None:
+    """Make this process the only one on this machine that uses ``path`` (a peer's own folder: its state or
+    its fragments), until it exits; the same claim as :func:`claim_identity`, named after the folder's real path.
+
+    :param setting: the setting that chooses the folder (named in the error, with how to pick another).
+    :raises IdentityInUse: another live process uses the folder.
+    """
+    real = os.path.realpath(path)
+    _claim("swarm-folder-" + hashlib.sha256(real.encode()).hexdigest()[:32], lambda: IdentityInUse(
+        f"another peer process on this machine already uses {real} ({setting}); two peers would overwrite each "
+        f"other's files there. Give each peer on this machine its own SWARM_STATE_DIR (its key, fragments and "
+        f"heartbeat then default there), or set {setting}"))
+
+
+def claim_local_state(identity: "Identity", settings, fragments: bool) -> None:
+    """Claim what a peer process keeps to itself on this machine: its identity, its state folder and (a fragment
+    holder) its fragment folder (``settings``: its :class:`~swarm.config.PeerSettings`).
+
+    :raises IdentityInUse: another live process holds one of them (the message names the setting to change).
+    """
+    claim_identity(identity)
+    claim_folder(settings.state_path(), "SWARM_STATE_DIR")
+    if fragments:
+        claim_folder(settings.fragment_path(), "SWARM_FRAGMENT_DIR")
+
+
+def _claim(name: str, error) -> None:
+    """Bind the abstract Unix socket ``name`` for the life of this process (no-op if it already did, or off
+    Linux); raises ``error()`` if another process holds it."""
+    if name in _CLAIMED or not sys.platform.startswith("linux"):
         return
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(f"\0swarm-peer-{identity.peer_id}")
+        sock.bind(f"\0{name}")
     except OSError:
         sock.close()
-        raise IdentityInUse(
-            f"another process on this machine already runs as peer {identity.peer_id} (libp2p id "
-            f"{identity.p2p_id}); two peers cannot share a key. Give each peer its own key file with "
-            "SWARM_IDENTITY_FILE (default <SWARM_CACHE_DIR>/identity.key), or its own SWARM_CACHE_DIR") from None
-    _CLAIMED[identity.peer_id] = sock
+        raise error() from None
+    _CLAIMED[name] = sock
 
 
 def _digest16(*parts: bytes) -> str:

@@ -54,7 +54,7 @@ from swarm.checkpoint.lifecycle import StageCheckpoints
 from swarm.config import PeerSettings, RunSpec
 from swarm.convictions import ConvictionBook, ConvictionFollower, EvidenceService
 from swarm.directory import connect_run, reachability, relay_enabled, visible_maddrs
-from swarm.identity import Identity
+from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
 from swarm.model import build_stage
 from swarm.protocol import ServerInfo, ServerState, StorageInfo, add_history
@@ -152,7 +152,10 @@ class ServerSession:
         :raises NoSuchStage: the pinned stage does not exist in this run.
         :raises SpecError: the run's spec could not be fetched and verified.
         :raises RunUnreachable: none of the run address's peers answered within ``settings.join_timeout_s``.
+        :raises IdentityInUse: another process on this machine runs as this peer or uses its state or fragment
+            folder.
         """
+        claim_local_state(self.identity, self.settings, fragments=True)
         loop = asyncio.get_running_loop()
         self.dht, self.directory, self.spec, self.sealed_spec = await loop.run_in_executor(
             None, lambda: connect_run(self.address, self.settings, client_mode=False,

@@ -35,7 +35,7 @@ from swarm.banlist import PeerBanned, RunBans
 from swarm.config import PeerSettings, RunSpec
 from swarm.data import TokenDataset, prepare_dataset, shard_order
 from swarm.directory import RunDirectory, connect_run
-from swarm.identity import Identity
+from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
 from swarm.pipeline import PipelineError, RemotePipeline, validation_loss
 from swarm.protocol import TrainerInfo
@@ -156,7 +156,9 @@ class Trainer:
         :raises PeerBanned: the run's coordinator banned this trainer (it stopped at once).
         :raises SpecError: the run's spec could not be fetched and verified.
         :raises RunUnreachable: none of the run address's peers answered within ``settings.join_timeout_s``.
+        :raises IdentityInUse: another process on this machine runs as this peer or uses its state folder.
         """
+        claim_local_state(self.identity, self.settings, fragments=False)
         loop = asyncio.get_running_loop()
         self.dht, self.directory, self.spec, _ = await loop.run_in_executor(
             None, lambda: connect_run(self.address, self.settings, client_mode=True,
