@@ -51,7 +51,7 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
         logger.info("serving run %s (spec %s)", run_id, spec.spec_hash()[:16])
         # its own folder by default, beside a peer of this machine's default one (<cache>/fragments)
         fragments = settings.fragment_dir or (settings.state_dir or settings.cache_dir / "coordinator") / "fragments"
-        claim_folder(fragments, "SWARM_FRAGMENT_DIR")
+        claim_folder(fragments, "SWARM_FRAGMENT_DIR", "fragments")
         store = FragmentStore(fragments, settings.fragment_max_bytes, spec.checkpoint.keep,
                               grace_s=2 * spec.timeouts.record_ttl_s)
         keeper = FragmentKeeper(spec, directory, key, store)

@@ -1,7 +1,7 @@
 """``swarm-peer join`` as a stage server: the process around :class:`swarm.server.ServerSession`.
 
 The server's life (join, restore, serve, checkpoint, rollback, rebalance, drain) is the library's
-:class:`~swarm.server.ServerSession`; this module wires it to the process: torch threads, SIGTERM/SIGINT and
+:class:`~swarm.server.ServerSession`; this module wires it to the process: SIGTERM/SIGINT and
 ``swarm-peer pause|resume|drain`` (:mod:`peer.control`), the heartbeat file and Prometheus metrics
 (:mod:`peer.heartbeat`), and exit codes: 0 after a drain, 3 when the stage could not be restored, 4 when the
 run's coordinator banned this peer, 5 when none of the run address's peers answered within
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-import torch
 
 from peer.control import EXIT_GRACE_S, run_controlled
 from peer.exits import EXIT_CODES, exit_code
@@ -37,8 +36,6 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
     :raises SystemExit: 3 (restore failed), 4 (banned), 5 (run unreachable), or the message of a stage the run
         does not have.
     """
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
     run_id, _ = parse_run_address(address)
     session = ServerSession(address, settings, stage=stage, optimizer_factory=optimizer_factory,
                             server_factory=server_factory)

@@ -1,7 +1,7 @@
 """``swarm-peer join --role trainer``: the process around :class:`swarm.trainer.Trainer`.
 
 The trainer's life (join in client mode, claim a data share, train, report) is the library's
-:class:`~swarm.trainer.Trainer`; this module wires it to the process: torch threads, SIGTERM/SIGINT and
+:class:`~swarm.trainer.Trainer`; this module wires it to the process: SIGTERM/SIGINT and
 ``swarm-peer pause|resume|drain`` (:mod:`peer.control`), the heartbeat file and Prometheus metrics
 (:mod:`peer.heartbeat`), and exit codes 4 when the run's coordinator banned this peer, 5 when none of the run
 address's peers answered within ``SWARM_JOIN_TIMEOUT_S``.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
 
 from peer.control import EXIT_GRACE_S, run_controlled
 from peer.exits import EXIT_CODES, exit_code
@@ -31,8 +30,6 @@ def run_trainer(address: str, settings: PeerSettings, options: TrainerOptions = 
     :param pipeline_factory: how the trainer's pipeline is built (tests start Byzantine trainers with it).
     :raises SystemExit: 4 if the run's coordinator banned this peer, 5 if the run could not be reached.
     """
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
     run_id, _ = parse_run_address(address)
     trainer = Trainer(address, settings, options, pipeline_factory=pipeline_factory)
     metrics = start_metrics(run_id, trainer.identity.peer_id, "trainer", settings)

@@ -456,7 +456,9 @@ class PeerSettings(BaseSettings):
     )
     identity_file: Optional[Path] = Field(None, description="Ed25519 key of this peer (default "
                                           "<state_dir>/identity.key, or <cache_dir>/identity.key without a state_dir).")
-    threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default).")
+    threads: int = Field(0, ge=0, description="torch intra-op threads; 0: this peer's share of the machine's cores "
+                         "among the servers and trainers running on it (the log says which). Set it when other "
+                         "work shares the machine, or to give one peer more.")
     fragment_max_bytes: int = Field(
         2 << 30, gt=0, description="Disk budget (bytes) for checkpoint fragments this peer holds for the swarm.",
     )

@@ -58,15 +58,21 @@ def claim_identity(identity: "Identity") -> None:
         "fragments and heartbeat then live there), or its own SWARM_IDENTITY_FILE"))
 
 
-def claim_folder(path: Path, setting: str) -> None:
+STATE_CLAIM = "swarm-state-"
+"""Prefix of a peer's claim of its state folder: one per server or trainer process on the machine
+(:func:`swarm.host.peers_on_host` counts them)."""
+
+
+def claim_folder(path: Path, setting: str, kind: str = "folder") -> None:
     """Make this process the only one on this machine that uses ``path`` (a peer's own folder: its state or
     its fragments), until it exits; the same claim as :func:`claim_identity`, named after the folder's real path.
 
     :param setting: the setting that chooses the folder (named in the error, with how to pick another).
+    :param kind: what the folder is (``state``: :data:`STATE_CLAIM`, ``fragments``), in the claim's name.
     :raises IdentityInUse: another live process uses the folder.
     """
     real = os.path.realpath(path)
-    _claim("swarm-folder-" + hashlib.sha256(real.encode()).hexdigest()[:32], lambda: IdentityInUse(
+    _claim(f"swarm-{kind}-" + hashlib.sha256(real.encode()).hexdigest()[:32], lambda: IdentityInUse(
         f"another peer process on this machine already uses {real} ({setting}); two peers would overwrite each "
         f"other's files there. Give each peer on this machine its own SWARM_STATE_DIR (its key, fragments and "
         f"heartbeat then default there), or set {setting}"))
@@ -79,9 +85,9 @@ def claim_local_state(identity: "Identity", settings, fragments: bool) -> None:
     :raises IdentityInUse: another live process holds one of them (the message names the setting to change).
     """
     claim_identity(identity)
-    claim_folder(settings.state_path(), "SWARM_STATE_DIR")
+    claim_folder(settings.state_path(), "SWARM_STATE_DIR", "state")
     if fragments:
-        claim_folder(settings.fragment_path(), "SWARM_FRAGMENT_DIR")
+        claim_folder(settings.fragment_path(), "SWARM_FRAGMENT_DIR", "fragments")
 
 
 def _claim(name: str, error) -> None:

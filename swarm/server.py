@@ -54,6 +54,7 @@ from swarm.checkpoint.lifecycle import StageCheckpoints
 from swarm.config import PeerSettings, RunSpec
 from swarm.convictions import ConvictionBook, ConvictionFollower, EvidenceService
 from swarm.directory import connect_run, reachability, relay_enabled, visible_maddrs
+from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
 from swarm.model import build_stage
@@ -122,6 +123,7 @@ class ServerSession:
         self._excluded: set[str] = set()  # banned libp2p ids already excluded from this stage's averaging
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
+        self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
 
     # ---- control (event loop thread) ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -156,6 +158,7 @@ class ServerSession:
             folder.
         """
         claim_local_state(self.identity, self.settings, fragments=True)
+        self.threads.update(self.log)
         loop = asyncio.get_running_loop()
         self.dht, self.directory, self.spec, self.sealed_spec = await loop.run_in_executor(
             None, lambda: connect_run(self.address, self.settings, client_mode=False,
@@ -411,6 +414,7 @@ class ServerSession:
 
     async def _announce(self, state: ServerState) -> None:
         self.state = state
+        self.threads.update(self.log)
         record = await self._io(self._record, state)
         await self._io(self.directory.announce_server, record, self.identity)
         if self.on_announce is not None:

@@ -35,6 +35,7 @@ from swarm.banlist import PeerBanned, RunBans
 from swarm.config import PeerSettings, RunSpec
 from swarm.data import TokenDataset, prepare_dataset, shard_order
 from swarm.directory import RunDirectory, connect_run
+from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
 from swarm.pipeline import PipelineError, RemotePipeline, validation_loss
@@ -126,6 +127,7 @@ class Trainer:
         self.running.set()
         self.draining = False
         self.error: Optional[Exception] = None  # why the trainer stopped itself (e.g. it was banned)
+        self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
 
     # ---- control ---------------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -159,6 +161,7 @@ class Trainer:
         :raises IdentityInUse: another process on this machine runs as this peer or uses its state folder.
         """
         claim_local_state(self.identity, self.settings, fragments=False)
+        self.threads.update(self.log)
         loop = asyncio.get_running_loop()
         self.dht, self.directory, self.spec, _ = await loop.run_in_executor(
             None, lambda: connect_run(self.address, self.settings, client_mode=True,
@@ -280,6 +283,7 @@ class Trainer:
                 self.error = e
                 self._stop.set()
                 return
+            self.threads.update(self.log)
             info = self.info()
             await loop.run_in_executor(None, self.directory.announce_trainer, info, self.identity)
             if self.on_announce is not None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from coordinator.launch import free_port
 from swarm.config import PeerSettings
@@ -78,3 +79,40 @@ def test_a_second_peer_on_the_same_cache_is_refused_and_one_with_its_own_state_d
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+def test_a_peer_takes_its_share_of_the_cores_among_the_peers_on_the_machine(tmp_path, monkeypatch):
+    """Peers on one machine are counted by their state-folder claims (this process plays several); each takes
+    its share of the usable cores, at least one thread, unless SWARM_THREADS says otherwise."""
+    import swarm.host
+    from swarm import identity
+    from swarm.host import ThreadShare, choose_threads, peers_on_host
+    from swarm.identity import claim_folder
+
+    threads_before = torch.get_num_threads()
+    before = peers_on_host() if f"@{identity.STATE_CLAIM}" in Path("/proc/net/unix").read_text() else 0
+    names = set(identity._CLAIMED)
+    try:
+        for k in range(3):
+            claim_folder(tmp_path / f"peer{k}", "SWARM_STATE_DIR", "state")
+        claim_folder(tmp_path / "fragments", "SWARM_FRAGMENT_DIR", "fragments")  # not a peer of its own
+        assert peers_on_host() == before + 3
+        monkeypatch.setattr(swarm.host, "usable_cores", lambda: 8)
+        monkeypatch.setattr(swarm.host, "peers_on_host", lambda: 3)
+        assert choose_threads(0) == (2, "8 cores shared by 3 peers on this machine")
+        monkeypatch.setattr(swarm.host, "peers_on_host", lambda: 12)
+        assert choose_threads(0)[0] == 1
+        assert choose_threads(5) == (5, "SWARM_THREADS")
+        # a running peer follows the count as peers come and go, one log line per change
+        lines, share = [], ThreadShare(0)
+        log = type("Log", (), {"info": lambda self, msg, *args: lines.append(msg % args)})()
+        monkeypatch.setattr(swarm.host, "peers_on_host", lambda: 1)
+        assert share.update(log) == 8 and torch.get_num_threads() == 8
+        assert share.update(log) == 8 and len(lines) == 1
+        monkeypatch.setattr(swarm.host, "peers_on_host", lambda: 4)
+        assert share.update(log) == 2 and torch.get_num_threads() == 2 and len(lines) == 2
+        assert lines[-1] == "torch uses 2 threads (8 cores shared by 4 peers on this machine; SWARM_THREADS sets it)"
+    finally:
+        torch.set_num_threads(threads_before)
+        for name in set(identity._CLAIMED) - names:  # (release this test's claims: other tests count peers too)
+            identity._CLAIMED.pop(name).close()
