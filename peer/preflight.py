@@ -116,7 +116,22 @@ def _port(settings: PeerSettings) -> Check:
     return Check("port", True, f"{settings.host}:{settings.port} is free")
 
 
-def _reachability(settings: PeerSettings) -> Check:
+def _run_hosts(address: Optional[str]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IP addresses of a run address's bootstrap peers (``/ip4/<addr>/...``, ``/ip6/<addr>/...``); [] if
+    there is no address or one of them is not an IP (a DNS name: the run is somewhere else)."""
+    if not address:
+        return []
+    hosts = []
+    for maddr in address.partition("@")[2].split(","):
+        parts = maddr.split("/")
+        try:
+            hosts.append(ipaddress.ip_address(parts[2]) if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None)
+        except ValueError:
+            return []
+    return [] if None in hosts else hosts
+
+
+def _reachability(settings: PeerSettings, address: Optional[str] = None) -> Check:
     host = settings.announce_host or settings.host
     if settings.client_mode:
         return Check("reachability", True, "client mode: this peer dials out only and joins as a trainer")
@@ -124,6 +139,11 @@ def _reachability(settings: PeerSettings) -> Check:
         addr = ipaddress.ip_address(host if host != "0.0.0.0" else _default_ip())
     except ValueError:
         return Check("reachability", True, f"announcing {host}")
+    run_hosts = _run_hosts(address)
+    if addr.is_loopback and run_hosts and all(h.is_loopback for h in run_hosts):
+        return Check("reachability", True, f"announcing {addr}: the run lives on this machine's loopback (its "
+                     "address is a loopback one), where its peers reach this one; peers elsewhere could not",
+                     "to let other machines join, serve the run on a routable address (--host 0.0.0.0)")
     if addr.is_private and not addr.is_loopback and settings.relay == "auto":
         return Check("reachability", True, f"private address {addr}: if peers outside its network cannot dial it, "
                      "the swarm reaches this server through a public peer's relay (SWARM_RELAY=auto; slower)",
@@ -177,7 +197,7 @@ def _run(address: str, settings: PeerSettings, timeout: float) -> list[Check]:
 
 def run_checks(settings: PeerSettings, address: Optional[str] = None, timeout: float = 30.0) -> list[Check]:
     checks = [_python(), _torch(), _device(), _writable("cache", settings.cache_dir, "SWARM_CACHE_DIR"),
-              _identity(settings), _fragment_disk(settings), _port(settings), _reachability(settings)]
+              _identity(settings), _fragment_disk(settings), _port(settings), _reachability(settings, address)]
     if address:
         checks += _run(address, settings, timeout)
     return checks

@@ -338,3 +338,32 @@ def test_a_checkpoint_of_two_fresh_keys_is_ignored_by_every_reader(swarm_of_keep
         asyncio.run(main())
     finally:
         stranger_dht.shutdown()
+
+
+def test_a_keeper_stops_quietly_when_its_p2p_daemon_is_already_gone(tmp_path, tiny_spec):
+    """Ctrl-C in a terminal reaches the p2p daemon too, which exits first: stopping the keeper then has no
+    handlers to remove, and says so instead of raising (issue 12: `serve` ended in a traceback)."""
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    [(ident, dht)] = keyed_dhts(1)
+    keeper = FragmentKeeper(tiny_spec, RunDirectory(dht, RUN), ident, FragmentStore(tmp_path, max_bytes=1 << 20))
+
+    async def main():
+        await keeper.start(await dht.replicate_p2p())
+        daemons = subprocess.run(["pgrep", "-P", str(dht.pid), "p2pd"], capture_output=True, text=True).stdout.split()
+        assert daemons, "no p2p daemon found under the DHT's process"
+        for pid in daemons:
+            os.kill(int(pid), signal.SIGKILL)
+        for pid in daemons:  # dead (a zombie until the DHT's process reaps it, or gone)
+            stat = Path(f"/proc/{pid}/stat")
+            while stat.exists() and stat.read_text().split()[2] != "Z":
+                await asyncio.sleep(0.05)
+        await keeper.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        dht.shutdown()

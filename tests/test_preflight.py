@@ -24,6 +24,21 @@ def test_a_healthy_loopback_machine_passes_the_local_checks_but_not_reachability
     assert not direct_only.ok and "SWARM_CLIENT_MODE" in direct_only.fix
 
 
+def test_a_loopback_run_makes_announcing_loopback_a_note_not_a_failure(tmp_path):
+    """A run served on 127.0.0.1 (the quickstart on one box) trains with peers announcing 127.0.0.1: the check
+    says so instead of failing (issue 12); a run elsewhere still fails the same peer."""
+    from peer.preflight import _reachability
+
+    settings = PeerSettings(cache_dir=tmp_path, host="127.0.0.1", port=0)
+    p2p = "12D3KooWSvt7KHJTeioSkfJHPfGfiPg2v8guE723ieCNo3E78ze4"
+    local = _reachability(settings, f"demo-abcdefghijklmnop@/ip4/127.0.0.1/tcp/31337/p2p/{p2p}")
+    assert local.ok and "loopback" in local.detail and "--host 0.0.0.0" in local.fix
+    remote = _reachability(settings, f"demo-abcdefghijklmnop@/ip4/203.0.113.5/tcp/31337/p2p/{p2p}")
+    assert not remote.ok and "SWARM_ANNOUNCE_HOST" in remote.fix
+    mixed = _reachability(settings, f"demo-abcdefghijklmnop@/ip4/127.0.0.1/tcp/1/p2p/{p2p},/dns4/run.example/tcp/1")
+    assert not mixed.ok
+
+
 def test_failures_name_the_setting_to_change(tmp_path):
     import socket
 

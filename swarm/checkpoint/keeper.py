@@ -25,7 +25,7 @@ import random
 from collections import Counter
 from typing import Callable, Iterable, Optional
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from swarm.aio import periodic
@@ -83,8 +83,13 @@ class FragmentKeeper:
         await self.tick(repair=False)
 
     async def stop(self) -> None:
+        """Stop serving fragments. A p2p daemon that is already gone (Ctrl-C in a terminal reaches it too, and it
+        exits first) has no handlers left to remove: that is logged, not raised."""
         if self.p2p is not None:
-            await self.service.remove_p2p_handlers(self.p2p, namespace=self.run_id)
+            try:
+                await self.service.remove_p2p_handlers(self.p2p, namespace=self.run_id)
+            except (OSError, P2PDaemonError) as e:  # its control socket is gone (FileNotFoundError)
+                self.log.debug("the p2p daemon is gone; no fragment handlers to remove (%s)", e)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Call :meth:`tick` every ``record_ttl_s / 3`` seconds until ``stop``; errors are logged, not raised."""
