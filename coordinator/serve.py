@@ -2,8 +2,9 @@
 holds checkpoint fragments like any other peer.
 
 It is not a parameter server: peers re-publish the signed spec themselves, so training goes on without it.
-Its fragment store (``SWARM_FRAGMENT_DIR``, default ``<SWARM_CACHE_DIR>/fragments``) survives restarts like
-a server's, so a restarted coordinator re-announces its fragments and their manifests. With
+Its fragment store (``SWARM_FRAGMENT_DIR``, default ``<SWARM_STATE_DIR>/fragments`` with the state dir
+``<SWARM_CACHE_DIR>/coordinator``, apart from a peer's on the same machine) survives restarts like a server's,
+so a restarted coordinator re-announces its fragments and their manifests. With
 ``SWARM_METRICS_PORT`` (or ``serve --metrics-port``) it serves the whole run's Prometheus metrics
 (:class:`coordinator.monitor.RunMetrics`), refreshed every ``record_ttl_s / 3`` seconds.
 """
@@ -49,10 +50,10 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
             tmp.write_text(address + "\n")
             tmp.replace(address_file)
         logger.info("serving run %s (spec %s)", run_id, spec.spec_hash()[:16])
-        # its own folder by default, beside a peer of this machine's default one (<cache>/fragments)
-        fragments = settings.fragment_dir or (settings.state_dir or settings.cache_dir / "coordinator") / "fragments"
-        claim_folder(fragments, "SWARM_FRAGMENT_DIR", "fragments")
-        store = FragmentStore(fragments, settings.fragment_max_bytes, spec.checkpoint.keep,
+        if settings.state_dir is None:  # its own folder, beside a peer of this machine with the default settings
+            settings = settings.model_copy(update={"state_dir": settings.cache_dir / "coordinator"})
+        claim_folder(settings.fragment_path(), "SWARM_FRAGMENT_DIR", "fragments")
+        store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep,
                               grace_s=2 * spec.timeouts.record_ttl_s)
         keeper = FragmentKeeper(spec, directory, key, store)
         metrics = None

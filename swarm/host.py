@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from swarm.identity import STATE_CLAIM
 
 
@@ -46,8 +48,6 @@ def choose_threads(requested: int) -> tuple[int, str]:
     return max(1, cores // peers), f"{cores} cores shared by {peers} peer{'s' if peers > 1 else ''} on this machine"
 
 
-
-
 class ThreadShare:
     """Keeps torch's intra-op threads at :func:`choose_threads` as peers start and stop on this machine: call
     :meth:`update` at start and at each announcement; it logs one line when the count changes."""
@@ -58,8 +58,6 @@ class ThreadShare:
     def update(self, log) -> int:
         threads, why = choose_threads(self.requested)
         if threads != self.threads:
-            import torch
-
             torch.set_num_threads(threads)
             self.threads = threads
             log.info("torch uses %d thread%s (%s; SWARM_THREADS sets it)", threads, "s" if threads > 1 else "", why)

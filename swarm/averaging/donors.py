@@ -38,7 +38,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from swarm.protocol import ProtocolError
+from swarm.protocol import MAX_EPOCH, ProtocolError
 from swarm.transport import gather
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ REFUSAL_S = 120.0
 again by then)."""
 RETRY_S = 15.0
 """Seconds a donor is skipped whose download failed or whose state nobody could vouch for yet."""
-MAX_EPOCH = 2 ** 40
 
 
 class DonorChoice:
@@ -132,7 +131,7 @@ class DonorChoice:
                                 f"the first that differs is #{wrong}")
         metadata = self.serializer.loads(raw)
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-        if not isinstance(epoch, int) or not 0 <= epoch < MAX_EPOCH:
+        if not isinstance(epoch, int) or not 0 <= epoch <= MAX_EPOCH:
             raise ProtocolError("the donor's state metadata carries no valid epoch")
         own, _ = dump_optimizer_state(self.optimizer)  # this server's settings; the tensors map one for one
         return dict(epoch=epoch, group_bits="", optimizer_metadata=own), tensors
