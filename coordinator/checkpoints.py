@@ -29,6 +29,7 @@ from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.config import RunSpec
 from swarm.directory import RunDirectory
 from swarm.identity import Identity
+from swarm.protocol import ServerState
 
 logger = logging.getLogger("swarm.coordinator")
 
@@ -42,6 +43,32 @@ def complete_epochs(views: dict[int, list[CheckpointView]]) -> list[int]:
     """Epochs at which every stage has a restorable checkpoint, newest first."""
     per_stage = [{v.manifest.epoch for v in group if v.restorable} for group in views.values()]
     return sorted(set.intersection(*per_stage) if per_stage else set(), reverse=True)
+
+
+def lag_report(views: dict[int, list[CheckpointView]], epoch: int,
+               stage_epochs: dict[int, int]) -> dict[str, Any]:
+    """Why the exported ``epoch`` is what it is: per stage, its newest restorable checkpoint and the epoch its
+    servers announce now (``stage_epochs``; missing: no server online), and the checkpoint's age.
+
+    Shape: ``{"epoch", "age_s", "stages": [{"stage", "newest_checkpoint", "epoch_now"}], "summary"}``; the
+    summary is one line naming the stages that hold newer checkpoints and the stage that holds it back.
+    """
+    stages = []
+    for k, group in sorted(views.items()):
+        newest = max((v.manifest.epoch for v in group if v.restorable), default=None)
+        stages.append({"stage": k, "newest_checkpoint": newest, "epoch_now": stage_epochs.get(k)})
+    age = min((v.age_s for group in views.values() for v in group if v.manifest.epoch == epoch), default=0.0)
+    behind = [s["stage"] for s in stages if s["newest_checkpoint"] == epoch]
+    ahead = [f"stage {s['stage']} has epoch {s['newest_checkpoint']}" for s in stages
+             if s["newest_checkpoint"] is not None and s["newest_checkpoint"] > epoch]
+    now = max((e for e in stage_epochs.values()), default=None)
+    summary = f"epoch {epoch} (committed {age:.0f} s ago) is the newest every stage has a restorable checkpoint of"
+    if ahead:
+        summary += f": {', '.join(ahead)}, but stage{'s' if len(behind) > 1 else ''} " \
+                   f"{', '.join(map(str, behind))} not yet"
+    if now is not None and now > epoch:
+        summary += f"; the run is at epoch {now} (a checkpoint every checkpoint.interval_epochs epochs)"
+    return {"epoch": epoch, "age_s": round(age, 1), "stages": stages, "summary": summary}
 
 
 def listing(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
@@ -108,6 +135,9 @@ async def fetch_complete(directory: RunDirectory, spec: RunSpec, p2p, epoch: Opt
         raise LookupError(f"no complete checkpoint{f' at epoch {epoch}' if epoch is not None else ''} (complete: "
                           f"{complete or 'none'}); see `swarm-coordinator checkpoints`")
     epoch = complete[0] if epoch is None else epoch
+    if progress:
+        servers = await loop.run_in_executor(None, directory.all_servers, spec.model.num_stages)
+        progress(lag_report(views, epoch, _stage_epochs(servers))["summary"])
     with tempfile.TemporaryDirectory() as tmp:
         keeper = FragmentKeeper(spec, directory, Identity.generate(), FragmentStore(Path(tmp), 1))
         keeper.p2p = p2p
@@ -117,10 +147,16 @@ async def fetch_complete(directory: RunDirectory, spec: RunSpec, p2p, epoch: Opt
 
             def report(done, needed, received, k=k):
                 if progress:
-                    progress(f"stage {k}: fragment {done}/{needed} ({received / 1e6:.2f} MB)")
+                    progress(f"stage {k}: {done} of {needed} fragments fetched ({received / 1e6:.2f} MB so far)")
             blob, _ = await keeper.fetch(view, report)
             shards.append(decode_shard(blob, view.manifest.shard_sha256, run_id=directory.run_id, stage=k))
     return epoch, shards
+
+
+def _stage_epochs(servers: dict) -> dict[int, int]:
+    """Stage -> the highest epoch its online servers announce (stages without one are left out)."""
+    return {k: max(s.epoch for s in group if s.state == ServerState.ONLINE)
+            for k, group in servers.items() if any(s.state == ServerState.ONLINE for s in group)}
 
 
 def export_and_sample(directory: RunDirectory, spec: RunSpec, out_dir: Path, tokenizer_json: str,
@@ -136,9 +172,11 @@ def export_and_sample(directory: RunDirectory, spec: RunSpec, out_dir: Path, tok
         return await fetch_complete(directory, spec, await directory.dht.replicate_p2p(), epoch, progress)
 
     epoch, shards = asyncio.run(fetch())
+    lag = lag_report(_views(directory, spec), epoch, _stage_epochs(directory.all_servers(spec.model.num_stages)))
     export_model(spec.model, shards, out_dir, run_id=directory.run_id, tokenizer_json=tokenizer_json)
     model_spec, model = load_exported(out_dir)
     tok = Tokenizer.from_str(tokenizer_json)
     ids = generate(model, model_spec, tok.encode(prompt).ids, new_tokens=tokens)
     return {"run_id": directory.run_id, "epoch": epoch, "dir": str(out_dir), "hf": (Path(out_dir) / "hf").exists(),
-            "prompt": prompt, "sample": tok.decode(ids)}
+            "prompt": prompt, "sample": tok.decode(ids), "age_s": lag["age_s"], "stages": lag["stages"],
+            "why_this_epoch": lag["summary"]}

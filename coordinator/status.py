@@ -13,12 +13,13 @@ and split ``excluded`` off ``banned``)::
              "tokens", "samples_per_s", "loss", "train_loss", "val_loss", "loss_history": [[epoch, loss]],
              "peers": {"online", "joining", "lagging", "paused", "draining", "trainers", "banned", "excluded"}},
      "stages": [{"stage", "servers_online", "servers", "throughput", "demand", "epoch", "lagging",
-                 "last_round": {"group_size", "round_s"}}],
+                 "samples", "samples_dropped", "last_round": {"group_size", "round_s"}}],
      "peers": [{"peer_id", "name", "version", "role", "stage", "state", "reachability", "epoch",
                 "throughput", "samples_per_s", "samples", "contribution", "last_seen_s", "lagging", "loss",
                 "rejected_parts", "flagged_parts", "banned", "ban_reason", "excluded",
                 # servers also: "p2p_id", "excluded_by" (servers of its stage), "exclusion_reasons",
                 #   "averaging_bytes", "failed_rounds", "convicted_by" (peers listing a spot-check conviction),
+                #   "samples_dropped" (accumulated, then discarded before a step: see ServerInfo.samples_dropped),
                 #   "refused_as_donor_by" (servers that downloaded its state and refused it)
                 # trainers also: "tokens", "initial_loss", "val_loss", "shard", "failures",
                 #   "bytes_sent", "bytes_received"
@@ -26,7 +27,8 @@ and split ``excluded`` off ``banned``)::
      "healthy": bool}
 
 Units: seconds, samples/s, nats/token; ``contribution`` and ``progress`` are fractions in [0, 1]. A server's
-contribution is its share of the samples its stage's listed servers processed; a trainer's, its share of
+contribution is its share of the samples its stage's listed servers processed (0 while paused, when it also
+announces 0 samples/s and is left out of the others' shares); a trainer's, its share of
 the trainers' samples/s. ``eta_s`` is the time to ``optim.total_epochs`` (the end of the learning-rate
 schedule) at the slowest stage's recent epoch rate; ``None`` until two epochs were seen. A peer *lags* when
 its record is older than a re-announce period plus slack, or a server is more than one epoch behind its stage.
@@ -66,7 +68,8 @@ def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], shunned: set[st
         "peer_id": s.peer_id, "name": s.name, "version": s.version, "role": "server", "stage": k,
         "state": str(s.state), "reachability": s.reachability, "epoch": s.epoch,
         "throughput": round(s.throughput, 3), "samples_per_s": round(s.throughput, 3), "samples": s.samples,
-        "contribution": round(s.samples / stage_samples, 4) if stage_samples else 0.0,
+        "samples_dropped": s.samples_dropped,
+        "contribution": round(s.samples / stage_samples, 4) if stage_samples and s.state != ServerState.PAUSED else 0.0,
         "last_seen_s": round(max(0.0, now - s.time), 1),
         "lagging": _lag(directory, s.time, now) or (s.state == ServerState.ONLINE and s.epoch < stage_epoch - 1),
         "loss": s.loss, "p2p_id": s.p2p_id, "banned": s.peer_id in banned, "ban_reason": banned.get(s.peer_id),
@@ -116,7 +119,7 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
     for k, group in servers.items():
         online = [s for s in group if s.state == ServerState.ONLINE]
         epoch = max((s.epoch for s in group), default=0)
-        stage_samples = sum(s.samples for s in group)
+        stage_samples = sum(s.samples for s in group if s.state != ServerState.PAUSED)
         shunned = excluded_by_stage(group)
         rows = [_server_row(s, k, online, shunned, stage_samples, epoch, banned, now, directory) for s in group]
         peers += rows
@@ -126,6 +129,7 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
             "stage": k, "servers_online": len(online), "servers": len(group),
             "throughput": round(sum(s.throughput for s in online), 3), "demand": round(demand[k], 3), "epoch": epoch,
             "lagging": sum(r["lagging"] for r in rows),
+            "samples": sum(s.samples for s in group), "samples_dropped": sum(s.samples_dropped for s in group),
             "last_round": {"group_size": max((s.peers_in_last_round for s in online), default=0),
                            "round_s": round(sum(s.round_s for s in online) / len(online), 3) if online else None},
         })

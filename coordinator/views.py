@@ -36,12 +36,13 @@ def summary_line(snap: dict[str, Any]) -> str:
 
 def stages_table(snap: dict[str, Any]) -> Table:
     table = Table("stage", "online", "servers", "lagging", "throughput (samples/s)", "demand", "epoch",
-                  "last round: group", "round (s)", title="stages")
+                  "last round: group", "round (s)", "samples dropped", title="stages")
     for s in snap["stages"]:
         r = s["last_round"]
+        dropped = f"{s['samples_dropped']} ({s['samples_dropped'] / s['samples']:.1%})" if s["samples"] else "0"
         table.add_row(str(s["stage"]), str(s["servers_online"]), str(s["servers"]), str(s["lagging"]),
                       str(s["throughput"]), str(s["demand"]), str(s["epoch"]), str(r["group_size"]),
-                      _f(r["round_s"], ".2f"))
+                      _f(r["round_s"], ".2f"), dropped)
     return table
 
 

@@ -23,9 +23,12 @@ and :meth:`~ServerSession.resume`); a test starts one in-process the same way::
    is due, capture and commit a checkpoint. Follow rollback orders; honour the run's ban list; and, if the
    stage was not pinned, move to a stage that lacks throughput more (:mod:`swarm.rebalance`): drain, then go
    back to step 2 for the new stage.
-5. While paused (:meth:`ServerSession.pause`): announce ``paused`` (not routed to, refuses new stage work,
-   keeps its state, its place in the stage and its fragments); :meth:`ServerSession.resume` announces
-   ``online`` again.
+5. :meth:`ServerSession.pause`: leave the stage as a drain does (:meth:`ServerSession._withdraw`: announce
+   ``paused``, with throughput 0 and no progress key, so trainers stop routing here and the stage's other
+   servers stop counting and waiting for it; let the micro-batches in flight finish; samples it accumulated in
+   the unfinished epoch are dropped and counted, ``samples_dropped``), keeping the DHT, the fragment keeper and
+   its fragments. :meth:`ServerSession.resume` rejoins the same stage as a late joiner does: step 2, loading the
+   stage's current state from its servers.
 6. :meth:`ServerSession.stop`: announce ``draining``, stop taking work, let a checkpoint being committed
    finish, shut down the optimizer, hand the fragments it holds to other peers (at most :data:`HAND_OFF_S`),
    stop the keeper and the DHT.
@@ -76,6 +79,14 @@ server that died would otherwise hide a stage's loss for a whole record TTL, or 
 stage leave it)."""
 ORDERS_PERIOD_S = 2.0
 """Seconds between looks at the run's rollback orders."""
+ROSTER_PERIOD_S = 0.5
+"""Seconds between reads of the stage's server records, whose progress keys say whose progress counts: a server
+that joins or leaves is counted, or no longer waited for, within about this long (one DHT read each)."""
+WITHDRAW_S = 4 * ROSTER_PERIOD_S
+"""Seconds a leaving server stays in the stage's averaging after announcing that it leaves: its stage-mates read
+the stage's records every :data:`ROSTER_PERIOD_S` and then stop counting its progress."""
+LEAVE_GRACE_S = 15.0
+"""Seconds a leaving server waits, at most, for the backwards of the micro-batches whose forward it ran."""
 
 OptimizerFactory = Callable[..., StageOptimizer]
 StageServerFactory = Callable[..., StageServer]
@@ -124,6 +135,7 @@ class ServerSession:
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
+        self._dropped_before = 0  # samples dropped by the optimizers of stages this process left
 
     # ---- control (event loop thread) ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -132,18 +144,25 @@ class ServerSession:
         self._changed.set()
 
     def pause(self) -> None:
-        """Take no new stage work (announced ``paused``), keeping the state, the place in the stage and the
-        fragments, until :meth:`resume`."""
+        """Take no new stage work and leave the stage's averaging (announced ``paused``), keeping the DHT and
+        the fragments, until :meth:`resume` (see the module docstring, step 5)."""
         self._pause.set()
         self._changed.set()
 
     def resume(self) -> None:
+        """Rejoin the stage left by :meth:`pause`, loading its current state from its servers."""
         self._pause.clear()
         self._changed.set()
 
     @property
     def epoch(self) -> int:
         return self.server.epoch if self.server is not None else 0
+
+    @property
+    def samples_dropped(self) -> int:
+        """Samples this process accumulated whose gradients never reached a step (``ServerInfo.samples_dropped``)."""
+        optimizer = self.server.optimizer if self.server is not None else None  # read also once it was shut down
+        return self._dropped_before + (optimizer.samples_dropped if optimizer is not None else 0)
 
     # ---- the process's life ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -169,6 +188,9 @@ class ServerSession:
             try:
                 stage = self.pinned
                 while not self._stop.is_set():
+                    if self._pause.is_set():
+                        await self._paused()
+                        continue
                     stage = stage if stage is not None else await self._io(self._choose_stage)
                     moved = await self._serve(stage)
                     stage = moved if moved is not None else self.pinned
@@ -258,6 +280,7 @@ class ServerSession:
 
     async def _start_stage(self, stage: int) -> None:
         """Build the stage's module, server and optimizer; announce ``joining``."""
+        self._dropped_before = self.samples_dropped  # the stage left before, if any
         self.stage, self.history, self._excluded, self.checkpoints = stage, [], set(), None
         self.keeper.stage = stage
         module = build_stage(self.spec.model, stage)
@@ -315,36 +338,72 @@ class ServerSession:
                       time.monotonic() - started, commits_s, time.monotonic() - started - commits_s)
 
     async def _announce_until_done(self) -> Optional[int]:
-        """Announce every ``record_ttl_s / 3`` seconds (and at once on pause/resume); run the epoch watcher and
-        the rollback follower; return None on stop, or the stage to move to."""
+        """Announce every ``record_ttl_s / 3`` seconds; run the epoch watcher and the rollback follower; return
+        None on stop, the stage to move to, or this stage on pause (to rejoin it on resume)."""
         leave = asyncio.Event()  # set by stop or by a planned move
         self.log.info("online")
         tasks = [asyncio.create_task(self.server.watch_epochs(leave)),
                  asyncio.create_task(periodic(leave, ORDERS_PERIOD_S, self.checkpoints.follow_orders,
                                               "following rollback orders", self.log)),
-                 asyncio.create_task(periodic(leave, ORDERS_PERIOD_S, self._read_roster, "reading the stage's servers",
+                 asyncio.create_task(periodic(leave, ROSTER_PERIOD_S, self._read_roster, "reading the stage's servers",
                                               self.log))]
         online_since, next_check, target = time.monotonic(), time.monotonic() + self.spec.rebalance.period_s, None
         planner = MovePlanner(self.spec.rebalance.min_gain, confirm_s=2 * self.directory.ttl / 3)
         try:
-            while target is None and not self._stop.is_set():
+            while target is None and not self._stop.is_set() and not self._pause.is_set():
                 await self._apply_bans()
-                self._apply_pause()
-                await self._announce(ServerState.PAUSED if self.server.paused else ServerState.ONLINE)
+                await self._announce(ServerState.ONLINE)
                 await self._io(self.directory.publish_spec, self.sealed_spec)
-                if self.pinned is None and not self.server.paused and time.monotonic() >= next_check:
+                if self.pinned is None and time.monotonic() >= next_check:
                     next_check = time.monotonic() + self.spec.rebalance.period_s
                     if time.monotonic() - online_since >= self.spec.rebalance.min_dwell_s:
                         target = await self._rebalance_target(planner)
                 if target is None and await sleep_or_stop(self._stop, self.directory.ttl / 3, self._changed):
                     break
                 self._changed.clear()
+            if self._pause.is_set() and not self._stop.is_set():
+                target = self.stage  # rejoined on resume
         finally:
-            self.log.info("draining")
+            pausing = self._pause.is_set() and not self._stop.is_set()
+            state = ServerState.PAUSED if pausing else ServerState.DRAINING
+            self.log.info("leaving the stage: %s", "paused" if pausing else "draining")
+            await self._withdraw(state)
             leave.set()
             await asyncio.gather(*tasks)
-            await self._announce(ServerState.DRAINING)
+            await self._announce(state)
         return target
+
+    async def _withdraw(self, state: ServerState) -> None:
+        """Before leaving the stage: refuse new stage work and announce ``state`` (throughput 0, no progress key:
+        trainers stop routing here and the stage's servers stop counting this one), then let the backwards of the
+        micro-batches in flight finish and give the stage-mates :data:`WITHDRAW_S` to read that record, while the
+        epoch watcher still joins any round they begin meanwhile (at most :data:`LEAVE_GRACE_S` in all).
+
+        Leaving at once instead, a stage-mate that began a round still counting this server waits for it
+        ``averaging_timeout`` seconds (twice, when the round averages the state too)."""
+        server = self.server
+        server.leaving = True
+        await self._announce(state)
+        started = time.monotonic()
+        while time.monotonic() - started < LEAVE_GRACE_S and \
+                (server.in_flight or time.monotonic() - started < WITHDRAW_S):
+            await asyncio.sleep(0.1)
+
+    async def _paused(self) -> None:
+        """While paused, out of any stage: announce ``paused`` every ``record_ttl_s / 3`` seconds (and keep the
+        spec published) until :meth:`resume` or :meth:`stop`.
+
+        :raises PeerBanned: this peer was banned meanwhile.
+        """
+        self.log.info("paused: left stage %d's averaging; taking no work until `swarm-peer resume`", self.stage)
+        while self._pause.is_set() and not self._stop.is_set():
+            self.bans.check(self.me)
+            await self._announce(ServerState.PAUSED)
+            await self._io(self.directory.publish_spec, self.sealed_spec)
+            await sleep_or_stop(self._stop, self.directory.ttl / 3, self._changed)
+            self._changed.clear()
+        if not self._stop.is_set():
+            self.log.info("resumed: rejoining stage %d", self.stage)
 
     async def _rebalance_target(self, planner: MovePlanner) -> Optional[int]:
         """The stage to move to now (:class:`swarm.rebalance.MovePlanner`), or None."""
@@ -366,11 +425,6 @@ class ServerSession:
         donors = frozenset(s.p2p_id for s in servers)
         if donors != self._donors and await self._io(self.server.optimizer.set_donor_roster, donors):
             self._donors = donors
-
-    def _apply_pause(self) -> None:
-        if self._pause.is_set() != self.server.paused:
-            self.server.paused = self._pause.is_set()
-            self.log.info("paused: taking no new work until `swarm-peer resume`" if self.server.paused else "resumed")
 
     async def _apply_bans(self) -> None:
         """Follow the run's ban list (refreshed by the keeper): stop if this peer is on it, else keep banned
@@ -394,11 +448,14 @@ class ServerSession:
     def _record(self, state: ServerState) -> ServerInfo:
         """This server's signed record as of now."""
         server, checkpoints = self.server, self.checkpoints
-        report = server.optimizer.report() if server.optimizer is not None else None
+        serving = state in (ServerState.ONLINE, ServerState.JOINING)  # else leaving or left: no work, no progress
+        optimizer = server.optimizer if serving else None
+        report = optimizer.report() if optimizer is not None else None
         return ServerInfo(
             run_id=self.directory.run_id, peer_id=self.me, time=get_dht_time(), stage=self.stage, state=state,
-            throughput=server.throughput.samples_per_second, p2p_id=str(self.dht.peer_id), maddrs=self.maddrs,
-            epoch=server.epoch, samples=server.samples, loss=server.loss_ema,
+            throughput=server.throughput.samples_per_second if serving else 0.0, p2p_id=str(self.dht.peer_id),
+            maddrs=self.maddrs,
+            epoch=server.epoch, samples=server.samples, samples_dropped=self.samples_dropped, loss=server.loss_ema,
             peers_in_last_round=report.peers if report else 0, state_digests=server.recent_digests(8),
             round_s=server.mean_round_s, rounds=server.rounds,
             version=__version__, excluded=report.excluded if report else {}, averaging=report.wire if report else {},
@@ -408,8 +465,8 @@ class ServerSession:
             rollback_issuer=checkpoints.order_issuer if checkpoints else "",
             reachability=reachability(self.maddrs, relay_enabled(self.settings)), history=self.history,
             convicted=self.convictions.listed(),
-            progress_key=server.optimizer.progress_key if server.optimizer is not None else "",
-            donors_refused=dict(server.optimizer.donors_refused) if server.optimizer is not None else {},
+            progress_key=optimizer.progress_key if optimizer is not None else "",
+            donors_refused=dict(optimizer.donors_refused) if optimizer is not None else {},
         )
 
     async def _announce(self, state: ServerState) -> None:
@@ -436,10 +493,10 @@ class ServerSession:
         server, spec = self.server, self.spec
         wire = server.optimizer.counters()
         self.log.info(
-            "loss=%s samples/s=%.2f samples=%d share=%.0f%% progress=%.1f%% peers=%d lr=%.2e avg_bytes=%d "
-            "failed_rounds=%d rejected=%d flagged=%d",
+            "loss=%s samples/s=%.2f samples=%d dropped=%d share=%.0f%% progress=%.1f%% peers=%d lr=%.2e "
+            "avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d",
             f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-", server.throughput.samples_per_second,
-            server.samples, 100 * min(1.0, end.samples / spec.training.target_batch_size),
+            server.samples, self.samples_dropped, 100 * min(1.0, end.samples / spec.training.target_batch_size),
             100 * min(1.0, end.epoch / spec.optim.total_epochs), server.optimizer.peers, server.optimizer.lr,
             wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0), wire.get("rejected", 0),
             wire.get("flagged", 0),

@@ -119,7 +119,7 @@ class StageServer(ProtocolServicer):
         self.loss_ema: Optional[float] = None
         self.state_digests: dict[int, str] = {}  # epoch -> digest of the full state after its step (recent ones)
         self.rounds, self.round_seconds = 0, 0.0
-        self.paused = False  # by its operator: new forward/backward requests are refused
+        self.leaving = False  # paused or draining: new forward/backward requests are refused
         self._epoch_losses: list[float] = []
         self._epoch_samples = 0
         self.max_batch = max_batch(spec)
@@ -351,10 +351,11 @@ class StageServer(ProtocolServicer):
 
     # ---- RPC handlers ------------------------------------------------------------------------------
     def _admit(self, context: P2PContext, mb_id: Optional[str] = None) -> None:
-        """Refuse banned peers, and new work while paused (the backward of a micro-batch whose forward ran
-        here, ``mb_id``, is in-flight work and still accepted)."""
-        if self.paused and (mb_id is None or (str(context.remote_id), mb_id) not in self._cache):
-            raise StageError(f"stage {self.stage} server is paused by its operator; retry on another server")
+        """Refuse banned peers, and new work while leaving the stage (the backward of a micro-batch whose forward
+        ran here, ``mb_id``, is in-flight work and still accepted)."""
+        if self.leaving and (mb_id is None or (str(context.remote_id), mb_id) not in self._cache):
+            raise StageError(f"stage {self.stage} server is leaving the stage (paused or draining); retry on another "
+                             "server")
         reason = self.bans.banned_p2p_ids.get(str(context.remote_id)) if self.bans is not None else None
         if reason is not None:
             raise StageError(f"refused: the run's coordinator banned this peer ({reason})")
@@ -452,6 +453,11 @@ class StageServer(ProtocolServicer):
             reply = StageResponse(epoch=self.epoch, state_sha256=self.state_digests.get(req.epoch, ""))
             async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), []):
                 yield msg
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose forward ran here and whose backward has not come yet."""
+        return len(self._cache)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

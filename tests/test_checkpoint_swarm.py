@@ -84,6 +84,9 @@ def _check_cli(address, out_dir, cache_dir):
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["epoch"] >= newest and result["hf"] and result["sample"].strip()
+    assert [s["stage"] for s in result["stages"]] == [0, 1] and result["age_s"] >= 0
+    assert all(s["newest_checkpoint"] >= result["epoch"] for s in result["stages"])
+    assert result["why_this_epoch"].startswith(f"epoch {result['epoch']} (committed")
     assert (out_dir / "model.safetensors").exists() and (out_dir / "hf" / "model.safetensors").exists()
 
 

@@ -61,3 +61,26 @@ def test_export_refuses_incomplete_or_mixed_checkpoints(tmp_path):
     rotary = SPEC.model_copy(update={"positions": "rope", "n_heads": 2})
     out = export_model(rotary, _trained_shards(rotary)[0], tmp_path / "rope")
     assert (out / "model.safetensors").exists() and not (out / "hf").exists()
+
+
+def test_the_export_says_which_stage_holds_its_epoch_back():
+    from types import SimpleNamespace
+
+    from coordinator.checkpoints import complete_epochs, lag_report
+
+    def view(epoch, restorable=True, age=0.0):
+        return SimpleNamespace(manifest=SimpleNamespace(epoch=epoch), restorable=restorable, age_s=age)
+
+    # stage 0 committed epochs 40, 50 and 60; stage 1 only 40 (its 50 lost too many fragments)
+    views = {0: [view(60, age=5), view(50, age=65), view(40, age=125)],
+             1: [view(50, restorable=False, age=64), view(40, age=124)]}
+    assert complete_epochs(views) == [40]
+    lag = lag_report(views, 40, {0: 56, 1: 55})
+    assert lag["epoch"] == 40 and lag["age_s"] == 124
+    assert lag["stages"] == [{"stage": 0, "newest_checkpoint": 60, "epoch_now": 56},
+                             {"stage": 1, "newest_checkpoint": 40, "epoch_now": 55}]
+    assert "stage 0 has epoch 60, but stage 1 not yet" in lag["summary"]
+    assert "committed 124 s ago" in lag["summary"] and "the run is at epoch 56" in lag["summary"]
+    # every stage at the exported epoch, the run no further: nothing holds it back
+    assert lag_report({0: [view(40)], 1: [view(40)]}, 40, {0: 40, 1: 40})["summary"] == \
+        "epoch 40 (committed 0 s ago) is the newest every stage has a restorable checkpoint of"

@@ -22,7 +22,8 @@ RUN_KEYS = {"run_id", "name", "spec_hash", "num_stages", "epoch", "total_epochs"
 PEER_KEYS = {"peer_id", "name", "version", "role", "stage", "state", "reachability", "epoch", "throughput",
              "samples_per_s", "samples", "contribution", "last_seen_s", "lagging", "loss", "rejected_parts",
              "flagged_parts", "banned", "ban_reason", "excluded"}
-STAGE_KEYS = {"stage", "servers_online", "servers", "throughput", "demand", "epoch", "lagging", "last_round"}
+STAGE_KEYS = {"stage", "servers_online", "servers", "throughput", "demand", "epoch", "lagging", "last_round", "samples",
+              "samples_dropped"}
 
 
 def _cli(module: str, *args: str, env=None, timeout: float = 120) -> subprocess.CompletedProcess:

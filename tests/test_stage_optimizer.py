@@ -146,3 +146,37 @@ def test_a_strangers_progress_record_neither_moves_the_stages_epoch_nor_ends_it(
             optimizer.shutdown()
         for d in (other_dht, mate_dht, stranger_dht, dht):
             d.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_server_that_rejoins_in_the_same_process_is_counted_and_still_stops_on_ctrl_c():
+    """A server that pauses and resumes (or moves) builds a second optimizer on its DHT node. hivemind's node
+    signs with the first progress key it was given, so the second one must reuse it (else its progress fails
+    every peer's signature check and its stage-mates never count it again); and hivemind sets SIGINT to ignored
+    in the calling process when it starts an averager, which made such a server deaf to Ctrl-C."""
+    import signal
+
+    (key, node), (mate_key, mate_node) = keyed_dhts(2)
+    own_handler = lambda *_: None  # noqa: E731
+    previous = signal.signal(signal.SIGINT, own_handler)
+    optimizers = []
+    try:
+        first = StageOptimizer(TINY, "rejoin", 0, node, build_stage(TINY.model, 0), identity=key)
+        optimizers.append(first)
+        mate = StageOptimizer(TINY, "rejoin", 0, mate_node, build_stage(TINY.model, 0), identity=mate_key)
+        optimizers.append(mate)
+        assert signal.getsignal(signal.SIGINT) is own_handler, "starting the averagers silenced Ctrl-C"
+        first.shutdown()
+        optimizers.remove(first)
+        second = StageOptimizer(TINY, "rejoin", 0, node, build_stage(TINY.model, 0), identity=key)
+        optimizers.append(second)
+        mate.step(_gradients(mate.module, 1), TINY.training.micro_batch_size, "trainer")
+        second.step(_gradients(second.module, 2), TINY.training.micro_batch_size, "trainer")  # progress is stored
+        assert mate.wait_until_counted(2, timeout=30), "the stage-mate never counted the rejoined server"
+        assert signal.getsignal(signal.SIGINT) is own_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for o in optimizers:
+            o.shutdown()
+        mate_node.shutdown()
+        node.shutdown()

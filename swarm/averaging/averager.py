@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
@@ -160,7 +161,12 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
         if not self._mm_wrapped:
             self._wrap_matchmaking()
             self.start_accusation_poller()
-        return await super()._step(step=step, future_for_init=future_for_init)
+        try:
+            return await super()._step(step=step, future_for_init=future_for_init)
+        except InvalidStateError:
+            if step.cancelled():  # the optimizer dropped this round meanwhile; hivemind 1.1.12 still sets its result
+                return None
+            raise
 
     # ---- the round --------------------------------------------------------------------------------------
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):

@@ -19,8 +19,12 @@ for hivemind 1.1.12 that need its private seams.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
+from contextlib import contextmanager
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional, Sequence
@@ -48,6 +52,29 @@ AveragerFactory = Callable[..., RobustGradientAverager]
 """Builds the stage's gradient averager (keyword arguments of :class:`RobustGradientAverager`); tests and
 benchmarks pass a Byzantine one (:mod:`swarm.attacks`)."""
 MAX_EXCLUSIONS_REPORTED = 32
+def request_timeout(matchmaking_time: float) -> float:
+    """Seconds a matchmaking request may wait for its answer: below ``matchmaking_time``, as hivemind's matchmaking
+    requires (else it warns that rounds may deadlock), and at most 1 s."""
+    return min(1.0, matchmaking_time / 2)
+
+
+_SIGNERS: "weakref.WeakKeyDictionary[hivemind.DHT, RSAPrivateKey]" = weakref.WeakKeyDictionary()
+
+
+def progress_signer(dht: hivemind.DHT) -> RSAPrivateKey:
+    """The RSA key that signs the progress records of every stage optimizer on DHT node ``dht``.
+
+    A hivemind DHT node keeps the first ``RSASignatureValidator`` it is given and ignores later ones
+    (``RSASignatureValidator.merge_with``), so it signs with that first key whatever key a later tracker
+    brings: the records of a second key on the same node fail their signature check on every peer, and a
+    server that rejoins a stage in the same process (after a pause or a move) would count for nobody. One key
+    per node (not hivemind's one per process: servers of one process on separate DHT nodes, as tests run them,
+    keep separate progress entries).
+    """
+    key = _SIGNERS.get(dht)
+    if key is None:
+        key = _SIGNERS[dht] = RSAPrivateKey()
+    return key
 
 
 class _CollaborativeOptimizer(hivemind.Optimizer):
@@ -70,7 +97,12 @@ class _CollaborativeOptimizer(hivemind.Optimizer):
     def __init__(self, *, state_rules: dict, state_averager_factory=RobustStateAverager, **kwargs):
         self._state_rules, self._state_averager_factory = state_rules, state_averager_factory
         self.reload: Callable[[], object] = self.load_state_from_peers  # the out-of-sync path (StageOptimizer's)
+        self.samples_dropped = 0  # accumulated here, then discarded before a step (see ServerInfo.samples_dropped)
         super().__init__(**kwargs)
+
+    def drop_accumulated(self) -> None:
+        """Count the samples accumulated so far as dropped (their gradients are about to be discarded)."""
+        self.samples_dropped += self.grad_averager.local_samples_accumulated
 
     def contribute(self, gradients: Sequence[torch.Tensor], samples: int, contributor: str) -> None:
         """``hivemind.Optimizer.step(batch_size=samples)`` for this configuration (gradient averaging, not
@@ -78,8 +110,9 @@ class _CollaborativeOptimizer(hivemind.Optimizer):
         self.state_averager.step(apply_delayed_updates=True)
         if self._should_load_state_from_peers():
             logger.info("this server is out of sync with its stage: loading the state from its peers")
+            self.samples_dropped += samples  # the gradients were computed with out-of-sync parameters
             self.reload()
-            return  # the gradients were computed with out-of-sync parameters
+            return
         self.grad_averager.accumulate(contributor, gradients, samples)
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
         self._maybe_schedule_gradient_averaging()
@@ -87,10 +120,22 @@ class _CollaborativeOptimizer(hivemind.Optimizer):
         if self.tracker.ready_to_update_epoch:
             self._update_global_epoch(None)
 
+    def _should_load_state_from_peers(self) -> bool:
+        """hivemind's rule, and also: this server is behind most of the stage's other servers (the lower median of
+        their epochs). hivemind lets a server one epoch behind go on and join the others' next round with the
+        gradients of its own epoch; a server that missed the others' round (it joined or resumed meanwhile, or
+        was slow to notice the epoch's end) then pairs epoch ``e`` with ``e + 1``, and the rounds that average
+        the state every ``average_state_every`` epochs no longer meet: each waits ``averaging_timeout`` for the
+        other, epoch after epoch. Loading the state instead costs this server the samples it accumulated. The
+        median (not hivemind's maximum) keeps one server that claims a later epoch from making the others reload."""
+        return super()._should_load_state_from_peers() or self.local_epoch < self.tracker.others_epoch
+
     def load_state_from_peers(self, **kwargs):
         opt = self.opt
         originals = {p: dict(opt.state[p]) for group in opt.param_groups for p in group["params"]}
-        super().load_state_from_peers(**kwargs)
+        self.drop_accumulated()  # hivemind resets the accumulated gradients after the load
+        with _schedule_moves_quietly():
+            super().load_state_from_peers(**kwargs)
         with self.state_averager.lock_averaged_tensors:
             _put_back(opt, originals)
 
@@ -151,17 +196,22 @@ class StageOptimizer:
     def __init__(self, spec: RunSpec, run_id: str, stage: int, dht: hivemind.DHT, module: torch.nn.Module, *,
                  identity=None, averager_factory: AveragerFactory = RobustGradientAverager,
                  state_averager_factory: Callable[..., RobustStateAverager] = RobustStateAverager):
-        avg = spec.averaging
-        rules = AveragingRules.from_spec(avg)
         self.module, self.stage, self.schedule = module, stage, Schedule(spec.optim)
         self._target = spec.training.target_batch_size
         self.state_check: Optional[StateCheck] = None
         self.donors_refused: dict[str, str] = {}  # libp2p id -> why its state was refused (the last 32)
         self.reloads = 0  # loads of the stage's state from live servers (not epochs this server stepped)
-        self._opt = _CollaborativeOptimizer(
+        with _sigint_kept():
+            self._opt = self._start(spec, run_id, dht, identity, averager_factory, state_averager_factory)
+        self._opt.reload = self.load_state_from_peers
+
+    def _start(self, spec, run_id, dht, identity, averager_factory, state_averager_factory) -> "_CollaborativeOptimizer":
+        """hivemind's optimizer for this stage, with its averager processes and progress tracker started."""
+        avg, rules = spec.averaging, AveragingRules.from_spec(spec.averaging)
+        return _CollaborativeOptimizer(
             state_rules=dict(rules=rules, identity=identity, run_id=run_id),
             state_averager_factory=state_averager_factory,
-            dht=dht, run_id=f"{run_id}-stage{stage}", params=module.parameters(),
+            dht=dht, run_id=f"{run_id}-stage{self.stage}", params=self.module.parameters(),
             optimizer=partial(make_stage_torch_optimizer, spec.optim),
             scheduler=partial(make_scheduler, spec.optim, schedule=self.schedule),
             target_batch_size=spec.training.target_batch_size, batch_size_per_step=spec.training.micro_batch_size,
@@ -171,16 +221,14 @@ class StageOptimizer:
             grad_averager_factory=partial(
                 averager_factory, rules=rules, compressor=make_compressor(avg.compression, rank=avg.powersgd_rank),
                 identity=identity, run_id=run_id, clip_ratio=avg.microbatch_clip_ratio,
-                trainer_outlier_ratio=avg.trainer_outlier_ratio),
+                trainer_outlier_ratio=avg.trainer_outlier_ratio, request_timeout=request_timeout(avg.matchmaking_time)),
             # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors
             # and its restarted successor stop counting it soon
-            # its own progress key (hivemind's default is one per process, which servers of one process share)
             tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25,
-                              metadata_expiration=2 * spec.timeouts.record_ttl_s, private_key=RSAPrivateKey()),
-            averager_opts=dict(request_timeout=1.0, min_vector_size=0),
+                              metadata_expiration=2 * spec.timeouts.record_ttl_s, private_key=progress_signer(dht)),
+            averager_opts=dict(request_timeout=request_timeout(avg.matchmaking_time), min_vector_size=0),
             verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
         )
-        self._opt.reload = self.load_state_from_peers
 
     # ---- training ----------------------------------------------------------------------------------------
     @property
@@ -239,6 +287,7 @@ class StageOptimizer:
         """
         with self._opt.state_averager.lock_averaged_tensors:  # peers may be downloading this server's state
             load_named_state(tensors, self.module, self._opt.opt)
+        self._opt.drop_accumulated()
         self._opt.grad_averager.reset_accumulated_grads_()
 
     def jump_to_epoch(self, epoch: int) -> int:
@@ -252,8 +301,7 @@ class StageOptimizer:
         target = max(epoch, opt.local_epoch, opt.tracker.global_epoch)
         if target != opt.local_epoch:
             opt.state_averager.local_epoch = target
-            with warnings.catch_warnings():  # stepping the schedule before any optimizer step is expected here
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            with _schedule_moves_quietly():
                 opt.state_averager._update_scheduler()  # hivemind: steps the schedule up to local_epoch
         self.announce_progress()
         opt.state_averager.state_sharing_priority = target
@@ -388,9 +436,40 @@ class StageOptimizer:
         excluded = {p: r[:200] for p, r in sorted(excluded.items())[:MAX_EXCLUSIONS_REPORTED]}
         return AveragingReport(peers=self.peers, wire=self.counters(), excluded=excluded)
 
+    @property
+    def samples_dropped(self) -> int:
+        """Samples accumulated here whose gradients were discarded before a step (a load of the stage's state,
+        or :meth:`shutdown` mid-epoch); see :attr:`swarm.protocol.ServerInfo.samples_dropped`."""
+        return self._opt.samples_dropped
+
     def shutdown(self) -> None:
-        """Stop the averager processes and the progress tracker (the module keeps its parameters)."""
+        """Stop the averager processes and the progress tracker (the module keeps its parameters); the samples
+        accumulated in the unfinished epoch count as dropped."""
+        self._opt.drop_accumulated()
         self._opt.shutdown()
+
+
+@contextmanager
+def _sigint_kept():
+    """Keep this process's SIGINT handler: hivemind 1.1.12 sets SIGINT to *ignored* in the calling process when
+    it starts an averager's process (``DecentralizedAverager.run_in_background``), so a server's Ctrl-C did
+    nothing once it had joined a stage."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        yield
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def _schedule_moves_quietly():
+    """Silence torch's "``lr_scheduler.step()`` before ``optimizer.step()``" warning: moving the schedule to the
+    epoch of a loaded state (hivemind steps it up to that epoch) is meant to happen before any optimizer step."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+        yield
 
 
 def _put_back(opt: torch.optim.Optimizer, originals: dict) -> None:

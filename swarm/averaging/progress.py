@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import hivemind.optim.progress_tracker
 from hivemind.optim.progress_tracker import LocalTrainingProgress
-from hivemind.utils import ValueWithExpiration
+from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from swarm.protocol import MAX_SAMPLES_PER_S
 
@@ -69,6 +69,7 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
     right after its last micro-batch."""
 
     roster: Roster = staticmethod(lambda: None)
+    others_epoch = 0  # the lower median epoch of the other counted servers (0 while none is counted)
 
     @property
     def progress_key(self) -> bytes:
@@ -80,10 +81,18 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         self.roster = roster
 
     def _parse_swarm_progress_data(self, metadata):
-        if isinstance(metadata, dict) and metadata:
-            metadata = trusted_progress(metadata, self._local_public_key, self.local_progress.epoch,
-                                        self.target_batch_size, self.roster())
-        return super()._parse_swarm_progress_data(metadata)
+        entries = dict(metadata) if isinstance(metadata, dict) else {}
+        # this server's own entry is its local progress, whether or not the DHT holds it yet: hivemind counts the
+        # entries it fetched, so a server whose own entry was not stored yet (just restarted its optimizer, or
+        # just loaded the stage's state) counted one peer fewer and, seeing "no other peers", stepped alone
+        entries[self._local_public_key] = ValueWithExpiration(self.local_progress.dict(),
+                                                              get_dht_time() + self.metadata_expiration)
+        trusted = trusted_progress(entries, self._local_public_key, self.local_progress.epoch,
+                                   self.target_batch_size, self.roster())
+        others = sorted(v.value["epoch"] for k, v in trusted.items()
+                        if k != self._local_public_key and not v.value["client_mode"])
+        self.others_epoch = others[(len(others) - 1) // 2] if others else 0
+        return super()._parse_swarm_progress_data(trusted)
 
     @property
     def ready_to_update_epoch(self) -> bool:

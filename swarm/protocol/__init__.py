@@ -179,6 +179,9 @@ class ServerInfo(AnnouncedRecord):
     maddrs: list[str] = Field(default_factory=list)
     epoch: Epoch = 0
     samples: Count = Field(0, description="Samples processed since the server started.")
+    samples_dropped: Count = Field(0, description="Of those, samples whose gradients never reached an optimizer "
+                                   "step: accumulated, then discarded by a load of the stage's state (out of sync, "
+                                   "a restore or rollback) or by leaving the stage (pause, drain, a move).")
     loss: FiniteOrNone = Field(None, description="Loss EMA of micro-batches (last stage only).")
     peers_in_last_round: int = Field(0, ge=0, le=4096, description="Servers of the stage its progress tracker "
                                      "counts.")
