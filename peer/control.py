@@ -36,8 +36,9 @@ from swarm.aio import sleep_or_stop
 logger = logging.getLogger(__name__)
 FILENAME = "peer-control.json"
 COMMANDS = ("pause", "resume", "drain")
-WANTED = {"pause": ("paused",), "resume": ("joining", "online", "training"), "drain": ("stopped",)}
-"""Heartbeat states that show a command took effect."""
+WANTED = {"pause": ("paused",), "resume": ("online", "training"), "drain": ("stopped",)}
+"""Heartbeat states that complete each command (a resuming server passes through ``joining`` while it loads the
+stage's state)."""
 EXIT_GRACE_S = 20.0
 """Seconds a stopped peer's process gets to exit before :func:`_exit_watchdog` ends it."""
 

@@ -180,3 +180,32 @@ def test_a_server_that_rejoins_in_the_same_process_is_counted_and_still_stops_on
             o.shutdown()
         mate_node.shutdown()
         node.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_samples_discarded_before_a_step_are_counted_as_dropped_and_matchmaking_requests_time_out_first():
+    """``samples_dropped``: samples accumulated and then discarded by a load of the stage's state or by leaving
+    mid-epoch. And both averagers' matchmaking requests time out before matchmaking itself does (hivemind warns
+    in every server's log otherwise: rounds may deadlock)."""
+    ((key, node),) = keyed_dhts(1)
+    optimizer = None
+    try:
+        module = build_stage(TINY.model, 0)
+        optimizer = StageOptimizer(TINY, "drops", 0, node, module, identity=key)
+        for averager in (optimizer._opt.grad_averager, optimizer._opt.state_averager):
+            kw = averager.matchmaking_kwargs
+            assert kw["request_timeout"] < kw["min_matchmaking_time"], type(averager).__name__
+        micro = TINY.training.micro_batch_size
+        optimizer.step(_gradients(module, 0), micro, "trainer")
+        optimizer.step(_gradients(module, 1), micro, "trainer")
+        assert optimizer.samples_dropped == 0
+        optimizer.load_state(optimizer.state())  # a restore: the accumulated gradients were for other parameters
+        assert optimizer.samples_dropped == 2 * micro
+        optimizer.step(_gradients(module, 2), micro, "trainer")
+        optimizer.shutdown()  # leaving mid-epoch
+        assert optimizer.samples_dropped == 3 * micro
+        optimizer = None
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        node.shutdown()
