@@ -140,10 +140,11 @@ def _reachability(settings: PeerSettings, address: Optional[str] = None) -> Chec
     except ValueError:
         return Check("reachability", True, f"announcing {host}")
     run_hosts = _run_hosts(address)
-    if addr.is_loopback and run_hosts and all(h.is_loopback for h in run_hosts):
-        return Check("reachability", True, f"announcing {addr}: the run lives on this machine's loopback (its "
-                     "address is a loopback one), where its peers reach this one; peers elsewhere could not",
-                     "to let other machines join, serve the run on a routable address (--host 0.0.0.0)")
+    if addr.is_loopback and any(h.is_loopback for h in run_hosts):
+        return Check("reachability", True, f"announcing {addr}: the run is served from this machine (its address "
+                     "lists loopback), where its peers reach this one; peers on other machines could not",
+                     "to let other machines join, serve the run on a routable address (--host 0.0.0.0) and give "
+                     "this peer one (SWARM_HOST=0.0.0.0, and SWARM_ANNOUNCE_HOST behind a NAT)")
     if addr.is_private and not addr.is_loopback and settings.relay == "auto":
         return Check("reachability", True, f"private address {addr}: if peers outside its network cannot dial it, "
                      "the swarm reaches this server through a public peer's relay (SWARM_RELAY=auto; slower)",

@@ -33,6 +33,10 @@ def test_a_loopback_run_makes_announcing_loopback_a_note_not_a_failure(tmp_path)
     p2p = "12D3KooWSvt7KHJTeioSkfJHPfGfiPg2v8guE723ieCNo3E78ze4"
     local = _reachability(settings, f"demo-abcdefghijklmnop@/ip4/127.0.0.1/tcp/31337/p2p/{p2p}")
     assert local.ok and "loopback" in local.detail and "--host 0.0.0.0" in local.fix
+    # served on all interfaces from this machine: the address lists its LAN address and loopback
+    served_here = _reachability(settings, f"demo-abcdefghijklmnop@/ip4/192.0.2.2/tcp/31337/p2p/{p2p},"
+                                          f"/ip4/127.0.0.1/tcp/31337/p2p/{p2p}")
+    assert served_here.ok and "served from this machine" in served_here.detail
     remote = _reachability(settings, f"demo-abcdefghijklmnop@/ip4/203.0.113.5/tcp/31337/p2p/{p2p}")
     assert not remote.ok and "SWARM_ANNOUNCE_HOST" in remote.fix
     mixed = _reachability(settings, f"demo-abcdefghijklmnop@/ip4/127.0.0.1/tcp/1/p2p/{p2p},/dns4/run.example/tcp/1")

@@ -252,6 +252,8 @@ class StageOptimizer:
         opt = self._opt
         if not (opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0):
             return False
+        if opt.local_epoch < opt.tracker.others_epoch:  # behind the stage: its next micro-batch reloads the state;
+            return False  # joining the others' round now would mix this epoch's gradients (or state) into theirs
         epoch = self.epoch
         opt._update_global_epoch(None)  # hivemind 1.1.12: exactly what step() calls once the epoch is ready
         return self.epoch != epoch
