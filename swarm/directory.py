@@ -135,6 +135,11 @@ def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, clie
 ROSTER_READ_S = 2.0
 """Seconds between two reads of a stage's records made to look up a peer not seen serving it
 (:meth:`RunDirectory.entitled`)."""
+ROSTER_FIRST_READS = 3
+"""Reads of a stage's records made at once, without waiting :data:`ROSTER_READ_S`, to look up a peer not seen
+serving it: one DHT read may miss a record that is there (the records of a stage's servers are spread over the
+nodes nearest the key), and a one-shot observer (``checkpoints``, ``export``) must not ignore every checkpoint
+of a server its first read missed."""
 
 
 class RunDirectory:
@@ -155,6 +160,7 @@ class RunDirectory:
         self.num_stages: Optional[int] = None  # the spec's, once verified
         self.roster: dict[int, set[str]] = {}  # stage -> peer ids this directory saw announced as its servers
         self._roster_read: dict[int, float] = {}  # stage -> time.monotonic() of its last read
+        self._roster_reads: dict[int, int] = {}  # stage -> reads of its records so far
         self._refused_manifests: set[str] = set()  # (logged once each)
 
     # ---- bounded DHT calls -----------------------------------------------------------------------------
@@ -276,13 +282,16 @@ class RunDirectory:
         found = [s for s in self._read(stage_key(self.run_id, stage), ServerInfo) if s.stage == stage]
         self.roster.setdefault(stage, set()).update(s.peer_id for s in found)
         self._roster_read[stage] = time.monotonic()
+        self._roster_reads[stage] = self._roster_reads.get(stage, 0) + 1
         return found
 
     def _seen_serving(self, peer_id: str, stage: int) -> bool:
         """Was ``peer_id`` seen announced as a server of ``stage``? (Reads the stage's records again if it was
-        not, at most every :data:`ROSTER_READ_S` seconds: junk naming many unknown peers costs one read.)"""
-        if peer_id not in self.roster.get(stage, ()) and \
-                time.monotonic() - self._roster_read.get(stage, float("-inf")) > ROSTER_READ_S:
+        not: at once for the stage's first :data:`ROSTER_FIRST_READS` reads, then at most every
+        :data:`ROSTER_READ_S` seconds, so junk naming many unknown peers costs a few reads.)"""
+        while peer_id not in self.roster.get(stage, ()) and (
+                self._roster_reads.get(stage, 0) < ROSTER_FIRST_READS or
+                time.monotonic() - self._roster_read.get(stage, float("-inf")) > ROSTER_READ_S):
             self.servers(stage)
         return peer_id in self.roster.get(stage, ())
 
