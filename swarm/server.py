@@ -29,9 +29,10 @@ and :meth:`~ServerSession.resume`); a test starts one in-process the same way::
    the unfinished epoch are dropped and counted, ``samples_dropped``), keeping the DHT, the fragment keeper and
    its fragments. :meth:`ServerSession.resume` rejoins the same stage as a late joiner does: step 2, loading the
    stage's current state from its servers.
-6. :meth:`ServerSession.stop`: announce ``draining``, stop taking work, let a checkpoint being committed
-   finish, shut down the optimizer, hand the fragments it holds to other peers (at most :data:`HAND_OFF_S`),
-   stop the keeper and the DHT.
+6. :meth:`ServerSession.stop` (SIGTERM, Ctrl-C, ``swarm-peer drain``): withdraw as a pause does, announcing
+   ``draining``; let a checkpoint being committed finish, shut down the optimizer, hand the fragments it holds
+   to other peers (at most :data:`HAND_OFF_S`), stop the keeper and the DHT. A planned move withdraws the same
+   way before it joins its new stage.
 """
 
 from __future__ import annotations
