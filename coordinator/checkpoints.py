@@ -61,7 +61,7 @@ def lag_report(views: dict[int, list[CheckpointView]], epoch: int,
     behind = [s["stage"] for s in stages if s["newest_checkpoint"] == epoch]
     ahead = [f"stage {s['stage']} has epoch {s['newest_checkpoint']}" for s in stages
              if s["newest_checkpoint"] is not None and s["newest_checkpoint"] > epoch]
-    now = max((e for e in stage_epochs.values()), default=None)
+    now = max(stage_epochs.values(), default=None)
     summary = f"epoch {epoch} (committed {age:.0f} s ago) is the newest every stage has a restorable checkpoint of"
     if ahead:
         summary += f": {', '.join(ahead)}, but stage{'s' if len(behind) > 1 else ''} " \
@@ -124,7 +124,8 @@ def render(snap: dict[str, Any]) -> None:
 
 async def fetch_complete(directory: RunDirectory, spec: RunSpec, p2p, epoch: Optional[int] = None,
                          progress: Optional[Callable[[str], None]] = None):
-    """``(epoch, shards)`` of the newest complete checkpoint (or of ``epoch``), every fragment verified.
+    """``(epoch, shards, lag)`` of the newest complete checkpoint (or of ``epoch``), every fragment verified;
+    ``lag`` is :func:`lag_report`'s account of why this epoch (its summary also goes to ``progress``).
 
     :raises LookupError: no complete checkpoint (or not at ``epoch``).
     """
@@ -135,9 +136,10 @@ async def fetch_complete(directory: RunDirectory, spec: RunSpec, p2p, epoch: Opt
         raise LookupError(f"no complete checkpoint{f' at epoch {epoch}' if epoch is not None else ''} (complete: "
                           f"{complete or 'none'}); see `swarm-coordinator checkpoints`")
     epoch = complete[0] if epoch is None else epoch
+    servers = await loop.run_in_executor(None, directory.all_servers, spec.model.num_stages)
+    lag = lag_report(views, epoch, _stage_epochs(servers))
     if progress:
-        servers = await loop.run_in_executor(None, directory.all_servers, spec.model.num_stages)
-        progress(lag_report(views, epoch, _stage_epochs(servers))["summary"])
+        progress(lag["summary"])
     with tempfile.TemporaryDirectory() as tmp:
         keeper = FragmentKeeper(spec, directory, Identity.generate(), FragmentStore(Path(tmp), 1))
         keeper.p2p = p2p
@@ -150,7 +152,7 @@ async def fetch_complete(directory: RunDirectory, spec: RunSpec, p2p, epoch: Opt
                     progress(f"stage {k}: {done} of {needed} fragments fetched ({received / 1e6:.2f} MB so far)")
             blob, _ = await keeper.fetch(view, report)
             shards.append(decode_shard(blob, view.manifest.shard_sha256, run_id=directory.run_id, stage=k))
-    return epoch, shards
+    return epoch, shards, lag
 
 
 def _stage_epochs(servers: dict) -> dict[int, int]:
@@ -171,8 +173,7 @@ def export_and_sample(directory: RunDirectory, spec: RunSpec, out_dir: Path, tok
     async def fetch():
         return await fetch_complete(directory, spec, await directory.dht.replicate_p2p(), epoch, progress)
 
-    epoch, shards = asyncio.run(fetch())
-    lag = lag_report(_views(directory, spec), epoch, _stage_epochs(directory.all_servers(spec.model.num_stages)))
+    epoch, shards, lag = asyncio.run(fetch())
     export_model(spec.model, shards, out_dir, run_id=directory.run_id, tokenizer_json=tokenizer_json)
     model_spec, model = load_exported(out_dir)
     tok = Tokenizer.from_str(tokenizer_json)
