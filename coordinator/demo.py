@@ -48,7 +48,7 @@ def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, tra
         logger.info("run address %s", address)
         dht, directory, spec, _ = connect_run(address, PeerSettings(host="127.0.0.1"), client_mode=True)
         try:
-            _start_servers(swarm, directory, spec.model.num_stages, servers_per_stage)
+            start_servers(swarm, directory, spec.model.num_stages, servers_per_stage)
             logger.info("%d servers online; starting %d trainers", spec.model.num_stages * servers_per_stage, trainers)
             snap, elapsed = _train(swarm, directory, spec, trainers, seconds, progress_every)
             logger.info("measuring the validation loss on %d held-out micro-batches", eval_batches)
@@ -60,10 +60,10 @@ def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, tra
             val_loss = asyncio.run(evaluate())
         finally:
             dht.shutdown()
-    return _summary(snap, spec, val_loss, elapsed)
+    return summary(snap, spec, val_loss, elapsed)
 
 
-def _start_servers(swarm: LocalSwarm, directory, num_stages: int, per_stage: int) -> None:
+def start_servers(swarm: LocalSwarm, directory, num_stages: int, per_stage: int) -> None:
     """Start ``per_stage`` servers per stage, one after another, and wait until they are all online."""
     for i in range(num_stages * per_stage):
         peer = swarm.start_peer("server", "--stage", str(i % num_stages))
@@ -113,7 +113,7 @@ def _log_progress(snap: dict, seconds: float) -> None:
                 sum(p["role"] == "trainer" for p in snap["peers"]))
 
 
-def _summary(snap: dict, spec: RunSpec, val_loss: float, elapsed: float) -> dict[str, Any]:
+def summary(snap: dict, spec: RunSpec, val_loss: float, elapsed: float) -> dict[str, Any]:
     trainers_info = [p for p in snap["peers"] if p["role"] == "trainer"]
     initial = [p["initial_loss"] for p in trainers_info if p["initial_loss"] is not None]
     final = [p["loss"] for p in trainers_info if p["loss"] is not None]

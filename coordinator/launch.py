@@ -19,10 +19,20 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from swarm.config import RunSpec
 from swarm.identity import Identity
+
+
+Placement = Callable[[str], tuple[Sequence[str], str]]
+"""Where a peer runs: its name -> (a command prefix that puts it on its host, e.g. ``ip netns exec NS``; the
+address it listens on). The WAN lab (``bench/wanlab``) puts each peer in its own network namespace."""
+
+
+def on_loopback(name: str) -> tuple[Sequence[str], str]:
+    """The default :data:`Placement`: every peer on this machine's loopback."""
+    return (), "127.0.0.1"
 
 
 @dataclass
@@ -61,15 +71,17 @@ class LocalSwarm:
     """Start and stop a run's processes under ``workdir`` (created; removed on close unless ``keep``).
 
     :param cache_dir: shared data cache (corpus, tokenizer, tokens).
+    :param placement: where each peer runs and listens (default: all on loopback).
     """
 
     def __init__(self, spec_path: Path, workdir: Path, cache_dir: Path, *, keep: bool = False,
-                 extra_env: Optional[dict[str, str]] = None):
+                 extra_env: Optional[dict[str, str]] = None, placement: Placement = on_loopback):
         self.spec_path, self.workdir, self.cache_dir, self.keep = Path(spec_path), Path(workdir), Path(cache_dir), keep
         self.spec = RunSpec.from_toml(self.spec_path)
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
         self.extra_env = extra_env or {}
+        self.placement = placement
         # unix socket paths (p2pd, torch_shm_manager) must stay short: keep the peers' temp folders in /tmp
         self._tmp = Path(tempfile.mkdtemp(prefix="swarm-"))
         self.peers: list[Peer] = []
@@ -82,7 +94,7 @@ class LocalSwarm:
         tmp.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.update(
-            SWARM_CACHE_DIR=str(self.cache_dir), SWARM_HOST="127.0.0.1", SWARM_PORT=str(port),
+            SWARM_CACHE_DIR=str(self.cache_dir), SWARM_HOST=self.placement(name)[1], SWARM_PORT=str(port),
             SWARM_IDENTITY_FILE=str(self.workdir / "keys" / f"{name}.key"), TMPDIR=str(tmp),
             SWARM_FRAGMENT_DIR=str(self.workdir / "fragments" / name), SWARM_STATE_DIR=str(self.state_dir(name)),
             PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
@@ -99,8 +111,9 @@ class LocalSwarm:
         identity = Identity.load_or_create(self.workdir / "keys" / f"{name}.key")
         log = self.workdir / "logs" / f"{name}.log"
         port = port or free_port()
+        prefix, _ = self.placement(name)
         with open(log, "ab") as fh:
-            proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=fh, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([*prefix, sys.executable, "-m", module, *args], stdout=fh, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=self._env(name, port) | (env or {}),
                                     start_new_session=True)
         return Peer(name, role, proc, log, identity, port)
@@ -113,7 +126,8 @@ class LocalSwarm:
         addr_file = self.workdir / "run_address"
         addr_file.unlink(missing_ok=True)
         port = free_port()
-        args = ["serve", str(self.spec_path), "--key", str(key), "--host", "127.0.0.1", "--port", str(port),
+        args = ["serve", str(self.spec_path), "--key", str(key), "--host", self.placement("coordinator")[1],
+                "--port", str(port),
                 "--address-file", str(addr_file)]
         for maddr in peers:
             args += ["--peer", maddr]

@@ -43,7 +43,8 @@ def join(
                               "(the role for peers that cannot accept connections)."),
     stage: Optional[int] = typer.Option(None, help="Stage to serve (default: the stage with the least throughput)."),
     shard: Optional[int] = typer.Option(None, help="Trainer data share (default: the lowest unclaimed one)."),
-    concurrency: int = typer.Option(2, min=1, help="Trainer micro-batches in flight; raise it on fast links."),
+    concurrency: int = typer.Option(2, min=1, help="Trainer: the least micro-batches in flight; it adds enough to "
+                                    "cover its round trips to the servers (the log says how many)."),
     max_samples: Optional[int] = typer.Option(None, help="Trainer stops after this many samples."),
     loss_log: Optional[Path] = typer.Option(None, help="Trainer appends each micro-batch's loss here (JSON lines)."),
     log_level: str = typer.Option("INFO", help="Log level."),

@@ -137,6 +137,7 @@ class ServerSession:
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
         self._dropped_before = 0  # samples dropped by the optimizers of stages this process left
+        self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
 
     # ---- control (event loop thread) ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -490,16 +491,23 @@ class ServerSession:
             self.checkpoints.submit(self.checkpoints.commit(self.checkpoints.capture(end.epoch)))
 
     def _log_epoch(self, end: EpochEnd) -> None:
-        """The epoch's fixed-key line (``share``: this server's samples of the stage's target batch)."""
+        """The epoch's fixed-key line (``share``: this server's samples of the stage's target batch; ``step_s``: the
+        seconds the epoch's transition held the compute thread, matchmaking, all-reduce and optimizer step;
+        ``round_s``: the mean seconds of the all-reduces since the last line, ``-`` if none finished)."""
         server, spec = self.server, self.spec
         wire = server.optimizer.counters()
+        rounds, ms = wire.get("rounds", 0), wire.get("round_ms", 0)
+        before, self._rounds_logged = self._rounds_logged, (rounds, ms)
+        if rounds < before[0]:  # a new optimizer (a rejoin or a move) counts from zero
+            before = (0, 0)
+        round_s = f"{(ms - before[1]) / 1000 / (rounds - before[0]):.3f}" if rounds > before[0] else "-"
         self.log.info(
             "loss=%s samples/s=%.2f samples=%d dropped=%d share=%.0f%% progress=%.1f%% peers=%d lr=%.2e "
-            "avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d",
+            "step_s=%.2f round_s=%s avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d",
             f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-", server.throughput.samples_per_second,
             server.samples, self.samples_dropped, 100 * min(1.0, end.samples / spec.training.target_batch_size),
             100 * min(1.0, end.epoch / spec.optim.total_epochs), server.optimizer.peers, server.optimizer.lr,
-            wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0), wire.get("rejected", 0),
+            end.seconds, round_s, wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0), wire.get("rejected", 0),
             wire.get("flagged", 0),
         )
 

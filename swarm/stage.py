@@ -486,6 +486,13 @@ async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:
     """True if ``server`` (a :class:`~swarm.protocol.ServerInfo`) answers ``rpc_ping`` within ``timeout``
     seconds: its record is not a stale one left by a process that died (a restarted peer keeps its peer id
     but gets a new libp2p id)."""
+    return await ping_seconds(p2p, server, run_id, timeout) is not None
+
+
+async def ping_seconds(p2p, server, run_id: str, timeout: float = 3.0) -> Optional[float]:
+    """Seconds ``server`` (a :class:`~swarm.protocol.ServerInfo`) took to answer ``rpc_ping`` (a network round
+    trip, plus a new connection's handshakes the first time), or None if it did not answer within ``timeout``
+    (dead, unreachable, or not serving this stage)."""
     from hivemind.p2p import PeerID
 
     stub = StageServer.get_stub(p2p, PeerID.from_base58(server.p2p_id), namespace=run_id)
@@ -494,12 +501,13 @@ async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:
     async def call():
         replies = await stub.rpc_ping(stream_out(runtime_pb2.ExpertRequest, meta, []))
         return unpack_message((await gather(replies, max_tensors=0))[0], StageResponse)
+    started = time.perf_counter()
     try:
         await asyncio.wait_for(call(), timeout)
-        return True
+        return time.perf_counter() - started
     except Exception as e:  # dead, unreachable, or not serving this stage: all mean "not a source"
         logger.debug("stage %d server %s does not answer rpc_ping: %r", server.stage, server.peer_id, e)
-        return False
+        return None
 
 
 async def ask_state_digest(p2p, server, run_id: str, epoch: int, timeout: float = 3.0) -> tuple[int, str]:
@@ -522,4 +530,4 @@ async def ask_state_digest(p2p, server, run_id: str, epoch: int, timeout: float 
     return reply.epoch, reply.state_sha256
 
 
-__all__ = ["EpochEnd", "StageServer", "StageError", "ask_state_digest", "is_serving"]
+__all__ = ["EpochEnd", "StageServer", "StageError", "ask_state_digest", "is_serving", "ping_seconds"]

@@ -9,8 +9,8 @@ wires signals and ``swarm-peer pause|resume|drain``); a test starts one in-proce
 It joins the run's DHT in client mode (works behind NAT), prepares the run's dataset, claims a data share (the
 lowest one no other live trainer announces), and resumes it at the position the newest checkpoint manifest
 recorded (:func:`resume_position`). It walks that share of each pass in a seeded order
-(:func:`swarm.data.shard_order`), keeping ``concurrency`` micro-batches in flight through
-:class:`~swarm.pipeline.RemotePipeline`. Every ``record_ttl_s / 3`` seconds it publishes a signed
+(:func:`swarm.data.shard_order`), keeping micro-batches in flight through :class:`~swarm.pipeline.RemotePipeline`:
+``concurrency`` of them, plus enough to cover the round trips to its servers (:mod:`swarm.inflight`). Every ``record_ttl_s / 3`` seconds it publishes a signed
 :class:`~swarm.protocol.TrainerInfo` (with its position in the share's stream, which checkpoints record) and
 logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds it measures the validation loss through the swarm.
 """
@@ -37,6 +37,7 @@ from swarm.data import TokenDataset, prepare_dataset, shard_order
 from swarm.directory import RunDirectory, connect_run
 from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
+from swarm.inflight import TUNE_EVERY_S, InFlight, round_trip
 from swarm.logs import PeerLog
 from swarm.pipeline import PipelineError, RemotePipeline, validation_loss
 from swarm.protocol import TrainerInfo
@@ -86,7 +87,8 @@ class TrainerOptions:
     """What a trainer does beyond the run spec (the flags of ``swarm-peer join --role trainer``).
 
     :param shard: data share to train on (default: the lowest one no live trainer announces).
-    :param concurrency: micro-batches in flight; raise it on links with long round trips.
+    :param concurrency: the least micro-batches in flight; the trainer adds enough to cover its round trips to the
+        servers (:mod:`swarm.inflight`), up to :data:`~swarm.inflight.MOST_IN_FLIGHT`.
     :param max_samples: stop after this many samples (default: train until stopped).
     :param loss_log: append every micro-batch's loss and sample indices here (JSON lines).
     """
@@ -126,6 +128,7 @@ class Trainer:
         self.running = asyncio.Event()  # cleared while paused (:meth:`pause`)
         self.running.set()
         self.draining = False
+        self._retire = 0  # workers to stop after their micro-batch (the in-flight target fell)
         self.error: Optional[Exception] = None  # why the trainer stopped itself (e.g. it was banned)
         self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
 
@@ -200,10 +203,12 @@ class Trainer:
         batches = micro_batches(self.dataset, self.spec, self.shard, self.start_position)
         reporter = asyncio.create_task(self._report())
         validator = asyncio.create_task(self._validate())
-        workers = [asyncio.create_task(self._worker(batches)) for _ in range(self.options.concurrency)]
+        workers = {asyncio.create_task(self._worker(batches)) for _ in range(self.options.concurrency)}
+        tuner = asyncio.create_task(self._tune_in_flight(workers, batches))
         try:
             await self._stop.wait()
             self.draining = True
+            tuner.cancel()
             _, pending = await asyncio.wait(workers, timeout=grace_s)
             for task in pending:
                 task.cancel()
@@ -213,10 +218,31 @@ class Trainer:
         finally:
             self._stop.set()
             validator.cancel()
-            await asyncio.gather(reporter, validator, return_exceptions=True)
+            tuner.cancel()
+            await asyncio.gather(reporter, validator, tuner, return_exceptions=True)
+
+    async def _tune_in_flight(self, workers: set[asyncio.Task], batches: Iterator[list[int]]) -> None:
+        """Every :data:`~swarm.inflight.TUNE_EVERY_S` seconds, set the micro-batches in flight to
+        :class:`~swarm.inflight.InFlight`'s target: start workers, or let some retire after their micro-batch."""
+        tuning = InFlight(self.options.concurrency, self.spec.model.num_stages)
+        while not await sleep_or_stop(self._stop, TUNE_EVERY_S):
+            servers = [s for k in range(self.spec.model.num_stages) for s in await self.pipeline.servers(k)]
+            rtt = await round_trip(self.p2p, servers, self.directory.run_id)
+            target = tuning.update(self.steps, rtt)
+            if target is None:
+                continue
+            self.log.info("micro-batches in flight: %d (round trip %.0f ms to %d servers, %.2f micro-batches/s)",
+                          target, 1000 * rtt, len(servers), tuning.rate)
+            live = {w for w in workers if not w.done()}
+            self._retire = max(0, len(live) - target)
+            for _ in range(target - len(live)):
+                workers.add(asyncio.create_task(self._worker(batches)))
 
     async def _worker(self, batches: Iterator[list[int]]) -> None:
         while not self._stop.is_set():
+            if self._retire > 0:
+                self._retire -= 1
+                return
             if not self.running.is_set():
                 await wait_any(self.running, self._stop)
                 continue

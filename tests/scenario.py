@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from hivemind.utils import get_dht_time
 
-from coordinator.launch import LocalSwarm, Peer
+from coordinator.launch import LocalSwarm, Peer, Placement, on_loopback
 from peer.control import send
 from swarm.config import PeerSettings, RunSpec
 from swarm.directory import connect_run
@@ -334,8 +334,10 @@ class Faults:
         return self.log
 
 
-def make_swarm(spec, tmp_path, cache_dir, keep: bool = False, extra_env: Optional[dict] = None) -> LocalSwarm:
-    """A :class:`LocalSwarm` under ``tmp_path`` for ``spec`` (a :class:`~swarm.config.RunSpec`, or a TOML path)."""
+def make_swarm(spec, tmp_path, cache_dir, keep: bool = False, extra_env: Optional[dict] = None,
+               placement: Placement = on_loopback) -> LocalSwarm:
+    """A :class:`LocalSwarm` under ``tmp_path`` for ``spec`` (a :class:`~swarm.config.RunSpec`, or a TOML path);
+    ``placement``: where its peers run (a WAN lab's hosts: ``bench.wanlab.Lab.place``)."""
     if isinstance(spec, RunSpec):
         spec = write_spec(spec, tmp_path / f"{spec.name}.toml")
-    return LocalSwarm(spec, tmp_path / "swarm", cache_dir, keep=keep, extra_env=extra_env)
+    return LocalSwarm(spec, tmp_path / "swarm", cache_dir, keep=keep, extra_env=extra_env, placement=placement)

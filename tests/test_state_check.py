@@ -3,7 +3,9 @@ refused over real hivemind averagers (DHT and p2pd on loopback)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent import futures
 
 import pytest
 import torch
@@ -249,4 +251,44 @@ def test_a_peer_downloads_a_servers_whole_state_only_a_few_times_a_minute():
     finally:
         server.shutdown()
         stranger.shutdown()
+        d0.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_state_a_donor_hands_out_is_a_copy_its_next_steps_leave_alone():
+    """A download streams the donor's state for as long as the link needs (seconds on a slow one) while the donor
+    keeps stepping: what it hands out must be the state of one epoch, not live tensors (a torn state, which every
+    check refuses, was what joiners got over 20 Mbit/s links)."""
+    ((k0, d0),) = keyed_dhts(1)
+    module = build_stage(TINY.model, 0)
+    opt = StageOptimizer(TINY, "snapshot", 0, d0, module, identity=k0)
+    try:
+        opt.jump_to_epoch(0)
+        for i in range(MICRO_BATCHES):
+            opt.step(_gradients(module, i), TINY.training.micro_batch_size, "trainer0")
+        metadata, handed, _ = opt._opt.state_averager.get_current_state()
+        kept = [t.clone() for t in handed]
+        for i in range(MICRO_BATCHES, 2 * MICRO_BATCHES):
+            opt.step(_gradients(module, i), TINY.training.micro_batch_size, "trainer0")
+        assert metadata["epoch"] == 1 and opt.epoch == 2
+        assert all(torch.equal(a, b) for a, b in zip(kept, handed)), "the handed-out state moved with the donor"
+        live = list(module.parameters())
+        assert not all(torch.equal(a, b) for a, b in zip(handed, live)), "the donor did not step at all"
+
+        # a transition in flight (hivemind counted the next epoch, its all-reduce and step have not run): the copy
+        # waits for it, and then holds the stepped parameters with the new epoch
+        averager, transition, out = opt._opt.state_averager, futures.Future(), []
+        averager.pending_updates.add(transition)
+        copier = threading.Thread(target=lambda: out.append(averager.get_current_state()))
+        copier.start()
+        copier.join(0.5)
+        assert copier.is_alive() and not out, "the state was copied in the middle of a transition"
+        stepped = averager.optimizer.param_groups[0]["params"][0]
+        with torch.no_grad():
+            stepped.add_(1.0)  # what the transition's step does to the parameters
+        transition.set_result(None)
+        copier.join(30)
+        assert out and torch.equal(out[0][1][0], stepped)
+    finally:
+        opt.shutdown()
         d0.shutdown()

@@ -49,9 +49,10 @@ class RoundFailed(RuntimeError):
 class WireStats:
     """Counters shared with the process that owns the averager (int64 shared memory, so the averager process
     can count while the main process reads): bytes sent/received, phases completed/failed, parts rejected and
-    flagged by this peer as a reducer."""
+    flagged by this peer as a reducer, rounds completed and their milliseconds in all (from the group's forming
+    to this peer's averaged result: the all-reduce, not the matchmaking before it)."""
 
-    FIELDS = ("sent", "received", "phases", "failed", "rejected", "flagged")
+    FIELDS = ("sent", "received", "phases", "failed", "rejected", "flagged", "rounds", "round_ms")
 
     def __init__(self):
         self.values = torch.zeros(len(self.FIELDS), dtype=torch.int64).share_memory_()

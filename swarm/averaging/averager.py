@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent import futures
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
@@ -25,7 +26,8 @@ from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.compression import CompressionInfo, TensorRole
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import enter_asynchronously
@@ -56,6 +58,8 @@ DOWNLOAD_BURST = 3
 one more after each failed check; each costs the server its whole state on the wire)."""
 MAX_PART_TENSORS = 8
 """Tensors in one part (a codec sends one to three: values, or codes and scales, or PowerSGD's factors)."""
+SNAPSHOT_WAIT_S = 60.0
+"""Longest a donor waits for an epoch transition in flight before it copies its state for a download (seconds)."""
 REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start here (peers run phases unevenly)
 
 
@@ -170,6 +174,7 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
 
     # ---- the round --------------------------------------------------------------------------------------
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        began = time.perf_counter()
         try:
             bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
             user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
@@ -192,6 +197,8 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
                                                   fractions, senders, weight, seed)
                 for t, a in zip(local_tensors, averaged):
                     t.copy_(a)
+            self.wire.rounds += 1
+            self.wire.round_ms += round((time.perf_counter() - began) * 1000)
             return user_gathered
         except BaseException as e:
             self.wire.failed += 1
@@ -398,3 +405,35 @@ class RobustStateAverager(DonorChoice, RobustAllReduceMixin, TrainingStateAverag
         self._init_robust(rules, make_compressor("none"), identity, run_id, kwargs.get("dht"))
         self._init_donors()
         super().__init__(**kwargs)
+
+    def get_current_state(self):
+        """The state a joiner downloads, as hivemind's ``TrainingStateAverager.get_current_state`` builds it
+        (parameters, extra tensors, optimizer statistics; the metadata with the epoch), but *copied*, under the
+        tensor lock that the optimizer step also holds, and never in the middle of an epoch's transition.
+
+        hivemind 1.1.12 hands out the live tensors (``.cpu()`` of a CPU tensor is the tensor itself) and streams
+        them for as long as the download lasts; and it counts the new epoch before the transition's all-reduce and
+        optimizer step ran. On a slow link the donor steps during the download (the demo's 20 MB state takes ~13 s
+        at 20 Mbit/s and 150 ms: three epochs), or a download starts inside a transition (one to four seconds
+        there), and the joiner gets a mix of epochs or the epoch number of the next one, which its state check
+        refuses (seen in the WAN lab, ``bench/wan.py``). Here the copy waits for the transitions in flight (at most
+        :data:`SNAPSHOT_WAIT_S`). It costs one state's memory while a download runs. Executed in the host process.
+        """
+        deadline = time.monotonic() + SNAPSHOT_WAIT_S
+        while True:
+            with torch.no_grad(), self.lock_averaged_tensors:
+                transitions = [f for f in list(self.pending_updates) if not f.done()]
+                if not transitions or time.monotonic() > deadline:
+                    params = [p.detach().clone() for group in self.optimizer.param_groups for p in group["params"]]
+                    extra = [t.detach().clone() for t in self.extra_tensors]
+                    opt_metadata, opt_tensors = dump_optimizer_state(self.optimizer)
+                    opt_tensors = [t.clone() for t in opt_tensors]
+                    epoch = self.local_epoch
+                    break
+            futures.wait(transitions, timeout=max(0.0, deadline - time.monotonic()))
+        infos = [CompressionInfo.from_tensor(p, key=k, role=TensorRole.PARAMETER)
+                 for p, k in zip(params, self.parameter_names)]
+        infos += [CompressionInfo.from_tensor(t, key=i, role=TensorRole.UNSPECIFIED) for i, t in enumerate(extra)]
+        infos += [CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER) for i, t in enumerate(opt_tensors)]
+        metadata = dict(epoch=epoch, group_bits=self.get_group_bits(), optimizer_metadata=opt_metadata)
+        return metadata, [*params, *extra, *opt_tensors], infos

@@ -1,0 +1,294 @@
+"""The demo swarm on loopback and on emulated internet links: what slow, far links cost it (issue 13).
+
+    python bench/wan.py [--profiles loopback,100:50,20:150] [--seconds 150] [--spec runs/demo.toml]
+
+A profile ``MBIT:RTT_MS`` (optionally ``:LOSS``) puts every peer on its own host of a WAN lab
+(:mod:`bench.wanlab`): each host uploads and downloads at MBIT Mbit/s and two hosts see RTT_MS of round trip.
+``loopback`` runs the same processes on this machine's loopback. For each profile the bench
+
+1. measures the link it got (TCP round trip and throughput between two server hosts; on loopback, between two
+   local sockets): the figures reported are these, never the ones asked for;
+2. starts the demo swarm: a coordinator, 2 servers per stage and 2 trainers, each on its own host;
+3. trains ``--seconds``; a third of the way in, a DHT probe on its own host times stores and gets, and halfway
+   in a late server joins stage 0 on its own host;
+4. measures the validation loss through the swarm (the same held-out micro-batches on every profile).
+
+Figures per profile (one JSON line each; the last line has them all under ``profiles``):
+
+* ``tokens_per_s`` (the trainers' tokens over the training seconds) and ``ratio_to_loopback``;
+* ``round_s``: mean seconds of a gradient all-reduce, from the group's forming to the averaged result (the
+  servers' own counters, ``rounds`` and ``round_ms``), and ``round_bound_s``: the least time the same bytes
+  need, ``sent_per_round / link rate + 2 x phases x RTT``. ``sent_per_round`` is what a server's averager counted
+  sending per round, which is 2(n-1)/n x the round's bytes for n servers in the group (the butterfly's
+  reduce-scatter and all-gather); each phase costs one round trip to open its streams and one to send a part and
+  get the partition's aggregate back;
+* ``round_bytes``: bytes a server's averager sent and received per round, and ``wire_bytes_per_round``: every
+  IP byte between the servers of one stage (counted by the lab's switch: also DHT, checkpoint fragments and the
+  state averaging every ``average_state_every`` epochs) over the rounds (lab profiles only);
+* ``dht_get_ms``, ``dht_store_ms``: medians of 10 gets (``latest=True``) and 10 stores from a client node;
+* ``join_s``: from the late server's process start to its record saying ``online`` (its state loaded);
+  ``state_s``: the part of it from its "loading state" line to "online"; ``join_bound_s``: the stage state's
+  bytes (parameters and Adam's two moments, fp32) over the measured link rate, plus 4 round trips;
+* ``step_s``: median seconds an epoch's transition held a server's compute thread (matchmaking, all-reduce and
+  optimizer step; the servers' epoch lines);
+* ``val_loss`` after the equal training time; ``epochs``; ``failed_rounds`` and ``dropped`` samples;
+  ``switch_cpu_s``: CPU seconds the lab's switch used (it shares the machine's cores with the swarm).
+
+Needs root for the lab profiles (without it they are skipped, saying why). Takes about 5 minutes per profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.wanlab import OBSERVER_IP, Lab, Profile  # noqa: E402
+from bench.wanlab.probe import measure  # noqa: E402
+from coordinator.demo import start_servers, summary  # noqa: E402
+from coordinator.launch import LocalSwarm, on_loopback  # noqa: E402
+from coordinator.status import snapshot  # noqa: E402
+from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.data import prepare_dataset  # noqa: E402
+from swarm.directory import connect_run  # noqa: E402
+from swarm.model import build_stage  # noqa: E402
+from swarm.pipeline import RemotePipeline, validation_loss  # noqa: E402
+from swarm.protocol import ServerState  # noqa: E402
+
+logger = logging.getLogger("swarm.bench.wan")
+
+HOSTS = ["coordinator", "server1", "server2", "server3", "server4", "trainer5", "trainer6", "server7", "dhtprobe"]
+"""The lab's hosts, named as :class:`LocalSwarm` names the peers it starts in this order."""
+PROBES = 10
+EVAL_BATCHES = 16
+
+
+def parse_profile(text: str) -> tuple[str, Optional[Profile]]:
+    if text == "loopback":
+        return text, None
+    mbit, rtt, *loss = text.split(":")
+    name = f"{mbit}mbit-{rtt}ms" + (f"-{loss[0]}loss" if loss else "")
+    return name, Profile(name, rtt_ms=float(rtt), mbit=float(mbit), loss=float(loss[0]) if loss else 0.0)
+
+
+def dht_probe(address: str) -> None:
+    """Inside the probe host: time :data:`PROBES` stores and gets from a client node; print them as JSON."""
+    dht, directory, spec, _ = connect_run(address, PeerSettings(host="0.0.0.0"), client_mode=True)
+    try:
+        stores, gets = [], []
+        for i in range(PROBES):
+            key = f"wanprobe-{time.time_ns()}-{i}"
+            t0 = time.perf_counter()
+            dht.store(key, i, expiration_time=time.time() + 60)
+            stores.append(1000 * (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            dht.get(key, latest=True)
+            gets.append(1000 * (time.perf_counter() - t0))
+        print(json.dumps({"dht_store_ms": round(statistics.median(stores), 1),
+                          "dht_get_ms": round(statistics.median(gets), 1)}), flush=True)
+    finally:
+        dht.shutdown()
+
+
+def measure_loopback() -> dict:
+    server = subprocess.Popen([sys.executable, "-m", "bench.wanlab.probe", "serve", "5201"], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        server.stdout.readline()
+        return measure("127.0.0.1", 5201, 3.0)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def state_bytes(spec: RunSpec, stage: int) -> int:
+    """Bytes of a stage's state a joiner downloads: fp32 parameters and Adam's two moments."""
+    return 3 * 4 * sum(p.numel() for p in build_stage(spec.model, stage).parameters())
+
+
+class Run:
+    """One profile's swarm, its probes and its figures."""
+
+    def __init__(self, swarm: LocalSwarm, lab: Optional[Lab], spec_path: Path):
+        self.swarm, self.lab = swarm, lab
+        address = swarm.start_coordinator(timeout=180)
+        observer = OBSERVER_IP if lab else "127.0.0.1"
+        self.dht, self.directory, self.spec, _ = connect_run(address, PeerSettings(host=observer), client_mode=True)
+        self.figures: dict = {}
+
+    def close(self) -> None:
+        self.dht.shutdown()
+
+    def train(self, seconds: float) -> tuple[dict, float]:
+        """Start the servers and trainers, train ``seconds`` with the probes; returns the run's snapshot and the
+        seconds trained."""
+        spec, directory, swarm = self.spec, self.directory, self.swarm
+        start_servers(swarm, directory, spec.model.num_stages, 2)
+        trainers = [swarm.start_peer("trainer", "--shard", str(i)) for i in range(2)]
+        started = time.monotonic()
+        probe = joiner = None
+        next_report = 15.0
+        while (elapsed := time.monotonic() - started) < seconds:
+            time.sleep(0.5)
+            if probe is None and elapsed > seconds / 3:
+                prefix = self.lab.prefix("dhtprobe") if self.lab else []
+                probe = subprocess.Popen([*prefix, sys.executable, __file__, "--dht-probe", swarm.address], cwd=ROOT,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            if joiner is None and elapsed > seconds / 2:
+                joiner = swarm.start_peer("server", "--stage", "0")
+                joined_at = time.monotonic()
+            if joiner is not None and "join_s" not in self.figures and self._online(joiner.peer_id):
+                self.figures["join_s"] = round(time.monotonic() - joined_at, 1)
+            if elapsed >= next_report:
+                next_report += 15.0
+                snap = snapshot(directory, spec)
+                logger.info("t=%3.0fs epochs=%s loss=%s", elapsed, [s["epoch"] for s in snap["stages"]],
+                            snap["run"]["loss"])
+        before = snapshot(directory, spec)
+        for p in trainers:
+            swarm.stop(p)
+        elapsed = time.monotonic() - started
+        time.sleep(1.0)
+        snap = snapshot(directory, spec)
+        snap["peers"] += [p for p in before["peers"] if p["peer_id"] not in {q["peer_id"] for q in snap["peers"]}]
+        if probe is not None:
+            out, _ = probe.communicate(timeout=120)
+            self.figures.update(json.loads(out.strip().splitlines()[-1]) if out.strip() else {})
+        if joiner is not None:
+            self.figures["state_s"] = _state_seconds(swarm.tail(joiner, 400))
+        self.figures.update(self._averaging())
+        steps = [float(x) for p in swarm.peers[:4] for x in re.findall(r"step_s=([\d.]+)", p.log.read_text())]
+        if steps:
+            self.figures["step_s"] = round(statistics.median(steps), 3)
+        return snap, elapsed
+
+    def _online(self, peer_id: str) -> bool:
+        return any(s.peer_id == peer_id and s.state == ServerState.ONLINE
+                   for g in self.directory.all_servers(self.spec.model.num_stages).values() for s in g)
+
+    def _averaging(self) -> dict:
+        """Round time and bytes from the first servers' counters (their last records)."""
+        servers = [s for g in self.directory.all_servers(self.spec.model.num_stages).values() for s in g
+                   if s.peer_id in {p.peer_id for p in self.swarm.peers[:4]}]
+        counters = [s.averaging for s in servers if s.averaging.get("rounds")]
+        rounds = sum(c["rounds"] for c in counters)
+        if not rounds:
+            return {"rounds": 0}
+        return {"rounds": rounds, "round_s": round(sum(c["round_ms"] for c in counters) / rounds / 1000, 3),
+                "sent_per_round": round(sum(c["sent"] for c in counters) / rounds),
+                "round_bytes": round(sum(c["sent"] + c["received"] for c in counters) / rounds),
+                "phases_per_round": round(sum(c["phases"] for c in counters) / rounds, 2),
+                "failed_rounds": sum(s.averaging.get("failed", 0) for s in servers),
+                "dropped": sum(s.samples_dropped for s in servers)}
+
+    def val_loss(self, dataset) -> float:
+        async def evaluate() -> float:
+            pipeline = RemotePipeline(self.spec, self.directory.run_id, self.directory, await self.dht.replicate_p2p())
+            return await validation_loss(pipeline, dataset, EVAL_BATCHES)
+
+        return asyncio.run(evaluate())
+
+
+def _state_seconds(log: str) -> Optional[float]:
+    """Seconds from the "loading state" line to "online" in a server's log (whole seconds: the log's stamps are
+    ``HH:MM:SS``); None if either line is missing."""
+    stamps = {}
+    for line in log.splitlines():
+        m = re.match(r"(\d\d):(\d\d):(\d\d) ", line)
+        for what in ("loading state", "] online"):
+            if m and what in line and what not in stamps:
+                stamps[what] = int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3])
+    return float(stamps["] online"] - stamps["loading state"]) if len(stamps) == 2 else None
+
+
+def run_profile(name: str, profile: Optional[Profile], spec_path: Path, cache_dir: Path, seconds: float,
+                env: dict[str, str], keep: bool = False) -> dict:
+    spec = RunSpec.from_toml(spec_path)
+    dataset = prepare_dataset(spec, cache_dir)
+    lab = Lab(HOSTS, profile) if profile else contextlib.nullcontext()
+    with lab:
+        link = lab.measure("server1", "server2") if profile else measure_loopback()
+        logger.info("%s: measured %.2f ms round trip, %.1f Mbit/s", name, link["rtt_ms"], link["mbit"])
+        placement = (lambda host: (lab.prefix(host), lab.ip(host))) if profile else on_loopback
+        workdir = Path(tempfile.mkdtemp(prefix="swarm-wan-"))
+        with LocalSwarm(spec_path, workdir, cache_dir, placement=placement, extra_env=env, keep=keep) as swarm:
+            if keep:
+                logger.info("%s: the peers' logs are in %s", name, workdir / "logs")
+            run = Run(swarm, lab if profile else None, spec_path)
+            try:
+                snap, elapsed = run.train(seconds)
+                val = run.val_loss(dataset)
+                traffic = lab.traffic() if profile else {}
+                protocols = lab.protocols() if profile else {}
+                switch_cpu_s = lab.switch_cpu_s() if profile else 0.0
+            finally:
+                run.close()
+    out = summary(snap, spec, val, elapsed)
+    figures = run.figures
+    rtt_s, rate = link["rtt_ms"] / 1000, link["mbit"] * 1e6 / 8
+    result = {"name": name, "rtt_ms": link["rtt_ms"], "mbit": link["mbit"], "tokens_per_s": out["tokens_per_s"],
+              "epochs": out["epochs"], "val_loss": out["val_loss"], **figures}
+    if protocols:
+        result["wire_bytes_by_protocol"] = protocols
+        result["switch_cpu_s"] = round(switch_cpu_s, 1)
+    if figures.get("rounds"):
+        result["round_bound_s"] = round(figures["sent_per_round"] / rate + 2 * figures["phases_per_round"] * rtt_s, 3)
+        if traffic:
+            pairs = [("server1", "server3"), ("server3", "server1"), ("server2", "server4"), ("server4", "server2")]
+            result["wire_bytes_per_round"] = round(sum(traffic.get(p, 0) for p in pairs) / figures["rounds"] * 2)
+    result["join_bound_s"] = round(state_bytes(spec, 0) / rate + 4 * rtt_s, 2)
+    return result
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profiles", default="loopback,100:50,20:150",
+                        help="comma-separated: loopback, or MBIT:RTT_MS[:LOSS] (each host's rate, the round trip)")
+    parser.add_argument("--seconds", type=float, default=150.0, help="training seconds per profile")
+    parser.add_argument("--spec", type=Path, default=ROOT / "runs" / "demo.toml")
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "swarm")
+    parser.add_argument("--env", action="append", default=[], metavar="SWARM_X=VALUE",
+                        help="a peer setting for every peer (repeatable), e.g. SWARM_QUIC=0 to compare")
+    parser.add_argument("--keep", action="store_true", help="keep each profile's peer logs (the path is logged)")
+    parser.add_argument("--dht-probe", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.dht_probe:
+        logging.basicConfig(level=logging.WARNING)
+        return dht_probe(args.dht_probe)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERMed bench cleans up as on Ctrl-C
+    results = []
+    for text in args.profiles.split(","):
+        name, profile = parse_profile(text)
+        if profile is not None and (why := Lab.unavailable()):
+            logger.warning("skipping %s: %s", name, why)
+            continue
+        env = dict(kv.split("=", 1) for kv in args.env)
+        result = run_profile(name, profile, args.spec, args.cache_dir, args.seconds, env, args.keep)
+        base = next((r for r in results if r["name"] == "loopback"), None)
+        result["ratio_to_loopback"] = round(result["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    print(json.dumps({"profiles": results}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

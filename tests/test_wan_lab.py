@@ -1,0 +1,91 @@
+"""The WAN lab (bench/wanlab): its links have the round trip and rate asked for, and it leaves nothing behind,
+also when the process that made it fails, is interrupted or is killed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.wanlab import Lab, LabError, Profile, leftovers, sweep
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.skipif(bool(Lab.unavailable()), reason=str(Lab.unavailable()))
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from bench.wanlab import Lab, Profile
+with Lab(["a", "b"], Profile("t", rtt_ms=20, mbit=50)) as lab:
+    sleeper = __import__("subprocess").Popen([*lab.prefix("a"), "sleep", "600"])
+    print("ready", flush=True)
+    time.sleep(600)
+"""
+
+
+def _wait_clean(timeout: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.fixture(autouse=True)
+def clean_machine():
+    sweep()
+    assert _wait_clean() == [], "a lab of an earlier run is still on this machine"
+    yield
+    assert _wait_clean() == [], "the test left a lab behind"
+
+
+def test_links_have_the_round_trip_and_rate_asked_for_and_traffic_is_counted():
+    with Lab(["a", "b", "c"], Profile("t", rtt_ms=40, mbit=20)) as lab:
+        ab = lab.measure("a", "b", seconds=2.0)
+        ca = lab.measure("c", "a", seconds=2.0)
+        deadline = time.monotonic() + 10  # the switch writes its counters every half second
+        while (traffic := lab.traffic()).get(("c", "a"), 0) < ca["bytes"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        prefixes = [lab.prefix(h)[-1] for h in ("a", "b", "c")]
+        assert len(set(prefixes)) == 3 and len({lab.ip(h) for h in ("a", "b", "c")}) == 3
+    for figures in (ab, ca):
+        assert 40 <= figures["rtt_ms"] < 120, figures  # the switch adds 20 ms each way; never less
+        assert 2 <= figures["mbit"] <= 20 * 1.05, figures  # tbf caps the upload at 20 Mbit/s
+    assert traffic[("a", "b")] >= ab["bytes"] and traffic[("c", "a")] >= ca["bytes"], traffic
+    assert traffic.get(("b", "c"), 0) < 10_000, traffic  # b and c never talked
+
+
+def test_an_address_no_host_holds_times_out_and_a_failed_block_cleans_up():
+    with pytest.raises(RuntimeError, match="boom"):
+        with Lab(["a", "b"], Profile("t")) as lab:
+            dial = "import socket; socket.create_connection(('10.213.0.200', 5201), timeout=2)"
+            done = subprocess.run([*lab.prefix("a"), sys.executable, "-c", dial], capture_output=True, text=True,
+                                  timeout=60)
+            assert "timed out" in done.stderr  # no host there: nothing answers, nothing crashes
+            raise RuntimeError("boom")
+    with pytest.raises(ValueError):
+        Lab(["a"], Profile("t")).ip("nobody")
+
+
+def test_ctrl_c_and_sigkill_of_the_lab_owner_leave_nothing():
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=str(ROOT))], stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            assert holder.stdout.readline().strip() == "ready"
+            assert any(x.startswith("namespace") for x in leftovers())
+            holder.send_signal(sig)
+            holder.wait(30)
+        finally:
+            holder.kill()
+        if sig == signal.SIGKILL:  # no chance to clean up: the next lab (or sweep) removes what is left
+            sweep()
+        assert _wait_clean() == [], f"after {sig.name}"
+
+
+def test_a_lab_refuses_a_subnet_in_use():
+    with Lab(["a"], Profile("t")):
+        with pytest.raises(LabError, match="already routed"):
+            Lab(["b"], Profile("t")).start()
