@@ -207,12 +207,21 @@ class AveragingSpec(_Section):
         "disables, else it must be above 1. Raise it if honest trainers get excluded in the log.",
     )
     matchmaking_time: float = Field(
-        2.0, gt=0, description="Seconds to gather a group. Raise it if the log shows fewer peers than servers."
+        2.0, gt=0, description="Seconds to gather a group. Raise it if the log shows fewer peers than servers. "
+        "Forming a group takes a few DHT lookups and requests, about 10 round trips: keep it above 10x the "
+        "servers' round trip (2 s covers 150 ms; a server logs 'Averaging step failed: could not find a group' "
+        "when it is too short).",
     )
-    averaging_timeout: float = Field(30.0, gt=0, description="Seconds before an averaging round is abandoned.")
+    averaging_timeout: float = Field(
+        30.0, gt=0, description="Seconds before an averaging round is abandoned. On slow links a round moves "
+        "about 2x the stage's gradient bytes (compressed) per server, and every average_state_every epochs 2x its "
+        "parameters and optimizer state: keep it above 3x that over the slowest server's upload rate (the log "
+        "says 'averaging round ... ran out of time' when it is too short).",
+    )
     next_chunk_timeout: float = Field(
-        10.0, gt=0, description="Seconds to wait for a peer's next part in the all-reduce. Raise it if the log shows "
-        "'received X% results' on busy or slow machines."
+        10.0, gt=0, description="Seconds to wait for a peer's next part in the all-reduce (a sender waits twice it "
+        "for the reply). Raise it if the log shows 'received X% results' on busy or slow machines, or "
+        "'no reply within' naming a reducer on slow links: a part is the gradient's bytes / servers."
     )
     average_state_every: int = Field(
         10, ge=1, description="Epochs between parameter/optimizer-state averaging rounds (re-syncs drifting servers)."
@@ -228,8 +237,12 @@ class AveragingSpec(_Section):
 
 
 class TimeoutSpec(_Section):
-    forward_s: float = Field(60.0, gt=0, description="Seconds a trainer waits for a stage's forward.")
-    backward_s: float = Field(60.0, gt=0, description="Seconds a trainer waits for a stage's backward.")
+    forward_s: float = Field(
+        60.0, gt=0, description="Seconds a trainer waits for a stage's forward: the server's compute and queue, "
+        "plus a round trip and the activations' bytes over the slower of the two links. Raise it if trainers "
+        "log 'failed (TimeoutError' against servers that are alive.",
+    )
+    backward_s: float = Field(60.0, gt=0, description="Seconds a trainer waits for a stage's backward (as forward_s).")
     backoff_s: float = Field(
         5.0, gt=0, description="Seconds a trainer avoids a server after a failed call; doubles per failure in a row.",
     )

@@ -252,7 +252,9 @@ async def send_part(stub, meta: AveragingPart, encoded: list[torch.Tensor], coun
     try:
         return await asyncio.wait_for(call(), timeout)
     except asyncio.TimeoutError:
-        return AveragingReply(error=f"no reply within {timeout:.0f} s"), []
+        return AveragingReply(error=f"no reply within {timeout:.0f} s (twice [averaging] next_chunk_timeout): the "
+                              "link to it is slow or down, or it is overloaded; on slow links raise "
+                              "next_chunk_timeout"), []
     except (ProtocolError, ConnectionError, OSError) as e:
         return AveragingReply(error=f"{type(e).__name__}: {e}"), []
     except Exception as e:  # P2P handler and daemon errors: the reducer is unreachable or crashed

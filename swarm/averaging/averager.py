@@ -174,12 +174,11 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
 
     # ---- the round --------------------------------------------------------------------------------------
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
-        began = time.perf_counter()
+        began, peers = time.perf_counter(), [str(p) for p in group_info.peer_ids]
         try:
             bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
             user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
             modes = [AveragingMode(m) for m in mode_ids]
-            peers = [str(p) for p in group_info.peer_ids]
             excluded = [p for p in peers if self.exclusions.is_excluded(p)]
             if excluded:
                 raise RoundFailed(f"group holds excluded peers {excluded}; looking for another group")
@@ -202,9 +201,19 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
             return user_gathered
         except BaseException as e:
             self.wire.failed += 1
-            if isinstance(e, Exception):
-                logger.warning(f"averaging round failed: {type(e).__name__}: {e}")
+            self._log_failure(e, peers, time.perf_counter() - began)
             raise AllreduceException(f"robust all-reduce failed: {e}") from e
+
+    def _log_failure(self, e: BaseException, peers: list[str], seconds: float) -> None:
+        """One line for a failed round: why, after how long, and, when it ran out of time (hivemind cancels it at
+        ``averaging_timeout``), with whom and which setting to raise."""
+        if isinstance(e, Exception):
+            logger.warning(f"averaging round failed after {seconds:.1f} s: {type(e).__name__}: {e}")
+        elif isinstance(e, asyncio.CancelledError) and seconds >= 0.9 * self._allreduce_timeout:
+            others = [p for p in peers if p != str(self.peer_id)]
+            logger.warning(f"averaging round with {others} ran out of time after {seconds:.1f} s ([averaging] "
+                           f"averaging_timeout={self._allreduce_timeout:.0f} s): a link of the group is slow or down; "
+                           "on slow links raise averaging_timeout")
 
     async def _run_phases(self, tensors, group: str, peers, fractions, senders, weight, seed):
         me = str(self.peer_id)
