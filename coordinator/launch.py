@@ -1,4 +1,5 @@
-"""A local swarm of real processes on loopback: a coordinator, stage servers and trainers.
+"""A local swarm of real processes: a coordinator, stage servers and trainers, on loopback or wherever a
+:data:`Placement` puts each of them (the WAN lab, ``bench/wanlab``, gives each its own network namespace).
 
 Used by ``swarm-coordinator demo``, the integration tests and the benchmarks. Every peer runs in its own
 session (process group) so that stopping it also stops its DHT, averager and p2pd children; each gets its own

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import statistics
 import time
 from typing import Optional, Sequence
@@ -25,11 +26,13 @@ from swarm.stage import ping_seconds
 
 MOST_IN_FLIGHT = 16
 """Most micro-batches a trainer keeps in flight (each holds its activations, ~B x T x d floats per stage); half of
-what a stage server serves one peer at once (:data:`swarm.admission.MOST_IN_FLIGHT`), leaving room for spot checks."""
+what a stage server serves one peer at once (:data:`swarm.admission.MAX_IN_FLIGHT`), leaving room for spot checks."""
 TUNE_EVERY_S = 10.0
 """Seconds between two measurements of the round trip and the rate."""
 PINGS = 3
 """Pings per server per measurement (the least counts)."""
+SERVERS_PINGED = 8
+"""Most servers pinged per measurement (a random sample of the stages' servers: the cost stays flat in big runs)."""
 
 
 def in_flight_target(base: int, calls: int, round_trip_s: float, rate: float, most: int = MOST_IN_FLIGHT) -> int:
@@ -45,9 +48,11 @@ def in_flight_target(base: int, calls: int, round_trip_s: float, rate: float, mo
     return max(base, min(max(base, most), base + extra))
 
 
-async def round_trip(p2p, servers: Sequence, run_id: str, pings: int = PINGS) -> Optional[float]:
+async def round_trip(p2p, servers: Sequence, run_id: str, pings: int = PINGS,
+                     most: int = SERVERS_PINGED) -> Optional[float]:
     """The network round trip (seconds) to ``servers`` (ServerInfo): the least of ``pings`` ``rpc_ping`` per
-    server, the median over the servers that answered; None if none did."""
+    server, the median over the servers that answered (at most ``most`` of them, sampled); None if none did."""
+    servers = random.sample(list(servers), min(most, len(servers)))
     async def least(server) -> Optional[float]:
         times = [await ping_seconds(p2p, server, run_id) for _ in range(pings)]
         answered = [t for t in times if t is not None]
@@ -59,7 +64,8 @@ async def round_trip(p2p, servers: Sequence, run_id: str, pings: int = PINGS) ->
 
 class InFlight:
     """The trainer's in-flight target (module docstring): call :meth:`update` every :data:`TUNE_EVERY_S`
-    seconds with the micro-batches finished so far; it returns the new target, or None if unchanged."""
+    seconds with the micro-batches finished so far; it returns the new target, or None if unchanged (also when no
+    server answered a ping, or nothing finished in the period: the swarm stalled, e.g. a stage between epochs)."""
 
     def __init__(self, base: int, stages: int, most: int = MOST_IN_FLIGHT):
         self.base, self.calls, self.most = base, 2 * stages - 1, most
@@ -71,8 +77,8 @@ class InFlight:
     def update(self, finished: int, round_trip_s: Optional[float], now: Optional[float] = None) -> Optional[int]:
         now = time.monotonic() if now is None else now
         last, self._last = self._last, (now, finished)
-        if last is None or now <= last[0] or round_trip_s is None:
-            return None
+        if last is None or now <= last[0] or round_trip_s is None or finished == last[1]:
+            return None  # nothing to go on; a period in which nothing finished is a stall, not a slower rate
         self.rate, self.round_trip_s = (finished - last[1]) / (now - last[0]), round_trip_s
         target = in_flight_target(self.base, self.calls, round_trip_s, self.rate, self.most)
         if target == self.target:
@@ -81,4 +87,4 @@ class InFlight:
         return target
 
 
-__all__ = ["InFlight", "MOST_IN_FLIGHT", "TUNE_EVERY_S", "in_flight_target", "round_trip"]
+__all__ = ["InFlight", "MOST_IN_FLIGHT", "PINGS", "SERVERS_PINGED", "TUNE_EVERY_S", "in_flight_target", "round_trip"]

@@ -507,8 +507,8 @@ class ServerSession:
             f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-", server.throughput.samples_per_second,
             server.samples, self.samples_dropped, 100 * min(1.0, end.samples / spec.training.target_batch_size),
             100 * min(1.0, end.epoch / spec.optim.total_epochs), server.optimizer.peers, server.optimizer.lr,
-            end.seconds, round_s, wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0), wire.get("rejected", 0),
-            wire.get("flagged", 0),
+            end.seconds, round_s, wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0),
+            wire.get("rejected", 0), wire.get("flagged", 0),
         )
 
 

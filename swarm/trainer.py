@@ -9,10 +9,11 @@ wires signals and ``swarm-peer pause|resume|drain``); a test starts one in-proce
 It joins the run's DHT in client mode (works behind NAT), prepares the run's dataset, claims a data share (the
 lowest one no other live trainer announces), and resumes it at the position the newest checkpoint manifest
 recorded (:func:`resume_position`). It walks that share of each pass in a seeded order
-(:func:`swarm.data.shard_order`), keeping micro-batches in flight through :class:`~swarm.pipeline.RemotePipeline`:
-``concurrency`` of them, plus enough to cover the round trips to its servers (:mod:`swarm.inflight`). Every ``record_ttl_s / 3`` seconds it publishes a signed
-:class:`~swarm.protocol.TrainerInfo` (with its position in the share's stream, which checkpoints record) and
-logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds it measures the validation loss through the swarm.
+(:func:`swarm.data.shard_order`), keeping micro-batches in flight through :class:`~swarm.pipeline.RemotePipeline`
+(``concurrency`` of them, plus enough to cover the round trips to its servers, :mod:`swarm.inflight`). Every
+``record_ttl_s / 3`` seconds it publishes a signed :class:`~swarm.protocol.TrainerInfo` (with its position in
+the share's stream, which checkpoints record) and logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds
+it measures the validation loss through the swarm.
 """
 
 from __future__ import annotations

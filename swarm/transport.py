@@ -109,10 +109,12 @@ async def gather(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_BYTES, coun
         (:func:`_declared_bytes`), or a tensor whose bytes do not match its header.
     """
     try:
-        async with asyncio.timeout(deadline_s):
+        async with asyncio.timeout(deadline_s) as window:
             metadata, groups, declared, total, ended = await _collect(stream, max_bytes, max_tensors)
     except TimeoutError:
-        raise ProtocolError(f"the stream did not finish within {deadline_s:.0f} s") from None
+        if window.expired():
+            raise ProtocolError(f"the stream did not finish within {deadline_s:.0f} s") from None
+        raise ProtocolError("the sender stalled: no message came within the stream's per-message timeout") from None
     if ended and hasattr(stream, "aclose"):
         await stream.aclose()  # the reply's end: close the stream first, so the handler's side closes after it
     counter.received += total

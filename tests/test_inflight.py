@@ -30,4 +30,6 @@ def test_in_flight_follows_the_rate_and_round_trip_and_reports_only_changes():
     assert tuning.update(120, 0.15, now=30.0) == 4  # a longer round trip: more in flight
     assert tuning.update(120, None, now=40.0) is None  # no server answered a ping: keep the target
     assert tuning.target == 4
-    assert tuning.update(120, 0.15, now=50.0) == 2  # nothing finished for 10 s: back to the base
+    assert tuning.update(120, 0.15, now=50.0) is None  # nothing finished for 10 s: a stall, the target stays
+    assert tuning.update(126, 0.15, now=60.0) == 3  # 0.6/s: 0.27 more -> one more
+    assert tuning.update(127, 0.15, now=70.0) == 2  # 0.1/s: 0.045 more -> none

@@ -1,5 +1,8 @@
+import asyncio
 import random
+import threading
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -93,3 +96,42 @@ def test_choose_stage_fills_the_bottleneck():
     assert choose_stage(spec, groups, rng) == 0
     groups[1][-1] = server("d", 5.0, 1, ServerState.DRAINING)  # draining servers do not count: 8 < 10
     assert choose_stage(spec, groups, rng) == 1
+
+
+class _SlowDirectory:
+    """A directory whose reads after the first wait until ``gate`` opens (a DHT read over a far link)."""
+
+    def __init__(self):
+        self.reads, self.gate = 0, threading.Event()
+
+    def servers(self, stage: int):
+        self.reads += 1
+        if self.reads > 1:
+            self.gate.wait(30)
+        return [SimpleNamespace(peer_id=f"read{self.reads}", stage=stage, convicted={})]
+
+
+def test_a_due_read_of_the_servers_runs_in_the_background_while_micro_batches_route_on():
+    from swarm.pipeline import RemotePipeline
+    from tests.conftest import TINY
+
+    async def scenario():
+        directory = _SlowDirectory()
+        pipeline = RemotePipeline(TINY, "run", directory, None, refresh_s=0.0)
+        first = await pipeline.servers(0)  # nothing cached: the first read is waited for
+        during = await asyncio.wait_for(pipeline.servers(0), 5)  # due, but answered from the cache at once
+        for _ in range(100):  # (the gate holds the read for 30 s: waiting for it would have timed out above)
+            if directory.reads == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert directory.reads == 2 and [s.peer_id for s in first + during] == ["read1", "read1"]
+        assert [s.peer_id for s in await pipeline.servers(0)] == ["read1"] and directory.reads == 2  # one at a time
+        directory.gate.set()
+        for _ in range(100):  # the background read lands
+            if (await pipeline.servers(0))[0].peer_id == "read2":
+                break
+            await asyncio.sleep(0.05)
+        assert (await pipeline.servers(0, force=True))[0].peer_id.startswith("read")
+        assert directory.reads >= 3
+
+    asyncio.run(scenario())

@@ -109,6 +109,14 @@ def test_a_stream_that_never_ends_is_dropped_at_its_deadline():
         _gather(sender, deadline_s=1.0)
 
 
+def test_a_sender_stalled_past_its_per_message_timeout_is_not_blamed_on_the_deadline():
+    from hivemind.utils.asyncio import aiter_with_timeout
+
+    sender = Sender([runtime_pb2.ExpertRequest(metadata=META)], forever=True)
+    with pytest.raises(ProtocolError, match="the sender stalled"):
+        _gather(aiter_with_timeout(sender.__aiter__(), 0.2), deadline_s=60.0)
+
+
 def test_a_refused_request_logs_one_escaped_line_per_class_and_peer_per_period(monkeypatch):
     import logging
 

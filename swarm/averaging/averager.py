@@ -25,8 +25,8 @@ import torch
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.optim.grad_averager import GradientAverager
 from hivemind.compression import CompressionInfo, TensorRole
+from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -58,8 +58,9 @@ DOWNLOAD_BURST = 3
 one more after each failed check; each costs the server its whole state on the wire)."""
 MAX_PART_TENSORS = 8
 """Tensors in one part (a codec sends one to three: values, or codes and scales, or PowerSGD's factors)."""
-SNAPSHOT_WAIT_S = 60.0
-"""Longest a donor waits for an epoch transition in flight before it copies its state for a download (seconds)."""
+SNAPSHOT_WAIT_S = 30.0
+"""Longest a donor waits for an epoch transition in flight before it copies its state for a download (seconds;
+also at most half of ``next_chunk_timeout``, the joiner's wait for the download's first message)."""
 REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start here (peers run phases unevenly)
 
 
@@ -425,10 +426,12 @@ class RobustStateAverager(DonorChoice, RobustAllReduceMixin, TrainingStateAverag
         optimizer step ran. On a slow link the donor steps during the download (the demo's 20 MB state takes ~13 s
         at 20 Mbit/s and 150 ms: three epochs), or a download starts inside a transition (one to four seconds
         there), and the joiner gets a mix of epochs or the epoch number of the next one, which its state check
-        refuses (seen in the WAN lab, ``bench/wan.py``). Here the copy waits for the transitions in flight (at most
-        :data:`SNAPSHOT_WAIT_S`). It costs one state's memory while a download runs. Executed in the host process.
+        refuses (seen in the WAN lab, ``bench/wan.py``). Here the copy waits for the transitions in flight, at most
+        :data:`SNAPSHOT_WAIT_S` and half the joiner's wait for a message (``next_chunk_timeout``); a copy taken
+        inside a long transition (a state-averaging round on a slow link) may still be refused, and the joiner
+        tries another donor. It costs one state's memory while a download runs. Executed in the host process.
         """
-        deadline = time.monotonic() + SNAPSHOT_WAIT_S
+        deadline = time.monotonic() + min(SNAPSHOT_WAIT_S, (self.next_chunk_timeout or SNAPSHOT_WAIT_S) / 2)
         while True:
             with torch.no_grad(), self.lock_averaged_tensors:
                 transitions = [f for f in list(self.pending_updates) if not f.done()]
