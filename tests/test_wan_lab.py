@@ -16,7 +16,8 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.skipif(bool(Lab.unavailable()), reason=str(Lab.unavailable()))
 
 HOLDER = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a pytest process that ran averagers ignores SIGINT)
 sys.path.insert(0, {root!r})
 from bench.wanlab import Lab, Profile
 with Lab(["a", "b"], Profile("t", rtt_ms=20, mbit=50)) as lab:
@@ -38,7 +39,9 @@ def clean_machine():
     sweep()
     assert _wait_clean() == [], "a lab of an earlier run is still on this machine"
     yield
-    assert _wait_clean() == [], "the test left a lab behind"
+    left = _wait_clean()
+    sweep()  # leave the machine clean even when the test failed (a holder that died holding its lab)
+    assert left == [], "the test left a lab behind"
 
 
 def test_links_have_the_round_trip_and_rate_asked_for_and_traffic_is_counted():
@@ -80,6 +83,7 @@ def test_ctrl_c_and_sigkill_of_the_lab_owner_leave_nothing():
             holder.wait(30)
         finally:
             holder.kill()
+            holder.wait()
         if sig == signal.SIGKILL:  # no chance to clean up: the next lab (or sweep) removes what is left
             sweep()
         assert _wait_clean() == [], f"after {sig.name}"
