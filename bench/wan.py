@@ -283,7 +283,7 @@ def main() -> None:
             continue
         env = dict(kv.split("=", 1) for kv in args.env)
         result = run_profile(name, profile, args.spec, args.cache_dir, args.seconds, env, args.keep)
-        base = next((r for r in results if r["name"] == "loopback"), None)
+        base = next((r for r in [*results, result] if r["name"] == "loopback"), None)
         result["ratio_to_loopback"] = round(result["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
         print(json.dumps(result), flush=True)
         results.append(result)
