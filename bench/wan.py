@@ -87,7 +87,7 @@ def parse_profile(text: str) -> tuple[str, Optional[Profile]]:
 
 def dht_probe(address: str) -> None:
     """Inside the probe host: time :data:`PROBES` stores and gets from a client node; print them as JSON."""
-    dht, directory, spec, _ = connect_run(address, PeerSettings(host="0.0.0.0"), client_mode=True)
+    dht, _, _, _ = connect_run(address, PeerSettings(host="0.0.0.0"), client_mode=True)
     try:
         stores, gets = [], []
         for i in range(PROBES):
@@ -123,7 +123,7 @@ def state_bytes(spec: RunSpec, stage: int) -> int:
 class Run:
     """One profile's swarm, its probes and its figures."""
 
-    def __init__(self, swarm: LocalSwarm, lab: Optional[Lab], spec_path: Path):
+    def __init__(self, swarm: LocalSwarm, lab: Optional[Lab]):
         self.swarm, self.lab = swarm, lab
         address = swarm.start_coordinator(timeout=180)
         observer = OBSERVER_IP if lab else "127.0.0.1"
@@ -228,7 +228,7 @@ def run_profile(name: str, profile: Optional[Profile], spec_path: Path, cache_di
         with LocalSwarm(spec_path, workdir, cache_dir, placement=placement, extra_env=env, keep=keep) as swarm:
             if keep:
                 logger.info("%s: the peers' logs are in %s", name, workdir / "logs")
-            run = Run(swarm, lab if profile else None, spec_path)
+            run = Run(swarm, lab if profile else None)
             try:
                 snap, elapsed = run.train(seconds)
                 val = run.val_loss(dataset)
