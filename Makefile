@@ -20,7 +20,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-scenarios: $(STAMP)   # long checkpoint, chaos and fault scenarios (~14 min on 2 cores); CI runs them after `make test`
+test-scenarios: $(STAMP)   # long checkpoint, chaos and fault scenarios (~17 min on 2 cores); CI runs them after `make test`
 	$(BIN)/python -m pytest -m scenario $(PYTEST_ARGS)
 
 bench: $(STAMP)
