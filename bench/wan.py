@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.wanlab import OBSERVER_IP, Lab, Profile  # noqa: E402
-from bench.wanlab.probe import measure  # noqa: E402
+from bench.wanlab.probe import measure_between  # noqa: E402
 from coordinator.demo import start_servers, summary  # noqa: E402
 from coordinator.launch import LocalSwarm, on_loopback  # noqa: E402
 from coordinator.status import snapshot  # noqa: E402
@@ -105,14 +105,7 @@ def dht_probe(address: str) -> None:
 
 
 def measure_loopback() -> dict:
-    server = subprocess.Popen([sys.executable, "-m", "bench.wanlab.probe", "serve", "5201"], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        server.stdout.readline()
-        return measure("127.0.0.1", 5201, 3.0)
-    finally:
-        server.kill()
-        server.wait()
+    return measure_between([], [], "127.0.0.1", 5201, 3.0)
 
 
 def state_bytes(spec: RunSpec, stage: int) -> int:

@@ -28,10 +28,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+from bench.wanlab.probe import measure_between
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "swarmwan-"
@@ -275,18 +276,10 @@ class Lab:
 
     def measure(self, src: str, dst: str, seconds: float = 3.0) -> dict:
         """TCP round trip (ms) and throughput (Mbit/s) from ``src`` to ``dst``, measured now (:mod:`.probe`)."""
-        server = subprocess.Popen([*self.prefix(dst), sys.executable, "-m", "bench.wanlab.probe", "serve",
-                                   str(PROBE_PORT)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
         try:
-            if server.stdout.readline().strip() != "listening":
-                raise LabError(f"the probe server did not start on {dst}: {server.stderr.read()[-1000:]}")
-            out = _run(*self.prefix(src), sys.executable, "-m", "bench.wanlab.probe", "measure", self.ip(dst),
-                       str(PROBE_PORT), str(seconds), timeout=60 + seconds)
-            return json.loads(out)
-        finally:
-            server.kill()
-            server.wait()
+            return measure_between(self.prefix(dst), self.prefix(src), self.ip(dst), PROBE_PORT, seconds)
+        except RuntimeError as e:
+            raise LabError(f"measuring the link {src} -> {dst}: {e}") from None
 
 
 __all__ = ["Lab", "LabError", "OBSERVER_IP", "Profile", "leftovers", "sweep"]

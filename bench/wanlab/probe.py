@@ -14,12 +14,15 @@ import json
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 ECHOES = 20
 CHUNK = 1 << 16
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _serve_one(conn: socket.socket) -> None:
@@ -72,6 +75,29 @@ def measure(host: str, port: int, seconds: float) -> dict:
     total, elapsed = struct.unpack("!Qd", reply)
     return {"rtt_ms": round(statistics.median(rtts[1:]), 2), "mbit": round(total * 8 / max(elapsed, 1e-6) / 1e6, 2),
             "bytes": total, "seconds": round(elapsed, 3)}
+
+
+def measure_between(server_prefix: list[str], client_prefix: list[str], host: str, port: int,
+                    seconds: float) -> dict:
+    """Start a probe server under ``server_prefix`` (e.g. ``ip netns exec NS``; [] on this host), run
+    :func:`measure` against ``host:port`` under ``client_prefix`` and return its figures; the server is stopped.
+
+    :raises RuntimeError: the server did not start, or the measurement failed (its output is in the message).
+    """
+    probe = [sys.executable, "-m", "bench.wanlab.probe"]
+    server = subprocess.Popen([*server_prefix, *probe, "serve", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        if server.stdout.readline().strip() != "listening":
+            raise RuntimeError(f"the probe server did not start: {server.stderr.read()[-1000:]}")
+        done = subprocess.run([*client_prefix, *probe, "measure", host, str(port), str(seconds)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60 + seconds)
+        if done.returncode != 0:
+            raise RuntimeError(f"measuring {host}:{port} failed: {done.stderr.strip()[-1000:]}")
+        return json.loads(done.stdout)
+    finally:
+        server.kill()
+        server.wait()
 
 
 if __name__ == "__main__":
