@@ -13,7 +13,9 @@ import pytest
 from bench.wanlab import Lab, LabError, Profile, leftovers, sweep
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.skipif(bool(Lab.unavailable()), reason=str(Lab.unavailable()))
+WHY = Lab.unavailable()
+"""Why this machine cannot run a WAN lab (None if it can)."""
+pytestmark = pytest.mark.skipif(bool(WHY), reason=str(WHY))
 
 HOLDER = """
 import signal, sys, time

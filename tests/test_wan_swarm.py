@@ -14,8 +14,10 @@ from swarm.protocol import ServerState
 from tests.conftest import TINY
 from tests.scenario import Scenario, make_swarm
 
+WHY = Lab.unavailable()
+"""Why this machine cannot run a WAN lab (None if it can)."""
 pytestmark = [pytest.mark.scenario, pytest.mark.timeout(900),
-              pytest.mark.skipif(bool(Lab.unavailable()), reason=str(Lab.unavailable()))]
+              pytest.mark.skipif(bool(WHY), reason=str(WHY))]
 
 SPEC = TINY.updated(name="wan", checkpoint={"interval_epochs": 4, "fragments_needed": 2, "fragments_total": 3})
 HOSTS = ["coordinator", "server1", "server2", "server3", "server4", "server5", "trainer6", "trainer7"]

@@ -204,12 +204,15 @@ class Lab:
                           mbit=0.0, loss=0.0))
         config = self._dir / "switch.json"
         config.write_text(json.dumps(dict(hosts=hosts, queue_ms=p.queue_ms, stats_path=str(self.stats_path))))
-        self._switch = subprocess.Popen([sys.executable, "-m", "bench.wanlab.switch", str(config)], cwd=ROOT,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        errors = self._dir / "switch.log"  # (a file, not a pipe nobody reads that could fill and block it)
+        with open(errors, "w") as err:
+            self._switch = subprocess.Popen([sys.executable, "-m", "bench.wanlab.switch", str(config)], cwd=ROOT,
+                                            stdout=subprocess.PIPE, stderr=err, text=True)
         line = self._switch.stdout.readline().strip()
         if line != "ready":
             self._switch.kill()
-            raise LabError(f"the lab's switch did not start: {line} {self._switch.stderr.read()[-2000:]}")
+            self._switch.wait()
+            raise LabError(f"the lab's switch did not start: {line} {errors.read_text()[-2000:]}")
 
     def switch_cpu_s(self) -> float:
         """CPU seconds the switch process used so far (user and system; 0 once it stopped)."""
@@ -259,20 +262,20 @@ class Lab:
     def stats_path(self) -> Path:
         return self._dir / "switch-stats.json"
 
+    def _stats(self) -> dict:
+        """The switch's counters as it last wrote them (every half second); empty before the first write."""
+        try:
+            return json.loads(self.stats_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
     def traffic(self) -> dict[tuple[str, str], int]:
         """IP bytes the switch carried so far per (source host, destination host) (half a second old at most)."""
-        try:
-            raw = json.loads(self.stats_path.read_text())["bytes"]
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            return {}
-        return {tuple(k.split(">", 1)): v for k, v in raw.items()}
+        return {tuple(k.split(">", 1)): v for k, v in self._stats().get("bytes", {}).items()}
 
     def protocols(self) -> dict[str, int]:
         """IP bytes the switch carried so far per transport protocol (``tcp``, ``udp``)."""
-        try:
-            return json.loads(self.stats_path.read_text())["protocols"]
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            return {}
+        return self._stats().get("protocols", {})
 
     def measure(self, src: str, dst: str, seconds: float = 3.0) -> dict:
         """TCP round trip (ms) and throughput (Mbit/s) from ``src`` to ``dst``, measured now (:mod:`.probe`)."""
