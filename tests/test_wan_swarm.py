@@ -42,6 +42,7 @@ def test_a_swarm_over_100mbit_50ms_links_trains_routes_around_a_killed_server_an
             sc.wait(lambda: sum(s.state == ServerState.ONLINE for s in sc.directory.servers(0)) >= 3, 180,
                     "three online servers on stage 0")
             sc.trainers(2).until_epoch(3, timeout=300)
+            sc.wait(lambda: _run_loss(sc) < float("inf"), 60, "the trainers' first loss records")
             early = _run_loss(sc)
             victim = sc.server(stage=0)
             fired = sc.faults().at_epoch(4).kill(victim).run(until_epoch=10, timeout=420)
