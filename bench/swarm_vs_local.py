@@ -1,6 +1,7 @@
 """The same model and the same number of tokens, trained in one process and through a local swarm.
 
     python bench/swarm_vs_local.py [--spec runs/demo.toml] [--samples 512] [--servers-per-stage 2] [--trainers 2]
+                                   [--modes synchronous,overlapped]
 
 Local: :func:`swarm.reference.train_reference` (all stages chained in one process, torch's default threads).
 Swarm: a coordinator, ``servers_per_stage`` servers per stage and ``trainers`` trainers as separate processes on
@@ -8,7 +9,11 @@ loopback, the trainers splitting ``samples`` between them; timed from the traine
 Both share this machine's cores, so ``ratio`` = swarm / local throughput is the cost of the swarm's
 processes, RPCs and averaging rounds on one box, not a network figure.
 
-Prints one JSON line: ``local_tokens_per_s, swarm_tokens_per_s, ratio, avg_round_s`` (mean seconds of an
+Each of ``modes`` runs the swarm once on the same local baseline: ``synchronous`` (the spec's averaging as it is
+written, with ``overlap_rounds`` off: each epoch's transition waits for its gradient round) and ``overlapped``
+(``overlap_rounds`` on: :mod:`swarm.averaging.overlap`).
+
+Prints one JSON line per mode: ``mode, local_tokens_per_s, swarm_tokens_per_s, ratio, avg_round_s`` (mean seconds of an
 epoch transition on a server: matchmaking + all-reduce + optimizer step), ``bytes_per_round`` (bytes a
 server sent plus received per gradient all-reduce phase, counted at the transport
 and published in its ServerInfo), and the counts behind them.
@@ -74,13 +79,30 @@ def run_swarm(spec_path: Path, spec: RunSpec, cache_dir: Path, samples: int, per
     }
 
 
+MODES = {"synchronous": {"overlap_rounds": False}, "overlapped": {"overlap_rounds": True}}
+"""Mode name -> the ``[averaging]`` settings it overrides in the spec."""
+
+
+def spec_for_mode(spec: RunSpec, mode: str, workdir: Path) -> tuple[Path, RunSpec]:
+    """The spec with ``mode``'s averaging settings, written as TOML under ``workdir``."""
+    moded = spec.updated(averaging=MODES[mode])
+    path = workdir / f"{spec.name}-{mode}.toml"
+    path.write_text(moded.to_toml())
+    return path, moded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--spec", type=Path, default=ROOT / "runs" / "demo.toml")
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--servers-per-stage", type=int, default=2)
     parser.add_argument("--trainers", type=int, default=2)
+    parser.add_argument("--modes", default="synchronous,overlapped",
+                        help=f"comma-separated, of {list(MODES)}")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        parser.error(f"--modes: unknown {sorted(set(modes) - set(MODES))}; choose from {list(MODES)}")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     spec = RunSpec.from_toml(args.spec)
@@ -88,22 +110,23 @@ def main() -> None:
     dataset = prepare_dataset(spec, cache_dir)
     local = train_reference(spec, dataset, max_samples=args.samples)
     local_tps = local.tokens / local.seconds
-    swarm = run_swarm(args.spec, spec, cache_dir, args.samples, args.servers_per_stage, args.trainers)
-    swarm_tps = swarm["tokens"] / swarm["seconds"]
-
-    n = args.servers_per_stage
-    print(json.dumps({
-        "local_tokens_per_s": round(local_tps, 1),
-        "swarm_tokens_per_s": round(swarm_tps, 1),
-        "ratio": round(swarm_tps / local_tps, 3),
-        "avg_round_s": round(swarm["avg_round_s"], 3),
-        "bytes_per_round": int(swarm["bytes_per_phase"]),
-        "tokens": {"local": local.tokens, "swarm": swarm["tokens"]},
-        "epochs": {"local": local.epochs, "swarm": swarm["epochs"]},
-        "servers_per_stage": n, "trainers": args.trainers, "stages": spec.model.num_stages,
-        "final_loss_local": round(sum(local.losses[-8:]) / len(local.losses[-8:]), 4),
-    }))
-
+    workdir = Path(tempfile.mkdtemp(prefix="swarm-bench-specs-"))
+    for mode in modes:
+        path, moded = spec_for_mode(spec, mode, workdir)
+        swarm = run_swarm(path, moded, cache_dir, args.samples, args.servers_per_stage, args.trainers)
+        swarm_tps = swarm["tokens"] / swarm["seconds"]
+        print(json.dumps({
+            "mode": mode,
+            "local_tokens_per_s": round(local_tps, 1),
+            "swarm_tokens_per_s": round(swarm_tps, 1),
+            "ratio": round(swarm_tps / local_tps, 3),
+            "avg_round_s": round(swarm["avg_round_s"], 3),
+            "bytes_per_round": int(swarm["bytes_per_phase"]),
+            "tokens": {"local": local.tokens, "swarm": swarm["tokens"]},
+            "epochs": {"local": local.epochs, "swarm": swarm["epochs"]},
+            "servers_per_stage": args.servers_per_stage, "trainers": args.trainers, "stages": spec.model.num_stages,
+            "final_loss_local": round(sum(local.losses[-8:]) / len(local.losses[-8:]), 4),
+        }), flush=True)
 
 if __name__ == "__main__":
     main()

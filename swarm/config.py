@@ -125,9 +125,11 @@ class TrainingSpec(_Section):
     target_batch_size: int = Field(
         64, ge=1, description="Samples the servers of a stage process together per epoch (then average and step)."
     )
-    activation_compression: Literal["none", "float16", "blockwise8bit"] = Field(
+    activation_compression: Literal["none", "float16", "blockwise8bit", "blockwise4bit", "blockwise3bit"] = Field(
         "blockwise8bit", description="Codec of activations and their gradients between stages: 'blockwise8bit' "
-        "sends a quarter of the bytes (per-block absmax, ~0.4% error); 'none' sends fp32 (exact).",
+        "sends a quarter of the bytes (per-block absmax, ~0.4% error); 'blockwise4bit' and 'blockwise3bit' send "
+        "7.5x and 9.8x fewer than fp32 (absmax over 64 values, ~11% and ~28% error per value; measure the loss "
+        "with bench/compression.py before using them on a slow link); 'none' sends fp32 (exact).",
     )
 
     @model_validator(mode="after")
@@ -143,9 +145,22 @@ class TrainingSpec(_Section):
 class AveragingSpec(_Section):
     """Intra-stage averaging (hivemind matchmaking + butterfly all-reduce)."""
 
-    compression: Literal["none", "float16", "blockwise8bit", "powersgd"] = Field(
+    compression: Literal["none", "float16", "blockwise8bit", "powersgd", "topk"] = Field(
         "none", description="Codec for gradients in the all-reduce, with error feedback: 'float16' halves the "
-        "bytes, 'blockwise8bit' quarters them, 'powersgd' sends rank-r factors (see powersgd_rank).",
+        "bytes, 'blockwise8bit' quarters them, 'powersgd' sends rank-r factors (see powersgd_rank), 'topk' sends "
+        "the highest-scoring chunks in 2-4 bits (see topk_fraction; ~300x fewer bytes than fp32 by default).",
+    )
+    topk_fraction: float = Field(
+        1 / 32, gt=0, le=1, description="topk: fraction of the gradient's chunks sent per round. Lower sends fewer "
+        "bytes and delays more of the gradient (it waits in the error-feedback residual); raise it if the loss lags "
+        "an uncompressed run.",
+    )
+    topk_chunk: int = Field(
+        256, ge=64, le=65536, multiple_of=64, description="topk: values per chunk (one score each on the wire). "
+        "Larger chunks cost fewer score bytes and select more coarsely.",
+    )
+    topk_bits: Literal[2, 3, 4] = Field(
+        2, description="topk: bits per value sent (absmax per 64 values); the rounding is fed back like the rest.",
     )
     powersgd_rank: int = Field(
         4, ge=1, le=256, description="Rank of PowerSGD factors. Higher tracks uncompressed training closer and "
@@ -225,6 +240,13 @@ class AveragingSpec(_Section):
     )
     average_state_every: int = Field(
         10, ge=1, description="Epochs between parameter/optimizer-state averaging rounds (re-syncs drifting servers)."
+    )
+    overlap_rounds: bool = Field(
+        False, description="Average an epoch's gradients in the background while the servers serve the next epoch, "
+        "and apply them at the end of that next epoch (a delayed parameter update: gradients are one epoch stale, "
+        "and the first epoch takes no step). Removes the stall of each round (matchmaking_time plus the all-reduce) "
+        "from the pipeline; turn it on when rounds take a sizeable share of an epoch. Every server of a run must "
+        "agree on it.",
     )
 
     @field_validator("trainer_outlier_ratio")

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from swarm.averaging.schedule import make_scheduler, make_torch_optimizer
+from swarm.averaging.schedule import make_scheduler, make_torch_optimizer, schedule_moves_quietly
 from swarm.config import RunSpec
 from swarm.data import TokenDataset
 from swarm.model import build_stage, lm_loss
@@ -33,13 +33,17 @@ class ReferenceResult:
     tokens: int = 0
 
 
-def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max_samples: int) -> ReferenceResult:
+def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max_samples: int,
+                    delayed: Optional[bool] = None) -> ReferenceResult:
     """Train the chained stages on ``shard``'s micro-batches for ``max_samples`` samples.
 
     An epoch is ``target_batch_size / micro_batch_size`` micro-batches (rounded up): gradients of their mean
     losses are averaged, then AdamW steps and the schedule advances, as each stage's collaborative optimizer
-    does.
+    does. ``delayed`` (default: the spec's ``averaging.overlap_rounds``) applies each epoch's gradients at the end
+    of the next epoch instead, with that epoch's learning rate (:mod:`swarm.averaging.overlap`): ``E`` epochs
+    take ``E - 1`` steps.
     """
+    delayed = spec.averaging.overlap_rounds if delayed is None else delayed
     stages = [build_stage(spec.model, k) for k in range(spec.model.num_stages)]
     params = [p for m in stages for p in m.parameters()]
     opt = make_torch_optimizer(spec.optim, params)
@@ -47,6 +51,7 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
     b = spec.training.micro_batch_size
     per_epoch = -(-spec.training.target_batch_size // b)
     result, start, count = ReferenceResult(stages=stages, optimizer=opt), time.perf_counter(), 0
+    pending: Optional[list[torch.Tensor]] = None
     for indices in micro_batches(dataset, spec, shard):
         if count * b >= max_samples:
             break
@@ -59,10 +64,25 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
         result.losses.append(loss.item())
         count += 1
         if count % per_epoch == 0:
-            opt.step()
-            sched.step()
+            if delayed:
+                pending = _step_delayed(opt, params, pending)
+            else:
+                opt.step()
+            with schedule_moves_quietly():  # a delayed first epoch moves the schedule before any step
+                sched.step()
             opt.zero_grad()
             result.epochs += 1
     result.seconds = time.perf_counter() - start
     result.tokens = count * b * spec.data.seq_len
     return result
+
+
+def _step_delayed(opt: torch.optim.Optimizer, params: list[torch.Tensor],
+                  pending: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Step on the previous epoch's gradients (``pending``; none at the first epoch) and return this epoch's."""
+    current = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+    if pending is not None:
+        for p, g in zip(params, pending):
+            p.grad = g
+        opt.step()
+    return current

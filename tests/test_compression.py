@@ -47,7 +47,7 @@ def test_codecs_reject_malformed_parts(codec):
         codec.decode(good + [torch.zeros(1)], 1000)
 
 
-@pytest.mark.parametrize("name", ["float16", "blockwise8bit", "powersgd"])
+@pytest.mark.parametrize("name", ["float16", "blockwise8bit", "powersgd", "topk"])
 def test_error_feedback_drives_the_accumulated_error_to_zero(name):
     """Sending the same gradient R times: the sum of what was sent differs from R*g only by the residual,
     which stays bounded, so the mean of what was sent converges to g (error ~ 1/R)."""
@@ -86,8 +86,10 @@ def test_powersgd_is_exact_on_low_rank_matrices_and_sends_few_bytes():
 
 
 def test_make_compressor_names():
-    for name in ("none", "float16", "blockwise8bit", "powersgd"):
+    for name in ("none", "float16", "blockwise8bit", "powersgd", "topk"):
         assert make_compressor(name).name.startswith(name)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        make_compressor("topk", chunk=100)
     with pytest.raises(ValueError, match="choose one of"):
         make_compressor("zip")
     with pytest.raises(ValueError, match="rank"):

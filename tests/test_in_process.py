@@ -8,6 +8,7 @@ import pytest
 from swarm import PeerSettings, RunSpec, ServerSession, Trainer, TrainerOptions
 from swarm.protocol import ServerState
 from swarm.reference import train_reference
+from tests.conftest import write_spec
 from tests.scenario import make_swarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -30,8 +31,15 @@ async def _until(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.2)
 
 
-def test_in_process_server_and_trainer_match_the_reference_state(exact_spec_path, tmp_path, cache_dir, tiny_dataset):
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped_rounds"])
+def test_in_process_server_and_trainer_match_the_reference_state(overlap, exact_spec_path, tmp_path, cache_dir,
+                                                                 tiny_dataset):
+    """Overlapped rounds: each epoch's gradients are applied at the end of the next (swarm.averaging.overlap), so
+    four epochs take three steps, exactly as the reference with the same delay."""
     spec = RunSpec.from_toml(exact_spec_path)
+    if overlap:
+        spec = spec.updated(averaging={"overlap_rounds": True})
+        write_spec(spec, exact_spec_path)
     samples = 4 * spec.training.target_batch_size  # four epochs
 
     async def main(address: str):
@@ -56,6 +64,7 @@ def test_in_process_server_and_trainer_match_the_reference_state(exact_spec_path
         trainer, states, epochs = asyncio.run(main(sw.address))
 
     ref = train_reference(spec, tiny_dataset, shard=0, max_samples=samples)
+    steps = 3 if overlap else 4
     assert trainer.samples == samples and epochs == [ref.epochs] * 2 == [4, 4]
     for k, (state, module) in enumerate(zip(states, ref.stages)):
         for name, p in module.named_parameters():
@@ -65,4 +74,4 @@ def test_in_process_server_and_trainer_match_the_reference_state(exact_spec_path
                 got = state[f"param/{name}" if kind == "param" else f"opt/{name}/{kind}"]
                 rel = float((got - value).norm() / value.norm().clamp_min(1e-12))
                 assert rel < TOLERANCE[kind], f"stage {k} {kind} of {name} is {rel:.2e} away from the reference's"
-            assert float(state[f"opt/{name}/step"]) == float(moments["step"]) == 4
+            assert float(state[f"opt/{name}/step"]) == float(moments["step"]) == steps

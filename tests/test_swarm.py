@@ -33,6 +33,24 @@ def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
             sc.stage_in_sync(k)
 
 
+def test_overlapped_rounds_average_in_the_background_and_keep_a_stage_equal(tiny_spec, tmp_path, cache_dir):
+    """[averaging] overlap_rounds: the servers of a stage average each epoch's gradients while serving the next
+    (swarm.averaging.overlap); they still run real rounds with each other, end every epoch with the same full
+    state, and the loss falls."""
+    spec = tiny_spec.updated(averaging={"overlap_rounds": True})
+    with make_swarm(spec, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+        sc.servers(per_stage=2).trainers(2).until_epoch(6)
+        for k in range(sc.num_stages):
+            epoch, _ = sc.stage_in_sync(k, min_epoch=3)
+            assert epoch >= 3
+            servers = sc.directory.servers(k)
+            assert all(s.averaging.get("rounds", 0) >= 2 for s in servers), \
+                [(s.peer_id, s.averaging) for s in servers]  # gradient all-reduces between the two, not alone
+        trainer = sc.directory.trainers()[0]
+        assert trainer.loss is not None and trainer.loss < trainer.initial_loss - 0.25, \
+            f"loss did not fall: {trainer.initial_loss:.3f} -> {trainer.loss}"
+
+
 def test_status_and_check_clis_read_a_live_swarm(swarm):
     import os
     import subprocess

@@ -23,7 +23,6 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,10 +33,11 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
-from swarm.averaging.compression import make_compressor
+from swarm.averaging.compression import spec_compressor
 from swarm.averaging.donors import RETRY_S
+from swarm.averaging.overlap import OverlappedRounds
 from swarm.averaging.progress import Roster, SampleCountTracker
-from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer
+from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer, schedule_moves_quietly
 from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
 
@@ -77,7 +77,7 @@ def progress_signer(dht: hivemind.DHT) -> RSAPrivateKey:
     return key
 
 
-class _CollaborativeOptimizer(hivemind.Optimizer):
+class _CollaborativeOptimizer(OverlappedRounds, hivemind.Optimizer):
     """hivemind.Optimizer with our averagers and two fixes for hivemind 1.1.12, through its private seams.
 
     * :class:`~swarm.averaging.averager.RobustStateAverager` for parameters and optimizer statistics
@@ -92,10 +92,14 @@ class _CollaborativeOptimizer(hivemind.Optimizer):
       ``reuse_tensors``), so this server's Adam moments would never be averaged with the stage again. Here
       the loaded values are copied into the original tensors, which are put back (``load_state_from_peers``,
       also when ``contribute`` finds the server out of sync).
+    * With ``overlap_rounds`` the epoch's transition does not wait for its gradient round
+      (:mod:`swarm.averaging.overlap`).
     """
 
-    def __init__(self, *, state_rules: dict, state_averager_factory=RobustStateAverager, **kwargs):
+    def __init__(self, *, state_rules: dict, state_averager_factory=RobustStateAverager, overlap_rounds=False,
+                 **kwargs):
         self._state_rules, self._state_averager_factory = state_rules, state_averager_factory
+        self.overlap_rounds = overlap_rounds
         self.reload: Callable[[], object] = self.load_state_from_peers  # the out-of-sync path (StageOptimizer's)
         self.samples_dropped = 0  # accumulated here, then discarded before a step (see ServerInfo.samples_dropped)
         super().__init__(**kwargs)
@@ -134,7 +138,8 @@ class _CollaborativeOptimizer(hivemind.Optimizer):
         opt = self.opt
         originals = {p: dict(opt.state[p]) for group in opt.param_groups for p in group["params"]}
         self.drop_accumulated()  # hivemind resets the accumulated gradients after the load
-        with _schedule_moves_quietly():
+        self.discard_pending_round()
+        with schedule_moves_quietly():
             super().load_state_from_peers(**kwargs)
         with self.state_averager.lock_averaged_tensors:
             _put_back(opt, originals)
@@ -210,7 +215,7 @@ class StageOptimizer:
         avg, rules = spec.averaging, AveragingRules.from_spec(spec.averaging)
         return _CollaborativeOptimizer(
             state_rules=dict(rules=rules, identity=identity, run_id=run_id),
-            state_averager_factory=state_averager_factory,
+            state_averager_factory=state_averager_factory, overlap_rounds=avg.overlap_rounds,
             dht=dht, run_id=f"{run_id}-stage{self.stage}", params=self.module.parameters(),
             optimizer=partial(make_stage_torch_optimizer, spec.optim),
             scheduler=partial(make_scheduler, spec.optim, schedule=self.schedule),
@@ -219,7 +224,7 @@ class StageOptimizer:
             next_chunk_timeout=avg.next_chunk_timeout, average_state_every=avg.average_state_every,
             average_opt_statistics=("exp_avg", "exp_avg_sq"), delay_state_averaging=False,
             grad_averager_factory=partial(
-                averager_factory, rules=rules, compressor=make_compressor(avg.compression, rank=avg.powersgd_rank),
+                averager_factory, rules=rules, compressor=spec_compressor(avg),
                 identity=identity, run_id=run_id, clip_ratio=avg.microbatch_clip_ratio,
                 trainer_outlier_ratio=avg.trainer_outlier_ratio, request_timeout=request_timeout(avg.matchmaking_time)),
             # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors
@@ -290,6 +295,7 @@ class StageOptimizer:
         with self._opt.state_averager.lock_averaged_tensors:  # peers may be downloading this server's state
             load_named_state(tensors, self.module, self._opt.opt)
         self._opt.drop_accumulated()
+        self._opt.discard_pending_round()
         self._opt.grad_averager.reset_accumulated_grads_()
 
     def jump_to_epoch(self, epoch: int) -> int:
@@ -303,7 +309,7 @@ class StageOptimizer:
         target = max(epoch, opt.local_epoch, opt.tracker.global_epoch)
         if target != opt.local_epoch:
             opt.state_averager.local_epoch = target
-            with _schedule_moves_quietly():
+            with schedule_moves_quietly():
                 opt.state_averager._update_scheduler()  # hivemind: steps the schedule up to local_epoch
         self.announce_progress()
         opt.state_averager.state_sharing_priority = target
@@ -446,8 +452,9 @@ class StageOptimizer:
 
     def shutdown(self) -> None:
         """Stop the averager processes and the progress tracker (the module keeps its parameters); the samples
-        accumulated in the unfinished epoch count as dropped."""
+        accumulated in the unfinished epoch (and, with overlapped rounds, in the pending round) count as dropped."""
         self._opt.drop_accumulated()
+        self._opt.discard_pending_round()
         self._opt.shutdown()
 
 
@@ -463,15 +470,6 @@ def _sigint_kept():
     finally:
         if main and previous is not None:
             signal.signal(signal.SIGINT, previous)
-
-
-@contextmanager
-def _schedule_moves_quietly():
-    """Silence torch's "``lr_scheduler.step()`` before ``optimizer.step()``" warning: moving the schedule to the
-    epoch of a loaded state (hivemind steps it up to that epoch) is meant to happen before any optimizer step."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-        yield
 
 
 def _put_back(opt: torch.optim.Optimizer, originals: dict) -> None:

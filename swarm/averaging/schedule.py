@@ -8,6 +8,8 @@ AdamW from the run spec (:func:`make_torch_optimizer`), a schedule of linear war
 from __future__ import annotations
 
 import math
+import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -61,3 +63,13 @@ def make_scheduler(optim: OptimSpec, opt: torch.optim.Optimizer,
                    schedule: Schedule | None = None) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` over ``opt`` following ``schedule`` (default: the spec's, unscaled); stepped once per epoch."""
     return torch.optim.lr_scheduler.LambdaLR(opt, schedule or Schedule(optim))
+
+
+@contextmanager
+def schedule_moves_quietly():
+    """Silence torch's "``lr_scheduler.step()`` before ``optimizer.step()``" warning where the schedule is meant to
+    move without a step: to the epoch of a loaded state (hivemind steps it up to that epoch), and past the first
+    epoch of overlapped rounds (:mod:`swarm.averaging.overlap`), which takes no step."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+        yield

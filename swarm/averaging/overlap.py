@@ -1,0 +1,166 @@
+"""Overlapped rounds: a stage averages an epoch's gradients while its servers already serve the next epoch.
+
+Without it, the epoch's transition blocks the server's compute thread for the whole gradient round
+(matchmaking, then the all-reduce; seconds on a LAN, more on slow links) and every trainer whose micro-batch
+waits on the stage idles with it. With ``[averaging] overlap_rounds = true`` the transition at the end of epoch
+``e`` (the parameters are θ_e):
+
+1. waits for the round of epoch ``e - 1``'s gradients (started at the end of ``e - 1``; in the background since),
+   whose aggregate ḡ_{e-1} is then in the optimizer's gradient buffers; a failed round leaves this
+   server's own combined gradient of ``e - 1`` there (hivemind's "proceeding with local gradients");
+2. steps: θ_{e+1} = AdamW(θ_e, ḡ_{e-1}) with epoch ``e``'s learning rate (and
+   averages the state, every ``average_state_every`` epochs, as without overlap);
+3. starts the round of epoch ``e``'s gradients (g_e, computed on θ_{e-1}) and returns
+   without waiting for it. It comes after the step because hivemind's ``offload_optimizer`` (on by default)
+   shares the averaged buffers with the optimizer as its ``.grad``.
+
+So gradients are exactly one epoch stale, the bound of hivemind's ``delay_grad_averaging`` and of the delayed
+parameter update of SWARM (Ryabinin et al. 2023, sec. 3.2) and PipeDream-2BW; the first epoch takes no step,
+and a run of ``E`` epochs takes ``E - 1`` optimizer steps. Unlike hivemind's ``delay_optimizer_step`` (which
+applies the update whenever the background step finishes, mid-epoch), the update is applied at the epoch's
+boundary only, so every micro-batch of epoch ``e + 1`` sees the same parameters on every
+server of the stage, and one trainer with one server per stage follows the single-process reference with the
+same delay (:func:`swarm.reference.train_reference` ``delayed=True``) up to float rounding.
+
+A server that loads a state (from a donor, a checkpoint, a rollback) drops the pending round's result: its
+gradients were computed on parameters it no longer holds; its samples count as dropped. The round itself runs
+on, so its group is not left waiting. A checkpoint holds no pending gradients: restoring it loses one epoch's
+gradients, like a restart mid-epoch.
+
+Touches hivemind 1.1.12's ``Optimizer`` internals (``_update_global_epoch``, ``scheduled_grads``, the progress
+tracker and state averager), which is why it lives beside :class:`~swarm.averaging.optimizer.StageOptimizer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Union
+
+from hivemind.averaging.control import AveragingStage, StepControl
+
+from swarm.averaging.schedule import schedule_moves_quietly
+
+logger = logging.getLogger(__name__)
+
+LOCAL = "local"
+"""A pending round that never started (this server was alone in its stage): its own gradient is the aggregate."""
+
+Pending = Union[StepControl, str]
+
+
+class OverlappedRounds:
+    """Mixin for hivemind's ``Optimizer`` (our :class:`~swarm.averaging.optimizer._CollaborativeOptimizer`): the
+    epoch transition of the module docstring when ``overlap_rounds`` is set, hivemind's otherwise."""
+
+    overlap_rounds: bool = False
+    _pending: Optional[Pending] = None
+    _pending_samples: int = 0
+    _pending_started: float = 0.0  # perf_counter s
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        if not self.overlap_rounds:
+            return super()._update_global_epoch(grad_scaler)
+        assert grad_scaler is None, "overlapped rounds run without hivemind's GradScaler"
+        began = time.perf_counter()
+        with self.tracker.pause_updates():
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._wait_for_round(pending)
+            # the optimizer reads the averaged buffers (hivemind's offload_optimizer shares them as its .grad): step
+            # on the previous epoch's aggregate there before this epoch's gradients go in
+            self._step_and_advance(optimizer_step=pending is not None, began=began)
+            samples, self._pending_started = self.grad_averager.local_samples_accumulated, time.perf_counter()
+            self._pending, self._pending_samples = self._start_round(), samples
+
+    def discard_pending_round(self) -> None:
+        """Forget the pending round's result (this server's parameters were replaced); its samples count as
+        dropped. The round runs on for its group."""
+        if self._pending is not None:
+            self.samples_dropped += self._pending_samples
+            self._pending, self._pending_samples = None, 0
+            self.grad_averager.notify_used_averaged_gradients()  # hivemind warns of unused results otherwise
+
+    def _start_round(self) -> Pending:
+        """Start the all-reduce of the accumulated gradients without waiting for it; the accumulators are reset
+        for the next epoch. A pre-scheduled group that already formed is used even when the tracker counts no
+        other server now (hivemind cancels it then, and the stage-mate that matched with this server waits for its
+        parts until its round times out); one still looking for a group is cancelled then, and this server steps
+        on its own gradient."""
+        scheduled = self.scheduled_grads
+        alone = self.tracker.global_progress.num_peers <= 1
+        if scheduled is not None and (scheduled.triggered or scheduled.done()
+                                      or (alone and scheduled.stage != AveragingStage.AWAITING_TRIGGER)):
+            if not (scheduled.done() or scheduled.triggered):
+                scheduled.cancel()
+            scheduled = self.scheduled_grads = None
+        if scheduled is not None or not alone:
+            try:
+                control = self.grad_averager.step(control=scheduled, timeout=self.averaging_timeout, wait=False)
+                self.scheduled_grads = None
+                return control
+            except Exception as e:  # the averager process is gone or refused: step on this server's own gradient
+                logger.warning("could not start a gradient round (%s: %s)", type(e).__name__, e)
+                self.scheduled_grads = None
+        self.grad_averager.load_accumulators_into_averager_()  # alone: its own gradient is the aggregate
+        self.grad_averager.reset_accumulated_grads_()
+        return LOCAL
+
+    def _wait_for_round(self, pending: Pending) -> None:
+        """Wait (at most ``averaging_timeout`` s) for the previous epoch's round, whose aggregate is then in the
+        averaged buffers; a round still looking for a group after a whole epoch is given up at once (waiting for it
+        would hold this transition, and with it the stage's state-averaging round, for up to
+        ``averaging_timeout``). After a failure the buffers still hold this server's own gradient."""
+        if pending is not LOCAL:
+            began = time.perf_counter()
+            try:
+                self._wait_for_group(pending)
+                group = pending.result(self.averaging_timeout)
+                logger.debug("averaged the previous epoch's gradients with %d peers (waited %.2f s)",
+                             len(group), time.perf_counter() - began)
+            except BaseException as e:  # hivemind raises the round's failure, or a timeout
+                if not pending.done():
+                    pending.cancel()
+                logger.warning("averaging the previous epoch's gradients failed (%s: %s): stepping on this "
+                               "server's own gradient", type(e).__name__, e)
+        self._load_averaged_gradients_into_optimizer_()
+
+    def _wait_for_group(self, pending: StepControl) -> None:
+        """Wait until ``pending`` found its group, at most two matchmaking windows after it started (an epoch can be
+        shorter than one); raises TimeoutError if it did not."""
+        deadline = self._pending_started + 2 * self.matchmaking_time
+        while pending.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not pending.done():
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"no group formed within {2 * self.matchmaking_time:.1f} s, twice "
+                                   "[averaging] matchmaking_time")
+            time.sleep(0.02)
+
+    def _step_and_advance(self, optimizer_step: bool, began: float) -> None:
+        """The rest of hivemind 1.1.12's ``_update_global_epoch`` (``began``: its start, ``perf_counter`` s): the
+        optimizer step, the state-averaging round every ``average_state_every`` epochs, the new epoch."""
+        next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
+        average_state = (self.tracker.global_progress.num_peers > 1 and next_epoch % self.average_state_every == 0
+                         and not self.state_averager.averaging_in_progress)
+        scheduled = self.scheduled_state
+        if scheduled is not None and (scheduled.triggered or scheduled.done()):
+            scheduled = None
+        if average_state and scheduled is not None:  # what hivemind pre-schedules the next state round by
+            self.delay_before_state_averaging.update(task_size=1, interval=time.perf_counter() - began)
+        self.state_averager.step(
+            increment_epoch=True, optimizer_step=optimizer_step, averaging_round=average_state,
+            averaging_control=scheduled if average_state else None,
+            averaging_opts=dict(timeout=self.averaging_timeout) if average_state else None,
+        )
+        if not average_state and scheduled is not None and not scheduled.done():
+            scheduled.cancel()
+        with schedule_moves_quietly():
+            self.state_averager._update_scheduler()  # hivemind moves it after a step only: not after the first epoch
+        self.scheduled_state = None
+        self.tracker.update_epoch(new_epoch=self.state_averager.local_epoch)
+        self._should_check_synchronization_on_update = True
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = self.local_epoch
+            self.grad_averager.state_sharing_priority = self.local_epoch
+
+
+__all__ = ["OverlappedRounds"]
