@@ -241,6 +241,23 @@ class AveragingSpec(_Section):
     average_state_every: int = Field(
         10, ge=1, description="Epochs between parameter/optimizer-state averaging rounds (re-syncs drifting servers)."
     )
+    mode: Literal["per_epoch", "outer"] = Field(
+        "per_epoch", description="'per_epoch': the servers of a stage average gradients every epoch and take the same "
+        "AdamW step. 'outer' (DiLoCo): each server takes inner_steps AdamW steps of target_batch_size samples on its "
+        "own, then the stage averages how far each moved (the pseudo-gradient) and takes an outer SGD-Nesterov step "
+        "(outer_lr, outer_momentum): inner_steps times fewer rounds and bytes. An epoch is then an outer step.",
+    )
+    inner_steps: int = Field(
+        10, ge=1, le=10000, description="outer: inner steps per server between outer steps (DiLoCo's H). Higher "
+        "sends fewer bytes per token and lets the servers drift further apart; DiLoCo uses 500 on large models.",
+    )
+    outer_lr: float = Field(
+        0.7, gt=0, le=10, description="outer: learning rate of the outer SGD step on the averaged pseudo-gradient "
+        "(DiLoCo: 0.7). 1.0 with no momentum is plain parameter averaging.",
+    )
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, description="outer: Nesterov momentum of the outer step (DiLoCo: 0.9; 0 turns it off).",
+    )
     overlap_rounds: bool = Field(
         False, description="Average an epoch's gradients in the background while the servers serve the next epoch, "
         "and apply them at the end of that next epoch (a delayed parameter update: gradients are one epoch stale, "
@@ -248,6 +265,13 @@ class AveragingSpec(_Section):
         "from the pipeline; turn it on when rounds take a sizeable share of an epoch. Every server of a run must "
         "agree on it.",
     )
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> "AveragingSpec":
+        if self.mode == "outer" and self.overlap_rounds:
+            raise ValueError("overlap_rounds applies to mode = 'per_epoch'; outer steps already average rarely "
+                             "(every inner_steps): turn one of them off")
+        return self
 
     @field_validator("trainer_outlier_ratio")
     @classmethod

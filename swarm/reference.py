@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from swarm.averaging.schedule import make_scheduler, make_torch_optimizer, schedule_moves_quietly
+from swarm.averaging.outer import make_outer_optimizer
+from swarm.averaging.schedule import lr_at_epoch, make_scheduler, make_torch_optimizer, schedule_moves_quietly
 from swarm.config import RunSpec
 from swarm.data import TokenDataset
 from swarm.model import build_stage, lm_loss
@@ -41,16 +42,21 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
     losses are averaged, then AdamW steps and the schedule advances, as each stage's collaborative optimizer
     does. ``delayed`` (default: the spec's ``averaging.overlap_rounds``) applies each epoch's gradients at the end
     of the next epoch instead, with that epoch's learning rate (:mod:`swarm.averaging.overlap`): ``E`` epochs
-    take ``E - 1`` steps.
+    take ``E - 1`` steps. In ``outer`` mode (``averaging.mode``) the AdamW steps are DiLoCo's inner steps, and every
+    ``inner_steps`` of them an outer SGD-Nesterov step moves the outer parameters by the pseudo-gradient
+    (:mod:`swarm.averaging.outer`); an epoch is an outer step, ``optimizer`` the outer optimizer and the stages end
+    at the last outer step's parameters if ``max_samples`` ends on one.
     """
     delayed = spec.averaging.overlap_rounds if delayed is None else delayed
     stages = [build_stage(spec.model, k) for k in range(spec.model.num_stages)]
     params = [p for m in stages for p in m.parameters()]
     opt = make_torch_optimizer(spec.optim, params)
     sched = make_scheduler(spec.optim, opt)
+    outer = _OuterLoop(spec, params, opt) if spec.averaging.mode == "outer" else None
     b = spec.training.micro_batch_size
     per_epoch = -(-spec.training.target_batch_size // b)
-    result, start, count = ReferenceResult(stages=stages, optimizer=opt), time.perf_counter(), 0
+    result = ReferenceResult(stages=stages, optimizer=outer.optimizer if outer else opt)
+    start, count = time.perf_counter(), 0
     pending: Optional[list[torch.Tensor]] = None
     for indices in micro_batches(dataset, spec, shard):
         if count * b >= max_samples:
@@ -63,7 +69,11 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
         (loss / per_epoch).backward()
         result.losses.append(loss.item())
         count += 1
-        if count % per_epoch == 0:
+        if count % per_epoch == 0 and outer is not None:
+            opt.step()
+            opt.zero_grad()
+            result.epochs += outer.after_inner_step()
+        elif count % per_epoch == 0:
             if delayed:
                 pending = _step_delayed(opt, params, pending)
             else:
@@ -75,6 +85,36 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
     result.seconds = time.perf_counter() - start
     result.tokens = count * b * spec.data.seq_len
     return result
+
+
+class _OuterLoop:
+    """DiLoCo's outer loop over the reference's AdamW (its inner optimizer), as one server per stage runs it."""
+
+    def __init__(self, spec: RunSpec, params: list[torch.nn.Parameter], inner: torch.optim.Optimizer):
+        self.spec, self.params, self.inner, self.steps, self.epoch = spec, params, inner, 0, 0
+        self.outer_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        self.optimizer = make_outer_optimizer(spec, self.outer_params)
+        self._set_inner_lr()
+
+    def _set_inner_lr(self) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = self.spec.optim.lr * lr_at_epoch(self.spec.optim, self.epoch)
+
+    @torch.no_grad()
+    def after_inner_step(self) -> int:
+        """Count an inner step; every ``inner_steps``, the outer step. Returns the outer epochs it ended (0 or 1)."""
+        self.steps += 1
+        if self.steps < self.spec.averaging.inner_steps:
+            return 0
+        for o, p in zip(self.outer_params, self.params):
+            o.grad = o.detach() - p.detach()
+        with torch.enable_grad():
+            self.optimizer.step()
+        for o, p in zip(self.outer_params, self.params):
+            p.copy_(o)
+        self.steps, self.epoch = 0, self.epoch + 1
+        self._set_inner_lr()
+        return 1
 
 
 def _step_delayed(opt: torch.optim.Optimizer, params: list[torch.Tensor],

@@ -34,6 +34,8 @@ def test_hash_is_canonical_and_sensitive(tiny_spec_path):
         ({"bogus": 1}, "bogus", "unknown field"),
         ({"protocol_version": PROTOCOL_VERSION + 1}, "protocol_version", "upgrade"),
         ({"data": {"seq_len": 4096}}, "<spec>", "max_seq_len"),
+        ({"averaging": {"mode": "outer", "overlap_rounds": True}}, "averaging", "turn one of them off"),
+        ({"averaging": {"topk_chunk": 100}}, "averaging.topk_chunk", "multiple of 64"),
     ],
 )
 def test_errors_name_field_and_fix(patch, field, hint):

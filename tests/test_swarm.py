@@ -33,11 +33,17 @@ def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
             sc.stage_in_sync(k)
 
 
-def test_overlapped_rounds_average_in_the_background_and_keep_a_stage_equal(tiny_spec, tmp_path, cache_dir):
-    """[averaging] overlap_rounds: the servers of a stage average each epoch's gradients while serving the next
-    (swarm.averaging.overlap); they still run real rounds with each other, end every epoch with the same full
-    state, and the loss falls."""
-    spec = tiny_spec.updated(averaging={"overlap_rounds": True})
+@pytest.mark.parametrize("averaging,training", [
+    ({"overlap_rounds": True}, {"target_batch_size": 64}),  # epochs (~2 s) longer than a matchmaking window
+    ({"mode": "outer", "inner_steps": 2}, {}),
+], ids=["overlapped_rounds", "outer"])
+def test_other_averaging_modes_run_real_rounds_and_keep_a_stage_equal(averaging, training, tiny_spec, tmp_path,
+                                                                     cache_dir):
+    """[averaging] overlap_rounds (the servers of a stage average each epoch's gradients while serving the next:
+    swarm.averaging.overlap) and mode = "outer" (inner steps, then the stage averages the pseudo-gradient:
+    swarm.averaging.outer): the servers still run real rounds with each other, end every epoch with the same
+    full state, and the loss falls."""
+    spec = tiny_spec.updated(averaging=averaging, training=training)
     with make_swarm(spec, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
         sc.servers(per_stage=2).trainers(2).until_epoch(6)
         for k in range(sc.num_stages):

@@ -392,6 +392,12 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
             for avg, g in zip(averaged_grads, combined):
                 avg.copy_(g)
 
+    def use_local_gradient(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Average ``tensors`` (float32, one per parameter, shaped like it) in the next round as this server's
+        gradient, instead of the combined accumulated ones (outer steps: the pseudo-gradient,
+        :mod:`swarm.averaging.outer`); until the next :meth:`accumulate`."""
+        self._last_local = [t.detach().float() for t in tensors]
+
     def load_state_from_peers(self, **kwargs) -> None:
         """Nothing: hivemind.Optimizer asks its gradient averager too, which would download a peer's gradient
         buffers (unchecked) only to drop them; the state comes through :class:`RobustStateAverager`."""

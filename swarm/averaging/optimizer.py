@@ -35,6 +35,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import spec_compressor
 from swarm.averaging.donors import RETRY_S
+from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
 from swarm.averaging.overlap import OverlappedRounds
 from swarm.averaging.progress import Roster, SampleCountTracker
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer, schedule_moves_quietly
@@ -77,7 +78,7 @@ def progress_signer(dht: hivemind.DHT) -> RSAPrivateKey:
     return key
 
 
-class _CollaborativeOptimizer(OverlappedRounds, hivemind.Optimizer):
+class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
     """hivemind.Optimizer with our averagers and two fixes for hivemind 1.1.12, through its private seams.
 
     * :class:`~swarm.averaging.averager.RobustStateAverager` for parameters and optimizer statistics
@@ -93,7 +94,8 @@ class _CollaborativeOptimizer(OverlappedRounds, hivemind.Optimizer):
       the loaded values are copied into the original tensors, which are put back (``load_state_from_peers``,
       also when ``contribute`` finds the server out of sync).
     * With ``overlap_rounds`` the epoch's transition does not wait for its gradient round
-      (:mod:`swarm.averaging.overlap`).
+      (:mod:`swarm.averaging.overlap`); in ``outer`` mode inner steps run between the rounds, which average the
+      pseudo-gradient (:mod:`swarm.averaging.outer`).
     """
 
     def __init__(self, *, state_rules: dict, state_averager_factory=RobustStateAverager, overlap_rounds=False,
@@ -117,7 +119,9 @@ class _CollaborativeOptimizer(OverlappedRounds, hivemind.Optimizer):
             self.samples_dropped += samples  # the gradients were computed with out-of-sync parameters
             self.reload()
             return
+        counted = self.grad_averager.local_samples_accumulated
         self.grad_averager.accumulate(contributor, gradients, samples)
+        self.take_inner_step_if_due(self.grad_averager.local_samples_accumulated - counted)
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
         self._maybe_schedule_gradient_averaging()
         self._maybe_schedule_state_averaging()
@@ -143,6 +147,7 @@ class _CollaborativeOptimizer(OverlappedRounds, hivemind.Optimizer):
             super().load_state_from_peers(**kwargs)
         with self.state_averager.lock_averaged_tensors:
             _put_back(opt, originals)
+        self.reset_inner()
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         stale = self.scheduled_grads
@@ -211,18 +216,24 @@ class StageOptimizer:
         self._opt.reload = self.load_state_from_peers
 
     def _start(self, spec, run_id, dht, identity, averager_factory, state_averager_factory) -> "_CollaborativeOptimizer":
-        """hivemind's optimizer for this stage, with its averager processes and progress tracker started."""
+        """hivemind's optimizer for this stage, with its averager processes and progress tracker started; in
+        ``outer`` mode its optimizer is the outer one, on hivemind's offloaded copies of the parameters, and the
+        inner loop runs on the module (:mod:`swarm.averaging.outer`)."""
         avg, rules = spec.averaging, AveragingRules.from_spec(spec.averaging)
-        return _CollaborativeOptimizer(
+        outer, target = avg.mode == "outer", spec.training.target_batch_size
+        opt = _CollaborativeOptimizer(
             state_rules=dict(rules=rules, identity=identity, run_id=run_id),
             state_averager_factory=state_averager_factory, overlap_rounds=avg.overlap_rounds,
             dht=dht, run_id=f"{run_id}-stage{self.stage}", params=self.module.parameters(),
-            optimizer=partial(make_stage_torch_optimizer, spec.optim),
-            scheduler=partial(make_scheduler, spec.optim, schedule=self.schedule),
-            target_batch_size=spec.training.target_batch_size, batch_size_per_step=spec.training.micro_batch_size,
+            optimizer=partial(make_outer_optimizer, spec) if outer else partial(make_stage_torch_optimizer, spec.optim),
+            scheduler=None if outer else partial(make_scheduler, spec.optim, schedule=self.schedule),
+            target_batch_size=target * (avg.inner_steps if outer else 1),
+            batch_size_per_step=spec.training.micro_batch_size,
             matchmaking_time=avg.matchmaking_time, averaging_timeout=avg.averaging_timeout,
             next_chunk_timeout=avg.next_chunk_timeout, average_state_every=avg.average_state_every,
-            average_opt_statistics=("exp_avg", "exp_avg_sq"), delay_state_averaging=False,
+            average_opt_statistics=("momentum_buffer",) if outer else ("exp_avg", "exp_avg_sq") + (
+                ("step",) if avg.overlap_rounds else ()),  # see swarm.averaging.overlap: a reload lags one step
+            delay_state_averaging=False, offload_optimizer=True,
             grad_averager_factory=partial(
                 averager_factory, rules=rules, compressor=spec_compressor(avg),
                 identity=identity, run_id=run_id, clip_ratio=avg.microbatch_clip_ratio,
@@ -234,6 +245,12 @@ class StageOptimizer:
             averager_opts=dict(request_timeout=request_timeout(avg.matchmaking_time), min_vector_size=0),
             verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
         )
+        if outer:
+            opt.inner = InnerLoop(spec, list(self.module.parameters()), target,
+                                  lr_at=lambda epoch: spec.optim.lr * self.schedule(epoch))
+            opt.inner.set_epoch(opt.local_epoch)
+            opt.tracker.per_server_target = target * avg.inner_steps
+        return opt
 
     # ---- training ----------------------------------------------------------------------------------------
     @property
@@ -265,7 +282,9 @@ class StageOptimizer:
 
     @property
     def lr(self) -> float:
-        """The learning rate of the current epoch (schedule x rollback scale)."""
+        """The learning rate of the current epoch (schedule x rollback scale; in ``outer`` mode the inner one)."""
+        if self._opt.inner is not None:
+            return self._opt.inner.lr
         return self._opt.opt.param_groups[0]["lr"]
 
     @property
@@ -276,6 +295,9 @@ class StageOptimizer:
     def set_lr_scale(self, scale: float) -> None:
         """Set the rollback multiplier and apply it to the current epoch's learning rate now."""
         self.schedule.scale = scale
+        if self._opt.inner is not None:  # outer mode: the schedule is the inner loop's; outer_lr stays
+            self._opt.inner.set_epoch(self.epoch)
+            return
         scheduler = self._opt.state_averager.scheduler
         for group, base in zip(self._opt.opt.param_groups, scheduler.base_lrs):
             group["lr"] = base * self.schedule(scheduler.last_epoch)
@@ -297,6 +319,7 @@ class StageOptimizer:
         self._opt.drop_accumulated()
         self._opt.discard_pending_round()
         self._opt.grad_averager.reset_accumulated_grads_()
+        self._opt.reset_inner()
 
     def jump_to_epoch(self, epoch: int) -> int:
         """Set the epoch to ``epoch`` or, if later, the stage's collaborative epoch; returns the epoch set.
@@ -312,6 +335,8 @@ class StageOptimizer:
             with schedule_moves_quietly():
                 opt.state_averager._update_scheduler()  # hivemind: steps the schedule up to local_epoch
         self.announce_progress()
+        if opt.inner is not None:
+            opt.inner.set_epoch(target)
         opt.state_averager.state_sharing_priority = target
         opt.grad_averager.state_sharing_priority = target
         return target

@@ -8,11 +8,11 @@ waits on the stage idles with it. With ``[averaging] overlap_rounds = true`` the
 1. waits for the round of epoch ``e - 1``'s gradients (started at the end of ``e - 1``; in the background since),
    whose aggregate ḡ_{e-1} is then in the optimizer's gradient buffers; a failed round leaves this
    server's own combined gradient of ``e - 1`` there (hivemind's "proceeding with local gradients");
-2. steps: θ_{e+1} = AdamW(θ_e, ḡ_{e-1}) with epoch ``e``'s learning rate (and
-   averages the state, every ``average_state_every`` epochs, as without overlap);
-3. starts the round of epoch ``e``'s gradients (g_e, computed on θ_{e-1}) and returns
-   without waiting for it. It comes after the step because hivemind's ``offload_optimizer`` (on by default)
-   shares the averaged buffers with the optimizer as its ``.grad``.
+2. steps: θ_{e+1} = AdamW(θ_e, ḡ_{e-1}) with epoch ``e``'s learning rate;
+3. starts the round of epoch ``e``'s gradients (g_e, computed on θ_{e-1}) and does not wait for it. It comes
+   after the step because hivemind's ``offload_optimizer`` (on by default) shares the averaged buffers with the
+   optimizer as its ``.grad``;
+4. every ``average_state_every`` epochs, averages the state (parameters and Adam moments) as without overlap.
 
 So gradients are exactly one epoch stale, the bound of hivemind's ``delay_grad_averaging`` and of the delayed
 parameter update of SWARM (Ryabinin et al. 2023, sec. 3.2) and PipeDream-2BW; the first epoch takes no step,
@@ -24,7 +24,10 @@ same delay (:func:`swarm.reference.train_reference` ``delayed=True``) up to floa
 
 A server that loads a state (from a donor, a checkpoint, a rollback) drops the pending round's result: its
 gradients were computed on parameters it no longer holds; its samples count as dropped. The round itself runs
-on, so its group is not left waiting. A checkpoint holds no pending gradients: restoring it loses one epoch's
+on, so its group is not left waiting. Having no aggregate to apply at its next transition, it then holds the
+stage's state one step late until the next state-averaging round re-syncs it; that round averages AdamW's step
+count too (``average_opt_statistics`` gets ``step`` in this mode), else the late server's bias correction, and
+its digest, would differ from the stage's for good. A checkpoint holds no pending gradients: restoring it loses one epoch's
 gradients, like a restart mid-epoch.
 
 Touches hivemind 1.1.12's ``Optimizer`` internals (``_update_global_epoch``, ``scheduled_grads``, the progress
@@ -67,11 +70,19 @@ class OverlappedRounds:
             pending, self._pending = self._pending, None
             if pending is not None:
                 self._wait_for_round(pending)
+            average_state, scheduled = self._state_round_due(began)
             # the optimizer reads the averaged buffers (hivemind's offload_optimizer shares them as its .grad): step
             # on the previous epoch's aggregate there before this epoch's gradients go in
-            self._step_and_advance(optimizer_step=pending is not None, began=began)
+            self.state_averager.step(increment_epoch=True, optimizer_step=pending is not None)
             samples, self._pending_started = self.grad_averager.local_samples_accumulated, time.perf_counter()
             self._pending, self._pending_samples = self._start_round(), samples
+            # the state round last: every server of the stage has started its gradient round by then
+            if average_state:
+                self.state_averager.step(averaging_round=True, averaging_control=scheduled,
+                                         averaging_opts=dict(timeout=self.averaging_timeout))
+            elif scheduled is not None and not scheduled.done():
+                scheduled.cancel()
+            self._advance()
 
     def discard_pending_round(self) -> None:
         """Forget the pending round's result (this server's parameters were replaced); its samples count as
@@ -126,41 +137,38 @@ class OverlappedRounds:
         self._load_averaged_gradients_into_optimizer_()
 
     def _wait_for_group(self, pending: StepControl) -> None:
-        """Wait until ``pending`` found its group, at most two matchmaking windows after it started (an epoch can be
-        shorter than one); raises TimeoutError if it did not."""
-        deadline = self._pending_started + 2 * self.matchmaking_time
+        """Wait until ``pending`` found its group, at most three matchmaking windows after it started (an epoch can
+        be shorter than one, and stage-mates start theirs a little apart); raises TimeoutError if it did not."""
+        deadline = self._pending_started + 3 * self.matchmaking_time
         while pending.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not pending.done():
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"no group formed within {2 * self.matchmaking_time:.1f} s, twice "
+                raise TimeoutError(f"no group formed within {3 * self.matchmaking_time:.1f} s, three times "
                                    "[averaging] matchmaking_time")
             time.sleep(0.02)
 
-    def _step_and_advance(self, optimizer_step: bool, began: float) -> None:
-        """The rest of hivemind 1.1.12's ``_update_global_epoch`` (``began``: its start, ``perf_counter`` s): the
-        optimizer step, the state-averaging round every ``average_state_every`` epochs, the new epoch."""
+    def _state_round_due(self, began: float) -> tuple[bool, Optional[StepControl]]:
+        """Whether this transition averages the state (every ``average_state_every`` epochs, as hivemind 1.1.12's
+        ``_update_global_epoch``), and the pre-scheduled group for it (``began``: the transition's start,
+        ``perf_counter`` s)."""
         next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
         average_state = (self.tracker.global_progress.num_peers > 1 and next_epoch % self.average_state_every == 0
                          and not self.state_averager.averaging_in_progress)
-        scheduled = self.scheduled_state
+        scheduled, self.scheduled_state = self.scheduled_state, None
         if scheduled is not None and (scheduled.triggered or scheduled.done()):
             scheduled = None
         if average_state and scheduled is not None:  # what hivemind pre-schedules the next state round by
             self.delay_before_state_averaging.update(task_size=1, interval=time.perf_counter() - began)
-        self.state_averager.step(
-            increment_epoch=True, optimizer_step=optimizer_step, averaging_round=average_state,
-            averaging_control=scheduled if average_state else None,
-            averaging_opts=dict(timeout=self.averaging_timeout) if average_state else None,
-        )
-        if not average_state and scheduled is not None and not scheduled.done():
-            scheduled.cancel()
+        return average_state, scheduled
+
+    def _advance(self) -> None:
+        """The new epoch: its learning rate (hivemind moves the schedule after a step only, not after the first
+        epoch), the progress tracker, the epoch this server offers its state at."""
         with schedule_moves_quietly():
-            self.state_averager._update_scheduler()  # hivemind moves it after a step only: not after the first epoch
-        self.scheduled_state = None
+            self.state_averager._update_scheduler()
         self.tracker.update_epoch(new_epoch=self.state_averager.local_epoch)
         self._should_check_synchronization_on_update = True
         if not self.client_mode:
             self.state_averager.state_sharing_priority = self.local_epoch
             self.grad_averager.state_sharing_priority = self.local_epoch
-
 
 __all__ = ["OverlappedRounds"]

@@ -70,6 +70,9 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
 
     roster: Roster = staticmethod(lambda: None)
     others_epoch = 0  # the lower median epoch of the other counted servers (0 while none is counted)
+    per_server_target = 0
+    """If set (outer steps, :mod:`swarm.averaging.outer`): an epoch ends after this many samples per server counted
+    (``target_batch_size`` follows the count of servers), not after a fixed ``target_batch_size``."""
 
     @property
     def progress_key(self) -> bytes:
@@ -87,6 +90,10 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         # just loaded the stage's state) counted one peer fewer and, seeing "no other peers", stepped alone
         entries[self._local_public_key] = ValueWithExpiration(self.local_progress.dict(),
                                                               get_dht_time() + self.metadata_expiration)
+        if self.per_server_target:
+            servers = trusted_progress(entries, self._local_public_key, self.local_progress.epoch, 1, self.roster())
+            self.target_batch_size = self.per_server_target * max(1, sum(
+                1 for v in servers.values() if not v.value["client_mode"]))
         trusted = trusted_progress(entries, self._local_public_key, self.local_progress.epoch,
                                    self.target_batch_size, self.roster())
         others = sorted(v.value["epoch"] for k, v in trusted.items()

@@ -1,0 +1,140 @@
+"""Outer steps (DiLoCo): each server of a stage trains on its own for ``inner_steps`` steps, then the stage averages
+how far it moved.
+
+DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023, Algorithm 1)
+as a stage's averaging mode (``[averaging] mode = "outer"``). With ``θ`` the stage's parameters at its last outer
+step (the same on every server of the stage) and ``T`` the run's ``target_batch_size``:
+
+1. **inner steps**: a server takes an AdamW step on its own combined gradient (per trainer, clipped, robustly
+   combined: :mod:`swarm.averaging.contributions`) every ``T`` samples it processed, with the learning rate of the
+   spec's schedule at the current outer epoch; no communication;
+2. **outer round**: when the stage's servers together processed ``inner_steps × T`` samples per server counted
+   (:attr:`SampleCountTracker.per_server_target`), each computes its *pseudo-gradient* ``Δ = θ - θ_inner``
+   (float32, shaped like the parameters), and the stage all-reduces ``Δ`` weighted by the samples behind it,
+   through the same robust, audited all-reduce and compressor as gradients in ``per_epoch`` mode;
+3. **outer step**: SGD with Nesterov momentum (``outer_lr``, ``outer_momentum``; DiLoCo's 0.7 and 0.9) on ``θ``
+   with the averaged ``Δ`` as its gradient; every server continues from the new ``θ``.
+
+The *epoch* counts outer steps. hivemind's offloaded optimizer (``offload_optimizer``, on by default) already keeps
+``θ`` apart from the module's parameters: the outer optimizer runs on those copies, the inner one on the module,
+and the stage's state (checkpoints, the state a joiner downloads, the digests servers compare) is ``θ`` with the
+outer momentum. The inner AdamW moments are each server's own: a server that loads a state (joins, restores a
+checkpoint, rolls back) starts them afresh, and its inner steps restart from the loaded ``θ``. With one server per
+stage and one trainer the swarm follows :func:`swarm.reference.train_reference` in this mode up to float rounding.
+
+Touches hivemind 1.1.12's ``Optimizer`` internals (``_update_global_epoch``, the state averager's offloaded
+parameters, the gradient averager's buffers), which is why it lives beside
+:class:`~swarm.averaging.optimizer.StageOptimizer`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from swarm.averaging.schedule import make_torch_optimizer
+from swarm.config import RunSpec
+
+logger = logging.getLogger(__name__)
+
+
+def make_outer_optimizer(spec: RunSpec, params) -> torch.optim.SGD:
+    """SGD with Nesterov momentum over ``params`` (the stage's outer parameters), its momentum buffers created up
+    front (zeros: the first step then equals a fresh SGD's, and hivemind's state averager finds state to share)."""
+    avg = spec.averaging
+    opt = torch.optim.SGD(params, lr=avg.outer_lr, momentum=avg.outer_momentum, nesterov=avg.outer_momentum > 0)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            opt.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+    return opt
+
+
+class InnerLoop:
+    """A server's inner optimizer: AdamW on the module's parameters, stepped every ``target`` samples.
+
+    :param params: the module's parameters (the inner ones; float32).
+    :param target: samples per inner step (the run's ``target_batch_size``).
+    :param lr_at: the inner learning rate at an outer epoch (the spec's ``lr`` times its schedule).
+    """
+
+    def __init__(self, spec: RunSpec, params: list[torch.nn.Parameter], target: int,
+                 lr_at: Callable[[int], float]):
+        self.spec, self.params, self.target, self.lr_at = spec, params, target, lr_at
+        self.samples = 0  # accumulated since the last inner step
+        self.steps = 0  # inner steps since the last outer step
+        self.optimizer = make_torch_optimizer(spec.optim, params)
+
+    def reset(self, epoch: int) -> None:
+        """Start afresh at outer epoch ``epoch`` (new AdamW moments; after a state was loaded)."""
+        self.optimizer = make_torch_optimizer(self.spec.optim, self.params)
+        self.samples = self.steps = 0
+        self.set_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use outer epoch ``epoch``'s learning rate for the following inner steps."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(epoch)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    @torch.no_grad()
+    def step(self, gradient: list[torch.Tensor]) -> None:
+        """One AdamW step on ``gradient`` (one float32 tensor per parameter, shaped like it)."""
+        for p, g in zip(self.params, gradient):
+            p.grad = g.to(p.dtype)
+        with torch.enable_grad():  # AdamW's step needs no graph; torch only asks grad mode not to be off
+            self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+        self.samples, self.steps = 0, self.steps + 1
+
+    def pseudo_gradient(self, outer: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``Δ = θ - θ_inner`` per parameter: float32 tensors shaped like the parameters (``outer`` is ``θ``)."""
+        return [(o.detach() - p.detach()).float() for o, p in zip(outer, self.params)]
+
+
+class OuterSteps:
+    """Mixin for hivemind's ``Optimizer`` (our :class:`~swarm.averaging.optimizer._CollaborativeOptimizer`): inner
+    steps between the outer rounds when ``inner`` is set (the module docstring), hivemind's epochs otherwise."""
+
+    inner: Optional[InnerLoop] = None
+
+    def take_inner_step_if_due(self, samples: int) -> None:
+        """Count ``samples`` newly accumulated; every ``target`` of them, step on their combined gradient."""
+        inner = self.inner
+        if inner is None:
+            return
+        inner.samples += samples
+        if inner.samples >= inner.target:
+            self._inner_step()
+
+    def _inner_step(self) -> None:
+        contributions = self.grad_averager.contributions
+        gradient = contributions.combine(self.inner.params)
+        contributions.reset()  # the samples stay counted: they weigh this server's pseudo-gradient
+        self.inner.step(gradient)
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        inner = self.inner
+        if inner is None:
+            return super()._update_global_epoch(grad_scaler)
+        if inner.samples > 0:  # the outer epoch ended inside an inner batch: step on what it holds
+            self._inner_step()
+        outer = [p for group in self.opt.param_groups for p in group["params"]]
+        self.grad_averager.use_local_gradient(inner.pseudo_gradient(outer))
+        logger.debug("outer round after %d inner steps", inner.steps)
+        super()._update_global_epoch(grad_scaler)  # all-reduce Δ, outer step, θ_inner = θ (offloaded copies)
+        inner.steps = 0
+        inner.set_epoch(self.local_epoch)
+
+    def reset_inner(self) -> None:
+        """Restart the inner loop from the parameters just loaded (fresh moments, no samples)."""
+        if self.inner is not None:
+            self.inner.reset(self.local_epoch)
+
+
+__all__ = ["InnerLoop", "OuterSteps", "make_outer_optimizer"]
