@@ -23,11 +23,12 @@ test: $(STAMP)
 test-scenarios: $(STAMP)   # long checkpoint, chaos and fault scenarios (~17 min on 2 cores); CI runs them after `make test`
 	$(BIN)/python -m pytest -m scenario $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP)   # ~8 min: the swarm synchronous and with overlapped rounds, against one process
 	$(BIN)/python bench/swarm_vs_local.py
 
-bench-averaging: $(STAMP)   # ~30 min on 2 cores
+bench-averaging: $(STAMP)   # ~50 min on 2 cores
 	$(BIN)/python bench/compression.py
+	$(BIN)/python bench/activations.py
 	$(BIN)/python bench/robustness.py
 
 bench-chaos: $(STAMP)   # ~6 min: random SIGKILLs, stage wipes, a final kill of every peer; JSON last line

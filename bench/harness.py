@@ -20,11 +20,16 @@ One round of :func:`train` is what a stage's servers do in one epoch, with the n
   peers excluded it (matchmaking keeps excluded peers out of the excluders' groups);
 * AdamW steps on the aggregate.
 
+With ``[averaging] mode = "outer"`` in the spec (:mod:`swarm.averaging.outer`), each peer keeps its own copy of
+the model and an AdamW of its own, takes ``inner_steps`` inner steps on its share of the epoch's samples, and the
+all-reduce above runs on the pseudo-gradients, followed by the outer SGD-Nesterov step every peer then starts from.
+
 Bytes here are the encoded tensors' sizes; the benchmarks count real wire bytes with real averagers.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -41,7 +46,8 @@ from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.evidence import audit_plan, matches
 from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, partition_bounds, reduce_partition
-from swarm.averaging.schedule import make_scheduler, make_torch_optimizer
+from swarm.averaging.outer import make_outer_optimizer
+from swarm.averaging.schedule import lr_at_epoch, make_scheduler, make_torch_optimizer
 from swarm.config import RunSpec
 from swarm.data import prepare_dataset
 from swarm.model import build_stage, lm_loss
@@ -75,6 +81,15 @@ target_batch_size = 112
 def bench_spec(**averaging) -> RunSpec:
     """The bench spec with these ``[averaging]`` fields (validated: a misspelt one raises SpecError)."""
     return BENCH_SPEC.updated(averaging=averaging)
+
+
+def outer_spec(spec: RunSpec, inner_steps: int) -> RunSpec:
+    """``spec`` in ``outer`` mode with ``inner_steps``; the schedule's warm-up and length, which count epochs (outer
+    steps there), shrink by ``inner_steps`` so that every mode warms up and decays over the same samples."""
+    o = spec.optim
+    return spec.updated(averaging={"mode": "outer", "inner_steps": inner_steps},
+                        optim={"warmup_epochs": round(o.warmup_epochs / inner_steps),
+                               "total_epochs": max(1, round(o.total_epochs / inner_steps))})
 
 
 @dataclass
@@ -159,12 +174,14 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
     attackers = {peers - 1 - i: make_attack(attack, n=peers, f=byzantine, seed=i) for i in range(byzantine)}
     book = Books([i for i in range(peers) if i not in attackers],
                  ExclusionPolicy(threshold=3.0 if checks else math.inf))
-    compressors = [make_compressor(compression, rank=rank) for _ in range(peers)]
+    avg = spec.averaging
+    compressors = [make_compressor(compression, rank=rank, fraction=avg.topk_fraction, chunk=avg.topk_chunk,
+                                   bits=avg.topk_bits) for _ in range(peers)]
+    outer = _OuterHarness(spec, model, peers) if avg.mode == "outer" else None
     b = spec.training.micro_batch_size
     per_peer = max(1, spec.training.target_batch_size // (b * peers))
     # one data stream per peer: honest peers see the same samples whether or not attackers are present
     gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(peers)]
-    n_train = dataset.num_samples("train")
     result = HarnessResult(val_loss=float("nan"), rounds=rounds, samples=0)
     bytes_sent, evals = 0, []
     # one server's trainer accounts, kept across epochs as a server keeps them (its trainer exclusions persist)
@@ -174,18 +191,14 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
         active = [i for i in range(peers) if not book.is_excluded(str(i))]
         grads = {}
         for i in active:
-            acc = None
-            for _ in range(per_peer):
-                batch = dataset.batch(torch.randint(0, n_train, (b,), generator=gens[i]).tolist())
-                x, y = batch[:, :-1], batch[:, 1:]
-                if trainer_mode and i in attackers:
-                    x, y = attackers[i].corrupt_batch(x, y, spec.model.vocab_size)
-                g = _grad(model, x, y)
-                if trainer_mode and i in attackers:
-                    g = [attackers[i].corrupt_grad(t) for t in g]
-                acc = g if acc is None else [a + t for a, t in zip(acc, g)]
-            grads[i] = [t / per_peer for t in acc]
+            grads[i] = _peer_gradient(outer.models[i] if outer else model, dataset, spec, per_peer, gens[i],
+                                      attackers.get(i) if trainer_mode else None)
             result.samples += per_peer * b
+        if outer is not None:
+            outer.inner_step(grads)
+            if (r + 1) % avg.inner_steps:
+                continue
+            grads = outer.pseudo_gradients(active)
         if trainer_mode:  # one server combines its trainers' contributions
             contrib.reset()
             for i in active:
@@ -201,16 +214,73 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
             for peer in book.excluded():
                 result.excluded_at.setdefault(int(peer), r + 1)
             result.honest_excluded = len(book.excluded_by_any() - {str(i) for i in attackers})
+        if outer is not None:
+            outer.outer_step(averaged)
+            every = max(1, EVAL_EVERY // avg.inner_steps) * avg.inner_steps
+            if r >= rounds - 3 * every and (rounds - 1 - r) % every == 0:
+                evals.append(_val_loss(model, dataset, spec))
+            continue
         for p, g in zip(params, averaged):
             p.grad = g.clone()
         opt.step()
         sched.step()
         if r >= rounds - 3 * EVAL_EVERY and (rounds - 1 - r) % EVAL_EVERY == 0:
             evals.append(_val_loss(model, dataset, spec))
-    result.bytes_per_round = bytes_sent / max(1, rounds)
+    result.bytes_per_round = bytes_sent / max(1, rounds // (avg.inner_steps if outer else 1))
     result.val_loss = sum(evals) / len(evals)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _peer_gradient(model, dataset, spec, micro_batches: int, gen, attacker) -> list[torch.Tensor]:
+    """One peer's mean gradient over ``micro_batches`` micro-batches drawn with ``gen`` (a trainer attacker's
+    corrupted)."""
+    b, n_train, acc = spec.training.micro_batch_size, dataset.num_samples("train"), None
+    for _ in range(micro_batches):
+        batch = dataset.batch(torch.randint(0, n_train, (b,), generator=gen).tolist())
+        x, y = batch[:, :-1], batch[:, 1:]
+        if attacker is not None:
+            x, y = attacker.corrupt_batch(x, y, spec.model.vocab_size)
+        g = _grad(model, x, y)
+        if attacker is not None:
+            g = [attacker.corrupt_grad(t) for t in g]
+        acc = g if acc is None else [a + t for a, t in zip(acc, g)]
+    return [t / micro_batches for t in acc]
+
+
+class _OuterHarness:
+    """DiLoCo's loop over simulated peers: each peer's model copy and inner AdamW, the outer SGD-Nesterov on the
+    shared model (:mod:`swarm.averaging.outer`; the schedule by outer epoch, as a stage's server runs it)."""
+
+    def __init__(self, spec: RunSpec, model: torch.nn.Module, peers: int):
+        self.spec, self.model, self.epoch = spec, model, 0
+        self.models = [copy.deepcopy(model) for _ in range(peers)]
+        self.inner = [make_torch_optimizer(spec.optim, m.parameters()) for m in self.models]
+        self.outer = make_outer_optimizer(spec, model.parameters())
+
+    def inner_step(self, grads: dict) -> None:
+        lr = self.spec.optim.lr * lr_at_epoch(self.spec.optim, self.epoch)
+        for i, g in grads.items():
+            for p, t in zip(self.models[i].parameters(), g):
+                p.grad = t
+            for group in self.inner[i].param_groups:
+                group["lr"] = lr
+            self.inner[i].step()
+
+    def pseudo_gradients(self, active: list[int]) -> dict:
+        return {i: [(o - p).detach() for o, p in zip(self.model.parameters(), self.models[i].parameters())]
+                for i in active}
+
+    @torch.no_grad()
+    def outer_step(self, averaged: list[torch.Tensor]) -> None:
+        for p, g in zip(self.model.parameters(), averaged):
+            p.grad = g.clone()
+        with torch.enable_grad():
+            self.outer.step()
+        for m in self.models:
+            for q, p in zip(m.parameters(), self.model.parameters()):
+                q.copy_(p)
+        self.epoch += 1
 
 
 def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed, audit_probability):

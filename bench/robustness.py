@@ -2,6 +2,7 @@
 
     python bench/robustness.py [--rounds 100] [--byzantine 3] [--attacks sign_flip,noise,...]
                                [--aggregators mean,centered_clip,nnm+centered_clip]
+                               [--mode outer --inner-steps 5 --compression topk]
 
 Runs the in-process harness (``bench/harness.py``: the real compressor, reducer, aggregator, exclusion and attack
 code with the network taken out) on a 2-layer GPT over Shakespeare. An aggregator is a rule of
@@ -19,7 +20,9 @@ Prints one JSON line per configuration on stderr and, last on stdout, ``{"byzant
 "rounds_to_exclusion", "honest_excluded"}], "within_5pct": {aggregator: bool}}``; ``rounds_to_exclusion`` is the
 round by which most honest peers had excluded the last attacker (null: never), ``honest_excluded`` the honest
 peers excluded by at least one honest peer, ``within_5pct`` whether every attack ended within 5% of the clean
-loss with no honest peer excluded.
+loss with no honest peer excluded. ``--mode outer`` runs every configuration with outer steps (DiLoCo: the
+attackers corrupt their pseudo-gradients, ``rounds`` counts inner steps) and ``--compression`` with that
+compressor (``topk``: the shared top-k); the clean runs use the same mode and compressor.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from harness import bench_spec, train  # noqa: E402
+from harness import bench_spec, outer_spec, train  # noqa: E402
 
 from swarm.attacks import ATTACKS  # noqa: E402
 
@@ -44,7 +47,7 @@ PEERS = 7
 def _run(spec, args, aggregator: str, **kw):
     pre, _, rule = aggregator.rpartition("+")
     return train(spec, args.cache_dir, peers=kw.pop("peers", PEERS), aggregator=rule, pre=pre or "none",
-                 rounds=args.rounds, checks=rule != "mean", **kw)
+                 rounds=args.rounds, checks=rule != "mean", compression=args.compression, **kw)
 
 
 def main() -> None:
@@ -53,9 +56,14 @@ def main() -> None:
     ap.add_argument("--byzantine", type=int, default=3, help="attackers among the 7 peers")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--aggregators", default="mean,median,trimmed_mean,centered_clip,nnm+centered_clip")
+    ap.add_argument("--mode", choices=["per_epoch", "outer"], default="per_epoch")
+    ap.add_argument("--inner-steps", type=int, default=5, help="--mode outer: inner steps per outer step")
+    ap.add_argument("--compression", default="none", help="the compressor of every run (none, topk, powersgd, ...)")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("SWARM_CACHE_DIR", ROOT / ".test-cache")))
     args = ap.parse_args()
     spec, f = bench_spec(), args.byzantine
+    if args.mode == "outer":
+        spec = outer_spec(spec, args.inner_steps)
     results, within = [], {}
     for aggregator in args.aggregators.split(","):
         clean = _run(spec, args, aggregator)
@@ -74,7 +82,9 @@ def main() -> None:
             within[aggregator] &= row["ratio_to_clean"] <= 1.05 and r.honest_excluded == 0
             print(json.dumps(row | {"seconds": round(r.seconds, 1)}), file=sys.stderr, flush=True)
             results.append(row)
-    print(json.dumps({"byzantine_fraction": round(f / PEERS, 3), "results": results, "within_5pct": within}))
+    print(json.dumps({"byzantine_fraction": round(f / PEERS, 3), "mode": args.mode, "compression": args.compression,
+                      "inner_steps": args.inner_steps if args.mode == "outer" else 1, "results": results,
+                      "within_5pct": within}))
 
 
 if __name__ == "__main__":

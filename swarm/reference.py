@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -35,7 +35,8 @@ class ReferenceResult:
 
 
 def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max_samples: int,
-                    delayed: Optional[bool] = None) -> ReferenceResult:
+                    delayed: Optional[bool] = None,
+                    between_stages: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> ReferenceResult:
     """Train the chained stages on ``shard``'s micro-batches for ``max_samples`` samples.
 
     An epoch is ``target_batch_size / micro_batch_size`` micro-batches (rounded up): gradients of their mean
@@ -45,7 +46,8 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
     take ``E - 1`` steps. In ``outer`` mode (``averaging.mode``) the AdamW steps are DiLoCo's inner steps, and every
     ``inner_steps`` of them an outer SGD-Nesterov step moves the outer parameters by the pseudo-gradient
     (:mod:`swarm.averaging.outer`); an epoch is an outer step, ``optimizer`` the outer optimizer and the stages end
-    at the last outer step's parameters if ``max_samples`` ends on one.
+    at the last outer step's parameters if ``max_samples`` ends on one. ``between_stages`` is applied to the
+    activations each stage hands to the next (``bench/activations.py`` puts a wire codec there).
     """
     delayed = spec.averaging.overlap_rounds if delayed is None else delayed
     stages = [build_stage(spec.model, k) for k in range(spec.model.num_stages)]
@@ -63,8 +65,8 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
             break
         batch = dataset.batch(indices)
         h = batch[:, :-1]
-        for m in stages:
-            h = m(h)
+        for k, m in enumerate(stages):
+            h = m(h) if k == 0 or between_stages is None else m(between_stages(h))
         loss = lm_loss(h, batch[:, 1:])
         (loss / per_epoch).backward()
         result.losses.append(loss.item())

@@ -74,3 +74,19 @@ def test_low_bit_codes_survive_any_length_and_refuse_a_code_that_is_no_level():
         unpack_tensors([packed, scales], "blockwise4bit")
     with pytest.raises(ProtocolError, match="malformed blockwise4bit"):
         unpack_tensors([packed, scales, torch.tensor([3, 5], dtype=torch.int32)], "blockwise4bit")  # 15 values?
+
+
+def test_the_reference_can_put_a_codec_between_its_stages(tiny_spec, tiny_dataset):
+    """train_reference(between_stages=...) (bench/activations.py's loop): the identity changes nothing, an 8-bit
+    round trip of the activations (straight through for the gradient) changes the losses a little, not the
+    first one's value by more than 1%."""
+    from swarm.reference import train_reference
+
+    samples = 2 * tiny_spec.training.target_batch_size
+    plain = train_reference(tiny_spec, tiny_dataset, max_samples=samples)
+    same = train_reference(tiny_spec, tiny_dataset, max_samples=samples, between_stages=lambda h: h * 1.0)
+    coded = train_reference(tiny_spec, tiny_dataset, max_samples=samples,
+                            between_stages=lambda h: h + (unpack_tensors(pack_tensors([h], "blockwise8bit"),
+                                                                         "blockwise8bit")[0] - h).detach())
+    assert same.losses == plain.losses
+    assert coded.losses != plain.losses and abs(coded.losses[0] - plain.losses[0]) < 0.01 * plain.losses[0]

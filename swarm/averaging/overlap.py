@@ -119,9 +119,10 @@ class OverlappedRounds:
 
     def _wait_for_round(self, pending: Pending) -> None:
         """Wait (at most ``averaging_timeout`` s) for the previous epoch's round, whose aggregate is then in the
-        averaged buffers; a round still looking for a group after a whole epoch is given up at once (waiting for it
-        would hold this transition, and with it the stage's state-averaging round, for up to
-        ``averaging_timeout``). After a failure the buffers still hold this server's own gradient."""
+        averaged buffers; a round still looking for a group three matchmaking windows after it started is given up
+        (waiting for it would hold this transition, and with it the stage's state-averaging round, for up to
+        ``averaging_timeout``). After a failure the buffers still hold this server's own gradient (our all-reduce
+        writes them only once every phase succeeded)."""
         if pending is not LOCAL:
             began = time.perf_counter()
             try:
@@ -129,7 +130,9 @@ class OverlappedRounds:
                 group = pending.result(self.averaging_timeout)
                 logger.debug("averaged the previous epoch's gradients with %d peers (waited %.2f s)",
                              len(group), time.perf_counter() - began)
-            except BaseException as e:  # hivemind raises the round's failure, or a timeout
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # the round's failure, a timeout, or its cancellation (asyncio's)
                 if not pending.done():
                     pending.cancel()
                 logger.warning("averaging the previous epoch's gradients failed (%s: %s): stepping on this "

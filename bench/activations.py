@@ -1,0 +1,95 @@
+"""Activations (and their gradients) between stages through each wire codec: bytes against fp32, and the loss cost.
+
+    python bench/activations.py [--spec runs/demo.toml] [--samples 6400] [--codecs none,blockwise8bit,...]
+
+The single-process reference (:func:`swarm.reference.train_reference`, the demo's stages chained, one AdamW)
+trains the same samples once per codec, with the codec applied where a stage hands its activations to the next:
+the forward sends the activations through the codec's encode and decode, the backward sends their gradient
+through it too, as :mod:`swarm.stage` and :mod:`swarm.pipeline` do on the wire. ``bytes_ratio`` is fp32's
+payload over the codec's for one micro-batch's activations (hivemind's serialization of the tensors
+:func:`swarm.codecs.pack_tensors` makes, the bytes a stage RPC carries); ``val_loss`` is the mean over the
+validation split's first 32 micro-batches after training, ``loss_cost`` its change against fp32's.
+
+Prints one JSON line per codec, then ``{"results": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from hivemind.compression import serialize_torch_tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors  # noqa: E402
+from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.data import prepare_dataset  # noqa: E402
+from swarm.model import lm_loss  # noqa: E402
+from swarm.reference import train_reference  # noqa: E402
+
+
+class _OverTheWire(torch.autograd.Function):
+    """Identity whose forward output and backward gradient are what the codec's receiver decodes."""
+
+    @staticmethod
+    def forward(ctx, h, codec):
+        ctx.codec = codec
+        return unpack_tensors(pack_tensors([h], codec), codec)[0].to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return unpack_tensors(pack_tensors([grad], ctx.codec), ctx.codec)[0].to(grad.dtype), None
+
+
+def payload_bytes(h: torch.Tensor, codec: str) -> int:
+    """Serialized bytes of ``h`` packed with ``codec`` (what one activation message carries)."""
+    return sum(len(serialize_torch_tensor(t).buffer) for t in pack_tensors([h], codec))
+
+
+def val_loss(stages, dataset, spec, batches: int = 32) -> float:
+    b = spec.training.micro_batch_size
+    n = min(batches, dataset.num_samples("val") // b)
+    losses = []
+    with torch.no_grad():
+        for i in range(n):
+            x = dataset.batch(list(range(i * b, (i + 1) * b)), "val")
+            h = x[:, :-1]
+            for m in stages:
+                h = m(h)
+            losses.append(float(lm_loss(h, x[:, 1:])))
+    return sum(losses) / len(losses)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", type=Path, default=ROOT / "runs" / "demo.toml")
+    ap.add_argument("--samples", type=int, default=6400, help="training samples per codec (100 demo epochs)")
+    ap.add_argument("--codecs", default="none,blockwise8bit,blockwise4bit,blockwise3bit")
+    args = ap.parse_args()
+    spec = RunSpec.from_toml(args.spec)
+    dataset = prepare_dataset(spec, PeerSettings().cache_dir)
+    h = torch.randn(spec.training.micro_batch_size, spec.data.seq_len, spec.model.d_model)
+    fp32 = payload_bytes(h, "float32")
+    results = []
+    for name in args.codecs.split(","):
+        codec = ACTIVATION_CODECS[name]
+        torch.manual_seed(0)
+        ref = train_reference(spec, dataset, max_samples=args.samples,
+                              between_stages=None if name == "none" else lambda t, c=codec: _OverTheWire.apply(t, c))
+        row = {"codec": name, "bytes_ratio": round(fp32 / payload_bytes(h, codec), 2),
+               "val_loss": round(val_loss(ref.stages, dataset, spec), 4), "seconds": round(ref.seconds, 1)}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    base = results[0]["val_loss"]
+    for row in results:
+        row["loss_cost"] = f"{100 * (row['val_loss'] - base) / base:+.2f}%"
+    print(json.dumps({"results": results}))
+
+
+if __name__ == "__main__":
+    main()
