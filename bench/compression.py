@@ -1,7 +1,8 @@
 """Bytes on the wire per averaging round and validation loss, for each compressor against uncompressed fp32.
 
     python bench/compression.py [--spec runs/demo.toml] [--rounds 100] [--rank 4] [--wire-rounds 3]
-                                [--rows per_epoch:none,...,outer10:topk]
+                                [--rows per_epoch:none,...,outer10:topk] [--topk-fraction F --topk-bits B]
+                                [--outer-momentum M --outer-lr LR]
 
 Bytes: real averagers (hivemind DHT, p2pd, matchmaking, :class:`~swarm.averaging.averager.
 RobustGradientAverager`) of 3 peers on loopback average gradients shaped like the spec's largest stage;
@@ -104,9 +105,16 @@ def main() -> None:
     ap.add_argument("--wire-rounds", type=int, default=3, help="averaging rounds measured on the wire")
     ap.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
     ap.add_argument("--rows", default=ROWS, help="comma-separated mode:compressor rows (per_epoch:none always runs)")
+    ap.add_argument("--topk-fraction", type=float, help="topk rows: fraction of chunks sent (default: the spec's)")
+    ap.add_argument("--topk-bits", type=int, choices=[2, 3, 4], help="topk rows: bits per value (default: the spec's)")
+    ap.add_argument("--outer-momentum", type=float, help="outer rows: Nesterov momentum (default: the spec's)")
+    ap.add_argument("--outer-lr", type=float, help="outer rows: outer learning rate (default: the spec's)")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("SWARM_CACHE_DIR", ROOT / ".test-cache")))
     args = ap.parse_args()
     spec = RunSpec.from_toml(args.spec)
+    overrides = {"topk_fraction": args.topk_fraction, "topk_bits": args.topk_bits,
+                 "outer_momentum": args.outer_momentum, "outer_lr": args.outer_lr}
+    spec = spec.updated(averaging={k: v for k, v in overrides.items() if v is not None})
     stages = [build_stage(spec.model, k) for k in range(spec.model.num_stages)]
     largest = max(stages, key=lambda m: sum(p.numel() for p in m.parameters()))
     shapes = [tuple(p.shape) for p in largest.parameters()]

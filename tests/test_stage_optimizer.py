@@ -209,3 +209,41 @@ def test_samples_discarded_before_a_step_are_counted_as_dropped_and_matchmaking_
         if optimizer is not None:
             optimizer.shutdown()
         node.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_outer_mode_state_is_the_outer_parameters_and_momentum_and_a_load_restarts_the_inner_loop():
+    """mode = "outer" (swarm.averaging.outer) on one server: inner steps move the module, not the stage's state
+    (θ, the outer momentum); after inner_steps of them the outer step moves θ and the module starts from it. The
+    state is what a checkpoint captures and a joiner downloads: loading one (a restore or a rollback) puts θ into
+    both copies and restarts the inner AdamW."""
+    spec = TINY.updated(averaging={"mode": "outer", "inner_steps": 2})
+    ((key, dht),) = keyed_dhts(1)
+    module = build_stage(spec.model, 0)
+    optimizer = None
+    try:
+        optimizer = StageOptimizer(spec, "outer-seam", 0, dht, module, identity=key)
+        optimizer.jump_to_epoch(0)
+        start = optimizer.state()
+        assert {k.rsplit("/", 1)[-1] for k in start if k.startswith("opt/")} == {"momentum_buffer"}
+        for i in range(MICRO_BATCHES):  # one inner step: the module moved, the state did not
+            assert not optimizer.step(_gradients(module, i), spec.training.micro_batch_size, "trainer0")
+        assert all(torch.equal(start[k], t) for k, t in optimizer.state().items())
+        name, first = next(iter(module.named_parameters()))
+        assert not torch.equal(first.detach(), start[f"param/{name}"])
+        ended = [optimizer.step(_gradients(module, 100 + i), spec.training.micro_batch_size, "trainer0")
+                 for i in range(MICRO_BATCHES)]
+        assert ended[-1] and optimizer.epoch == 1  # the second inner step ended the outer epoch
+        after = optimizer.state()
+        assert not torch.equal(after[f"param/{name}"], start[f"param/{name}"])
+        assert torch.equal(first.detach(), after[f"param/{name}"])  # the module starts from the new θ
+        assert float(after[f"opt/{name}/momentum_buffer"].abs().max()) > 0
+        optimizer.step(_gradients(module, 999), spec.training.micro_batch_size, "trainer0")
+        optimizer.load_state(start)  # e.g. a rollback to the initial checkpoint
+        assert all(torch.equal(start[k], t) for k, t in optimizer.state().items())
+        assert torch.equal(first.detach(), start[f"param/{name}"])
+        assert optimizer._opt.inner.samples == 0 and not optimizer._opt.inner.optimizer.state
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()

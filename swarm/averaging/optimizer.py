@@ -10,10 +10,11 @@ statistics are averaged too, which re-syncs a server that missed a round. A late
 from a live server (hivemind ``load_state_from_peers`` with our donor choice, :mod:`swarm.averaging.donors`)
 and keeps it only if :attr:`StageOptimizer.state_check` accepts it.
 
-Nothing outside this module calls into hivemind's ``Optimizer``, ``ProgressTracker`` or averager internals:
-:class:`StageOptimizer` is the surface (``step``, ``finish_epoch_if_ready``, ``jump_to_epoch``, ``state`` /
-``load_state``, ``load_state_from_peers``, ``report``), and :class:`_CollaborativeOptimizer` keeps the fixes
-for hivemind 1.1.12 that need its private seams.
+Nothing outside this module and the two mixins of its optimizer (:mod:`swarm.averaging.overlap`: overlapped
+rounds; :mod:`swarm.averaging.outer`: outer steps, DiLoCo) calls into hivemind's ``Optimizer``,
+``ProgressTracker`` or averager internals: :class:`StageOptimizer` is the surface (``step``,
+``finish_epoch_if_ready``, ``jump_to_epoch``, ``state`` / ``load_state``, ``load_state_from_peers``, ``report``),
+and :class:`_CollaborativeOptimizer` keeps the fixes for hivemind 1.1.12 that need its private seams.
 """
 
 from __future__ import annotations
@@ -262,7 +263,10 @@ class StageOptimizer:
         """Hand over one micro-batch: ``gradients`` (one float32 tensor per parameter of the module, shaped like
         it) of ``samples`` samples sent by trainer ``contributor`` (its peer id). When the stage's servers
         together reached ``target_batch_size`` samples this averages with them and steps (blocking: matchmaking,
-        all-reduce, AdamW; up to ``averaging_timeout`` seconds). Returns True if an epoch ended."""
+        all-reduce, AdamW; up to ``averaging_timeout`` seconds). With ``overlap_rounds`` it waits for the previous
+        epoch's round instead and leaves this one's running (:mod:`swarm.averaging.overlap`); in ``outer`` mode it
+        takes an inner step every ``target_batch_size`` samples and an epoch is an outer step
+        (:mod:`swarm.averaging.outer`). Returns True if an epoch ended."""
         epoch, reloads = self.epoch, self.reloads
         self._opt.contribute(gradients, samples, contributor)
         return self.epoch != epoch and self.reloads == reloads  # a load from peers moves the epoch without a step
