@@ -262,8 +262,8 @@ class AveragingSpec(_Section):
         False, description="Average an epoch's gradients in the background while the servers serve the next epoch, "
         "and apply them at the end of that next epoch (a delayed parameter update: gradients are one epoch stale, "
         "and the first epoch takes no step). Removes the stall of each round (matchmaking_time plus the all-reduce) "
-        "from the pipeline; turn it on when rounds take a sizeable share of an epoch. Every server of a run must "
-        "agree on it.",
+        "from the pipeline; turn it on when rounds take a sizeable share of an epoch that lasts at least twice "
+        "matchmaking_time (shorter epochs pile rounds up). Every server of a run must agree on it.",
     )
 
     @model_validator(mode="after")

@@ -33,6 +33,7 @@ def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
             sc.stage_in_sync(k)
 
 
+@pytest.mark.scenario  # ~55 s each; the modes' math is checked in the default suite by tests/test_in_process.py
 @pytest.mark.parametrize("averaging,training", [
     ({"overlap_rounds": True}, {"target_batch_size": 64}),  # epochs (~2 s) longer than a matchmaking window
     ({"mode": "outer", "inner_steps": 2}, {}),
