@@ -77,10 +77,12 @@ class ConvictionBook:
 
     :param me: this peer's id (evidence against it is refused, not listed).
     :param min_tolerance: the least tolerance evidence is verified at (the run's ``spot_checks.rtol``).
+    :param accepts: False where servers' answers are not comparable (outer steps:
+        :func:`~swarm.spotcheck.answers_comparable`): then every piece of evidence is refused.
     """
 
-    def __init__(self, run_id: str, me: str, min_tolerance: float):
-        self.run_id, self.me, self.min_tolerance = run_id, me, min_tolerance
+    def __init__(self, run_id: str, me: str, min_tolerance: float, accepts: bool = True):
+        self.run_id, self.me, self.min_tolerance, self.accepts = run_id, me, min_tolerance, accepts
         self._known: OrderedDict[str, tuple[str, SpotEvidence, StageReceipt]] = OrderedDict()
 
     def __contains__(self, peer_id: str) -> bool:
@@ -107,6 +109,9 @@ class ConvictionBook:
         """
         if evidence.run_id != self.run_id:
             raise ProtocolError(f"evidence is for run {evidence.run_id!r}, not {self.run_id!r}")
+        if not self.accepts:
+            raise ProtocolError("this run averages with outer steps: the servers of a stage hold their own inner "
+                                "parameters between outer steps, so their answers differ and prove nothing")
         accused = verify_evidence(evidence, self.min_tolerance)
         if accused == self.me:
             raise ProtocolError("evidence accuses this peer; it is not listed (check this server's hardware and code)")

@@ -30,7 +30,7 @@ from swarm.directory import RunDirectory
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
 from swarm.routing import NoServerError, Router
 from swarm.convictions import ConvictionBook, ConvictionFollower, push_evidence
-from swarm.spotcheck import SpotChecker, SpotEvidence, StageReply
+from swarm.spotcheck import SpotChecker, SpotEvidence, StageReply, answers_comparable
 from swarm.stage import MAX_WIRE_TENSORS, StageServer, max_message_bytes
 from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.transport import gather, stream_out
@@ -69,7 +69,8 @@ class RemotePipeline:
         self.failures = 0
         self.checker = SpotChecker(spec, self, rng=rng, log=self.log)
         self.checker.on_evidence = self._share
-        self.book = ConvictionBook(run_id, me="", min_tolerance=spec.spot_checks.rtol)
+        self.book = ConvictionBook(run_id, me="", min_tolerance=spec.spot_checks.rtol,
+                                   accepts=answers_comparable(spec))
         self.follower = ConvictionFollower(self.book, p2p, spec, run_id, spawn=self.checker.spawn,
                                            on_adopted=self.checker.adopt, log=self.log)
 

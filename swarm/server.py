@@ -65,6 +65,7 @@ from swarm.model import build_stage
 from swarm.protocol import ServerInfo, ServerState, StorageInfo, add_history
 from swarm.rebalance import MovePlanner
 from swarm.routing import choose_stage
+from swarm.spotcheck import answers_comparable
 from swarm.stage import EpochEnd, StageServer
 from swarm.statecheck import DonorStateCheck
 
@@ -218,7 +219,8 @@ class ServerSession:
         self.keeper = FragmentKeeper(self.spec, self.directory, self.identity, store, bans=self.bans)
         self.p2p = await self.dht.replicate_p2p()
         await self.keeper.start(self.p2p)
-        self.convictions = ConvictionBook(self.directory.run_id, self.me, self.spec.spot_checks.rtol)
+        self.convictions = ConvictionBook(self.directory.run_id, self.me, self.spec.spot_checks.rtol,
+                                          accepts=answers_comparable(self.spec))
         await EvidenceService(self.spec, self.convictions).add_p2p_handlers(self.p2p, namespace=self.directory.run_id)
         self._following: set[asyncio.Task] = set()  # evidence fetched from stage-mates' listings
         self.follower = ConvictionFollower(self.convictions, self.p2p, self.spec, self.directory.run_id,

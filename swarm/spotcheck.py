@@ -19,6 +19,10 @@ its server too (an honest server always signs what it sends).
 
 Detection: a server lying on a fraction ``f`` of its calls is caught after about ``1 / (rate x f)`` of them
 (200 at rate 5% and f = 10%).
+
+Not with outer steps (``[averaging] mode = "outer"``, :mod:`swarm.averaging.outer`): the servers of a stage then
+hold their own inner parameters between outer steps, so two honest servers' answers differ and prove nothing
+(:func:`answers_comparable`); trainers sample no checks and every peer refuses spot-check evidence.
 """
 
 from __future__ import annotations
@@ -114,6 +118,12 @@ def odd_one_out(diffs: dict[tuple[int, int], float], tolerance: float) -> Option
     return None
 
 
+def answers_comparable(spec: RunSpec) -> bool:
+    """Whether two honest servers of a stage answer one call alike in this run: not with outer steps, where each
+    holds its own inner parameters between outer steps (module docstring)."""
+    return spec.averaging.mode != "outer"
+
+
 class SpotChecker:
     """A trainer's spot checks (module docstring). Owned by its :class:`~swarm.pipeline.RemotePipeline`.
 
@@ -135,7 +145,7 @@ class SpotChecker:
     # ---- sampling ------------------------------------------------------------------------------------
     def sample(self) -> bool:
         """Whether to check the next call: with probability ``rate``, unless ``max_in_flight`` checks run."""
-        if self.cfg.rate <= 0 or self.rng.random() >= self.cfg.rate:
+        if self.cfg.rate <= 0 or not answers_comparable(self.spec) or self.rng.random() >= self.cfg.rate:
             return False
         if len(self._tasks) >= self.cfg.max_in_flight:
             self.counts["unchecked"] += 1
@@ -346,4 +356,5 @@ def _decode(wire: list[torch.Tensor], codec: str) -> list[torch.Tensor]:
         raise ProtocolError(f"evidence tensors do not decode: {e}") from None
 
 
-__all__ = ["SpotChecker", "SpotEvidence", "StageReply", "relative_difference", "verify_evidence"]
+__all__ = ["SpotChecker", "SpotEvidence", "StageReply", "answers_comparable", "relative_difference",
+           "verify_evidence"]

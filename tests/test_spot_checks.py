@@ -18,7 +18,7 @@ from swarm.pipeline import RemotePipeline
 from swarm.codecs import unpack_tensors
 from swarm.protocol import ProtocolError, ServerInfo, ServerState, StageReceipt, open_record
 from swarm.receipts import check_receipt, sign_receipt, tensors_digest
-from swarm.spotcheck import odd_one_out, relative_difference, verify_evidence
+from swarm.spotcheck import SpotChecker, odd_one_out, relative_difference, verify_evidence
 from swarm.stage import StageServer
 from swarm.identity import Identity
 from tests.conftest import TINY, keyed_dhts
@@ -119,6 +119,14 @@ def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_datase
             with pytest.raises(ProtocolError, match="single out"):
                 verify_evidence(evidence, min_tolerance=max(apart) * 1.01)
             assert verify_evidence(evidence, min_tolerance=min(apart) * 0.5) == lying.peer_id
+
+            # with outer steps (swarm.averaging.outer) two honest servers' answers differ: no check is sampled and
+            # no evidence, however well signed, is accepted
+            with pytest.raises(ProtocolError, match="outer steps"):
+                ConvictionBook(evidence.run_id, me="", min_tolerance=0.0, accepts=False).add(evidence)
+            outer = SpotChecker(TINY.updated(averaging={"mode": "outer"}, spot_checks={"rate": 1.0}), pipe)
+            assert not any(outer.sample() for _ in range(20))
+            assert SpotChecker(TINY.updated(spot_checks={"rate": 1.0}), pipe).sample()
 
             # the convicted server gets no more work from this trainer
             before = lying.samples
