@@ -25,11 +25,13 @@ from hivemind.compression import serialize_torch_tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from harness import val_loss  # noqa: E402
 
 from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
-from swarm.model import lm_loss  # noqa: E402
 from swarm.reference import train_reference  # noqa: E402
 
 
@@ -51,20 +53,6 @@ def payload_bytes(h: torch.Tensor, codec: str) -> int:
     return sum(len(serialize_torch_tensor(t).buffer) for t in pack_tensors([h], codec))
 
 
-def val_loss(stages, dataset, spec, batches: int = 32) -> float:
-    b = spec.training.micro_batch_size
-    n = min(batches, dataset.num_samples("val") // b)
-    losses = []
-    with torch.no_grad():
-        for i in range(n):
-            x = dataset.batch(list(range(i * b, (i + 1) * b)), "val")
-            h = x[:, :-1]
-            for m in stages:
-                h = m(h)
-            losses.append(float(lm_loss(h, x[:, 1:])))
-    return sum(losses) / len(losses)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", type=Path, default=ROOT / "runs" / "demo.toml")
@@ -82,7 +70,7 @@ def main() -> None:
         ref = train_reference(spec, dataset, max_samples=args.samples,
                               between_stages=None if name == "none" else lambda t, c=codec: _OverTheWire.apply(t, c))
         row = {"codec": name, "bytes_ratio": round(fp32 / payload_bytes(h, codec), 2),
-               "val_loss": round(val_loss(ref.stages, dataset, spec), 4), "seconds": round(ref.seconds, 1)}
+               "val_loss": round(val_loss(torch.nn.Sequential(*ref.stages), dataset, spec), 4), "seconds": round(ref.seconds, 1)}
         results.append(row)
         print(json.dumps(row), flush=True)
     base = results[0]["val_loss"]

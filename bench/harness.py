@@ -144,7 +144,8 @@ def _grad(model, inputs, targets) -> list[torch.Tensor]:
 EVAL_EVERY = 5  # the reported validation loss is the mean of the evaluations at the last 3 multiples of this
 
 
-def _val_loss(model, dataset, spec, batches: int = 32) -> float:
+def val_loss(model, dataset, spec, batches: int = 32) -> float:
+    """Mean loss (nats/token) of ``model`` over the validation split's first ``batches`` micro-batches."""
     b = spec.training.micro_batch_size
     n = min(batches, dataset.num_samples("val") // b)
     with torch.no_grad():
@@ -218,14 +219,14 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
             outer.outer_step(averaged)
             every = max(1, EVAL_EVERY // avg.inner_steps) * avg.inner_steps
             if r >= rounds - 3 * every and (rounds - 1 - r) % every == 0:
-                evals.append(_val_loss(model, dataset, spec))
+                evals.append(val_loss(model, dataset, spec))
             continue
         for p, g in zip(params, averaged):
             p.grad = g.clone()
         opt.step()
         sched.step()
         if r >= rounds - 3 * EVAL_EVERY and (rounds - 1 - r) % EVAL_EVERY == 0:
-            evals.append(_val_loss(model, dataset, spec))
+            evals.append(val_loss(model, dataset, spec))
     result.bytes_per_round = bytes_sent / max(1, rounds // (avg.inner_steps if outer else 1))
     result.val_loss = sum(evals) / len(evals)
     result.seconds = time.perf_counter() - start
