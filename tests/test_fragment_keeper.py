@@ -207,6 +207,27 @@ def test_views_count_only_live_holders_of_the_listed_hash(tiny_spec):
     assert choose_holders(peers, 2, 5000, avoid_stage=0) == []
 
 
+def test_a_restore_waits_until_the_newest_checkpoint_seen_has_settled(tiny_spec):
+    """Every peer restarting at once: epoch 4's holders come up first, epoch 6's a few seconds later; epoch 4
+    must not count as settled before epoch 6 shows up, and epoch 6 settles one window after it appeared."""
+    from swarm.checkpoint.catalog import CheckpointView, SettledView
+    from swarm.protocol import CheckpointManifest
+
+    me = Identity.generate()
+
+    def view(epoch):
+        m = CheckpointManifest(run_id=RUN, peer_id=me.peer_id, time=get_dht_time(), stage=0, epoch=epoch,
+                               shard_sha256=f"{epoch}" * 64, size=100, k=1, n=1, fragments=[],
+                               **endorsed(RUN, me, stage=0, epoch=epoch))
+        return CheckpointView(m, b"")
+
+    settling = SettledView(9.0, now=100.0)
+    assert not settling.observe([], 100.0) and not settling.observe([view(4)], 101.0)
+    assert not settling.observe([view(4)], 109.5), "epoch 4 first appeared at 101 s"
+    assert not settling.observe([view(6), view(4)], 110.5) and not settling.observe([view(6), view(4)], 119.0)
+    assert settling.observe([view(6), view(4)], 119.5)
+
+
 def test_a_draining_holder_hands_its_fragments_off(swarm_of_keepers):
     spec, nodes = swarm_of_keepers
     writer = nodes[0]

@@ -89,6 +89,25 @@ def newest_restorable(views: Iterable[CheckpointView], max_epoch: Optional[int] 
     return None
 
 
+class SettledView:
+    """Whether a stage's newest visible checkpoint has stayed the same for ``window_s`` seconds.
+
+    Peers that restart together (every peer of the run died) re-publish their manifests as their keepers come
+    up, one after the other: the first restorable checkpoint a restarting server sees may be older than one
+    whose holders are a few seconds slower. Restoring only a settled view (every live keeper re-announces within
+    one record TTL) keeps that newer checkpoint.
+    """
+
+    def __init__(self, window_s: float, now: float):
+        self.window_s, self.newest, self.changed_at = window_s, None, now
+
+    def observe(self, views: list[CheckpointView], now: float) -> bool:
+        """Note the stage's views (newest first) seen at ``now`` (seconds, monotonic); True once settled."""
+        if views and (views[0].manifest.epoch, views[0].manifest.shard_sha256) != self.newest:
+            self.newest, self.changed_at = (views[0].manifest.epoch, views[0].manifest.shard_sha256), now
+        return now - self.changed_at >= self.window_s
+
+
 def choose_holders(candidates: Iterable[StorageInfo], count: int, size: int, *, avoid_stage: int,
                    exclude: Iterable[str] = (), load: Optional[Counter] = None,
                    rng: Optional[random.Random] = None) -> list[StorageInfo]:

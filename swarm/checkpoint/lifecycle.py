@@ -3,8 +3,9 @@
 * **Restore** (:meth:`StageCheckpoints.restore_at_start`): with live servers of the stage the caller loads
   their state (:meth:`StageCheckpoints.load_from_peers`, hivemind ``load_state_from_peers``; a load that
   brought nothing falls through to the checkpoint); otherwise the stage's newest committed checkpoint is
-  fetched from any ``k`` verified fragments. If the swarm shows checkpoints but too few holders yet (every
-  peer is restarting), the server waits up to ``checkpoint.restore_timeout_s`` for them; only then does it
+  fetched from any ``k`` verified fragments, once the stage's newest visible checkpoint has stayed the same for
+  one record TTL (holders restarting with it re-publish their manifests within that). If the swarm shows
+  checkpoints but too few holders yet (every peer is restarting), the server waits up to ``checkpoint.restore_timeout_s`` for them; only then does it
   fall back to an older restorable checkpoint, logging the epochs lost. With no checkpoint anywhere (a new
   run) it starts from the spec's initial parameters.
 * **Commit**: where an epoch ends (:class:`swarm.server.ServerSession`), every ``checkpoint.interval_epochs``
@@ -26,7 +27,7 @@ from typing import Coroutine, Optional
 
 from hivemind.utils import get_dht_time
 
-from swarm.checkpoint.catalog import CheckpointView, newest_restorable
+from swarm.checkpoint.catalog import CheckpointView, SettledView, newest_restorable
 from swarm.checkpoint.erasure import FragmentError
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.rollback import LossSpikeDetector, order_in_force
@@ -121,13 +122,14 @@ class StageCheckpoints:
         if order is not None:
             self._adopt_order(*order)
         started, evidence = time.monotonic(), await self.keeper.io(self._evidence)
-        last_note = 0.0
+        last_note, settling = 0.0, SettledView(self.directory.ttl, started)
         while True:
             if ask_peers and (epoch := await self._others_online()) is not None:
                 self.peer_epoch = epoch
                 return "peers"
             views = (await self.keeper.views())[self.stage]
-            source = await self._restore_or_wait(views, time.monotonic() - started, evidence)
+            settled = settling.observe(views, time.monotonic())
+            source = await self._restore_or_wait(views, time.monotonic() - started, evidence, settled)
             if source is not None:
                 return source
             if time.monotonic() - last_note > 10:
@@ -138,14 +140,17 @@ class StageCheckpoints:
                               "fragments alive" if newest else "no manifest yet")
             await asyncio.sleep(1.0)
 
-    async def _restore_or_wait(self, views: list[CheckpointView], waited: float, evidence: bool) -> Optional[str]:
+    async def _restore_or_wait(self, views: list[CheckpointView], waited: float, evidence: bool,
+                               settled: bool) -> Optional[str]:
         """One look at the stage's checkpoints: ``"checkpoint"`` (restored), ``"fresh"``, or None (wait more).
 
+        :param settled: the stage's newest visible checkpoint has not changed for one record TTL
+            (:class:`~swarm.checkpoint.catalog.SettledView`); nothing is restored before.
         :raises RestoreError: waited ``restore_timeout_s`` and nothing became restorable.
         """
         timeout = self.spec.checkpoint.restore_timeout_s
         best, newest = newest_restorable(views), (views[0] if views else None)
-        if best is not None and (best.manifest.epoch == newest.manifest.epoch or waited > timeout):
+        if best is not None and settled and (best.manifest.epoch == newest.manifest.epoch or waited > timeout):
             if best.manifest.epoch != newest.manifest.epoch:
                 self.log.error("checkpoint epoch %d has only %d of %d fragments alive after %.0f s; restoring epoch "
                                "%d instead: epochs %d..%d are lost", newest.manifest.epoch, newest.fragments_alive,
