@@ -1,7 +1,7 @@
 """Bytes on the wire per averaging round and validation loss, for each compressor against uncompressed fp32.
 
     python bench/compression.py [--spec runs/demo.toml] [--rounds 100] [--rank 4] [--wire-rounds 3]
-                                [--rows per_epoch:none,...,outer10:topk] [--topk-fraction F --topk-bits B]
+                                [--rows per_epoch:none,...,outer10:topk] [--topk-fraction F --topk-bits B --topk-chunk C]
                                 [--outer-momentum M --outer-lr LR]
 
 Bytes: real averagers (hivemind DHT, p2pd, matchmaking, :class:`~swarm.averaging.averager.
@@ -49,8 +49,8 @@ from swarm.directory import spawn_dht  # noqa: E402
 from swarm.identity import Identity  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
 
-COMPRESSORS = ("none", "float16", "blockwise8bit", "powersgd", "topk")
-ROWS = ",".join([f"per_epoch:{c}" for c in COMPRESSORS] + ["outer10:none", "outer10:topk", "outer25:topk"])
+COMPRESSORS = ("none", "float16", "blockwise8bit", "powersgd", "topk", "chunk_topk")
+ROWS = ",".join([f"per_epoch:{c}" for c in COMPRESSORS] + ["outer10:none", "outer10:topk", "outer10:chunk_topk"])
 HARNESS_PEERS = 4
 
 
@@ -105,14 +105,15 @@ def main() -> None:
     ap.add_argument("--wire-rounds", type=int, default=3, help="averaging rounds measured on the wire")
     ap.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
     ap.add_argument("--rows", default=ROWS, help="comma-separated mode:compressor rows (per_epoch:none always runs)")
-    ap.add_argument("--topk-fraction", type=float, help="topk rows: fraction of chunks sent (default: the spec's)")
+    ap.add_argument("--topk-fraction", type=float, help="topk rows: fraction of chunks (chunk_topk: of each chunk's values) sent (default: the spec's)")
     ap.add_argument("--topk-bits", type=int, choices=[2, 3, 4], help="topk rows: bits per value (default: the spec's)")
+    ap.add_argument("--topk-chunk", type=int, help="topk rows: values per chunk (default: the spec's)")
     ap.add_argument("--outer-momentum", type=float, help="outer rows: Nesterov momentum (default: the spec's)")
     ap.add_argument("--outer-lr", type=float, help="outer rows: outer learning rate (default: the spec's)")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("SWARM_CACHE_DIR", ROOT / ".test-cache")))
     args = ap.parse_args()
     spec = RunSpec.from_toml(args.spec)
-    overrides = {"topk_fraction": args.topk_fraction, "topk_bits": args.topk_bits,
+    overrides = {"topk_fraction": args.topk_fraction, "topk_bits": args.topk_bits, "topk_chunk": args.topk_chunk,
                  "outer_momentum": args.outer_momentum, "outer_lr": args.outer_lr}
     spec = spec.updated(averaging={k: v for k, v in overrides.items() if v is not None})
     stages = [build_stage(spec.model, k) for k in range(spec.model.num_stages)]
@@ -125,11 +126,12 @@ def main() -> None:
     epoch_tokens = per_peer * spec.training.micro_batch_size * HARNESS_PEERS * spec.data.seq_len
     for mode, inner_steps, name in rows:
         if name not in wire:
-            wire[name] = wire_bytes(shapes, name, args.rank, args.wire_rounds, **(topk if name == "topk" else {}))
+            wire[name] = wire_bytes(shapes, name, args.rank, args.wire_rounds, **(topk if "topk" in name else {}))
         r = train(spec if mode == "per_epoch" else outer_spec(spec, inner_steps), args.cache_dir, peers=HARNESS_PEERS, aggregator="mean",
                   compression=name, rank=args.rank, rounds=args.rounds)
         row = {"mode": mode, "inner_steps": inner_steps,
-               "compressor": {"powersgd": f"powersgd{args.rank}", "topk": f"topk{avg.topk_bits}bit"}.get(name, name),
+               "compressor": {"powersgd": f"powersgd{args.rank}", "topk": f"topk{avg.topk_bits}bit",
+                               "chunk_topk": f"chunk_topk{avg.topk_bits}bit"}.get(name, name),
                "bytes_per_round": int(wire[name]),
                "bytes_per_token": wire[name] * HARNESS_PEERS / (epoch_tokens * inner_steps),
                "val_loss": round(r.val_loss, 4)}

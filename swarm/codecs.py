@@ -8,7 +8,9 @@ A :class:`WireCodec` turns a float32 vector into the tensors that are serialized
   block of :data:`BLOCK` values (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022,
   sec. 2), a quarter of fp32's bytes;
 * :class:`BlockwiseLowBit` (``blockwise4bit``, ``blockwise3bit``, ``blockwise2bit``) — ``b``-bit codes, bit-packed,
-  with one float16 absmax scale per block of :data:`LOW_BIT_BLOCK` values: 7.5x, 9.8x and 14.2x smaller than fp32.
+  with one float16 absmax scale per block of :data:`LOW_BIT_BLOCK` values: 7.5x, 9.8x and 14.2x smaller than fp32;
+* :class:`SparseLowBit` (``sparse{2,3,4}bit``, averaging only) — the non-zero values of a mostly-zero vector with
+  their positions, in ``b`` bits: what a top-k compressor sends.
 
 A codec is elementwise per block, so encoding slices cut at multiples of ``codec.block`` equals slicing the
 encoding of the whole vector (the butterfly all-reduce cuts partitions there).
@@ -145,7 +147,7 @@ class BlockwiseLowBit(WireCodec):
         if bits not in (2, 3, 4):
             raise ValueError(f"low-bit codec of {bits} bits; choose 2, 3 or 4")
         self.bits, self.block, self.name = bits, block, f"blockwise{bits}bit"
-        self.levels = 4 if bits == 2 else 2 ** bits - 1
+        self.levels = _levels(bits)
 
     def encode(self, x):
         x = x.detach().float().flatten()
@@ -154,8 +156,7 @@ class BlockwiseLowBit(WireCodec):
         padded = torch.nn.functional.pad(x, (0, nblocks * self.block - n)).view(nblocks, self.block)
         scales = padded.abs().amax(dim=1).clamp(max=65504.0).half()
         inv = torch.where(scales > 0, 1.0 / scales.float(), torch.zeros(nblocks))
-        unit = (padded * inv[:, None]).clamp_(-1.0, 1.0)
-        codes = torch.round((unit + 1.0) * ((self.levels - 1) / 2)).to(torch.uint8).flatten()[:n]
+        codes = _to_levels(padded * inv[:, None], self.levels).flatten()[:n]
         return [_pack_bits(codes, self.bits), scales]
 
     def decode(self, tensors, numel):
@@ -165,13 +166,92 @@ class BlockwiseLowBit(WireCodec):
         top = int(codes.max()) if numel else 0
         if top >= self.levels:  # 2**bits - 1 is not a level of the odd-level codecs
             raise CodecError(f"{self.name} code {top} is not a level (0..{self.levels - 1})")
-        unit = codes.float() * (2.0 / (self.levels - 1)) - 1.0
+        unit = _from_levels(codes, self.levels)
         padded = torch.nn.functional.pad(unit, (0, nblocks * self.block - numel)).view(nblocks, self.block)
         return (padded * scales[:, None]).flatten()[:numel]
 
 
+class SparseLowBit(WireCodec):
+    """The non-zero values of a mostly-zero vector, with their positions, in ``bits`` bits (2 to 4).
+
+    Per chunk of ``chunk`` values: how many are non-zero, their positions in the chunk (ascending) and their
+    codes on :class:`BlockwiseLowBit`'s levels with the chunk's absmax as scale. Zeros cost nothing but their
+    chunk's count. Used by :class:`~swarm.averaging.compression.ChunkTopK` (the per-chunk top-k of SparseLoCo:
+    Sarfi et al. 2025, sec. 3), whose parts keep ``k`` values per chunk and whose aggregates keep the union of
+    the group's.
+
+    Wire: int16 counts ``(ceil(numel / chunk),)`` (int32 for chunks above 32767) + positions bit-packed at
+    ``p = ceil(log2(chunk))`` bits, uint8 ``(ceil(total * p / 8),)`` + codes bit-packed, uint8
+    ``(ceil(total * bits / 8),)`` + float16 scales ``(ceil(numel / chunk),)``. Per value kept: ``bits + p`` bits
+    plus the chunk's count and scale shared by its values (SparseLoCo's 4096-value chunks: 12 bits of position).
+    """
+
+    def __init__(self, bits: int, chunk: int):
+        if bits not in (2, 3, 4) or not 1 <= chunk <= 65536:
+            raise ValueError(f"sparse codec of {bits} bits in chunks of {chunk}; choose 2-4 bits, chunks of 1-65536")
+        self.bits, self.chunk, self.block, self.name = bits, chunk, chunk, f"sparse{bits}bit"
+        self.levels = _levels(bits)
+        self.position_bits = max(1, math.ceil(math.log2(chunk)))
+        self.count_dtype = torch.int16 if chunk <= 32767 else torch.int32
+
+    def encode(self, x):
+        x = x.detach().float().flatten()
+        n = x.numel()
+        nchunks = math.ceil(n / self.chunk)
+        padded = torch.nn.functional.pad(x, (0, nchunks * self.chunk - n)).view(nchunks, self.chunk)
+        rows, cols = padded.ne(0).nonzero(as_tuple=True)
+        counts = torch.bincount(rows, minlength=nchunks).to(self.count_dtype)
+        scales = padded.abs().amax(dim=1).clamp(max=65504.0).half()
+        inv = torch.where(scales > 0, 1.0 / scales.float(), torch.zeros(nchunks))
+        codes = _to_levels(padded[rows, cols] * inv[rows], self.levels)
+        return [counts, _pack_bits(cols, self.position_bits), _pack_bits(codes, self.bits), scales]
+
+    def decode(self, tensors, numel):
+        nchunks = math.ceil(numel / self.chunk)
+        if len(tensors) != 4:
+            raise CodecError(f"{self.name} part has {len(tensors)} tensors, expected 4")
+        counts = tensors[0]
+        _expect([counts], [(self.count_dtype, nchunks)], self.name)
+        sizes = torch.full((nchunks,), self.chunk, dtype=torch.int64)
+        if nchunks:
+            sizes[-1] = numel - (nchunks - 1) * self.chunk
+        if bool((counts < 0).any()) or bool((counts.long() > sizes).any()):
+            raise CodecError(f"{self.name} chunk counts outside 0..chunk size")
+        total = int(counts.long().sum())
+        _expect(tensors, [(self.count_dtype, nchunks), (torch.uint8, math.ceil(total * self.position_bits / 8)),
+                          (torch.uint8, math.ceil(total * self.bits / 8)), (torch.float16, nchunks)], self.name)
+        rows = torch.repeat_interleave(torch.arange(nchunks), counts.long())
+        cols = _unpack_bits(tensors[1], self.position_bits, total)
+        same_chunk = rows[1:] == rows[:-1]
+        if bool((cols < 0).any()) or bool((cols >= sizes[rows]).any()) \
+                or bool((same_chunk & (cols[1:] <= cols[:-1])).any()):
+            raise CodecError(f"{self.name} positions outside their chunk or not ascending within it")
+        codes = _unpack_bits(tensors[2], self.bits, total)
+        if total and int(codes.max()) >= self.levels:
+            raise CodecError(f"{self.name} code {int(codes.max())} is not a level (0..{self.levels - 1})")
+        out = torch.zeros(nchunks, self.chunk)
+        out[rows, cols] = _from_levels(codes, self.levels) * tensors[3].float()[rows]
+        return out.flatten()[:numel]
+
+
+def _levels(bits: int) -> int:
+    """Levels of a ``bits``-bit code on ``[-1, 1]``: ``2**bits - 1`` (odd, zero is one) for 3 and 4 bits, 4 for 2."""
+    return 4 if bits == 2 else 2 ** bits - 1
+
+
+def _to_levels(unit: torch.Tensor, levels: int) -> torch.Tensor:
+    """Values scaled to ``[-1, 1]`` -> uint8 codes of the nearest of ``levels`` uniform levels (same shape)."""
+    return torch.round((unit.clamp(-1.0, 1.0) + 1.0) * ((levels - 1) / 2)).to(torch.uint8)
+
+
+def _from_levels(codes: torch.Tensor, levels: int) -> torch.Tensor:
+    """Inverse of :func:`_to_levels`: float32 values on ``[-1, 1]``."""
+    return codes.float() * (2.0 / (levels - 1)) - 1.0
+
+
 def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes ``(n,)``, each below ``2**bits`` -> their bits packed into uint8 ``(ceil(n * bits / 8),)``."""
+    """Integer codes ``(n,)``, each below ``2**bits`` (1 to 31 bits) -> their bits packed into uint8
+    ``(ceil(n * bits / 8),)``."""
     if 8 % bits == 0:  # whole codes per byte: shifts of the codes themselves
         per = 8 // bits
         lanes = torch.nn.functional.pad(codes, (0, -codes.numel() % per)).view(-1, per).to(torch.int32)

@@ -145,22 +145,26 @@ class TrainingSpec(_Section):
 class AveragingSpec(_Section):
     """Intra-stage averaging (hivemind matchmaking + butterfly all-reduce)."""
 
-    compression: Literal["none", "float16", "blockwise8bit", "powersgd", "topk"] = Field(
+    compression: Literal["none", "float16", "blockwise8bit", "powersgd", "topk", "chunk_topk"] = Field(
         "none", description="Codec for gradients in the all-reduce, with error feedback: 'float16' halves the "
         "bytes, 'blockwise8bit' quarters them, 'powersgd' sends rank-r factors (see powersgd_rank), 'topk' sends "
-        "the highest-scoring chunks in 2-4 bits (see topk_fraction; ~300x fewer bytes than fp32 by default).",
+        "the highest-scoring chunks in 2-4 bits, the same chunks on every peer (see topk_fraction; ~300x fewer "
+        "bytes than fp32 by default), 'chunk_topk' the largest values of every chunk with their positions "
+        "(SparseLoCo; ~70x fewer sent, aggregates on the union of the group's choices).",
     )
     topk_fraction: float = Field(
-        1 / 32, gt=0, le=1, description="topk: fraction of the gradient's chunks sent per round. Lower sends fewer "
-        "bytes and delays more of the gradient (it waits in the error-feedback residual); raise it if the loss lags "
-        "an uncompressed run.",
+        1 / 32, gt=0, le=1, description="topk: fraction of the gradient's chunks sent per round; chunk_topk: "
+        "fraction of each chunk's values. Lower sends fewer bytes and delays more of the gradient (it waits in "
+        "the error-feedback residual); raise it if the loss lags an uncompressed run.",
     )
     topk_chunk: int = Field(
-        256, ge=64, le=65536, multiple_of=64, description="topk: values per chunk (one score each on the wire). "
-        "Larger chunks cost fewer score bytes and select more coarsely.",
+        256, ge=64, le=65536, multiple_of=64, description="topk and chunk_topk: values per chunk (topk: one score "
+        "each on the wire, larger chunks cost fewer score bytes and select more coarsely; chunk_topk: each value "
+        "sent carries its position in log2(chunk) bits, SparseLoCo uses 4096).",
     )
     topk_bits: Literal[2, 3, 4] = Field(
-        2, description="topk: bits per value sent (absmax per 64 values); the rounding is fed back like the rest.",
+        2, description="topk and chunk_topk: bits per value sent (absmax per 64 values, chunk_topk per chunk); "
+        "the rounding is fed back like the rest.",
     )
     powersgd_rank: int = Field(
         4, ge=1, le=256, description="Rank of PowerSGD factors. Higher tracks uncompressed training closer and "
@@ -271,6 +275,10 @@ class AveragingSpec(_Section):
         if self.mode == "outer" and self.overlap_rounds:
             raise ValueError("overlap_rounds applies to mode = 'per_epoch'; outer steps already average rarely "
                              "(every inner_steps): turn one of them off")
+        if self.compression == "chunk_topk" and self.aggregator in ("median", "trimmed_mean"):
+            raise ValueError(f"compression = 'chunk_topk' with aggregator = '{self.aggregator}': each peer sends its "
+                             "own coordinates, so a coordinate-wise rule zeroes those fewer than half of the peers "
+                             "chose (and they were not kept for later); use 'centered_clip' or 'mean', or 'topk'")
         return self
 
     @field_validator("trainer_outlier_ratio")

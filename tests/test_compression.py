@@ -3,7 +3,7 @@ import torch
 
 from swarm.averaging.compression import PowerSGD, make_compressor, run_locally
 from swarm.averaging.schedule import lr_at_epoch
-from swarm.codecs import BLOCK, Blockwise8Bit, CodecError, Float16Codec, Float32Codec
+from swarm.codecs import BLOCK, Blockwise8Bit, CodecError, Float16Codec, Float32Codec, SparseLowBit
 from swarm.config import OptimSpec
 
 
@@ -47,7 +47,49 @@ def test_codecs_reject_malformed_parts(codec):
         codec.decode(good + [torch.zeros(1)], 1000)
 
 
-@pytest.mark.parametrize("name", ["float16", "blockwise8bit", "powersgd", "topk"])
+def test_sparse_codec_keeps_the_non_zeros_and_their_positions_in_few_bytes():
+    x = torch.zeros(1000)
+    x[[3, 200, 255, 256, 999]] = torch.tensor([0.5, -2.0, 1.0, 3.0, -0.1])
+    codec = SparseLowBit(bits=4, chunk=256)
+    counts, positions, codes, scales = codec.encode(x)
+    assert counts.tolist() == [3, 1, 0, 1] and positions.tolist() == [3, 200, 255, 0, 231]  # 8-bit positions
+    y = codec.roundtrip(x)
+    assert torch.equal(y.ne(0), x.ne(0))
+    assert ((y - x).abs() <= torch.repeat_interleave(scales.float() / 14, 256)[:1000] + 1e-7).all()  # half a step of 15 levels
+    pieces = torch.cat([codec.roundtrip(x[:256]), codec.roundtrip(x[256:768]), codec.roundtrip(x[768:])])
+    assert torch.equal(y, pieces), "chunk-aligned slices encode like the whole vector (the all-reduce cuts there)"
+    dense = torch.randn(256 * 40)
+    dense[dense.abs() < 2.2] = 0  # ~3% kept
+    wire = sum(t.numel() * t.element_size() for t in SparseLowBit(2, 256).encode(dense))
+    assert 4 * dense.numel() / wire > 50, wire
+    wide = SparseLowBit(2, 4096)  # SparseLoCo's chunks: 12-bit positions
+    assert torch.equal(wide.roundtrip(dense).ne(0), dense.ne(0))
+    assert wide.encode(dense)[1].numel() == -(-int(dense.ne(0).sum()) * 12 // 8)
+
+
+@pytest.mark.parametrize("case", ["count", "position", "order", "code", "dtype", "shape"])
+def test_sparse_codec_rejects_malformed_parts(case):
+    codec, x = SparseLowBit(bits=3, chunk=256), torch.zeros(600)  # positions of chunks of 256: one byte each
+    x[[1, 5, 300, 599]] = 1.0
+    counts, positions, codes, scales = codec.encode(x)
+    assert positions.tolist() == [1, 5, 44, 87]
+    if case == "count":
+        counts = counts.clone(); counts[0] = 257
+    elif case == "position":
+        positions = positions.clone(); positions[-1] = 88  # the last chunk holds 600 - 512 = 88 values
+    elif case == "order":
+        positions = positions.clone(); positions[1] = positions[0]
+    elif case == "code":
+        codes = torch.full_like(codes, 255)
+    elif case == "dtype":
+        counts = counts.to(torch.int32)
+    elif case == "shape":
+        scales = scales[:-1]
+    with pytest.raises(CodecError):
+        codec.decode([counts, positions, codes, scales], 200)
+
+
+@pytest.mark.parametrize("name", ["float16", "blockwise8bit", "powersgd", "topk", "chunk_topk"])
 def test_error_feedback_drives_the_accumulated_error_to_zero(name):
     """Sending the same gradient R times: the sum of what was sent differs from R*g only by the residual,
     which stays bounded, so the mean of what was sent converges to g (error ~ 1/R)."""
@@ -86,7 +128,7 @@ def test_powersgd_is_exact_on_low_rank_matrices_and_sends_few_bytes():
 
 
 def test_make_compressor_names():
-    for name in ("none", "float16", "blockwise8bit", "powersgd", "topk"):
+    for name in ("none", "float16", "blockwise8bit", "powersgd", "topk", "chunk_topk"):
         assert make_compressor(name).name.startswith(name)
     with pytest.raises(ValueError, match="multiple of 64"):
         make_compressor("topk", chunk=100)

@@ -35,7 +35,7 @@ from hivemind.proto import runtime_pb2
 from swarm.averaging.aggregation import Aggregator
 from swarm.averaging.compression import Phase, PhaseResult
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, Reduction, Verdict, partition_bounds, reduce_partition
-from swarm.codecs import CODECS, WireCodec
+from swarm.codecs import WireCodec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
 from swarm.transport import gather, stream_out
 
@@ -263,7 +263,7 @@ async def send_part(stub, meta: AveragingPart, encoded: list[torch.Tensor], coun
 
 def decode_part(meta: AveragingPart, tensors: list[torch.Tensor], expected: PartitionReducer):
     """Decode a received part for ``expected``; returns the float32 tensor or the error to reject it with."""
-    if meta.codec != expected.codec.name or meta.codec not in CODECS:
+    if meta.codec != expected.codec.name:
         return ValueError(f"codec {meta.codec!r}, this round uses {expected.codec.name!r}")
     if meta.numel != expected.numel:
         return ValueError(f"{meta.numel} values, the partition has {expected.numel}")

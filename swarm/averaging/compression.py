@@ -12,7 +12,8 @@ then ``Q = Mᵀ P`` (with the small tensors, in fp16) is aggregated; the result 
 runs two phases too: the chunks' scores, then the values of the chunks the aggregated scores rank highest, in
 2 to 4 bits (top-k sparsification with error feedback and low-bit values, as SparseLoCo: Sarfi et al. 2025;
 with one index set that every peer of the round derives from the same aggregate, so the robust aggregators work
-on it unchanged: see ``docs/averaging.md``).
+on it unchanged: see ``docs/averaging.md``). :class:`ChunkTopK` is SparseLoCo's own: every peer keeps the
+largest values of every chunk and sends them with their positions; reducers aggregate on the union.
 
 The same code runs in the real swarm (:mod:`swarm.averaging.allreduce`) and in the in-process harness of the
 benchmarks (``bench/harness.py``).
@@ -27,7 +28,7 @@ from typing import Generator, Sequence
 
 import torch
 
-from swarm.codecs import Blockwise8Bit, BlockwiseLowBit, Float16Codec, Float32Codec, WireCodec
+from swarm.codecs import Blockwise8Bit, BlockwiseLowBit, Float16Codec, Float32Codec, SparseLowBit, WireCodec
 
 
 @dataclass
@@ -168,7 +169,25 @@ class PowerSGD(Compressor):
         self.warm_q.clear()
 
 
-class SharedTopK(Compressor):
+class _ChunkedWithResidual(Compressor):
+    """A compressor that works on ``chunk``-value chunks of the flat vector plus its error-feedback residual."""
+
+    chunk: int
+    residual: torch.Tensor | None = None
+
+    def _chunks(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``v`` = the tensors flattened plus the residual, float32 ``(numel,)``; ``v`` zero-padded to whole
+        chunks, ``(ceil(numel / chunk), chunk)``)."""
+        v = flatten(tensors)
+        if self.residual is not None and self.residual.shape == v.shape:
+            v = v + self.residual
+        return v, torch.nn.functional.pad(v, (0, -v.numel() % self.chunk)).view(-1, self.chunk)
+
+    def reset(self):
+        self.residual = None
+
+
+class SharedTopK(_ChunkedWithResidual):
     """Top-k chunks with error feedback and ``bits``-bit values, on an index set shared by the round's peers.
 
     The flat vector ``v`` (the tensors plus this peer's residual, float32 ``(numel,)``) is cut into chunks of
@@ -193,11 +212,8 @@ class SharedTopK(Compressor):
         self.residual: torch.Tensor | None = None
 
     def phases(self, tensors, seed):
-        v = flatten(tensors)
-        if self.residual is not None and self.residual.shape == v.shape:
-            v = v + self.residual
+        v, chunks = self._chunks(tensors)
         n = v.numel()
-        chunks = torch.nn.functional.pad(v, (0, -n % self.chunk)).view(-1, self.chunk)
         scores = yield Phase(chunks.pow(2).mean(dim=1).sqrt(), self.score_codec)
         keep = max(1, math.ceil(self.fraction * chunks.shape[0]))
         order = torch.sort(scores.aggregate, descending=True, stable=True).indices[:keep]
@@ -209,18 +225,51 @@ class SharedTopK(Compressor):
         self.residual = v - sent.flatten()[:n]
         return unflatten(out.flatten()[:n], tensors)
 
-    def reset(self):
-        self.residual = None
+
+class ChunkTopK(_ChunkedWithResidual):
+    """Per-chunk top-k with error feedback and ``bits``-bit values, positions on the wire (SparseLoCo's
+    compressor: Sarfi et al. 2025, sec. 3; top-k with memory: Stich et al., NeurIPS 2018).
+
+    The flat vector ``v`` (the tensors plus this peer's residual, float32 ``(numel,)``) is cut into chunks of
+    ``chunk`` values; each peer keeps the ``k = round(fraction * chunk)`` largest magnitudes of every chunk, its
+    own choice, and all-reduces that sparse vector in one phase with :class:`~swarm.codecs.SparseLowBit`. A reducer
+    decodes each peer's part to a dense one (zeros where the peer kept nothing) and aggregates those with the
+    run's aggregator, so the result lives on the union of the group's choices. What this peer did not send (the
+    other values, the rounding of those it sent) stays in its residual.
+
+    Every chunk sends every round, unlike :class:`SharedTopK`, whose chosen chunks may leave most of the vector
+    waiting when rounds are few (outer steps). Bytes per round and peer: as a sender ``fraction * numel`` values
+    at ``bits + log2(chunk)`` bits plus 4 bytes per chunk; as a reducer the partition's aggregate, on the union
+    of up to ``group size`` choices. SparseLoCo's setting is chunks of 4096 with 1/64 kept at 2 bits.
+    """
+
+    def __init__(self, fraction: float = 1 / 32, chunk: int = 256, bits: int = 2):
+        if not 0 < fraction <= 1 or not 1 <= chunk <= 65536:
+            raise ValueError(f"chunk top-k: fraction {fraction} must be in (0, 1] and chunk {chunk} in 1..65536")
+        self.name, self.chunk = f"chunk_topk{bits}bit", chunk
+        self.k = max(1, round(fraction * chunk))
+        self.codec = SparseLowBit(bits, chunk)
+        self.residual: torch.Tensor | None = None
+
+    def phases(self, tensors, seed):
+        v, chunks = self._chunks(tensors)
+        n = v.numel()
+        kept = chunks.abs().topk(self.k, dim=1).indices
+        sparse = torch.zeros_like(chunks).scatter_(1, kept, chunks.gather(1, kept))
+        result = yield Phase(sparse.flatten()[:n], self.codec)
+        self.residual = v - result.sent
+        return unflatten(result.aggregate, tensors)
 
 
-COMPRESSIONS = ("none", "float16", "blockwise8bit", "powersgd", "topk")
+COMPRESSIONS = ("none", "float16", "blockwise8bit", "powersgd", "topk", "chunk_topk")
 
 
 def make_compressor(name: str, *, rank: int = 4, fraction: float = 1 / 32, chunk: int = 256,
                     bits: int = 2) -> Compressor:
     """Compressor by spec name: ``none`` (fp32, no error needs feeding back), ``float16``, ``blockwise8bit``
-    (both with error feedback), ``powersgd`` (of rank ``rank``) or ``topk`` (:class:`SharedTopK` with
-    ``fraction``, ``chunk`` and ``bits``). Raises ValueError for other names or settings."""
+    (both with error feedback), ``powersgd`` (of rank ``rank``), ``topk`` (:class:`SharedTopK`) or ``chunk_topk``
+    (:class:`ChunkTopK`), both with ``fraction``, ``chunk`` and ``bits``. Raises ValueError for other names or
+    settings."""
     if name == "none":
         return ElementwiseCompressor("none", Float32Codec(), error_feedback=False)
     if name == "float16":
@@ -231,6 +280,8 @@ def make_compressor(name: str, *, rank: int = 4, fraction: float = 1 / 32, chunk
         return PowerSGD(rank)
     if name == "topk":
         return SharedTopK(fraction, chunk, bits)
+    if name == "chunk_topk":
+        return ChunkTopK(fraction, chunk, bits)
     raise ValueError(f"unknown compression {name!r}; choose one of {list(COMPRESSIONS)}")
 
 
