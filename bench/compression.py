@@ -105,7 +105,8 @@ def main() -> None:
     ap.add_argument("--wire-rounds", type=int, default=3, help="averaging rounds measured on the wire")
     ap.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
     ap.add_argument("--rows", default=ROWS, help="comma-separated mode:compressor rows (per_epoch:none always runs)")
-    ap.add_argument("--topk-fraction", type=float, help="topk rows: fraction of chunks (chunk_topk: of each chunk's values) sent (default: the spec's)")
+    ap.add_argument("--topk-fraction", type=float,
+                    help="topk rows: fraction of chunks (chunk_topk: of each chunk's values) sent (default: the spec's)")
     ap.add_argument("--topk-bits", type=int, choices=[2, 3, 4], help="topk rows: bits per value (default: the spec's)")
     ap.add_argument("--topk-chunk", type=int, help="topk rows: values per chunk (default: the spec's)")
     ap.add_argument("--outer-momentum", type=float, help="outer rows: Nesterov momentum (default: the spec's)")

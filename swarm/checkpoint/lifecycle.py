@@ -5,9 +5,9 @@
   brought nothing falls through to the checkpoint); otherwise the stage's newest committed checkpoint is
   fetched from any ``k`` verified fragments, once the stage's newest visible checkpoint has stayed the same for
   one record TTL (holders restarting with it re-publish their manifests within that). If the swarm shows
-  checkpoints but too few holders yet (every peer is restarting), the server waits up to ``checkpoint.restore_timeout_s`` for them; only then does it
-  fall back to an older restorable checkpoint, logging the epochs lost. With no checkpoint anywhere (a new
-  run) it starts from the spec's initial parameters.
+  checkpoints but too few holders yet (every peer is restarting), the server waits up to
+  ``checkpoint.restore_timeout_s`` for them; only then does it fall back to an older restorable checkpoint,
+  logging the epochs lost. With no checkpoint anywhere (a new run) it starts from the spec's initial parameters.
 * **Commit**: where an epoch ends (:class:`swarm.server.ServerSession`), every ``checkpoint.interval_epochs``
   epochs (:meth:`StageCheckpoints.due`) the state is captured on the compute thread (a consistent copy between
   micro-batches, :meth:`StageCheckpoints.capture`) and, if this server is the stage's writer (the online server
