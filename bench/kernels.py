@@ -1,0 +1,108 @@
+"""Local kernels against their plain-PyTorch references: time and peak memory (issue 15; grows kernel by kernel).
+
+    python bench/kernels.py [--tokens 4096] [--vocab 32768] [--width 256] [--repeats 3]
+
+Fused linear + cross-entropy (:func:`swarm.kernels.linear_cross_entropy`) against the eager head + loss
+(:func:`swarm.kernels.linear_cross_entropy_reference`) for the last stage at a large vocabulary: loss and
+backward of ``tokens`` hidden states of ``width`` through a ``vocab`` x ``width`` head, float32 on the CPU. Each
+variant runs in its own fresh process, so its peak memory is its own: ``peak_bytes`` is the process's peak
+resident set (``ru_maxrss``) minus its resident set after the inputs were made; ``seconds`` the best of
+``repeats`` loss + backward passes. ``fused_ce_memory_ratio`` is the eager peak over the fused one and
+``speedup`` the eager time over the fused, both measured in this run; ``max_abs_err`` the largest elementwise
+difference of loss and gradients between the two on the first 256 tokens (in this process).
+
+Prints one JSON line per variant on stderr, then ``{"fused_ce_memory_ratio", "kernels": [{"name", "backend",
+"speedup", "max_abs_err", "peak_bytes", "reference_peak_bytes"}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from swarm.kernels import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
+
+VARIANTS = {"fused": linear_cross_entropy, "eager": linear_cross_entropy_reference}
+
+
+def _rss_bytes() -> int:
+    """This process's resident set now (bytes), from /proc."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def run_variant(name: str, tokens: int, vocab: int, width: int, repeats: int) -> dict:
+    """One variant in this process: peak memory over its inputs, best time, and what it computed."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, width, generator=gen).requires_grad_()
+    w = (torch.randn(vocab, width, generator=gen) * 0.02).requires_grad_()
+    t = torch.randint(0, vocab, (tokens,), generator=gen)
+    base = _rss_bytes()
+    best = float("inf")
+    for _ in range(repeats):
+        x.grad = w.grad = None
+        start = time.perf_counter()
+        loss = VARIANTS[name](x, w, t)
+        loss.backward()
+        best = min(best, time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {"variant": name, "seconds": round(best, 4), "peak_bytes": peak, "loss": float(loss)}
+
+
+def max_abs_err(tokens: int, vocab: int, width: int) -> float:
+    """Largest absolute difference between the two variants' loss and gradients, elementwise, in one process."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(tokens, width, generator=gen), torch.randn(vocab, width, generator=gen) * 0.02
+    t = torch.randint(0, vocab, (tokens,), generator=gen)
+    outs = []
+    for fn in (linear_cross_entropy, linear_cross_entropy_reference):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fn(xi, wi, t)
+        loss.backward()
+        outs.append((loss.detach(), xi.grad, wi.grad))
+    return max(float((a - b).abs().max()) for a, b in zip(*outs))
+
+
+def _in_fresh_process(name: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--variant", name, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
+           "--width", str(args.width), "--repeats", str(args.repeats)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096, help="hidden states per loss (N)")
+    ap.add_argument("--vocab", type=int, default=32768, help="vocabulary (V)")
+    ap.add_argument("--width", type=int, default=256, help="hidden width (D)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)  # one variant, in this process
+    args = ap.parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args.variant, args.tokens, args.vocab, args.width, args.repeats)))
+        return
+    rows = {}
+    for name in ("eager", "fused"):
+        rows[name] = _in_fresh_process(name, args)
+        print(json.dumps(rows[name]), file=sys.stderr, flush=True)
+    eager, fused = rows["eager"], rows["fused"]
+    err = max_abs_err(min(args.tokens, 256), args.vocab, args.width)
+    kernel = {"name": "linear_cross_entropy", "backend": "torch (CPU, chunked)",
+              "speedup": round(eager["seconds"] / fused["seconds"], 3), "max_abs_err": err,
+              "peak_bytes": fused["peak_bytes"], "reference_peak_bytes": eager["peak_bytes"]}
+    print(json.dumps({"fused_ce_memory_ratio": round(eager["peak_bytes"] / max(1, fused["peak_bytes"]), 2),
+                      "tokens": args.tokens, "vocab": args.vocab, "width": args.width, "kernels": [kernel]}))
+
+
+if __name__ == "__main__":
+    main()
