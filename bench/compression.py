@@ -1,8 +1,8 @@
 """Bytes on the wire per averaging round and validation loss, for each compressor against uncompressed fp32.
 
     python bench/compression.py [--spec runs/demo.toml] [--rounds 100] [--rank 4] [--wire-rounds 3]
-                                [--rows per_epoch:none,...,outer10:topk] [--topk-fraction F --topk-bits B --topk-chunk C]
-                                [--outer-momentum M --outer-lr LR]
+                                [--rows per_epoch:none,...,outer10:chunk_topk]
+                                [--topk-fraction F --topk-bits B --topk-chunk C] [--outer-momentum M --outer-lr LR]
 
 Bytes: real averagers (hivemind DHT, p2pd, matchmaking, :class:`~swarm.averaging.averager.
 RobustGradientAverager`) of 3 peers on loopback average gradients shaped like the spec's largest stage;
