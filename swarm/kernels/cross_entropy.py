@@ -37,7 +37,8 @@ def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target
 
 MIN_CHUNK_LOGITS = 2 ** 22
 """Fewest logits per chunk (16 MiB in float32): smaller chunks make the CPU's matmuls and the weight gradient's
-accumulation slow (at V = 32768, chunks of 32 rows took 2.1x the eager time, chunks of 128 the same time)."""
+accumulation slow (at V = 32768, 4096 tokens of width 256 on a 2-core CPU: 32-row chunks took 3.25 s against
+the eager 1.55 s, 128-row chunks 1.63 s)."""
 
 
 def chunk_rows(n: int, v: int, d: int) -> int:
