@@ -69,8 +69,9 @@ def main() -> None:
         torch.manual_seed(0)
         ref = train_reference(spec, dataset, max_samples=args.samples,
                               between_stages=None if name == "none" else lambda t, c=codec: _OverTheWire.apply(t, c))
+        loss = val_loss(torch.nn.Sequential(*ref.stages), dataset, spec)
         row = {"codec": name, "bytes_ratio": round(fp32 / payload_bytes(h, codec), 2),
-               "val_loss": round(val_loss(torch.nn.Sequential(*ref.stages), dataset, spec), 4), "seconds": round(ref.seconds, 1)}
+               "val_loss": round(loss, 4), "seconds": round(ref.seconds, 1)}
         results.append(row)
         print(json.dumps(row), flush=True)
     base = results[0]["val_loss"]
