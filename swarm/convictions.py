@@ -201,7 +201,7 @@ MAX_ASKED = 1024
 """(lister, accused) pairs a follower remembers having asked about (older ones are forgotten first)."""
 PER_LISTER = 32
 """Accused one listing server can have a follower fetch evidence for (a record lists at most the book's 32)."""
-RETRY_S = 300.0
+RETRY_S = 60.0
 """Seconds before a follower asks the same listing server about the same accused again (after a failure)."""
 
 

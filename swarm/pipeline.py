@@ -36,6 +36,9 @@ from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.transport import gather, stream_out
 
 logger = logging.getLogger(__name__)
+PUSH_RETRY_S = (5.0, 20.0)
+"""Seconds a trainer waits before pushing evidence again to the servers a push failed on (then gives up)."""
+
 T = TypeVar("T")
 
 NOT_CACHED = "is not cached here"
@@ -103,16 +106,28 @@ class RemotePipeline:
 
     # ---- convictions shared (swarm.convictions) ----------------------------------------------------------
     def _share(self, evidence: SpotEvidence) -> None:
-        """Hand this trainer's evidence to every server it knows (they verify it before they list it)."""
+        """Hand this trainer's evidence to every server it knows (they verify it before they list it). A push
+        that fails (the server busy or unreachable for :data:`~swarm.convictions.EVIDENCE_TIMEOUT_S`) is tried
+        again after each of :data:`PUSH_RETRY_S`; a server missed for good still learns it from a stage-mate's
+        listing (:class:`~swarm.convictions.ConvictionFollower`)."""
         accused = self.book.add(evidence)[0].peer_id
         servers = {s.peer_id: s for _, found in self._servers.values() for s in found}
 
         async def push():
             targets = [s for p, s in servers.items() if p != accused]
-            results = await asyncio.gather(*(push_evidence(self.p2p, s.p2p_id, evidence) for s in targets),
-                                           return_exceptions=True)
-            self.log.info("handed the spot-check evidence to %d of %d servers",
-                          sum(not isinstance(r, BaseException) for r in results), len(targets))
+            handed = 0
+            for delay in (*PUSH_RETRY_S, None):
+                results = await asyncio.gather(*(push_evidence(self.p2p, s.p2p_id, evidence) for s in targets),
+                                               return_exceptions=True)
+                handed += sum(not isinstance(r, BaseException) for r in results)
+                failed = [(s, r) for s, r in zip(targets, results) if isinstance(r, BaseException)]
+                self.log.info("handed the spot-check evidence against %s to %d of %d servers%s", accused, handed,
+                              len(servers) - (accused in servers), "".join(
+                                  f"; {s.peer_id} failed: {r!r}"[:160] for s, r in failed[:4]))
+                if not failed or delay is None:
+                    return
+                targets = [s for s, _ in failed]
+                await asyncio.sleep(delay)
         self.checker.spawn(push())
 
     async def _rpc(self, server: ServerInfo, method: str, msg, tensors: list[torch.Tensor],

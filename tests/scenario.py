@@ -30,7 +30,8 @@ from swarm.protocol import ServerState
 from tests.conftest import write_spec
 
 LIFECYCLE = ("joining", "] online", "rebalancing", "draining", "restor", "loading state", "left the stage",
-             "stopped", "paused", "resumed", "rollback", "banned", "excluded", "ERROR", "Error:")
+             "stopped", "paused", "resumed", "rollback", "banned", "excluded", "ERROR", "Error:",
+             "evidence", "spot check convicted")
 """Substrings of the log lines :meth:`Scenario.story` keeps."""
 
 

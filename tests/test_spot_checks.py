@@ -185,8 +185,9 @@ def test_the_odd_one_out_needs_two_agreeing_answers():
     assert odd_one_out({(0, 1): 0.0, (0, 2): 0.0, (1, 2): 0.0}, 0.1) is None
 
 
-def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(tiny_dataset):
-    """Trainer A convicts the liar and hands its evidence over; every server verifies it and lists the liar;
+def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(tiny_dataset, monkeypatch):
+    """Trainer A convicts the liar and hands its evidence over (a push that fails is tried again); every server
+    verifies it and lists the liar;
     trainer B, which checks nothing itself, fetches the evidence from a listing server, verifies it, and stops
     routing to the liar. Evidence that does not verify is refused and lists no one."""
     layout = [(0, StageServer), (1, liar(("forward", "backward"))), (1, StageServer), (1, StageServer),
@@ -196,13 +197,22 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
         async with serving(layout, trainers=2) as (servers, (a, b)):
             b.checker.cfg = b.checker.cfg.model_copy(update={"rate": 0.0})
             lying, honest = servers[1], [s for s in servers if s is not servers[1]]
+            failed_once = []
+
+            async def flaky_push(p2p, p2p_id, evidence):  # the first push to honest[0] is lost
+                if p2p_id == honest[0].ident.p2p_id and not failed_once:
+                    failed_once.append(p2p_id)
+                    raise ConnectionError("injected: push lost")
+                await push_evidence(p2p, p2p_id, evidence)
+            monkeypatch.setattr("swarm.pipeline.push_evidence", flaky_push)
+            monkeypatch.setattr("swarm.pipeline.PUSH_RETRY_S", (0.1,))
             for batch in _batches(tiny_dataset, 12):
                 await a.forward_loss(batch, train=True)
                 await a.checker.drain()
                 if lying.peer_id in a.checker.convicted:
                     break
             assert set(a.checker.convicted) == {lying.peer_id}
-            assert all(lying.peer_id in s.book for s in honest), "every server verified the evidence"
+            assert failed_once and all(lying.peer_id in s.book for s in honest), "every server verified the evidence"
             assert lying.peer_id not in lying.book, "the accused does not list itself"
 
             # a forged push: the accused answer swapped for a witness's is refused, the sender named in the log
