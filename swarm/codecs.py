@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 
 from swarm.protocol import ProtocolError
+from swarm.kernels.reference import dequantize_blockwise, quantize_blockwise
 
 BLOCK = 512
 """Values per absmax block of the 8-bit codec: 1 byte per value + 4 bytes per block = 3.97x smaller than fp32."""
@@ -115,21 +116,12 @@ class Blockwise8Bit(WireCodec):
         self.block = block
 
     def encode(self, x):
-        x = x.detach().float().flatten()
-        n = x.numel()
-        nblocks = math.ceil(n / self.block)
-        padded = torch.nn.functional.pad(x, (0, nblocks * self.block - n)).view(nblocks, self.block)
-        scales = padded.abs().amax(dim=1)
-        inv = torch.where(scales > 0, 127.0 / scales, torch.zeros_like(scales))
-        codes = torch.round(padded * inv[:, None]).clamp_(-127, 127).to(torch.int8).flatten()[:n]
+        codes, scales, _ = quantize_blockwise(x, None, self.block)
         return [codes, scales]
 
     def decode(self, tensors, numel):
-        nblocks = math.ceil(numel / self.block)
-        _expect(tensors, [(torch.int8, numel), (torch.float32, nblocks)], self.name)
-        codes, scales = tensors
-        padded = torch.nn.functional.pad(codes.float(), (0, nblocks * self.block - numel)).view(nblocks, self.block)
-        return (padded * (scales / 127.0)[:, None]).flatten()[:numel]
+        _expect(tensors, [(torch.int8, numel), (torch.float32, math.ceil(numel / self.block))], self.name)
+        return dequantize_blockwise(tensors[0], tensors[1], self.block)
 
 
 class BlockwiseLowBit(WireCodec):

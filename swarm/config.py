@@ -52,6 +52,8 @@ class ModelSpec(_Section):
     max_seq_len: int = Field(128, ge=8, description="Longest sequence (tokens) the model accepts.")
     mlp: Literal["gelu", "swiglu"] = Field("gelu", description="MLP type.")
     positions: Literal["learned", "rope"] = Field("learned", description="Position encoding.")
+    norm: Literal["layernorm", "rmsnorm"] = Field("layernorm", description="Normalisation of each block's inputs "
+                                                  "and of the final hidden states (RMSNorm: Llama's; no bias).")
     stage_layers: list[int] = Field(
         [2, 2],
         description="Transformer blocks per pipeline stage, in order; must sum to n_layers. Stage 0 also owns "
@@ -84,6 +86,10 @@ class ModelSpec(_Section):
             raise ValueError(f"stage {stage} out of range: the run has {self.num_stages} stages (0..{self.num_stages - 1})")
         start = sum(self.stage_layers[:stage])
         return start, start + self.stage_layers[stage]
+
+    def ff_size(self) -> int:
+        """The MLP's hidden size: ``d_ff``, else 4 x d_model (GELU) or 8/3 x d_model (SwiGLU, same parameters)."""
+        return self.d_ff or (int(8 * self.d_model / 3) if self.mlp == "swiglu" else 4 * self.d_model)
 
 
 class DataSpec(_Section):
@@ -130,6 +136,13 @@ class TrainingSpec(_Section):
         "sends a quarter of the bytes (per-block absmax, ~0.4% error); 'blockwise4bit' and 'blockwise3bit' send "
         "7.5x and 9.8x fewer than fp32 (absmax over 64 values, ~11% and ~28% error per value; measure the loss "
         "with bench/compression.py before using them on a slow link); 'none' sends fp32 (exact).",
+    )
+
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Compute precision of the stages: 'bf16' runs matmuls and activations under bfloat16 "
+        "autocast while parameters, gradients, optimizer state, averaging and checkpoints stay float32 (2.2x the "
+        "fp32 tokens/s on an AVX512-BF16 CPU, measured by bench/kernels.py; also the choice for GPUs); 'fp32' "
+        "everywhere else (CPUs without bf16 support run bf16 slower than fp32).",
     )
 
     @model_validator(mode="after")
@@ -541,6 +554,12 @@ class PeerSettings(BaseSettings):
     )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Port serving Prometheus metrics at /metrics (0: off; containers use 9100).",
+    )
+    kernels: Literal["auto", "reference", "torch", "compiled", "triton"] = Field(
+        "auto", description="Kernel backend of this peer's stage (swarm.kernels): auto picks 'triton' on a CUDA GPU "
+        "with Triton installed, else 'torch' (plain PyTorch, the last stage's loss fused to save memory); "
+        "'compiled' adds torch.compile (measure it with bench/kernels.py first: on small CPUs it is slower); "
+        "'reference' is the unfused eager code (to rule kernels out when results look wrong). The log says which.",
     )
     join_timeout_s: float = Field(
         120.0, ge=0, description="Seconds a server or trainer keeps trying to reach the run address's peers before "

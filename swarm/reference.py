@@ -17,7 +17,8 @@ from swarm.averaging.outer import make_outer_optimizer
 from swarm.averaging.schedule import lr_at_epoch, make_scheduler, make_torch_optimizer, schedule_moves_quietly
 from swarm.config import RunSpec
 from swarm.data import TokenDataset
-from swarm.model import build_stage, lm_loss
+from swarm.kernels import REFERENCE, KernelBackend
+from swarm.model import build_stage
 from swarm.trainer import micro_batches
 
 
@@ -36,7 +37,8 @@ class ReferenceResult:
 
 def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max_samples: int,
                     delayed: Optional[bool] = None,
-                    between_stages: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> ReferenceResult:
+                    between_stages: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                    kernels: KernelBackend = REFERENCE) -> ReferenceResult:
     """Train the chained stages on ``shard``'s micro-batches for ``max_samples`` samples.
 
     An epoch is ``target_batch_size / micro_batch_size`` micro-batches (rounded up): gradients of their mean
@@ -47,10 +49,12 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
     ``inner_steps`` of them an outer SGD-Nesterov step moves the outer parameters by the pseudo-gradient
     (:mod:`swarm.averaging.outer`); an epoch is an outer step, ``optimizer`` the outer optimizer and the stages end
     at the last outer step's parameters if ``max_samples`` ends on one. ``between_stages`` is applied to the
-    activations each stage hands to the next (``bench/activations.py`` puts a wire codec there).
+    activations each stage hands to the next (``bench/activations.py`` puts a wire codec there). The stages
+    compute in the spec's ``training.precision`` with ``kernels`` (:mod:`swarm.kernels`; default the reference).
     """
     delayed = spec.averaging.overlap_rounds if delayed is None else delayed
-    stages = [build_stage(spec.model, k) for k in range(spec.model.num_stages)]
+    stages = [build_stage(spec.model, k, precision=spec.training.precision, kernels=kernels)
+              for k in range(spec.model.num_stages)]
     params = [p for m in stages for p in m.parameters()]
     opt = make_torch_optimizer(spec.optim, params)
     sched = make_scheduler(spec.optim, opt)
@@ -66,8 +70,10 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
         batch = dataset.batch(indices)
         h = batch[:, :-1]
         for k, m in enumerate(stages):
-            h = m(h) if k == 0 or between_stages is None else m(between_stages(h))
-        loss = lm_loss(h, batch[:, 1:])
+            if k > 0 and between_stages is not None:
+                h = between_stages(h)
+            h = m.loss(h, batch[:, 1:]) if m.last else m(h)
+        loss = h
         (loss / per_epoch).backward()
         result.losses.append(loss.item())
         count += 1

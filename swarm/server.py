@@ -46,6 +46,7 @@ import time
 from functools import partial
 from typing import Callable, Optional
 
+import torch
 from hivemind.utils import get_dht_time
 
 from swarm import __version__
@@ -61,6 +62,7 @@ from swarm.directory import connect_run, reachability, relay_enabled, visible_ma
 from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
+from swarm.kernels import select_backend
 from swarm.model import build_stage
 from swarm.protocol import ServerInfo, ServerState, StorageInfo, add_history
 from swarm.rebalance import MovePlanner
@@ -137,6 +139,7 @@ class ServerSession:
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
+        self.kernels = select_backend(settings.kernels, torch.device("cpu"))  # raises BackendUnavailable
         self._dropped_before = 0  # samples dropped by the optimizers of stages this process left
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
 
@@ -287,13 +290,14 @@ class ServerSession:
         self._dropped_before = self.samples_dropped  # the stage left before, if any
         self.stage, self.history, self._excluded, self.checkpoints = stage, [], set(), None
         self.keeper.stage = stage
-        module = build_stage(self.spec.model, stage)
+        module = build_stage(self.spec.model, stage, precision=self.spec.training.precision, kernels=self.kernels)
         server = self.server = self.server_factory(self.spec, self.directory.run_id, stage, module, bans=self.bans,
                                                    identity=self.identity)
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: server.epoch)
         throughput = await self._io(server.measure_throughput)
         await self._announce(ServerState.JOINING)
-        self.log.info("joining run %s, throughput %.1f samples/s", self.directory.run_id, throughput)
+        self.log.info("joining run %s, throughput %.1f samples/s, kernels %s, precision %s", self.directory.run_id,
+                      throughput, self.kernels.name, self.spec.training.precision)
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
         server.optimizer = self.optimizer_factory(self.spec, self.directory.run_id, stage, self.dht, module,
                                                   identity=self.identity)

@@ -49,7 +49,7 @@ from swarm.aio import periodic
 from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.config import RunSpec
 from swarm.identity import Identity
-from swarm.model import build_stage, lm_loss
+from swarm.model import build_stage
 from swarm.protocol import (
     BackwardRequest,
     ForwardRequest,
@@ -103,7 +103,8 @@ class StageServer(ProtocolServicer):
     def __init__(self, spec: RunSpec, run_id: str, stage: int, module: Optional[torch.nn.Module] = None, *,
                  bans=None, cache_size: int = 16, identity: Optional[Identity] = None):
         self.spec, self.run_id, self.stage, self.identity = spec, run_id, stage, identity
-        self.module = module if module is not None else build_stage(spec.model, stage)
+        self.module = module if module is not None else build_stage(spec.model, stage,
+                                                                    precision=spec.training.precision)
         self.is_last = stage == spec.model.num_stages - 1
         self.optimizer = None
         self.bans = bans
@@ -168,18 +169,17 @@ class StageServer(ProtocolServicer):
         self._check_forward(x, targets)
         if not train:
             with torch.no_grad():
-                out = self.module(x)
-                return (None, float(lm_loss(out, targets))) if self.is_last else (out, None)
+                return (None, float(self.module.loss(x, targets))) if self.is_last else (self.module(x), None)
         if key in self._done:
             return self._done[key]
         start = time.perf_counter()
         leaf = self._leaf(x)
         with torch.enable_grad():
-            out = self.module(leaf)
             if not self.is_last:
+                out = self.module(leaf)
                 self._remember(key, leaf, out)
                 return out.detach(), None
-            loss = lm_loss(out, targets)
+            loss = self.module.loss(leaf, targets)
             if not torch.isfinite(loss):
                 raise StageError(f"stage {self.stage}: loss is not finite; the inputs are corrupt")
             loss.backward()
@@ -225,7 +225,7 @@ class StageServer(ProtocolServicer):
         self._check_forward(x, targets)
         leaf = self._leaf(x)
         with torch.enable_grad():
-            loss = lm_loss(self.module(leaf), targets)
+            loss = self.module.loss(leaf, targets)
             if not torch.isfinite(loss):
                 raise StageError(f"stage {self.stage}: loss is not finite; the inputs are corrupt")
             grad = torch.autograd.grad(loss, leaf)[0] if leaf.requires_grad else None
@@ -327,11 +327,13 @@ class StageServer(ProtocolServicer):
         m, b = self.spec.model, self.spec.training.micro_batch_size
         t = self.spec.data.seq_len
         x = torch.randint(0, m.vocab_size, (b, t)) if self.stage == 0 else torch.randn(b, t, m.d_model)
+        targets = torch.randint(0, m.vocab_size, (b, t))
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            out = self.module(self._leaf(x))
-            out.float().square().mean().backward()
+            leaf = self._leaf(x)
+            out = self.module.loss(leaf, targets) if self.is_last else self.module(leaf).square().mean()
+            out.backward()
             best = min(best, time.perf_counter() - start)
         for p in self.module.parameters():
             p.grad = None
