@@ -20,7 +20,9 @@ and split ``excluded`` off ``banned``)::
                 # servers also: "p2p_id", "excluded_by" (servers of its stage), "exclusion_reasons",
                 #   "averaging_bytes", "failed_rounds", "convicted_by" (peers listing a spot-check conviction),
                 #   "samples_dropped" (accumulated, then discarded before a step: see ServerInfo.samples_dropped),
-                #   "refused_as_donor_by" (servers that downloaded its state and refused it)
+                #   "refused_as_donor_by" (servers that downloaded its state and refused it),
+                #   "peak_flops" (its device's measured FLOP/s), "model_flops" (model FLOP/s while computing),
+                #   "mfu" (their ratio, None if unknown: swarm.kernels.flops)
                 # trainers also: "tokens", "initial_loss", "val_loss", "shard", "failures",
                 #   "bytes_sent", "bytes_received"
                 }],
@@ -79,6 +81,8 @@ def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], shunned: set[st
         "averaging_bytes": s.averaging.get("sent", 0) + s.averaging.get("received", 0),
         "failed_rounds": s.averaging.get("failed", 0),
         "refused_as_donor_by": sum(s.p2p_id in o.donors_refused for o in others),
+        "peak_flops": s.peak_flops, "model_flops": round(s.achieved_flops, 1),
+        "mfu": round(s.mfu, 4) if s.mfu is not None else None,
     }
 
 

@@ -47,7 +47,7 @@ def stages_table(snap: dict[str, Any]) -> Table:
 
 
 def peers_table(snap: dict[str, Any]) -> Table:
-    table = Table("peer", "name", "version", "role", "stage", "state", "link", "samples/s", "share", "seen",
+    table = Table("peer", "name", "version", "role", "stage", "state", "link", "samples/s", "MFU", "share", "seen",
                   "loss", "flagged/rejected", "banned/excluded", title="peers")
     for p in snap["peers"]:
         if p["banned"]:
@@ -61,7 +61,8 @@ def peers_table(snap: dict[str, Any]) -> Table:
         state = p["state"] + (" [yellow](lagging)[/]" if p["lagging"] else "")
         table.add_row(p["peer_id"], p["name"] or "-", p["version"] or "-", p["role"],
                       "-" if p["stage"] is None else str(p["stage"]), state, p["reachability"],
-                      str(p["samples_per_s"]), f"{100 * p['contribution']:.0f}%", "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.0f}s ago",
+                      str(p["samples_per_s"]), "-" if p.get("mfu") is None else f"{100 * p['mfu']:.1f}%",
+                      f"{100 * p['contribution']:.0f}%", "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.0f}s ago",
                       _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", shunned)
     return table
 

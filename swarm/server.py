@@ -63,6 +63,7 @@ from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
 from swarm.kernels import select_backend
+from swarm.kernels.flops import PeakCache, compute_dtype, stage_flops_per_token
 from swarm.model import build_stage
 from swarm.protocol import ServerInfo, ServerState, StorageInfo, add_history
 from swarm.rebalance import MovePlanner
@@ -140,6 +141,7 @@ class ServerSession:
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
         self.kernels = select_backend(settings.kernels, torch.device("cpu"))  # raises BackendUnavailable
+        self.flops_per_sample, self.peak_flops = 0.0, 0.0  # set when a stage starts (swarm.kernels.flops)
         self._dropped_before = 0  # samples dropped by the optimizers of stages this process left
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
 
@@ -295,9 +297,14 @@ class ServerSession:
                                                    identity=self.identity)
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: server.epoch)
         throughput = await self._io(server.measure_throughput)
+        seq_len = self.spec.data.seq_len
+        self.flops_per_sample = stage_flops_per_token(self.spec.model, stage, seq_len) * seq_len
+        self.peak_flops = await self._io(PeakCache(self.settings.state_path() / "peak_flops.json").peak,
+                                         torch.device("cpu"), compute_dtype(self.spec.training.precision))
         await self._announce(ServerState.JOINING)
-        self.log.info("joining run %s, throughput %.1f samples/s, kernels %s, precision %s", self.directory.run_id,
-                      throughput, self.kernels.name, self.spec.training.precision)
+        self.log.info("joining run %s, throughput %.1f samples/s, kernels %s, precision %s, peak %.1f GFLOP/s",
+                      self.directory.run_id, throughput, self.kernels.name, self.spec.training.precision,
+                      self.peak_flops / 1e9)
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
         server.optimizer = self.optimizer_factory(self.spec, self.directory.run_id, stage, self.dht, module,
                                                   identity=self.identity)
@@ -462,7 +469,7 @@ class ServerSession:
         return ServerInfo(
             run_id=self.directory.run_id, peer_id=self.me, time=get_dht_time(), stage=self.stage, state=state,
             throughput=server.throughput.samples_per_second if serving else 0.0, p2p_id=str(self.dht.peer_id),
-            maddrs=self.maddrs,
+            maddrs=self.maddrs, flops_per_sample=self.flops_per_sample, peak_flops=self.peak_flops,
             epoch=server.epoch, samples=server.samples, samples_dropped=self.samples_dropped, loss=server.loss_ema,
             peers_in_last_round=report.peers if report else 0, state_digests=server.recent_digests(8),
             round_s=server.mean_round_s, rounds=server.rounds,
@@ -499,7 +506,9 @@ class ServerSession:
     def _log_epoch(self, end: EpochEnd) -> None:
         """The epoch's fixed-key line (``share``: this server's samples of the stage's target batch; ``step_s``: the
         seconds the epoch's transition held the compute thread, matchmaking, all-reduce and optimizer step;
-        ``round_s``: the mean seconds of the all-reduces since the last line, ``-`` if none finished)."""
+        ``round_s``: the mean seconds of the all-reduces since the last line, ``-`` if none finished; ``gflops``: model
+        GFLOP/s while computing, ``samples/s`` x the stage's FLOPs per sample; ``mfu``: that over the device's measured
+        peak, :mod:`swarm.kernels.flops`)."""
         server, spec = self.server, self.spec
         wire = server.optimizer.counters()
         rounds, ms = wire.get("rounds", 0), wire.get("round_ms", 0)
@@ -507,14 +516,15 @@ class ServerSession:
         if rounds < before[0]:  # a new optimizer (a rejoin or a move) counts from zero
             before = (0, 0)
         round_s = f"{(ms - before[1]) / 1000 / (rounds - before[0]):.3f}" if rounds > before[0] else "-"
+        achieved = server.throughput.samples_per_second * self.flops_per_sample  # model FLOP/s while computing
         self.log.info(
             "loss=%s samples/s=%.2f samples=%d dropped=%d share=%.0f%% progress=%.1f%% peers=%d lr=%.2e "
-            "step_s=%.2f round_s=%s avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d",
+            "step_s=%.2f round_s=%s avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d gflops=%.2f mfu=%.1f%%",
             f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-", server.throughput.samples_per_second,
             server.samples, self.samples_dropped, 100 * min(1.0, end.samples / spec.training.target_batch_size),
             100 * min(1.0, end.epoch / spec.optim.total_epochs), server.optimizer.peers, server.optimizer.lr,
             end.seconds, round_s, wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0),
-            wire.get("rejected", 0), wire.get("flagged", 0),
+            wire.get("rejected", 0), wire.get("flagged", 0), achieved / 1e9, 100 * achieved / max(self.peak_flops, 1e-9),
         )
 
 

@@ -139,3 +139,31 @@ def test_a_backend_that_cannot_run_here_is_refused_with_the_fix():
         with pytest.raises(BackendUnavailable, match="SWARM_KERNELS=auto"):
             select_backend("triton", torch.device("cpu"))
     assert select_backend("auto", torch.device("cpu")).name == "torch"
+
+
+@pytest.mark.parametrize("arch", [dict(), dict(mlp="swiglu", positions="rope", norm="rmsnorm")], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("stage", [0, 1, None])
+def test_the_flops_formula_counts_what_torch_counts(arch, stage):
+    """PaLM's 6N + 12 L d T per token equals torch's own count of a stage's forward + backward matmuls."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from swarm.kernels.flops import stage_flops_per_token
+    spec = ModelSpec(vocab_size=512, d_model=64, n_heads=4, n_layers=3, stage_layers=[2, 1], max_seq_len=32, **arch)
+    model = build_stage(spec, stage, kernels=select_backend("torch", torch.device("cpu")))
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    x = tokens if stage in (0, None) else torch.randn(2, 16, 64, requires_grad=True)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):  # attention as countable bmm
+        out = model.loss(x, tokens) if model.last else model(x).square().mean()
+        out.backward()
+    assert counter.get_total_flops() == stage_flops_per_token(spec, stage, 16) * tokens.numel()
+
+
+def test_the_peak_is_measured_once_and_cached(tmp_path):
+    from swarm.kernels.flops import PeakCache
+    cache = PeakCache(tmp_path / "peak.json")
+    first = cache.peak(torch.device("cpu"), torch.float32)
+    assert first > 1e8  # any CPU does more than 0.1 GFLOP/s
+    assert PeakCache(tmp_path / "peak.json").peak(torch.device("cpu"), torch.float32) == first  # read, not measured
+    (tmp_path / "peak.json").write_text("not json")
+    assert PeakCache(tmp_path / "peak.json").peak(torch.device("cpu"), torch.float32) > 1e8  # measured over

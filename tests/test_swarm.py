@@ -73,6 +73,9 @@ def test_status_and_check_clis_read_a_live_swarm(swarm):
         assert [s["servers_online"] for s in snap["stages"]] == [1, 1]
         roles = sorted(p["role"] for p in snap["peers"])
         assert roles == ["server", "server", "trainer"]
+        for row in (p for p in snap["peers"] if p["role"] == "server"):  # MFU: measured peak, model FLOP/s, ratio
+            assert row["peak_flops"] > 1e8 and row["model_flops"] > 0 and 0 < row["mfu"] == pytest.approx(
+                row["model_flops"] / row["peak_flops"], rel=1e-2), row
         bad = subprocess.run([sys.executable, "-m", "coordinator", "status", "not-an-address"],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "bad run address" in bad.stderr
@@ -85,23 +88,29 @@ def test_status_and_check_clis_read_a_live_swarm(swarm):
         assert checks["clock"]["ok"], checks["clock"]
 
 
-def test_swarm_tracks_single_process_reference(exact_spec_path, tmp_path, cache_dir, tiny_dataset):
+@pytest.mark.parametrize("kernels,precision,tolerance", [("torch", "fp32", 1e-3), ("compiled", "bf16", 5e-3)])
+def test_swarm_tracks_single_process_reference(kernels, precision, tolerance, exact_spec_path, tmp_path, cache_dir,
+                                               tiny_dataset):
     """One server per stage, one trainer, one micro-batch in flight, fp32 activations: the same math as the
-    reference loop."""
-    tiny_spec = RunSpec.from_toml(exact_spec_path)
+    reference loop (the eager reference kernels), whether the servers run the default kernels in fp32 (the
+    fused loss: float rounding apart) or compiled kernels under bf16 autocast (against a bf16 reference: bf16
+    rounding apart)."""
+    tiny_spec = RunSpec.from_toml(exact_spec_path).updated(training={"precision": precision})
     samples = 6 * tiny_spec.training.target_batch_size
     log = tmp_path / "losses.jsonl"
-    with make_swarm(exact_spec_path, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+    with make_swarm(tiny_spec, tmp_path, cache_dir, extra_env={"SWARM_KERNELS": kernels}) as sw, Scenario(sw) as sc:
         sc.servers(per_stage=1).trainers(1, "--concurrency", "1", "--max-samples", str(samples), "--loss-log", str(log))
         trainer = next(p for p in sw.peers if p.role == "trainer")
         sc.wait(lambda: not trainer.alive(), 300, "the trainer to finish its samples")
         assert trainer.proc.returncode == 0, sw.tail(trainer)
         trainer_log = sc.log_warnings()
+        assert all(f"kernels {kernels}, precision {precision}" in p.log.read_text() for p in sw.peers
+                   if p.role == "server"), "a server did not say which kernels and precision it uses"
     swarm_losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     ref = train_reference(tiny_spec, prepare_dataset(tiny_spec, cache_dir), shard=0, max_samples=samples)
     assert len(swarm_losses) == len(ref.losses) == samples // tiny_spec.training.micro_batch_size
     diffs = [abs(a - b) for a, b in zip(swarm_losses, ref.losses)]
-    first_bad = next((i for i, d in enumerate(diffs) if d >= 1e-3), None)
+    first_bad = next((i for i, d in enumerate(diffs) if d >= tolerance), None)
     assert first_bad is None, (
         f"swarm strays {max(diffs):.2e} nats/token from the reference, first at micro-batch {first_bad}: "
         f"swarm {[round(x, 4) for x in swarm_losses]} reference {[round(x, 4) for x in ref.losses]}\n{trainer_log}")

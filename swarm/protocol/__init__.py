@@ -54,6 +54,8 @@ MAX_COUNT = 2**53
 """Largest count (samples, tokens, bytes, rounds) a record may carry: exact in a float64."""
 MAX_SAMPLES_PER_S = 1e6
 """Largest throughput a record may announce (samples/s; a fast GPU on a small stage does thousands)."""
+MAX_FLOPS = 1e18
+"""Largest FLOP count or FLOP/s a record may announce (an exaFLOP: far above any one device)."""
 MAX_ROUND_S = 86_400.0
 """Largest duration a record may report (seconds)."""
 MAX_CLOCK_SKEW_S = 60.0
@@ -169,6 +171,16 @@ class RestoreReport(BaseModel):
 class ServerInfo(AnnouncedRecord):
     """A stage server's announcement under :func:`stage_key`."""
 
+    @property
+    def achieved_flops(self) -> float:
+        """Model FLOP/s while computing: ``throughput`` (samples/s) x ``flops_per_sample``."""
+        return self.throughput * self.flops_per_sample
+
+    @property
+    def mfu(self) -> Optional[float]:
+        """Model FLOPs utilisation: :attr:`achieved_flops` over the measured ``peak_flops`` (None if unknown)."""
+        return self.achieved_flops / self.peak_flops if self.peak_flops > 0 and self.flops_per_sample > 0 else None
+
     kind: Literal["server"] = "server"
     stage: int = Field(ge=0)
     state: ServerState
@@ -177,6 +189,10 @@ class ServerInfo(AnnouncedRecord):
     p2p_id: str = Field(min_length=1, max_length=128, description="libp2p peer id (base58) to call the stage RPCs "
                         "on; the signer's own (swarm.identity).")
     maddrs: list[str] = Field(default_factory=list)
+    flops_per_sample: float = Field(0.0, ge=0, le=MAX_FLOPS, description="Training model FLOPs of one sample "
+                                    "through this stage (swarm.kernels.flops: PaLM appendix B); 0 if unknown.")
+    peak_flops: float = Field(0.0, ge=0, le=MAX_FLOPS, description="FLOP/s of this server's device measured by a "
+                              "matmul microbenchmark in the run's compute dtype; 0 if unknown.")
     epoch: Epoch = 0
     samples: Count = Field(0, description="Samples processed since the server started.")
     samples_dropped: Count = Field(0, description="Of those, samples whose gradients never reached an optimizer "
