@@ -1,24 +1,32 @@
-"""Local kernels against their plain-PyTorch references: time and peak memory (issue 15; grows kernel by kernel).
+"""Local kernels against their plain-PyTorch references, a stage end to end, and mixed precision (issue 15).
 
-    python bench/kernels.py [--tokens 4096] [--vocab 32768] [--width 256] [--repeats 3]
+    python bench/kernels.py [--tokens 4096] [--vocab 32768] [--width 256] [--repeats 3] [--steps 100]
+                            [--spec runs/demo.toml] [--skip-loss]
 
-Fused linear + cross-entropy (:func:`swarm.kernels.linear_cross_entropy`) against the eager head + loss
-(:func:`swarm.kernels.linear_cross_entropy_reference`) for the last stage at a large vocabulary: loss and
-backward of ``tokens`` hidden states of ``width`` through a ``vocab`` x ``width`` head, float32 on the CPU. Each
-variant runs in its own fresh process, so its peak memory is its own: ``peak_bytes`` is the process's peak
-resident set (``ru_maxrss``) minus its resident set after the inputs were made; ``seconds`` the best of
-``repeats`` loss + backward passes. ``fused_ce_memory_ratio`` is the eager peak over the fused one and
-``speedup`` the eager time over the fused, both measured in this run; ``max_abs_err`` the largest elementwise
-difference of loss and gradients between the two on the first 256 tokens (in this process).
+1. Fused linear + cross-entropy (:func:`swarm.kernels.linear_cross_entropy`) against the eager head + loss
+   (:func:`swarm.kernels.linear_cross_entropy_reference`) at a large vocabulary: loss and backward of ``tokens``
+   hidden states of ``width`` through a ``vocab`` x ``width`` head, float32 on the CPU. Each variant runs in its
+   own fresh process, so its peak memory is its own: ``peak_bytes`` is the process's peak resident set
+   (``ru_maxrss``) minus its resident set after the inputs were made; ``seconds`` the best of ``repeats``.
+   ``fused_ce_memory_ratio`` is the eager peak over the fused one.
+2. Each small kernel (norms, bias + GELU, SwiGLU, RoPE) of the device's fused backend (``compiled`` on a CPU,
+   ``triton`` on a GPU) against its eager reference, forward + backward (``bench/kernel_ops.py``).
+3. ``stage_speedup_cpu``: tokens/s of forward + backward through every stage of ``--spec``'s model, one
+   micro-batch, bf16 autocast + compiled kernels over fp32 + reference kernels (variants interleaved, median of
+   ``5 x repeats``); ``stage_speedup_cpu_torch`` the same with the CPU's default backend (``torch``).
+4. ``loss_diff_pct``: ``--steps`` optimizer steps of the single-process reference on ``--spec``'s corpus in bf16 +
+   compiled kernels against fp32, the last step's mean loss (percent of the fp32 loss; ``--skip-loss`` skips it).
 
-Prints one JSON line per variant on stderr, then ``{"fused_ce_memory_ratio", "kernels": [{"name", "backend",
-"speedup", "max_abs_err", "peak_bytes", "reference_peak_bytes"}]}``.
+Every ratio compares variants measured in this run. Prints progress lines on stderr, then one JSON line:
+``{"fused_ce_memory_ratio", "stage_speedup_cpu", "loss_diff_pct", "kernels": [{"name", "backend", "speedup",
+"max_abs_err", ...}], ...}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -30,6 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.kernel_ops import loss_diff_pct, op_rows, stage_tokens_per_s  # noqa: E402
+from swarm.config import RunSpec  # noqa: E402
 from swarm.kernels import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 
 VARIANTS = {"fused": linear_cross_entropy, "eager": linear_cross_entropy_reference}
@@ -86,6 +96,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary (V)")
     ap.add_argument("--width", type=int, default=256, help="hidden width (D)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=100, help="optimizer steps of the bf16-vs-fp32 loss comparison")
+    ap.add_argument("--spec", default=str(ROOT / "runs" / "demo.toml"), help="run spec of the stage and loss parts")
+    ap.add_argument("--cache-dir", default=os.environ.get("SWARM_CACHE_DIR", str(Path.home() / ".cache" / "swarm")),
+                    help="corpus and tokenizer cache (SWARM_CACHE_DIR)")
+    ap.add_argument("--skip-loss", action="store_true", help="skip the 100-step loss comparison (minutes)")
     ap.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)  # one variant, in this process
     args = ap.parse_args()
     if args.variant:
@@ -97,12 +112,26 @@ def main() -> None:
         print(json.dumps(rows[name]), file=sys.stderr, flush=True)
     eager, fused = rows["eager"], rows["fused"]
     err = max_abs_err(min(args.tokens, 256), args.vocab, args.width)
-    kernel = {"name": "linear_cross_entropy", "backend": "torch (CPU, chunked)",
-              "speedup": round(eager["seconds"] / fused["seconds"], 3), "max_abs_err": err,
-              "peak_bytes": fused["peak_bytes"], "reference_peak_bytes": eager["peak_bytes"]}
-    print(json.dumps({"fused_ce_memory_ratio": round(eager["peak_bytes"] / max(1, fused["peak_bytes"]), 2),
-                      "tokens": args.tokens, "vocab": args.vocab, "width": args.width, "kernels": [kernel]}))
-
+    kernels = [{"name": "linear_cross_entropy", "backend": "torch (cpu, chunked)",
+                "speedup": round(eager["seconds"] / fused["seconds"], 3), "max_abs_err": err,
+                "peak_bytes": fused["peak_bytes"], "reference_peak_bytes": eager["peak_bytes"]}]
+    out = {"fused_ce_memory_ratio": round(eager["peak_bytes"] / max(1, fused["peak_bytes"]), 2),
+           "tokens": args.tokens, "vocab": args.vocab, "width": args.width}
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for device in devices:
+        kernels += op_rows(device, args.repeats * 3)
+        print(json.dumps(kernels[-5:]), file=sys.stderr, flush=True)
+    spec = RunSpec.from_toml(args.spec)
+    speed = stage_tokens_per_s(spec, {"fp32": ("fp32", "reference"), "bf16+compiled": ("bf16", "compiled"),
+                                      "bf16+torch": ("bf16", "torch")}, args.repeats * 5)
+    out.update(stage_tokens_per_s={k: round(v, 1) for k, v in speed.items()},
+               stage_speedup_cpu=round(speed["bf16+compiled"] / speed["fp32"], 3),
+               stage_speedup_cpu_torch=round(speed["bf16+torch"] / speed["fp32"], 3))
+    print(json.dumps(out), file=sys.stderr, flush=True)
+    if not args.skip_loss:
+        out.update(loss_diff_pct(spec, Path(args.cache_dir), args.steps, "compiled"))
+    out["kernels"] = kernels
+    print(json.dumps(out))
 
 if __name__ == "__main__":
     main()

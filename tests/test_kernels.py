@@ -41,6 +41,7 @@ def _ops(backend):
         "gelu": (backend.bias_gelu, reference.bias_gelu, ["x"], "pointwise"),
         "swiglu": (backend.swiglu, reference.swiglu, ["x", "x"], "pointwise"),
         "rope": (backend.rope, lambda x: reference.rope(x, *cos_sin(x)), ["x"], "rope"),
+        "attention": (backend.attention, reference.causal_attention, ["x", "x", "x"], "rope"),
     }
 
 
@@ -68,7 +69,7 @@ def _close(got, ref32, ref_low=None):
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "bias_gelu", "gelu", "swiglu", "rope"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "bias_gelu", "gelu", "swiglu", "rope", "attention"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_each_kernel_matches_its_reference_forward_and_backward(backend_name, op, dtype):
     fn, ref, kinds, family = _ops(select_backend(backend_name, DEVICE))[op]

@@ -63,6 +63,11 @@ class KernelBackend:
     def _rope(self, x, cos, sin):
         return reference.rope(x, cos, sin)
 
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal scaled dot-product attention of ``(B, H, T, Dh)`` queries, keys and values (PyTorch's SDPA:
+        FlashAttention's algorithm where the device has it, Dao et al., 2022)."""
+        return reference.causal_attention(q, k, v)
+
     def linear_cross_entropy(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (nats/token, float32 scalar) of ``x (N, D) @ weightᵀ (V, D)`` against
         int64 ``targets (N,)``."""
@@ -81,6 +86,14 @@ class TorchBackend(KernelBackend):
     """The reference ops with the fused, chunked linear + cross-entropy (module docstring)."""
 
     name = "torch"
+
+    def attention(self, q, k, v):
+        """On a CPU, bfloat16 attention runs in float32: PyTorch's CPU flash attention measured 2.6x slower in
+        bfloat16 than in float32 in its backward (``bench/kernels.py``'s stage, 2 cores, AVX512-BF16)."""
+        if q.device.type != "cpu" or q.dtype != torch.bfloat16:
+            return reference.causal_attention(q, k, v)
+        with torch.autocast("cpu", enabled=False):
+            return reference.causal_attention(q.float(), k.float(), v.float()).to(q.dtype)
 
     def linear_cross_entropy(self, x, weight, targets):
         return linear_cross_entropy(x, weight, targets)

@@ -62,13 +62,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for a in range(0, n, step):
             xc, tc, vc = x[a:a + step], targets[a:a + step], valid[a:a + step]
             logits = (xc @ weight.t()).float()  # (c, V): the only logits alive at a time
-            lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, tc.clamp(min=0)[:, None]).squeeze(1)
-            total += ((lse - picked) * vc).sum()
+            top = logits.amax(dim=-1, keepdim=True)
+            g = logits.sub_(top).exp_()  # in place, one exp: exp(logits - max)
+            sums = g.sum(dim=-1, keepdim=True)
+            total += ((top + sums.log()).squeeze(1) - picked).mul_(vc).sum()  # logsumexp - target logit
             if not (want_x or want_w):
                 continue
             # d(mean loss)/d(logits) = (softmax - one_hot(target)) / count on valid rows, 0 on ignored ones
-            g = logits.sub_(lse[:, None]).exp_()
+            g.div_(sums)
             g[torch.arange(len(tc), device=g.device)[vc], tc[vc]] -= 1.0
             g.mul_((vc.float() / count)[:, None])
             if want_x:

@@ -46,6 +46,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal ``softmax(q kᵀ / sqrt(Dh)) v`` of ``(B, H, T, Dh)`` tensors (Vaswani et al., 2017, eq. 1), through
+    PyTorch's fused SDPA."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def rope_angles(t: int, dh: int, device: torch.device, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``(cos, sin)`` of shape ``(t, dh / 2)``: position ``i`` times ``theta^(-2j / dh)`` (RoFormer eq. 15)."""
     inv = 1.0 / theta ** (torch.arange(0, dh, 2, device=device, dtype=torch.float32) / dh)
@@ -94,5 +100,5 @@ def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: int =
     return (padded * (scales / 127.0)[:, None]).reshape(-1)[:n]
 
 
-__all__ = ["bias_gelu", "dequantize_blockwise", "layer_norm", "quantize_blockwise", "rms_norm", "rope",
+__all__ = ["bias_gelu", "causal_attention", "dequantize_blockwise", "layer_norm", "quantize_blockwise", "rms_norm", "rope",
            "rope_angles", "swiglu"]

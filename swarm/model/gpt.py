@@ -57,7 +57,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         if self.rope:
             q, k = self.kernels.rope(q), self.kernels.rope(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.kernels.attention(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
