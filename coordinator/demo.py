@@ -15,11 +15,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from coordinator.launch import LocalSwarm
 from coordinator.status import snapshot
 from swarm.config import PeerSettings, RunSpec
 from swarm.data import prepare_dataset
 from swarm.directory import connect_run
+from swarm.kernels.flops import measure_peak_flops
 from swarm.pipeline import RemotePipeline, validation_loss
 from swarm.protocol import ServerState
 
@@ -36,13 +39,35 @@ def _wait_for(predicate, timeout: float, what: str, swarm: LocalSwarm, peer=None
         time.sleep(0.5)
 
 
+BF16_MIN_GAIN = 1.5
+"""How much faster than float32 this machine's bfloat16 matmuls must be for the demo to pick ``bf16``."""
+
+
+def pick_precision(spec: RunSpec, precision: str) -> RunSpec:
+    """``spec`` with the demo's precision: ``fp32`` or ``bf16`` as asked; ``auto`` keeps a precision the spec
+    names, else picks ``bf16`` where this machine's bfloat16 matmuls run :data:`BF16_MIN_GAIN` x float32's
+    (measured here, ~1 s), else ``fp32`` (a CPU without bf16 units runs bf16 slower)."""
+    if precision == "auto" and "precision" in spec.training.model_fields_set:
+        return spec
+    if precision == "auto":
+        fp32, bf16 = (measure_peak_flops(torch.device("cpu"), dtype, size=512) for dtype in (torch.float32,
+                                                                                              torch.bfloat16))
+        precision = "bf16" if bf16 >= BF16_MIN_GAIN * fp32 else "fp32"
+        logger.info("bf16 matmuls run %.1fx float32's here: the demo computes in %s", bf16 / fp32, precision)
+    return spec.updated(training={"precision": precision})
+
+
 def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, trainers: int = 2,
-             cache_dir: Path, keep: bool = False, eval_batches: int = 16, progress_every: float = 10.0) -> dict[str, Any]:
-    """Run the demo and return its summary (see ``swarm-coordinator demo --help`` for the keys)."""
-    spec = RunSpec.from_toml(spec_path)
+             cache_dir: Path, keep: bool = False, eval_batches: int = 16, progress_every: float = 10.0,
+             precision: str = "auto") -> dict[str, Any]:
+    """Run the demo and return its summary (see ``swarm-coordinator demo --help`` for the keys); ``precision``:
+    :func:`pick_precision`."""
+    spec = pick_precision(RunSpec.from_toml(spec_path), precision)
     logger.info("preparing the corpus and tokenizer in %s", cache_dir)
     dataset = prepare_dataset(spec, cache_dir)
     workdir = Path(tempfile.mkdtemp(prefix="swarm-demo-"))
+    spec_path = workdir / spec_path.name
+    spec_path.write_text(spec.to_toml())
     with LocalSwarm(spec_path, workdir, cache_dir, keep=keep) as swarm:
         address = swarm.start_coordinator()
         logger.info("run address %s", address)
@@ -130,4 +155,5 @@ def summary(snap: dict, spec: RunSpec, val_loss: float, elapsed: float) -> dict[
         "stages": spec.model.num_stages,
         "seconds": round(elapsed, 1),
         "tokens_per_s": round(tokens / elapsed, 1),
+        "precision": spec.training.precision,
     }

@@ -22,6 +22,7 @@ from swarm.config import PeerSettings
 from swarm.directory import parse_run_address
 from swarm.protocol import ServerInfo, StorageInfo
 from swarm.server import NoSuchStage, OptimizerFactory, ServerSession, StageServerFactory
+from swarm.kernels import BackendUnavailable
 from swarm.stage import StageServer
 
 
@@ -34,11 +35,14 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
     :param optimizer_factory: how the stage's optimizer is built (tests start Byzantine servers with it).
     :param server_factory: how the stage's RPC server is built (tests start servers that lie to trainers).
     :raises SystemExit: 3 (restore failed), 4 (banned), 5 (run unreachable), or the message of a stage the run
-        does not have.
+        does not have or of a kernel backend (``SWARM_KERNELS``) this machine cannot run.
     """
     run_id, _ = parse_run_address(address)
-    session = ServerSession(address, settings, stage=stage, optimizer_factory=optimizer_factory,
-                            server_factory=server_factory)
+    try:
+        session = ServerSession(address, settings, stage=stage, optimizer_factory=optimizer_factory,
+                                server_factory=server_factory)
+    except BackendUnavailable as e:  # SWARM_KERNELS names a backend this machine cannot run
+        raise SystemExit(str(e)) from None
     metrics = start_metrics(run_id, session.me, "server", settings)
 
     def announced(record: ServerInfo, storage: StorageInfo) -> None:

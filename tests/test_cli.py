@@ -23,7 +23,8 @@ EXPECTED = {
     "swarm-coordinator monitor": ["address", "every", "host", "metrics_port", "timeout"],
     "swarm-coordinator checkpoints": ["address", "as_json", "timeout"],
     "swarm-coordinator export": ["address", "as_json", "epoch", "out_dir", "prompt", "timeout", "tokens"],
-    "swarm-coordinator demo": ["as_json", "keep", "log_level", "seconds", "servers_per_stage", "spec_path", "trainers"],
+    "swarm-coordinator demo": ["as_json", "keep", "log_level", "precision", "seconds", "servers_per_stage", "spec_path",
+                               "trainers"],
 }
 
 
@@ -70,3 +71,20 @@ def test_peer_status_probe_reads_the_heartbeat(tmp_path, monkeypatch):
     write_heartbeat(tmp_path, peer_id="p", role="server", stage=1, state="online", epoch=7, ttl_s=0.0)
     result = runner.invoke(app, ["status", "--probe"])
     assert result.exit_code == 1 and "stuck or stopped" in result.output
+
+
+def test_the_demo_computes_in_bf16_only_where_the_spec_allows_and_the_machine_gains(tmp_path, monkeypatch):
+    import coordinator.demo as demo
+    from swarm.config import RunSpec
+
+    pinned, free = tmp_path / "pinned.toml", tmp_path / "free.toml"
+    pinned.write_text('name = "x"\n[training]\nprecision = "fp32"\n')
+    free.write_text('name = "x"\n')
+    peaks = {"fp32": 1e11, "bf16": 2e11}
+    monkeypatch.setattr(demo, "measure_peak_flops", lambda device, dtype, size: peaks["bf16" if "bfloat" in str(dtype)
+                                                                                      else "fp32"])
+    assert demo.pick_precision(RunSpec.from_toml(pinned), "auto").training.precision == "fp32"  # the spec's word
+    assert demo.pick_precision(RunSpec.from_toml(free), "auto").training.precision == "bf16"  # 2x: worth it
+    peaks["bf16"] = 1.2e11
+    assert demo.pick_precision(RunSpec.from_toml(free), "auto").training.precision == "fp32"  # 1.2x: not
+    assert demo.pick_precision(RunSpec.from_toml(pinned), "bf16").training.precision == "bf16"  # forced
