@@ -127,3 +127,28 @@ def loss_diff_pct(spec: RunSpec, cache_dir: Path, steps: int, kernels: str) -> d
     fp32, bf16 = runs["fp32"][0], runs["bf16"][0]
     return {"loss_diff_pct": round(100 * (bf16 - fp32) / fp32, 3), "loss_fp32": round(fp32, 5),
             "loss_bf16": round(bf16, 5), "loss_steps": steps, "train_speedup": round(runs["fp32"][1] / runs["bf16"][1], 3)}
+
+
+def quantize_bandwidth(device: torch.device, n: int = 1 << 26, repeats: int = 10) -> dict:
+    """The Triton 8-bit quantizer with error feedback on ``n`` float32 values (a GPU only): its bytes moved
+    (reads ``x`` and the residual, writes codes, scales and the new residual: 13 bytes a value) per second, over
+    the device's copy bandwidth measured here (``clone`` of the same ``x``: 8 bytes a value)."""
+    from swarm.kernels.triton_ops import quantize_blockwise
+
+    x = torch.randn(n, device=device)
+    residual = torch.zeros_like(x)
+
+    def best(fn) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return min(times)
+    copy_bw = 8 * n / best(lambda: x.clone())
+    quant_bw = (13 * n + 4 * n // 512) / best(lambda: quantize_blockwise(x, residual))
+    return {"quantize_bandwidth_gbs": round(quant_bw / 1e9, 1), "copy_bandwidth_gbs": round(copy_bw / 1e9, 1),
+            "quantize_bandwidth_fraction": round(quant_bw / copy_bw, 3)}

@@ -14,7 +14,9 @@
 3. ``stage_speedup_cpu``: tokens/s of forward + backward through every stage of ``--spec``'s model, one
    micro-batch, bf16 autocast + compiled kernels over fp32 + reference kernels (variants interleaved, median of
    ``5 x repeats``); ``stage_speedup_cpu_torch`` the same with the CPU's default backend (``torch``).
-4. ``loss_diff_pct``: ``--steps`` optimizer steps of the single-process reference on ``--spec``'s corpus in bf16 +
+4. On a GPU with Triton, ``quantize_bandwidth_fraction``: the 8-bit quantizer with error feedback's bytes per
+   second over the device's copy bandwidth (``bench/kernel_ops.py``).
+5. ``loss_diff_pct``: ``--steps`` optimizer steps of the single-process reference on ``--spec``'s corpus in bf16 +
    compiled kernels against fp32, the last step's mean loss (percent of the fp32 loss; ``--skip-loss`` skips it).
 
 Every ratio compares variants measured in this run. Prints progress lines on stderr, then one JSON line:
@@ -38,9 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernel_ops import loss_diff_pct, op_rows, stage_tokens_per_s  # noqa: E402
+from bench.kernel_ops import loss_diff_pct, op_rows, quantize_bandwidth, stage_tokens_per_s  # noqa: E402
 from swarm.config import RunSpec  # noqa: E402
-from swarm.kernels import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
+from swarm.kernels import linear_cross_entropy, linear_cross_entropy_reference, triton_usable  # noqa: E402
 
 VARIANTS = {"fused": linear_cross_entropy, "eager": linear_cross_entropy_reference}
 
@@ -121,6 +123,8 @@ def main() -> None:
     for device in devices:
         kernels += op_rows(device, args.repeats * 3)
         print(json.dumps(kernels[-5:]), file=sys.stderr, flush=True)
+    if torch.cuda.is_available() and triton_usable(torch.device("cuda")) is None:
+        out.update(quantize_bandwidth(torch.device("cuda")))
     spec = RunSpec.from_toml(args.spec)
     speed = stage_tokens_per_s(spec, {"fp32": ("fp32", "reference"), "bf16+compiled": ("bf16", "compiled"),
                                       "bf16+torch": ("bf16", "torch")}, args.repeats * 5)

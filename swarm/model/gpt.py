@@ -119,12 +119,6 @@ class StageModule(nn.Module):
             self.norm = self._init(Norm(spec, kernels), "norm")
             self.head = self._init(nn.Linear(spec.d_model, spec.vocab_size, bias=False), "head")
 
-    def use_kernels(self, kernels: KernelBackend) -> None:
-        """Compute with ``kernels`` from now on (the parameters are untouched)."""
-        for m in self.modules():
-            if "kernels" in vars(m):
-                m.kernels = kernels
-
     def _init(self, module: nn.Module, component: str) -> nn.Module:
         gen = torch.Generator().manual_seed(_seed_of(self.spec.init_seed, component))
         resid_std = 0.02 / math.sqrt(2 * self.spec.n_layers)
