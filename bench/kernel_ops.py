@@ -33,7 +33,8 @@ def _op_cases(backend, device: torch.device) -> dict[str, tuple[Callable, Callab
     cos, sin = reference.rope_angles(128, 64, device)
     return {
         "layer_norm": (lambda x, w, b: backend.layer_norm(x, w, b, 1e-5),
-                       lambda x, w, b: reference.layer_norm(x, w, b, 1e-5), [rnd(TOKENS, WIDTH), rnd(WIDTH), rnd(WIDTH)]),
+                       lambda x, w, b: reference.layer_norm(x, w, b, 1e-5),
+                       [rnd(TOKENS, WIDTH), rnd(WIDTH), rnd(WIDTH)]),
         "rms_norm": (lambda x, w: backend.rms_norm(x, w, 1e-5), lambda x, w: reference.rms_norm(x, w, 1e-5),
                      [rnd(TOKENS, WIDTH), rnd(WIDTH)]),
         "bias_gelu": (backend.bias_gelu, reference.bias_gelu, [rnd(TOKENS, 4 * WIDTH), rnd(4 * WIDTH)]),
@@ -71,7 +72,8 @@ def op_rows(device: torch.device, repeats: int) -> list[dict]:
                 times[k].append(_step(f, inputs, sync)[0])
         got, want = _step(fn, inputs, sync)[1], _step(ref, inputs, sync)[1]
         best = {k: min(v) for k, v in times.items()}
-        row = {"name": op, "backend": f"{name} ({device.type})", "speedup": round(best["reference"] / best["kernel"], 3),
+        row = {"name": op, "backend": f"{name} ({device.type})",
+               "speedup": round(best["reference"] / best["kernel"], 3),
                "max_abs_err": max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want)),
                "seconds": round(best["kernel"], 6), "reference_seconds": round(best["reference"], 6)}
         if "compiled" in best:
@@ -126,7 +128,8 @@ def loss_diff_pct(spec: RunSpec, cache_dir: Path, steps: int, kernels: str) -> d
               f'"seconds": {runs[name][1]:.1f}}}', file=sys.stderr, flush=True)
     fp32, bf16 = runs["fp32"][0], runs["bf16"][0]
     return {"loss_diff_pct": round(100 * (bf16 - fp32) / fp32, 3), "loss_fp32": round(fp32, 5),
-            "loss_bf16": round(bf16, 5), "loss_steps": steps, "train_speedup": round(runs["fp32"][1] / runs["bf16"][1], 3)}
+            "loss_bf16": round(bf16, 5), "loss_steps": steps,
+            "train_speedup": round(runs["fp32"][1] / runs["bf16"][1], 3)}
 
 
 def quantize_bandwidth(device: torch.device, n: int = 1 << 26, repeats: int = 10) -> dict:

@@ -58,9 +58,10 @@ def test_export_refuses_incomplete_or_mixed_checkpoints(tmp_path):
     late, _ = _trained_shards(SPEC, epoch=9)
     with pytest.raises(ShardError, match="different epochs"):
         export_model(SPEC, [shards[0], late[1]], tmp_path)
-    rotary = SPEC.model_copy(update={"positions": "rope", "n_heads": 2})
-    out = export_model(rotary, _trained_shards(rotary)[0], tmp_path / "rope")
-    assert (out / "model.safetensors").exists() and not (out / "hf").exists()
+    for name, change in (("rope", {"positions": "rope", "n_heads": 2}), ("rmsnorm", {"norm": "rmsnorm"})):
+        other = SPEC.model_copy(update=change)  # no GPT-2 equivalent: our own files only
+        out = export_model(other, _trained_shards(other)[0], tmp_path / name)
+        assert (out / "model.safetensors").exists() and not (out / "hf").exists()
 
 
 def test_the_export_says_which_stage_holds_its_epoch_back():

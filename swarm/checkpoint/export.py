@@ -5,7 +5,7 @@ Layout of an exported directory::
     model.safetensors    every parameter of the whole GPT under this project's names (float32)
     config.json          {"format", "model": ModelSpec fields, "run_id", "epoch", "stages": [shard sha256...]}
     tokenizer.json       the run's byte-level BPE (Hugging Face ``tokenizers`` format), if given
-    hf/config.json       Hugging Face ``GPT2Config`` (only for mlp="gelu", positions="learned")
+    hf/config.json       Hugging Face ``GPT2Config`` (only for mlp="gelu", positions="learned", norm="layernorm")
     hf/model.safetensors the same weights under GPT-2 names, for ``GPT2LMHeadModel.from_pretrained``
     hf/tokenizer.json    for ``PreTrainedTokenizerFast(tokenizer_file=...)``
 
@@ -15,8 +15,8 @@ load_file("model.safetensors"))``.
 Hugging Face mapping (:data:`HF_LAYER_MAP`): this GPT is GPT-2's pre-norm block without biases in its
 linear layers and with an untied LM head, so ``blocks.i.attn.qkv`` -> ``transformer.h.i.attn.c_attn`` (GPT-2's
 ``Conv1D`` stores ``(in, out)``, hence the transpose; q, k, v in the same order, heads contiguous), biases are
-zeros, the MLP's tanh GELU is ``gelu_new``, and ``tie_word_embeddings`` is false. SwiGLU or rotary models
-have no GPT-2 equivalent and get no ``hf/`` folder.
+zeros, the MLP's tanh GELU is ``gelu_new``, and ``tie_word_embeddings`` is false. SwiGLU, rotary or RMSNorm
+models have no GPT-2 equivalent and get no ``hf/`` folder.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def gpt2_state_dict(spec: ModelSpec, model: torch.nn.Module) -> tuple[dict, dict
 
     :raises ValueError: the model is SwiGLU or rotary (no GPT-2 equivalent).
     """
-    if spec.mlp != "gelu" or spec.positions != "learned":
-        raise ValueError(f"a {spec.mlp}/{spec.positions} model has no GPT-2 equivalent (needs gelu/learned)")
+    if spec.mlp != "gelu" or spec.positions != "learned" or spec.norm != "layernorm":
+        raise ValueError(f"a {spec.mlp}/{spec.positions}/{spec.norm} model has no GPT-2 equivalent (needs "
+                         "gelu/learned/layernorm)")
     d_ff = spec.d_ff or 4 * spec.d_model
     config = {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": spec.vocab_size,

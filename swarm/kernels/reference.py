@@ -100,5 +100,5 @@ def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: int =
     return (padded * (scales / 127.0)[:, None]).reshape(-1)[:n]
 
 
-__all__ = ["bias_gelu", "causal_attention", "dequantize_blockwise", "layer_norm", "quantize_blockwise", "rms_norm", "rope",
-           "rope_angles", "swiglu"]
+__all__ = ["bias_gelu", "causal_attention", "dequantize_blockwise", "layer_norm", "quantize_blockwise", "rms_norm",
+           "rope", "rope_angles", "swiglu"]

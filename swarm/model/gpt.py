@@ -171,7 +171,8 @@ class StageModule(nn.Module):
         ``targets (B, T)``, through the kernel backend's ``linear_cross_entropy`` (the ``torch`` and ``triton``
         backends never hold the ``(B·T, vocab)`` logits). :raises ValueError: not the last stage."""
         if not self.last:
-            raise ValueError(f"stage with blocks [{self.start}, {self.end}) has no head: only the last stage has a loss")
+            raise ValueError(f"stage with blocks [{self.start}, {self.end}) has no head: only the last stage has a "
+                             "loss")
         with self._autocast(x.device):
             h = self._hidden(x)
             return self.kernels.linear_cross_entropy(h.flatten(0, 1), self.head.weight, targets.flatten()).float()
