@@ -20,7 +20,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-scenarios: $(STAMP)   # long checkpoint, chaos, fault and averaging-mode scenarios (~19 min on 2 cores); CI runs them after `make test`
+test-scenarios: $(STAMP)   # long Byzantine, checkpoint, chaos, fault and averaging-mode scenarios (~22 min on 2 cores); CI runs them after `make test`
 	$(BIN)/python -m pytest -m scenario $(PYTEST_ARGS)
 
 bench: $(STAMP)   # ~8 min: the swarm synchronous and with overlapped rounds, against one process

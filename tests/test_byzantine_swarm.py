@@ -17,6 +17,7 @@ ONE_STAGE = TINY.updated(model={"stage_layers": [2]},
                          averaging={"aggregator": "centered_clip", "compression": "blockwise8bit"})
 
 
+@pytest.mark.scenario  # ~150 s; the exclusion logic is checked in the default suite by tests/test_robust_allreduce.py
 def test_a_noisy_server_is_excluded_by_its_stage_and_routed_around(tmp_path, cache_dir, tiny_dataset):
     with make_swarm(ONE_STAGE, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
         sc.servers(per_stage=3, byzantine="noise").trainers(1, "--concurrency", "2")
