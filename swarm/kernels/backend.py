@@ -6,8 +6,9 @@ tolerances):
 
 * ``torch`` — the reference ops, and the last stage's head + loss fused and chunked so the ``(tokens,
   vocabulary)`` logits never exist (:func:`~swarm.kernels.cross_entropy.linear_cross_entropy`). The CPU's
-  default: on this 2-core CPU ``torch.compile`` of the small ops measured 0.5–1.4× eager (``bench/kernels.py``),
-  and bf16 autocast (``training.precision``) is what speeds a stage up there.
+  default: on a 2-core CPU ``torch.compile`` of the small ops measured 0.52× (LayerNorm) to 2.5× (RMSNorm) eager
+  and the whole bf16 stage 0.93× the ``torch`` backend's tokens/s (``bench/kernels.py``); bf16 autocast
+  (``training.precision``) is what speeds a stage up there.
 * ``compiled`` — ``torch`` with the norms, activations and RoPE through ``torch.compile`` (Inductor; needs a C++
   compiler on the CPU). Compiles at the first call of each shape family: a server's throughput measurement at
   join pays it (seconds), not a trainer's request.
