@@ -22,6 +22,7 @@ from swarm.config import PeerSettings
 from swarm.directory import parse_run_address
 from swarm.protocol import ServerInfo, StorageInfo
 from swarm.server import NoSuchStage, OptimizerFactory, ServerSession, StageServerFactory
+from swarm.host import DeviceUnavailable
 from swarm.kernels import BackendUnavailable
 from swarm.stage import StageServer
 
@@ -35,13 +36,14 @@ def run_server(address: str, settings: PeerSettings, stage: Optional[int] = None
     :param optimizer_factory: how the stage's optimizer is built (tests start Byzantine servers with it).
     :param server_factory: how the stage's RPC server is built (tests start servers that lie to trainers).
     :raises SystemExit: 3 (restore failed), 4 (banned), 5 (run unreachable), or the message of a stage the run
-        does not have or of a kernel backend (``SWARM_KERNELS``) this machine cannot run.
+        does not have or of a device (``SWARM_DEVICE``) or kernel backend (``SWARM_KERNELS``) this machine cannot
+        run.
     """
     run_id, _ = parse_run_address(address)
     try:
         session = ServerSession(address, settings, stage=stage, optimizer_factory=optimizer_factory,
                                 server_factory=server_factory)
-    except BackendUnavailable as e:  # SWARM_KERNELS names a backend this machine cannot run
+    except (BackendUnavailable, DeviceUnavailable) as e:  # SWARM_KERNELS / SWARM_DEVICE this machine cannot run
         raise SystemExit(str(e)) from None
     metrics = start_metrics(run_id, session.me, "server", settings)
 

@@ -555,6 +555,11 @@ class PeerSettings(BaseSettings):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Port serving Prometheus metrics at /metrics (0: off; containers use 9100).",
     )
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="Where a server computes its stage: auto picks the "
+        "first CUDA GPU torch sees, else the CPU; cpu, cuda or cuda:N force one (cuda:1 for a second GPU, one "
+        "server per GPU). Activations on the wire, averaging and checkpoints go through the CPU either way.",
+    )
     kernels: Literal["auto", "reference", "torch", "compiled", "triton"] = Field(
         "auto", description="Kernel backend of this peer's stage (swarm.kernels): auto picks 'triton' on a CUDA GPU "
         "with Triton installed, else 'torch' (plain PyTorch, the last stage's loss fused to save memory); "

@@ -1,4 +1,4 @@
-"""This machine as a peer sees it: the cores it may use and the other peers running on it.
+"""This machine as a peer sees it: its compute device, the cores it may use and the other peers running on it.
 
 Several peers on one machine (two GPUs, or a quickstart tried on one box) each default to torch's thread count,
 one per core, and then fight over the cores: the same swarm trained at ~1.2k tokens/s that way and ~2.6k with
@@ -17,6 +17,30 @@ from pathlib import Path
 import torch
 
 from swarm.identity import STATE_CLAIM
+
+
+class DeviceUnavailable(ValueError):
+    """``SWARM_DEVICE`` names a device this machine does not have (the message names the fix)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """The compute device of a server: ``auto`` is the first CUDA GPU if torch sees one, else the CPU; ``cpu``,
+    ``cuda`` or ``cuda:N`` as named.
+
+    :raises DeviceUnavailable: a CUDA device torch does not see (a CPU build of torch, no driver, or fewer GPUs).
+    """
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        index = device.index or 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+            raise DeviceUnavailable(f"SWARM_DEVICE={name}: torch ({build}) sees {torch.cuda.device_count()} CUDA "
+                                    "GPUs; install the NVIDIA driver and a CUDA build of torch, or set "
+                                    "SWARM_DEVICE=auto")
+        return torch.device("cuda", index)
+    return device
 
 
 def usable_cores() -> int:
@@ -64,4 +88,4 @@ class ThreadShare:
         return threads
 
 
-__all__ = ["ThreadShare", "choose_threads", "peers_on_host", "usable_cores"]
+__all__ = ["DeviceUnavailable", "ThreadShare", "choose_threads", "peers_on_host", "resolve_device", "usable_cores"]

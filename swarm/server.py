@@ -59,7 +59,7 @@ from swarm.checkpoint.lifecycle import StageCheckpoints
 from swarm.config import PeerSettings, RunSpec
 from swarm.convictions import ConvictionBook, ConvictionFollower, EvidenceService
 from swarm.directory import connect_run, reachability, relay_enabled, visible_maddrs
-from swarm.host import ThreadShare
+from swarm.host import ThreadShare, resolve_device
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
 from swarm.kernels import select_backend
@@ -140,7 +140,8 @@ class ServerSession:
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
-        self.kernels = select_backend(settings.kernels, torch.device("cpu"))  # raises BackendUnavailable
+        self.device = resolve_device(settings.device)  # raises DeviceUnavailable
+        self.kernels = select_backend(settings.kernels, self.device)  # raises BackendUnavailable
         self.flops_per_sample, self.peak_flops = 0.0, 0.0  # set when a stage starts (swarm.kernels.flops)
         self._dropped_before = 0  # samples dropped by the optimizers of stages this process left
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
@@ -292,7 +293,8 @@ class ServerSession:
         self._dropped_before = self.samples_dropped  # the stage left before, if any
         self.stage, self.history, self._excluded, self.checkpoints = stage, [], set(), None
         self.keeper.stage = stage
-        module = build_stage(self.spec.model, stage, precision=self.spec.training.precision, kernels=self.kernels)
+        module = build_stage(self.spec.model, stage, precision=self.spec.training.precision,
+                             kernels=self.kernels).to(self.device)
         server = self.server = self.server_factory(self.spec, self.directory.run_id, stage, module, bans=self.bans,
                                                    identity=self.identity)
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: server.epoch)
@@ -300,11 +302,11 @@ class ServerSession:
         seq_len = self.spec.data.seq_len
         self.flops_per_sample = stage_flops_per_token(self.spec.model, stage, seq_len) * seq_len
         self.peak_flops = await self._io(PeakCache(self.settings.state_path() / "peak_flops.json").peak,
-                                         torch.device("cpu"), compute_dtype(self.spec.training.precision))
+                                         self.device, compute_dtype(self.spec.training.precision))
         await self._announce(ServerState.JOINING)
-        self.log.info("joining run %s, throughput %.1f samples/s, kernels %s, precision %s, peak %.1f GFLOP/s",
-                      self.directory.run_id, throughput, self.kernels.name, self.spec.training.precision,
-                      self.peak_flops / 1e9)
+        self.log.info("joining run %s, throughput %.1f samples/s, device %s, kernels %s, precision %s, peak %.1f "
+                      "GFLOP/s", self.directory.run_id, throughput, self.device, self.kernels.name,
+                      self.spec.training.precision, self.peak_flops / 1e9)
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
         server.optimizer = self.optimizer_factory(self.spec, self.directory.run_id, stage, self.dht, module,
                                                   identity=self.identity)

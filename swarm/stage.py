@@ -105,6 +105,7 @@ class StageServer(ProtocolServicer):
         self.spec, self.run_id, self.stage, self.identity = spec, run_id, stage, identity
         self.module = module if module is not None else build_stage(spec.model, stage,
                                                                     precision=spec.training.precision)
+        self.device = next(self.module.parameters()).device  # the module's: inputs go there, outputs come back
         self.is_last = stage == spec.model.num_stages - 1
         self.optimizer = None
         self.bans = bans
@@ -153,7 +154,14 @@ class StageServer(ProtocolServicer):
 
     # ---- compute (worker thread) -------------------------------------------------------------------
     def _leaf(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (checked, on the CPU) on the module's device, a leaf that collects its gradient if float."""
+        x = x.to(self.device)
         return x if x.dtype == torch.int64 else x.detach().requires_grad_(True)
+
+    @staticmethod
+    def _host(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A result for the wire or the averager: on the CPU (no copy if it is there)."""
+        return None if t is None else t.detach().cpu()
 
     def _check_forward(self, x: torch.Tensor, targets: Optional[torch.Tensor]) -> None:
         self._check_inputs(x)
@@ -169,7 +177,10 @@ class StageServer(ProtocolServicer):
         self._check_forward(x, targets)
         if not train:
             with torch.no_grad():
-                return (None, float(self.module.loss(x, targets))) if self.is_last else (self.module(x), None)
+                x = x.to(self.device)
+                if self.is_last:
+                    return None, float(self.module.loss(x, targets.to(self.device)))
+                return self._host(self.module(x)), None
         if key in self._done:
             return self._done[key]
         start = time.perf_counter()
@@ -178,15 +189,15 @@ class StageServer(ProtocolServicer):
             if not self.is_last:
                 out = self.module(leaf)
                 self._remember(key, leaf, out)
-                return out.detach(), None
-            loss = self.module.loss(leaf, targets)
+                return self._host(out), None
+            loss = self.module.loss(leaf, targets.to(self.device))
             if not torch.isfinite(loss):
                 raise StageError(f"stage {self.stage}: loss is not finite; the inputs are corrupt")
             loss.backward()
         value = loss.item()
         self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
         self._epoch_losses.append(value)
-        grad = leaf.grad if leaf.requires_grad else None
+        grad = self._host(leaf.grad) if leaf.requires_grad else None
         self._accumulate(key[0], x.shape[0], time.perf_counter() - start)
         self._finish(key, (grad, value))
         return grad, value
@@ -211,8 +222,8 @@ class StageServer(ProtocolServicer):
         else:
             leaf, out, _ = entry
         self._check_like("grad_outputs", grad_out, out)
-        out.backward(grad_out)
-        grad = leaf.grad if leaf.requires_grad else None
+        out.backward(grad_out.to(self.device))
+        grad = self._host(leaf.grad) if leaf.requires_grad else None
         self._accumulate(key[0], grad_out.shape[0], time.perf_counter() - start)
         self._finish(key, (grad, None))
         return grad
@@ -225,11 +236,11 @@ class StageServer(ProtocolServicer):
         self._check_forward(x, targets)
         leaf = self._leaf(x)
         with torch.enable_grad():
-            loss = self.module.loss(leaf, targets)
+            loss = self.module.loss(leaf, targets.to(self.device))
             if not torch.isfinite(loss):
                 raise StageError(f"stage {self.stage}: loss is not finite; the inputs are corrupt")
             grad = torch.autograd.grad(loss, leaf)[0] if leaf.requires_grad else None
-        return grad, loss.item()
+        return self._host(grad), loss.item()
 
     def check_backward(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """A spot check's backward: the input gradient for ``grad_out`` recomputed from ``x``, nothing
@@ -241,7 +252,7 @@ class StageServer(ProtocolServicer):
         with torch.enable_grad():
             out = self.module(leaf)
             self._check_like("grad_outputs", grad_out, out)
-            return torch.autograd.grad(out, leaf, grad_out)[0]
+            return self._host(torch.autograd.grad(out, leaf, grad_out.to(self.device))[0])
 
     def _at_epoch(self, fn, *args):
         """(compute thread) ``(epoch of the parameters fn computes with, fn(*args))``."""
@@ -266,7 +277,8 @@ class StageServer(ProtocolServicer):
         self.samples += batch_size
         self._epoch_samples += batch_size
         self.throughput.update(task_size=batch_size, interval=seconds)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.module.parameters()]
+        grads = [self._host(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
+                 for p in self.module.parameters()]
         for p in self.module.parameters():
             p.grad = None
         if self.optimizer is None:
@@ -327,13 +339,14 @@ class StageServer(ProtocolServicer):
         m, b = self.spec.model, self.spec.training.micro_batch_size
         t = self.spec.data.seq_len
         x = torch.randint(0, m.vocab_size, (b, t)) if self.stage == 0 else torch.randn(b, t, m.d_model)
-        targets = torch.randint(0, m.vocab_size, (b, t))
+        targets = torch.randint(0, m.vocab_size, (b, t), device=self.device)
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
             leaf = self._leaf(x)
             out = self.module.loss(leaf, targets) if self.is_last else self.module(leaf).square().mean()
             out.backward()
+            out.item()  # waits for the device
             best = min(best, time.perf_counter() - start)
         for p in self.module.parameters():
             p.grad = None

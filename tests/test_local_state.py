@@ -116,3 +116,14 @@ def test_a_peer_takes_its_share_of_the_cores_among_the_peers_on_the_machine(tmp_
         torch.set_num_threads(threads_before)
         for name in set(identity._CLAIMED) - names:  # (release this test's claims: other tests count peers too)
             identity._CLAIMED.pop(name).close()
+
+
+def test_the_compute_device_is_the_gpu_if_torch_sees_one_and_a_missing_one_is_refused_with_the_fix():
+    import torch
+
+    from swarm.host import DeviceUnavailable, resolve_device
+    assert resolve_device("auto") == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a CPU-only machine)
+    with pytest.raises(DeviceUnavailable, match="sees .* CUDA GPUs.*SWARM_DEVICE=auto"):
+        resolve_device(missing)

@@ -85,7 +85,7 @@ class InnerLoop:
     def step(self, gradient: list[torch.Tensor]) -> None:
         """One AdamW step on ``gradient`` (one float32 tensor per parameter, shaped like it)."""
         for p, g in zip(self.params, gradient):
-            p.grad = g.to(p.dtype)
+            p.grad = g.to(p.device, p.dtype)
         with torch.enable_grad():  # AdamW's step needs no graph; torch only asks grad mode not to be off
             self.optimizer.step()
         for p in self.params:
@@ -94,7 +94,7 @@ class InnerLoop:
 
     def pseudo_gradient(self, outer: list[torch.Tensor]) -> list[torch.Tensor]:
         """``Δ = θ - θ_inner`` per parameter: float32 tensors shaped like the parameters (``outer`` is ``θ``)."""
-        return [(o.detach() - p.detach()).float() for o, p in zip(outer, self.params)]
+        return [(o.detach() - p.detach().to(o.device)).float() for o, p in zip(outer, self.params)]
 
 
 class OuterSteps:
