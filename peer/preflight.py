@@ -1,7 +1,8 @@
 """``swarm-peer check``: can this machine join a run? Each failed check says how to fix it.
 
-Local checks: Python and torch build, compute device and memory, the cache folder, the identity file, disk
-for checkpoint fragments, the listen port. With a run address also: the run's spec verifies and speaks this
+Local checks: Python and torch build, compute device and memory, the device and kernel backend a server would
+use (``SWARM_DEVICE``, ``SWARM_KERNELS``), the cache folder, the identity file, disk for checkpoint fragments, the
+listen port. With a run address also: the run's spec verifies and speaks this
 peer's protocol version, whether the address this peer would announce can be dialled from outside its
 network, and the clock skew against the run's records.
 """
@@ -69,6 +70,20 @@ def _device() -> Check:
         detail = f"CPU, {os.cpu_count()} cores; {free / 2**30:.1f} GiB RAM available"
     ok = free >= MIN_FREE_RAM
     return Check("device", ok, detail, "" if ok else "free memory or join as a trainer (--role trainer)")
+
+
+def _compute(settings: PeerSettings) -> Check:
+    """The device and kernel backend a server would compute with (``SWARM_DEVICE``, ``SWARM_KERNELS``)."""
+    from swarm.host import DeviceUnavailable, resolve_device
+    from swarm.kernels import BackendUnavailable, select_backend
+
+    try:
+        device = resolve_device(settings.device)
+        kernels = select_backend(settings.kernels, device)
+    except (DeviceUnavailable, BackendUnavailable) as e:
+        return Check("compute", False, str(e).split(";")[0], "set SWARM_DEVICE=auto and SWARM_KERNELS=auto, or see "
+                     "docs/troubleshooting.md#kernels-and-precision")
+    return Check("compute", True, f"a server computes on {device} with the {kernels.name!r} kernels", "")
 
 
 def _writable(name: str, folder: Path, setting: str) -> Check:
@@ -197,7 +212,8 @@ def _run(address: str, settings: PeerSettings, timeout: float) -> list[Check]:
 
 
 def run_checks(settings: PeerSettings, address: Optional[str] = None, timeout: float = 30.0) -> list[Check]:
-    checks = [_python(), _torch(), _device(), _writable("cache", settings.cache_dir, "SWARM_CACHE_DIR"),
+    checks = [_python(), _torch(), _device(), _compute(settings),
+              _writable("cache", settings.cache_dir, "SWARM_CACHE_DIR"),
               _identity(settings), _fragment_disk(settings), _port(settings), _reachability(settings, address)]
     if address:
         checks += _run(address, settings, timeout)

@@ -12,8 +12,9 @@ from swarm.config import PeerSettings
 def test_a_healthy_loopback_machine_passes_the_local_checks_but_not_reachability(tmp_path):
     settings = PeerSettings(cache_dir=tmp_path, host="127.0.0.1", port=0, fragment_max_bytes=1 << 20)
     checks = {c.name: c for c in run_checks(settings)}
-    for name in ("python", "torch", "cache", "identity", "fragment disk", "port"):
+    for name in ("python", "torch", "compute", "cache", "identity", "fragment disk", "port"):
         assert checks[name].ok, checks[name]
+    assert "with the 'torch' kernels" in checks["compute"].detail or "cuda" in checks["compute"].detail
     assert not checks["reachability"].ok and "SWARM_ANNOUNCE_HOST" in checks["reachability"].fix
     client = {c.name: c for c in run_checks(settings.model_copy(update={"client_mode": True}))}
     assert client["reachability"].ok and "trainer" in client["reachability"].detail
@@ -43,7 +44,7 @@ def test_a_loopback_run_makes_announcing_loopback_a_note_not_a_failure(tmp_path)
     assert not mixed.ok
 
 
-def test_failures_name_the_setting_to_change(tmp_path):
+def test_failures_name_the_setting_to_change(tmp_path, monkeypatch):
     import socket
 
     blocker = tmp_path / "file"
@@ -59,6 +60,10 @@ def test_failures_name_the_setting_to_change(tmp_path):
     assert not checks["fragment disk"].ok and "SWARM_FRAGMENT_MAX_BYTES" in checks["fragment disk"].fix
     assert not checks["port"].ok and "SWARM_PORT" in checks["port"].fix
     assert as_dict(list(checks.values()))["ok"] is False
+    from peer.preflight import _compute
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # tests/test_kernels.py sets it for this process
+    forced = _compute(settings.model_copy(update={"kernels": "triton", "device": "cpu"}))
+    assert not forced.ok and "triton" in forced.detail and "SWARM_KERNELS=auto" in forced.fix
 
 
 def test_check_cli_json_and_exit_codes(tmp_path, monkeypatch):
