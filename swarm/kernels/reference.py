@@ -7,14 +7,10 @@ linear + cross-entropy reference lives beside its fused version in :mod:`swarm.k
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-GELU_C = math.sqrt(2.0 / math.pi)
-"""sqrt(2/pi), the tanh approximation's constant (Hendrycks and Gimpel, "GELUs", 2016, sec. 2)."""
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:

@@ -23,7 +23,8 @@ import triton.language as tl
 
 from swarm.kernels.backend import TorchBackend
 
-GELU_C = 0.7978845608028654  # sqrt(2 / pi)
+GELU_C = 0.7978845608028654
+"""sqrt(2/pi), the tanh approximation's constant (Hendrycks and Gimpel, "GELUs", 2016, sec. 2)."""
 NORM_PARTIALS = 64
 """Programs of a norm backward (each sums dw/db over its share of the rows): few enough to sum cheaply."""
 
