@@ -20,26 +20,30 @@ from swarm.kernels import reference, select_backend, triton_usable  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
 from swarm.reference import train_reference  # noqa: E402
 
-TOKENS, WIDTH = 16 * 128, 768
-"""Rows and width of the per-kernel inputs (a GPT-2-small block's activations for 16 samples of 128 tokens)."""
+SIZES = {"cpu": (16, 128, 768), "cuda": (8, 1024, 2048)}
+"""Per device: (samples, tokens per sample, width) of the per-kernel inputs: on a CPU a GPT-2-small block's
+activations for 16 samples of 128 tokens; on a GPU 8 samples of 1024 tokens at width 2048 (a 1B-parameter
+model's block), large enough that launch overheads do not decide the comparison."""
 
 
 def _op_cases(backend, device: torch.device) -> dict[str, tuple[Callable, Callable, list[torch.Tensor]]]:
-    """name -> (kernel, reference, inputs) at :data:`TOKENS` x :data:`WIDTH` (float32)."""
+    """name -> (kernel, reference, inputs) at the device's :data:`SIZES` (float32)."""
     g = torch.Generator().manual_seed(0)
+    samples, seq, width = SIZES["cuda" if device.type == "cuda" else "cpu"]
+    rows, heads = samples * seq, width // 64
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device)
-    cos, sin = reference.rope_angles(128, 64, device)
+    cos, sin = reference.rope_angles(seq, 64, device)
     return {
         "layer_norm": (lambda x, w, b: backend.layer_norm(x, w, b, 1e-5),
                        lambda x, w, b: reference.layer_norm(x, w, b, 1e-5),
-                       [rnd(TOKENS, WIDTH), rnd(WIDTH), rnd(WIDTH)]),
+                       [rnd(rows, width), rnd(width), rnd(width)]),
         "rms_norm": (lambda x, w: backend.rms_norm(x, w, 1e-5), lambda x, w: reference.rms_norm(x, w, 1e-5),
-                     [rnd(TOKENS, WIDTH), rnd(WIDTH)]),
-        "bias_gelu": (backend.bias_gelu, reference.bias_gelu, [rnd(TOKENS, 4 * WIDTH), rnd(4 * WIDTH)]),
-        "swiglu": (backend.swiglu, reference.swiglu, [rnd(TOKENS, 2048), rnd(TOKENS, 2048)]),
-        "rope": (backend.rope, lambda x: reference.rope(x, cos, sin), [rnd(16, 12, 128, 64)]),
+                     [rnd(rows, width), rnd(width)]),
+        "bias_gelu": (backend.bias_gelu, reference.bias_gelu, [rnd(rows, 4 * width), rnd(4 * width)]),
+        "swiglu": (backend.swiglu, reference.swiglu, [rnd(rows, 8 * width // 3), rnd(rows, 8 * width // 3)]),
+        "rope": (backend.rope, lambda x: reference.rope(x, cos, sin), [rnd(samples, heads, seq, 64)]),
     }
 
 
@@ -59,8 +63,12 @@ def op_rows(device: torch.device, repeats: int) -> list[dict]:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     name = "triton" if device.type == "cuda" and triton_usable(device) is None else "compiled"
     backend, compiled_ref = select_backend(name, device), select_backend("compiled", device)
+    cases = _op_cases(backend, device)
+    if name == "triton":  # the Triton LayerNorm, which the backend measured slower than PyTorch's and keeps aside
+        from swarm.kernels.triton_ops import fused_layer_norm
+        cases["layer_norm"] = (lambda x, w, b: fused_layer_norm(x, w, b, 1e-5),) + cases["layer_norm"][1:]
     rows = []
-    for op, (fn, ref, inputs) in _op_cases(backend, device).items():
+    for op, (fn, ref, inputs) in cases.items():
         variants = {"kernel": fn, "reference": ref}
         if name == "triton":
             variants["compiled"] = _op_cases(compiled_ref, device)[op][0]
@@ -78,20 +86,26 @@ def op_rows(device: torch.device, repeats: int) -> list[dict]:
                "seconds": round(best["kernel"], 6), "reference_seconds": round(best["reference"], 6)}
         if "compiled" in best:
             row["speedup_vs_compiled"] = round(best["compiled"] / best["kernel"], 3)
+        if name == "triton" and op == "layer_norm":
+            row["used_by_backend"] = False  # TritonBackend computes LayerNorm with PyTorch's own
         rows.append(row)
     return rows
 
 
-def stage_tokens_per_s(spec: RunSpec, variants: dict[str, tuple[str, str]], repeats: int) -> dict[str, float]:
-    """Tokens/s of forward + backward through every stage of ``spec``'s model (one micro-batch; stage 0 from token
-    ids, the last to its loss), per variant name -> (precision, kernel backend); the median of ``repeats``
-    interleaved runs, after one warm-up (compiles)."""
+def stage_tokens_per_s(spec: RunSpec, variants: dict[str, tuple[str, str]], repeats: int,
+                       device: torch.device = torch.device("cpu")) -> dict[str, float]:
+    """Tokens/s of forward + backward through every stage of ``spec``'s model on ``device`` (one micro-batch;
+    stage 0 from token ids, the last to its loss), per variant name -> (precision, kernel backend); the median of
+    ``repeats`` interleaved runs, after one warm-up (compiles, autotunes)."""
     b, t = spec.training.micro_batch_size, spec.data.seq_len
     tokens = torch.randint(0, spec.model.vocab_size, (b, t + 1), generator=torch.Generator().manual_seed(0))
-    built = {name: [build_stage(spec.model, k, precision=p, kernels=select_backend(kb, torch.device("cpu")))
+    tokens = tokens.to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    built = {name: [build_stage(spec.model, k, precision=p, kernels=select_backend(kb, device)).to(device)
                     for k in range(spec.model.num_stages)] for name, (p, kb) in variants.items()}
 
     def one(stages) -> float:
+        sync()
         start = time.perf_counter()
         h = tokens[:, :-1]
         for m in stages:
@@ -101,6 +115,7 @@ def stage_tokens_per_s(spec: RunSpec, variants: dict[str, tuple[str, str]], repe
             else:
                 h = m(x)
                 h.backward(torch.ones_like(h))
+        sync()
         return time.perf_counter() - start
 
     times = {name: [] for name in variants}
@@ -155,3 +170,37 @@ def quantize_bandwidth(device: torch.device, n: int = 1 << 26, repeats: int = 10
     quant_bw = (13 * n + 4 * n // 512) / best(lambda: quantize_blockwise(x, residual))
     return {"quantize_bandwidth_gbs": round(quant_bw / 1e9, 1), "copy_bandwidth_gbs": round(copy_bw / 1e9, 1),
             "quantize_bandwidth_fraction": round(quant_bw / copy_bw, 3)}
+
+
+def cuda_cross_entropy(device: torch.device, tokens: int, vocab: int, width: int, repeats: int) -> dict:
+    """Fused linear + cross-entropy against the eager head + loss on a GPU, float32 and bf16 inputs: peak GPU memory
+    of loss + backward above the inputs (``torch.cuda.max_memory_allocated``), best time of ``repeats``;
+    ``fused_ce_memory_ratio_cuda`` is the eager peak over the fused one (float32)."""
+    from swarm.kernels import linear_cross_entropy, linear_cross_entropy_reference
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(tokens, width, generator=g).to(device, dtype).requires_grad_()
+        w = (torch.randn(vocab, width, generator=g) * 0.02).to(device, dtype).requires_grad_()
+        t = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+        peak, best = {}, {}
+        for name, fn in (("eager", linear_cross_entropy_reference), ("fused", linear_cross_entropy)):
+            times = []
+            for _ in range(repeats + 1):
+                x.grad = w.grad = None
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                start = time.perf_counter()
+                fn(x, w, t).backward()
+                torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+                peak[name] = torch.cuda.max_memory_allocated(device) - base
+            best[name] = min(times[1:])
+        tag = "fp32" if dtype == torch.float32 else "bf16"
+        out[f"ce_cuda_{tag}"] = {"eager_peak_bytes": peak["eager"], "fused_peak_bytes": peak["fused"],
+                                 "memory_ratio": round(peak["eager"] / max(1, peak["fused"]), 2),
+                                 "speedup": round(best["eager"] / best["fused"], 3)}
+    out["fused_ce_memory_ratio_cuda"] = out["ce_cuda_fp32"]["memory_ratio"]
+    return out

@@ -30,10 +30,14 @@ SHAPES = {"norm": [(1, 100), (3, 5, 100), (2, 7, 256)], "pointwise": [(1, 33), (
 
 
 def _ops(backend):
-    """name -> (backend op, reference op, input makers (shape -> tensor), shape family)."""
+    """name -> (backend op, reference op, input makers (shape -> tensor), shape family). For the ``triton`` backend,
+    ``layer_norm`` is the Triton kernel its backend keeps in reserve (it computes with PyTorch's own)."""
     cos_sin = lambda x: reference.rope_angles(x.shape[-2], x.shape[-1], x.device)  # noqa: E731
+    layer_norm = backend.layer_norm
+    if backend.name == "triton":
+        from swarm.kernels.triton_ops import fused_layer_norm as layer_norm
     return {
-        "layer_norm": (lambda x, w, b: backend.layer_norm(x, w, b, 1e-5),
+        "layer_norm": (lambda x, w, b: layer_norm(x, w, b, 1e-5),
                        lambda x, w, b: reference.layer_norm(x, w, b, 1e-5), ["x", "d", "d"], "norm"),
         "rms_norm": (lambda x, w: backend.rms_norm(x, w, 1e-5), lambda x, w: reference.rms_norm(x, w, 1e-5),
                      ["x", "d"], "norm"),
@@ -106,10 +110,10 @@ def test_a_whole_model_with_kernels_matches_the_reference_model(backend_name, ar
     """Loss and every parameter's gradient of the whole model (both stage ends) through a backend against the
     reference backend: the same function within float rounding."""
     spec = ModelSpec(vocab_size=512, d_model=64, n_heads=4, n_layers=2, stage_layers=[2], max_seq_len=32, **arch)
-    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     losses, grads = [], []
     for backend in (select_backend("reference", DEVICE), select_backend(backend_name, DEVICE)):
-        model = build_stage(spec, kernels=backend)
+        model = build_stage(spec, kernels=backend).to(DEVICE)
         loss = model.loss(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         losses.append(float(loss))
@@ -168,3 +172,22 @@ def test_the_peak_is_measured_once_and_cached(tmp_path):
     assert PeakCache(tmp_path / "peak.json").peak(torch.device("cpu"), torch.float32) == first  # read, not measured
     (tmp_path / "peak.json").write_text("not json")
     assert PeakCache(tmp_path / "peak.json").peak(torch.device("cpu"), torch.float32) > 1e8  # measured over
+
+
+def test_triton_kernels_read_no_module_globals():
+    """A compiled Triton kernel may read only ``tl.constexpr`` globals, and the interpreter CI runs reads any (a
+    float constant passed CI and failed on the first GPU): no ``@triton.jit`` body loads a module-level value."""
+    import ast
+    import inspect
+
+    from swarm.kernels import triton_ops
+
+    tree = ast.parse(inspect.getsource(triton_ops))
+    values = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+              for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    kernels = [f for f in tree.body if isinstance(f, ast.FunctionDef)
+               and any("jit" in ast.unparse(d) for d in f.decorator_list)]
+    assert len(kernels) >= 8
+    for f in kernels:
+        loaded = {n.id for n in ast.walk(f) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        assert not loaded & values, f"{f.name} reads module globals {sorted(loaded & values)}"

@@ -1,8 +1,10 @@
 """Real multi-process swarms on loopback: a coordinator, stage servers and trainers as separate processes."""
 
 import json
+import os
 
 import pytest
+import torch
 
 from swarm.config import RunSpec
 from swarm.data import prepare_dataset
@@ -59,7 +61,6 @@ def test_other_averaging_modes_run_real_rounds_and_keep_a_stage_equal(averaging,
 
 
 def test_status_and_check_clis_read_a_live_swarm(swarm):
-    import os
     import subprocess
     import sys
 
@@ -88,13 +89,17 @@ def test_status_and_check_clis_read_a_live_swarm(swarm):
         assert checks["clock"]["ok"], checks["clock"]
 
 
-@pytest.mark.parametrize("kernels,precision,tolerance", [("torch", "fp32", 1e-3), ("compiled", "bf16", 5e-3)])
+@pytest.mark.parametrize("kernels,precision,tolerance", [
+    ("torch", "fp32", 1e-3), ("compiled", "bf16", 5e-3),
+    pytest.param("triton", "bf16", 5e-3, marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or os.environ.get("SWARM_DEVICE", "auto") == "cpu",
+        reason="the Triton kernels in a swarm need servers on a GPU"))])
 def test_swarm_tracks_single_process_reference(kernels, precision, tolerance, exact_spec_path, tmp_path, cache_dir,
                                                tiny_dataset):
     """One server per stage, one trainer, one micro-batch in flight, fp32 activations: the same math as the
     reference loop (the eager reference kernels), whether the servers run the default kernels in fp32 (the
     fused loss: float rounding apart) or compiled kernels under bf16 autocast (against a bf16 reference: bf16
-    rounding apart)."""
+    rounding apart); on a GPU (``SWARM_DEVICE=cuda``) also the Triton kernels, against the CPU's reference."""
     tiny_spec = RunSpec.from_toml(exact_spec_path).updated(training={"precision": precision})
     samples = 6 * tiny_spec.training.target_batch_size
     log = tmp_path / "losses.jsonl"
