@@ -30,7 +30,7 @@ SPEC = TINY.updated(model={"n_layers": 3, "stage_layers": [1, 1, 1]}, spot_check
 
 
 @contextlib.asynccontextmanager
-async def serving(layout, trainers: int = 1):
+async def serving(layout, trainers: int = 1, spec=SPEC):
     """Start ``layout`` = [(stage, server factory)] each on its own DHT node and key, announced ONLINE and
     serving evidence (each its own :class:`ConvictionBook`, ``server.book``); yields ``(servers, pipeline)``, or
     ``(servers, [pipelines])`` for several ``trainers``."""
@@ -38,15 +38,15 @@ async def serving(layout, trainers: int = 1):
     try:
         servers = []
         for (ident, dht), (stage, make) in zip(nodes, layout):
-            server = make(SPEC, RUN, stage, identity=ident)
+            server = make(spec, RUN, stage, identity=ident)
             p2p = await dht.replicate_p2p()
             await server.add_p2p_handlers(p2p, namespace=RUN)
             server.book = ConvictionBook(RUN, ident.peer_id, 0.05)
-            await EvidenceService(SPEC, server.book).add_p2p_handlers(p2p, namespace=RUN)
+            await EvidenceService(spec, server.book).add_p2p_handlers(p2p, namespace=RUN)
             server.peer_id, server.ident, server.directory = ident.peer_id, ident, RunDirectory(dht, RUN, ttl=600)
             announce(server, stage)
             servers.append(server)
-        pipes = [RemotePipeline(SPEC, RUN, RunDirectory(dht, RUN, ttl=600), await dht.replicate_p2p(),
+        pipes = [RemotePipeline(spec, RUN, RunDirectory(dht, RUN, ttl=600), await dht.replicate_p2p(),
                                 rng=random.Random(i)) for i, (_, dht) in enumerate(nodes[len(layout):])]
         yield servers, (pipes[0] if trainers == 1 else pipes)
         for pipe in pipes:
@@ -83,12 +83,16 @@ def liar(calls):
     return lambda *a, **kw: LyingStageServer(*a, fraction=0.5, calls=calls, **kw)
 
 
-@pytest.mark.parametrize("calls", [("forward",), ("backward",)])
-def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_dataset, calls):
+@pytest.mark.parametrize("calls,precision", [(("forward",), "fp32"), (("backward",), "fp32"),
+                                             (("backward",), "bf16")])
+def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_dataset, calls, precision):
+    """A server lying on half its answers is convicted by a trainer's spot checks, with evidence any peer can
+    verify, while honest servers 1e-3 apart agree; under bf16 autocast too, where honest answers also differ by
+    bf16 rounding."""
     layout = [(0, StageServer), (1, liar(calls)), (1, StageServer), (1, _perturbed(1e-3)), (2, StageServer)]
 
     async def main():
-        async with serving(layout) as (servers, pipe):
+        async with serving(layout, spec=SPEC.updated(training={"precision": precision})) as (servers, pipe):
             lying, honest = servers[1], [servers[2], servers[3]]
             for batch in _batches(tiny_dataset, 12):
                 await pipe.forward_loss(batch, train=True)
