@@ -10,18 +10,21 @@
    (``ru_maxrss``) minus its resident set after the inputs were made; ``seconds`` the best of ``repeats``.
    ``fused_ce_memory_ratio`` is the eager peak over the fused one.
 2. Each small kernel (norms, bias + GELU, SwiGLU, RoPE) of the device's fused backend (``compiled`` on a CPU,
-   ``triton`` on a GPU) against its eager reference, forward + backward (``bench/kernel_ops.py``).
+   ``triton`` on a GPU, there also against ``torch.compile`` of its reference: ``speedup_vs_compiled``) against
+   its eager reference, forward + backward, at the device's sizes (``bench/kernel_ops.py``).
 3. ``stage_speedup_cpu``: tokens/s of forward + backward through every stage of ``--spec``'s model, one
    micro-batch, bf16 autocast + compiled kernels over fp32 + reference kernels (variants interleaved, median of
    ``5 x repeats``); ``stage_speedup_cpu_torch`` the same with the CPU's default backend (``torch``).
-4. On a GPU with Triton, ``quantize_bandwidth_fraction``: the 8-bit quantizer with error feedback's bytes per
-   second over the device's copy bandwidth (``bench/kernel_ops.py``).
+4. On a GPU with Triton (``--cuda-only``: these alone): ``quantize_bandwidth_fraction``, the 8-bit quantizer with
+   error feedback's bytes per second over the device's copy bandwidth; ``fused_ce_memory_ratio_cuda``, item 1 on
+   the GPU at 4x the tokens and 8x the width (peak GPU memory, float32; ``ce_cuda_bf16`` in bf16);
+   ``stage_speedup_cuda``, item 3 for :data:`GPU_MODEL` with the Triton kernels (and ``..._vs_compiled``).
 5. ``loss_diff_pct``: ``--steps`` optimizer steps of the single-process reference on ``--spec``'s corpus in bf16 +
    compiled kernels against fp32, the last step's mean loss (percent of the fp32 loss; ``--skip-loss`` skips it).
 
 Every ratio compares variants measured in this run. Prints progress lines on stderr, then one JSON line:
 ``{"fused_ce_memory_ratio", "stage_speedup_cpu", "loss_diff_pct", "kernels": [{"name", "backend", "speedup",
-"max_abs_err", ...}], ...}``.
+"max_abs_err", ...}], ...}``, with the GPU's keys of item 4 where there is one.
 """
 
 from __future__ import annotations
