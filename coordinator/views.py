@@ -62,7 +62,8 @@ def peers_table(snap: dict[str, Any]) -> Table:
         table.add_row(p["peer_id"], p["name"] or "-", p["version"] or "-", p["role"],
                       "-" if p["stage"] is None else str(p["stage"]), state, p["reachability"],
                       str(p["samples_per_s"]), "-" if p.get("mfu") is None else f"{100 * p['mfu']:.1f}%",
-                      f"{100 * p['contribution']:.0f}%", "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.0f}s ago",
+                      f"{100 * p['contribution']:.0f}%",
+                      "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.0f}s ago",
                       _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", shunned)
     return table
 

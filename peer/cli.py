@@ -76,7 +76,8 @@ def check(address: Optional[str] = typer.Argument(None, help="Run address: also 
                                        "detail, fix}]}."),
           timeout: float = typer.Option(30.0, help="Seconds to find the run.")) -> None:
     """Preflight: Python and torch, device and memory, the compute device and kernels a server would use, cache,
-    identity, fragment disk, port, reachability, and with ADDRESS the run itself. Exit code 1 if a check fails; each failure prints its fix."""
+    identity, fragment disk, port, reachability, and with ADDRESS the run itself. Exit code 1 if a check fails;
+    each failure prints its fix."""
     import json
 
     from swarm.logs import configure_logging

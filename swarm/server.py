@@ -526,7 +526,8 @@ class ServerSession:
             server.samples, self.samples_dropped, 100 * min(1.0, end.samples / spec.training.target_batch_size),
             100 * min(1.0, end.epoch / spec.optim.total_epochs), server.optimizer.peers, server.optimizer.lr,
             end.seconds, round_s, wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0),
-            wire.get("rejected", 0), wire.get("flagged", 0), achieved / 1e9, 100 * achieved / max(self.peak_flops, 1e-9),
+            wire.get("rejected", 0), wire.get("flagged", 0), achieved / 1e9,
+            100 * achieved / max(self.peak_flops, 1e-9),
         )
 
 

@@ -62,7 +62,7 @@ def assemble_model(spec: ModelSpec, shards: list[StageShard]) -> torch.nn.Module
 def gpt2_state_dict(spec: ModelSpec, model: torch.nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(GPT2Config fields, GPT2LMHeadModel state dict)`` of ``model``.
 
-    :raises ValueError: the model is SwiGLU or rotary (no GPT-2 equivalent).
+    :raises ValueError: the model is SwiGLU, rotary or RMSNorm (no GPT-2 equivalent).
     """
     if spec.mlp != "gelu" or spec.positions != "learned" or spec.norm != "layernorm":
         raise ValueError(f"a {spec.mlp}/{spec.positions}/{spec.norm} model has no GPT-2 equivalent (needs "

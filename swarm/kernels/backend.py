@@ -12,9 +12,10 @@ tolerances):
 * ``compiled`` — ``torch`` with the norms, activations and RoPE through ``torch.compile`` (Inductor; needs a C++
   compiler on the CPU). Compiles at the first call of each shape family: a server's throughput measurement at
   join pays it (seconds), not a trainer's request.
-* ``triton`` — ``torch`` with fused Triton kernels for the norms (forward and backward), bias + GELU, SwiGLU
-  and RoPE (:mod:`swarm.kernels.triton_ops`). The CUDA default when Triton is installed; runs on the CPU only
-  under ``TRITON_INTERPRET=1`` (slowly: for tests).
+* ``triton`` — ``torch`` with fused Triton kernels for RMSNorm (forward and backward), bias + GELU, SwiGLU and
+  RoPE (:mod:`swarm.kernels.triton_ops`); LayerNorm stays PyTorch's own fused kernel, which measured faster on a
+  GPU (``TritonBackend`` says by how much). The CUDA default when Triton is installed; runs on the CPU only under
+  ``TRITON_INTERPRET=1`` (slowly: for tests).
 
 :func:`select_backend` picks one per device (``auto``) or takes a forced name (the ``SWARM_KERNELS`` setting).
 """
