@@ -5,9 +5,9 @@
 The single-process reference (:func:`swarm.reference.train_reference`, the demo's stages chained, one AdamW)
 trains the same samples once per codec, with the codec applied where a stage hands its activations to the next:
 the forward sends the activations through the codec's encode and decode, the backward sends their gradient
-through it too, as :mod:`swarm.stage` and :mod:`swarm.pipeline` do on the wire. ``bytes_ratio`` is fp32's
+through it too, as :mod:`swarm.server.stage` and :mod:`swarm.trainer.pipeline` do on the wire. ``bytes_ratio`` is fp32's
 payload over the codec's for one micro-batch's activations (hivemind's serialization of the tensors
-:func:`swarm.codecs.pack_tensors` makes, the bytes a stage RPC carries); ``val_loss`` is the mean over the
+:func:`swarm.net.codecs.pack_tensors` makes, the bytes a stage RPC carries); ``val_loss`` is the mean over the
 validation split's first 32 micro-batches after training, ``loss_cost`` its change against fp32's.
 
 Prints one JSON line per codec, then ``{"results": [...]}``.
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from harness import val_loss  # noqa: E402
 
-from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors  # noqa: E402
+from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
 from swarm.reference import train_reference  # noqa: E402

@@ -14,7 +14,7 @@ One round of :func:`train` is what a stage's servers do in one epoch, with the n
   what every peer receives — exactly the data path of :mod:`swarm.averaging.allreduce`;
 * every honest peer keeps its own :class:`~swarm.averaging.exclusion.ExclusionBook` and scores only the senders
   of the partition it reduced, as a real peer does; each partition is audited with probability
-  ``audit_probability`` by the peer :func:`~swarm.averaging.evidence.audit_plan` draws (signatures and the
+  ``audit_probability`` by the peer :func:`~swarm.averaging.audit.audit_plan` draws (signatures and the
   evidence exchange are left out: the auditor's comparison and its outcome are the same, and a confirmed lie or
   a refuted accusation is verified, so it lands in every honest book); a peer leaves the group once most honest
   peers excluded it (matchmaking keeps excluded peers out of the excluders' groups);
@@ -43,7 +43,7 @@ from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.allreduce import digest
 from swarm.averaging.compression import PhaseResult, flatten, make_compressor, unflatten
 from swarm.averaging.contributions import TrainerContributions
-from swarm.averaging.evidence import audit_plan, matches
+from swarm.averaging.audit import audit_plan, matches
 from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, partition_bounds, reduce_partition
 from swarm.averaging.outer import make_outer_optimizer
@@ -348,7 +348,7 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
 
 
 def _audit(outputs, active, attackers, codec, book, probability, group):
-    """The audit of :mod:`swarm.averaging.evidence` on one phase: the planned auditor recomputes a partition
+    """The audit of :mod:`swarm.averaging.audit` on one phase: the planned auditor recomputes a partition
     (here: compares with what an honest reducer returned) and a confirmed mismatch excludes the reducer; a false
     accusation is refuted by the other peers and excludes the accuser."""
     peers = [str(i) for i in active]

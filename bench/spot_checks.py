@@ -7,7 +7,7 @@ Shakespeare corpus, each stage server on its own DHT node and key. Stage 1 has t
 (:class:`~swarm.attacks.LyingStageServer`, noise on ``fraction`` of its training forwards and backwards), an
 honest one, and an honest one whose parameters are off by 1e-3 of their magnitude (the drift between state
 averagings); stages 0 and 2 have two honest servers each, so every stage's calls can be checked. Per seed a
-fresh trainer pipeline (:class:`~swarm.pipeline.RemotePipeline`, ``spot_checks.rate``) streams training
+fresh trainer pipeline (:class:`~swarm.trainer.pipeline.RemotePipeline`, ``spot_checks.rate``) streams training
 micro-batches until it convicts the liar (or ``--max-micro-batches``); the figures are the trainer's
 micro-batches and the liar's own calls until then, and every conviction of an honest server.
 
@@ -39,11 +39,11 @@ from hivemind.utils import get_dht_time  # noqa: E402
 from swarm.attacks import LyingStageServer  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
-from swarm.directory import RunDirectory, spawn_dht  # noqa: E402
+from swarm.net.directory import RunDirectory, spawn_dht  # noqa: E402
 from swarm.identity import Identity  # noqa: E402
-from swarm.pipeline import RemotePipeline  # noqa: E402
+from swarm.trainer.pipeline import RemotePipeline  # noqa: E402
 from swarm.protocol import ServerInfo, ServerState  # noqa: E402
-from swarm.stage import StageServer  # noqa: E402
+from swarm.server.stage import StageServer  # noqa: E402
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
 LOOPBACK = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
@@ -154,7 +154,7 @@ async def detection(spec, dataset, args) -> list[dict]:
         runs = []
         for seed in range(args.seeds):
             servers[2]._rng.manual_seed(seed)
-            runs.append(await until_convicted(spec, swarm.pipeline(spec, seed), dataset, servers[2],
+            runs.append(await until_convicted(spec, swarm.trainer.pipeline(spec, seed), dataset, servers[2],
                                               args.max_micro_batches, random.Random(seed)))
             print(json.dumps({"seed": seed, **runs[-1]}), flush=True)
         return runs
@@ -168,7 +168,7 @@ async def main(args) -> dict:
     async with Swarm(spec) as swarm:
         await swarm.serve([(0, StageServer), (0, StageServer), (1, StageServer), (1, drifted), (2, StageServer),
                            (2, StageServer)])
-        ratio = await cost(spec, swarm.pipeline, dataset, args.cost_pairs, args.cost_batches)
+        ratio = await cost(spec, swarm.trainer.pipeline, dataset, args.cost_pairs, args.cost_batches)
     caught = [r for r in runs if r["convicted"]]
     return dict(
         rate=args.rate, fraction=args.fraction, seeds=args.seeds,

@@ -64,9 +64,9 @@ from coordinator.launch import LocalSwarm, on_loopback  # noqa: E402
 from coordinator.status import snapshot  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
-from swarm.directory import connect_run  # noqa: E402
+from swarm.net.directory import connect_run  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
-from swarm.pipeline import RemotePipeline, validation_loss  # noqa: E402
+from swarm.trainer.pipeline import RemotePipeline, validation_loss  # noqa: E402
 from swarm.protocol import ServerState  # noqa: E402
 
 logger = logging.getLogger("swarm.bench.wan")

@@ -11,9 +11,9 @@ but a fresh key, sends the server's ``rpc_forward`` / ``rpc_ping``:
 * ``ping_48MiB``: a 48 MiB tensor (in 1 MiB chunks) sent with a ping, which takes none;
 * ``unchunked_48MiB``: one 48 MiB message (a single chunk);
 * ``pings_2000``: 2000 well-formed pings from one peer, one after the other as fast as it can (past its token
-  bucket, :mod:`swarm.admission`, the server refuses them at once);
+  bucket, :mod:`swarm.net.admission`, the server refuses them at once);
 * ``stalled_40``: 40 forward streams that send their first chunk and never finish (one peer: those beyond
-  its admission, :mod:`swarm.admission`, are refused at once).
+  its admission, :mod:`swarm.net.admission`, are refused at once).
 
 A sampler reads the server's resident memory (its Python process plus its p2pd, ``/proc/<pid>/status``) every
 20 ms; each probe's figure is the peak above the level just before it. The last line of stdout is one JSON
@@ -46,10 +46,10 @@ from hivemind.proto import runtime_pb2  # noqa: E402
 from coordinator.launch import LocalSwarm  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
-from swarm.directory import connect_run  # noqa: E402
+from swarm.net.directory import connect_run  # noqa: E402
 from swarm.protocol import ForwardRequest, PingRequest, ServerState, pack_message  # noqa: E402
-from swarm.stage import StageServer  # noqa: E402
-from swarm.transport import CHUNK_BYTES  # noqa: E402
+from swarm.server.stage import StageServer  # noqa: E402
+from swarm.net.transport import CHUNK_BYTES  # noqa: E402
 
 MB = 1 << 20
 

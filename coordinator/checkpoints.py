@@ -27,7 +27,7 @@ from swarm.checkpoint.catalog import CheckpointView, checkpoint_views
 from swarm.checkpoint.export import export_model, generate, load_exported
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.config import RunSpec
-from swarm.directory import RunDirectory
+from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.protocol import ServerState
 

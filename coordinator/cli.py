@@ -46,7 +46,7 @@ def _key_path(spec_path: Path, key: Optional[Path]) -> Path:
 def init(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
          key: Optional[Path] = typer.Option(None, help="Ed25519 run key (default: <spec>.key; created if absent).")) -> None:
     """Validate SPEC, create the run key if needed, write the signed spec (<spec>.signed.json), print the run id."""
-    from swarm.directory import RunDirectory
+    from swarm.net.directory import RunDirectory
 
     spec = _load_spec(spec_path)
     ident = Identity.load_or_create(_key_path(spec_path, key))
@@ -70,7 +70,7 @@ def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
     Exit code 5 if none of the --peer addresses answered within SWARM_JOIN_TIMEOUT_S, 6 if another process
     on this machine serves with the same key."""
     from coordinator.serve import serve as serve_run
-    from swarm.directory import RunUnreachable
+    from swarm.net.directory import RunUnreachable
     from swarm.identity import IdentityInUse
     from swarm.logs import configure_logging
 
@@ -157,7 +157,7 @@ def peers(address: str = typer.Argument(..., help="Run address."), as_json: bool
 
 def _ban_list(address: str, key: Path, timeout: float, peer: str, lift: bool, reason: str = "") -> None:
     """Add ``peer`` to (or, with ``lift``, remove it from) the run's ban list, signed with the run ``key``."""
-    from swarm.banlist import update_bans
+    from swarm.trust.banlist import update_bans
 
     try:
         coordinator = Identity.load(key)
@@ -235,7 +235,7 @@ def monitor(address: str = typer.Argument(..., help="Run address."),
 def _connect(address: str, timeout: float):
     """``connect_run`` for a CLI command: exit 2 on a bad address, 1 if the run cannot be reached or found."""
     from swarm.logs import configure_logging
-    from swarm.directory import RunAddressError, RunUnreachable, connect_run
+    from swarm.net.directory import RunAddressError, RunUnreachable, connect_run
 
     configure_logging("WARNING")
     try:

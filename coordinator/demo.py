@@ -21,9 +21,9 @@ from coordinator.launch import LocalSwarm
 from coordinator.status import snapshot
 from swarm.config import PeerSettings, RunSpec
 from swarm.data import prepare_dataset
-from swarm.directory import connect_run
+from swarm.net.directory import connect_run
 from swarm.kernels.flops import measure_peak_flops
-from swarm.pipeline import RemotePipeline, validation_loss
+from swarm.trainer.pipeline import RemotePipeline, validation_loss
 from swarm.protocol import ServerState
 
 logger = logging.getLogger("swarm.demo")

@@ -63,7 +63,7 @@ def join(
         run_server(address, settings, stage)
     else:
         from peer.trainer import run_trainer
-        from swarm.trainer import TrainerOptions
+        from swarm.trainer.session import TrainerOptions
 
         run_trainer(address, settings, TrainerOptions(shard=shard, concurrency=concurrency, max_samples=max_samples,
                                                       loss_log=loss_log))

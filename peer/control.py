@@ -148,8 +148,8 @@ def _exit_watchdog(grace_s: float, code: int) -> threading.Timer:
 
 
 class Controlled(Protocol):
-    """What a running peer offers its operator: :class:`swarm.server.ServerSession` and
-    :class:`swarm.trainer.Trainer` both do."""
+    """What a running peer offers its operator: :class:`swarm.server.session.ServerSession` and
+    :class:`swarm.trainer.session.Trainer` both do."""
 
     async def run(self) -> None: ...
     def stop(self) -> None: ...

@@ -3,9 +3,9 @@ restart policy that must not restart a banned peer, a restore to look into)."""
 
 from __future__ import annotations
 
-from swarm.banlist import PeerBanned
+from swarm.trust.banlist import PeerBanned
 from swarm.checkpoint.lifecycle import RestoreError
-from swarm.directory import RunUnreachable
+from swarm.net.directory import RunUnreachable
 from swarm.identity import IdentityInUse
 
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (

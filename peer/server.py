@@ -1,7 +1,7 @@
-"""``swarm-peer join`` as a stage server: the process around :class:`swarm.server.ServerSession`.
+"""``swarm-peer join`` as a stage server: the process around :class:`swarm.server.session.ServerSession`.
 
 The server's life (join, restore, serve, checkpoint, rollback, rebalance, drain) is the library's
-:class:`~swarm.server.ServerSession`; this module wires it to the process: SIGTERM/SIGINT and
+:class:`~swarm.server.session.ServerSession`; this module wires it to the process: SIGTERM/SIGINT and
 ``swarm-peer pause|resume|drain`` (:mod:`peer.control`), the heartbeat file and Prometheus metrics
 (:mod:`peer.heartbeat`), and exit codes: 0 after a drain, 3 when the stage could not be restored, 4 when the
 run's coordinator banned this peer, 5 when none of the run address's peers answered within
@@ -19,12 +19,12 @@ from peer.exits import EXIT_CODES, exit_code
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.config import PeerSettings
-from swarm.directory import parse_run_address
+from swarm.net.directory import parse_run_address
 from swarm.protocol import ServerInfo, StorageInfo
-from swarm.server import NoSuchStage, OptimizerFactory, ServerSession, StageServerFactory
+from swarm.server.session import NoSuchStage, OptimizerFactory, ServerSession, StageServerFactory
 from swarm.host import DeviceUnavailable
 from swarm.kernels import BackendUnavailable
-from swarm.stage import StageServer
+from swarm.server.stage import StageServer
 
 
 

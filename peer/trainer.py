@@ -1,7 +1,7 @@
-"""``swarm-peer join --role trainer``: the process around :class:`swarm.trainer.Trainer`.
+"""``swarm-peer join --role trainer``: the process around :class:`swarm.trainer.session.Trainer`.
 
 The trainer's life (join in client mode, claim a data share, train, report) is the library's
-:class:`~swarm.trainer.Trainer`; this module wires it to the process: SIGTERM/SIGINT and
+:class:`~swarm.trainer.session.Trainer`; this module wires it to the process: SIGTERM/SIGINT and
 ``swarm-peer pause|resume|drain`` (:mod:`peer.control`), the heartbeat file and Prometheus metrics
 (:mod:`peer.heartbeat`), and exit codes 4 when the run's coordinator banned this peer, 5 when none of the run
 address's peers answered within ``SWARM_JOIN_TIMEOUT_S``.
@@ -16,10 +16,10 @@ from peer.control import EXIT_GRACE_S, run_controlled
 from peer.exits import EXIT_CODES, exit_code
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.config import PeerSettings
-from swarm.directory import parse_run_address
-from swarm.pipeline import RemotePipeline
+from swarm.net.directory import parse_run_address
+from swarm.trainer.pipeline import RemotePipeline
 from swarm.protocol import TrainerInfo
-from swarm.trainer import PipelineFactory, Trainer, TrainerOptions
+from swarm.trainer.session import PipelineFactory, Trainer, TrainerOptions
 
 
 

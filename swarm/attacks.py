@@ -2,9 +2,9 @@
 
 Production classes know nothing of attacks: a test or benchmark makes a peer Byzantine by building it with
 one of the wrappers below (a compressor, reducer, averager or pipeline subclass), passed in where the library
-takes a strategy: :func:`byzantine_optimizer` for :class:`~swarm.server.ServerSession` (``optimizer_factory``),
-:func:`byzantine_pipeline` for :class:`~swarm.trainer.Trainer` (``pipeline_factory``), :func:`lying_server` for
-:class:`~swarm.server.ServerSession` (``server_factory``: a stage server answering trainers wrongly),
+takes a strategy: :func:`byzantine_optimizer` for :class:`~swarm.server.session.ServerSession` (``optimizer_factory``),
+:func:`byzantine_pipeline` for :class:`~swarm.trainer.session.Trainer` (``pipeline_factory``), :func:`lying_server` for
+:class:`~swarm.server.session.ServerSession` (``server_factory``: a stage server answering trainers wrongly),
 :func:`lying_donor` for ``optimizer_factory`` (a state served wrongly to servers that load it);
 ``tests/byzantine_peer.py`` starts such a peer as its own process, and ``bench/harness.py`` calls the attacks'
 hooks directly.
@@ -28,12 +28,12 @@ the honest mean.
 * ``grad_flip`` — relays output gradients times ``-k`` (trainer).
 * ``replay`` — sends the vector of ``delay`` (5) rounds ago.
 * ``lying_reducer`` — returns ``-k`` times the true aggregate of its partition.
-* ``false_accuser`` — accuses every reducer it audits of a wrong aggregate (:mod:`swarm.averaging.evidence`).
+* ``false_accuser`` — accuses every reducer it audits of a wrong aggregate (:mod:`swarm.averaging.audit`).
 
 :class:`LyingStageServer` answers a fraction of its training forwards and backwards with noise added to its
-outputs or input gradients (caught by trainers' spot checks, :mod:`swarm.spotcheck`).
+outputs or input gradients (caught by trainers' spot checks, :mod:`swarm.trust.spotcheck`).
 :class:`LyingDonorAverager` hands servers that load the stage's state from it a corrupted one (caught by
-:mod:`swarm.statecheck`); :func:`lying_donor` installs it.
+:mod:`swarm.trust.statecheck`); :func:`lying_donor` installs it.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from swarm.averaging.averager import RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import Compressor, PhaseGenerator, flatten, make_compressor, unflatten
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.averaging.reducer import Reduction
-from swarm.pipeline import RemotePipeline
-from swarm.stage import StageServer
+from swarm.trainer.pipeline import RemotePipeline
+from swarm.server.stage import StageServer
 
 ATTACKS = ("sign_flip", "noise", "alie", "ipm", "mimic", "minmax", "label_flip", "grad_flip", "replay", "lying_reducer",
            "false_accuser")
@@ -289,7 +289,7 @@ class AttackingPipeline(RemotePipeline):
 
 
 def byzantine_optimizer(name: str, **attack_kwargs):
-    """A :data:`~swarm.server.OptimizerFactory` whose stage optimizer's gradient averager runs attack ``name``.
+    """A :data:`~swarm.server.session.OptimizerFactory` whose stage optimizer's gradient averager runs attack ``name``.
 
     :raises ValueError: unknown attack name, or a trainer-side one (:data:`TRAINER_ATTACKS`).
     """
@@ -300,7 +300,7 @@ def byzantine_optimizer(name: str, **attack_kwargs):
 
 
 def byzantine_pipeline(name: str, **attack_kwargs):
-    """A :data:`~swarm.trainer.PipelineFactory` whose pipeline runs trainer attack ``name``.
+    """A :data:`~swarm.trainer.session.PipelineFactory` whose pipeline runs trainer attack ``name``.
 
     :raises ValueError: unknown attack name, or a server-side one.
     """
@@ -312,7 +312,7 @@ def byzantine_pipeline(name: str, **attack_kwargs):
 class LyingStageServer(StageServer):
     """A stage server that answers a ``fraction`` of its training ``calls`` (forwards, backwards) wrongly: its
     outputs, or its input gradient, plus Gaussian noise of ``scale`` times their own standard deviation. Its check-mode
-    answers (:mod:`swarm.spotcheck`) are honest, so it is never the odd one out when it checks others."""
+    answers (:mod:`swarm.trust.spotcheck`) are honest, so it is never the odd one out when it checks others."""
 
     def __init__(self, *args, fraction: float = 0.1, scale: float = 1.0, seed: int = 0,
                  calls: tuple[str, ...] = ("forward", "backward"), **kwargs):
@@ -338,14 +338,14 @@ class LyingStageServer(StageServer):
 
 
 def lying_server(fraction: float = 0.1, **kwargs):
-    """A :data:`~swarm.server.StageServerFactory` building :class:`LyingStageServer` (lying on ``fraction``)."""
+    """A :data:`~swarm.server.session.StageServerFactory` building :class:`LyingStageServer` (lying on ``fraction``)."""
     return partial(LyingStageServer, fraction=fraction, **kwargs)
 
 
 class LyingDonorAverager(RobustStateAverager):
     """A stage state averager that hands servers loading the stage's state (:mod:`swarm.averaging.donors`) its
     parameters plus Gaussian noise of ``scale`` times each one's standard deviation, and declares a donor
-    priority ``boost`` epochs above its own so that it is asked first. Caught by :mod:`swarm.statecheck`."""
+    priority ``boost`` epochs above its own so that it is asked first. Caught by :mod:`swarm.trust.statecheck`."""
 
     def __init__(self, *, scale: float = 1.0, boost: float = 1000.0, seed: int = 0, **kwargs):
         self.scale, self.boost, self.seed, self.lies = scale, boost, seed, 0
@@ -370,7 +370,7 @@ class LyingDonorAverager(RobustStateAverager):
 
 
 def lying_donor(**kwargs):
-    """An :data:`~swarm.server.OptimizerFactory` whose stage optimizer serves a corrupted state to servers that
+    """An :data:`~swarm.server.session.OptimizerFactory` whose stage optimizer serves a corrupted state to servers that
     load it (:class:`LyingDonorAverager`)."""
     return partial(StageOptimizer, state_averager_factory=partial(LyingDonorAverager, **kwargs))
 

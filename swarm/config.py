@@ -320,7 +320,7 @@ class TimeoutSpec(_Section):
 
 class SpotCheckSpec(_Section):
     """Pipeline integrity: trainers re-run a sample of their stage calls on a second server of the stage and
-    compare the answers (:mod:`swarm.spotcheck`; issue 11 item 4)."""
+    compare the answers (:mod:`swarm.trust.spotcheck`; issue 11 item 4)."""
 
     rate: float = Field(
         0.05, ge=0, le=1, description="Fraction of a trainer's stage calls (forwards, and backwards of middle "

@@ -4,8 +4,8 @@ The library never configures logging at import time; ``swarm-peer`` and ``swarm-
 :func:`configure_logging` once. Library code logs through a :class:`PeerLog`, so every line a peer writes
 about itself starts the same way and can be grepped per peer, stage or epoch::
 
-    12:00:01 INFO swarm.server: [7Yc2kq4hM3xZpL0a stage=1 epoch=12] loss=5.1234 samples/s=41.20 ...
-    12:00:02 INFO swarm.trainer: [Qm81xW0aTz9eR2bd trainer] loss=5.2001 samples=4096 ...
+    12:00:01 INFO swarm.server.session: [7Yc2kq4hM3xZpL0a stage=1 epoch=12] loss=5.1234 samples/s=41.20 ...
+    12:00:02 INFO swarm.trainer.session: [Qm81xW0aTz9eR2bd trainer] loss=5.2001 samples=4096 ...
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def configure_logging(level: str | int = "INFO") -> None:
 class RefusalFilter(logging.Filter):
     """Turns the traceback hivemind logs for every request a handler refused into one line per refusal class
     (exception type) and peer per ``period_s`` seconds: the peer (when the handler's wrapper named it,
-    :func:`swarm.transport.delivering_refusals`), the cause, cut to 200 characters with control and non-ASCII
+    :func:`swarm.net.transport.delivering_refusals`), the cause, cut to 200 characters with control and non-ASCII
     characters escaped (a peer's bytes never reach the log raw), and how many more were held back since.
 
     :param expected: the exception types that are expected refusals (other exceptions keep their traceback).

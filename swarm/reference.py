@@ -19,7 +19,7 @@ from swarm.config import RunSpec
 from swarm.data import TokenDataset
 from swarm.kernels import REFERENCE, KernelBackend
 from swarm.model import build_stage
-from swarm.trainer import micro_batches
+from swarm.trainer.session import micro_batches
 
 
 @dataclass

@@ -19,7 +19,7 @@ from peer.trainer import run_trainer
 from swarm.attacks import ATTACKS, SERVER_LIES, TRAINER_ATTACKS, byzantine_optimizer, byzantine_pipeline, lying_server
 from swarm.config import PeerSettings
 from swarm.logs import configure_logging
-from swarm.trainer import TrainerOptions
+from swarm.trainer.session import TrainerOptions
 
 
 def main() -> None:

@@ -69,7 +69,7 @@ def test_an_accusation_binds_its_accuser_to_the_accused_round_and_its_own_subkey
     from hivemind.dht.validation import DHTRecord
     from hivemind.utils.serializer import MSGPackSerializer as S
 
-    from swarm.dht_validation import RunRecordValidator
+    from swarm.net.dht_validation import RunRecordValidator
     from swarm.protocol import accusations_key
 
     judge, member, outsider, reducer = Judge(), Identity.generate(), Identity.generate(), Identity.generate()

@@ -5,7 +5,7 @@ import torch
 from hivemind.compression import serialize_torch_tensor
 
 from swarm.protocol import ProtocolError
-from swarm.codecs import pack_tensors, unpack_tensors
+from swarm.net.codecs import pack_tensors, unpack_tensors
 
 
 def _wire_bytes(tensors):
@@ -58,7 +58,7 @@ def test_low_bit_activations_round_trip_with_shapes_at_a_fraction_of_the_bytes(b
 
 
 def test_low_bit_codes_survive_any_length_and_refuse_a_code_that_is_no_level():
-    from swarm.codecs import BlockwiseLowBit, CodecError
+    from swarm.net.codecs import BlockwiseLowBit, CodecError
 
     for bits in (2, 3, 4):
         codec = BlockwiseLowBit(bits)

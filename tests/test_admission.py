@@ -2,7 +2,7 @@
 
 import pytest
 
-from swarm.admission import BUCKETS_KEPT, Busy, PeerAdmission, TooFast
+from swarm.net.admission import BUCKETS_KEPT, Busy, PeerAdmission, TooFast
 
 
 def _admit(admission: PeerAdmission, peer: str, times: int = 1) -> None:

@@ -8,7 +8,7 @@ import torch
 from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.allreduce import PartitionReducer, RoundFailed, decode_part, run_phase
 from swarm.averaging.compression import Phase
-from swarm.codecs import make_codec
+from swarm.net.codecs import make_codec
 from swarm.averaging.reducer import ReducePolicy, partition_bounds
 from swarm.protocol import AveragingReply
 

@@ -4,8 +4,8 @@ import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from swarm.banlist import PeerBanned, RunBans, update_bans
-from swarm.directory import RunDirectory
+from swarm.trust.banlist import PeerBanned, RunBans, update_bans
+from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.protocol import BanList, bans_key, seal
 

@@ -81,7 +81,7 @@ def test_manifest_is_signed_and_lists_fragments():
 
 def test_a_manifest_counts_only_with_a_second_peers_matching_endorsement():
     """A fresh key alone cannot commit a checkpoint: it needs another peer's endorsement of the same stage,
-    epoch, state and writer (swarm.checkpoint.authority)."""
+    epoch, state and writer (swarm.trust.authority)."""
     me, other = Identity.generate(), Identity.generate()
     fields = dict(run_id="run-x", peer_id=me.peer_id, time=0.0, stage=1, epoch=7, shard_sha256="a" * 64, size=1,
                   k=1, n=1, fragments=[FragmentEntry(index=0, sha256="b" * 64)])

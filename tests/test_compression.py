@@ -3,7 +3,7 @@ import torch
 
 from swarm.averaging.compression import PowerSGD, make_compressor, run_locally
 from swarm.averaging.schedule import lr_at_epoch
-from swarm.codecs import BLOCK, Blockwise8Bit, CodecError, Float16Codec, Float32Codec, SparseLowBit
+from swarm.net.codecs import BLOCK, Blockwise8Bit, CodecError, Float16Codec, Float32Codec, SparseLowBit
 from swarm.config import OptimSpec
 
 

@@ -5,7 +5,7 @@ import pytest
 from swarm.config import RunSpec
 from swarm.data import load_documents, prepare_dataset, shard_order
 from swarm.data.corpus import CorpusError
-from swarm.trainer import micro_batches
+from swarm.trainer.session import micro_batches
 
 
 def test_shards_are_disjoint_and_cover():

@@ -8,8 +8,8 @@ import msgpack
 import pytest
 from hivemind.utils import get_dht_time
 
-from swarm.dht_validation import RunRecordValidator
-from swarm.directory import RunDirectory
+from swarm.net.dht_validation import RunRecordValidator
+from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.protocol import RollbackOrder, ServerInfo, ServerState, rollback_key, seal, spec_key, stage_key
 from tests.conftest import TINY

@@ -9,7 +9,7 @@ import pytest
 from hivemind import DHT
 from hivemind.utils.mpfuture import MPFuture
 
-from swarm.directory import RunDirectory
+from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.protocol import ServerInfo, ServerState
 
@@ -68,7 +68,7 @@ def test_a_call_the_live_dht_never_answers_gives_up_after_its_timeout(node, capl
     directory = RunDirectory(Unanswered(node), RUN)
     directory.call_timeout_s = 2.0
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="swarm.directory"):
+    with caplog.at_level(logging.WARNING, logger="swarm.net.directory"):
         assert directory.trainers() == []
     assert 2.0 <= time.monotonic() - started < 10
     assert "no answer within 2 s" in caplog.text and "call_timeout_s" in caplog.text

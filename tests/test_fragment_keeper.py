@@ -15,11 +15,11 @@ from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.service import FragmentService
 from swarm.checkpoint.writer import CheckpointError, write_checkpoint
 from swarm.config import RunSpec
-from swarm.directory import RunDirectory
+from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.model import build_stage
 from swarm.protocol import FragmentReply, ServerInfo, ServerState, pack_message
-from swarm.transport import stream_out
+from swarm.net.transport import stream_out
 from tests.conftest import endorsed, keyed_dhts
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"

@@ -8,7 +8,7 @@ import pytest
 from swarm.checkpoint.erasure import Fragment, FragmentError, split_into_fragments
 from swarm.checkpoint.service import FragmentService, get_fragment, put_fragment
 from swarm.checkpoint.store import FragmentStore
-from swarm.transport import gather as _original_gather
+from swarm.net.transport import gather as _original_gather
 from tests.conftest import endorsed
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"

@@ -26,16 +26,16 @@ from hypothesis import strategies as st
 from safetensors.torch import save as st_save
 
 from swarm import protocol
-from swarm.averaging.evidence import open_receipt
+from swarm.averaging.audit import open_receipt
 from swarm.checkpoint.erasure import Fragment, FragmentError, join_fragments, split_into_fragments
 from swarm.checkpoint.shard import FORMAT as SHARD_FORMAT
 from swarm.checkpoint.shard import ShardError, decode_shard
-from swarm.codecs import CODECS, unpack_tensors
+from swarm.net.codecs import CODECS, unpack_tensors
 from swarm.config import PROTOCOL_VERSION, SpecError
-from swarm.dht_validation import RunRecordValidator, run_keys
+from swarm.net.dht_validation import RunRecordValidator, run_keys
 from swarm.identity import Identity, peer_id_of
 from swarm.protocol import ProtocolError, Record, open_record, open_spec, unpack_message
-from swarm.transport import WIRE_DTYPES, gather
+from swarm.net.transport import WIRE_DTYPES, gather
 
 pytestmark = pytest.mark.timeout(300)
 

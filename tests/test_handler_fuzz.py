@@ -26,11 +26,11 @@ from swarm import protocol
 from swarm.checkpoint.service import FragmentService
 from swarm.checkpoint.store import FragmentStore
 from swarm.config import PROTOCOL_VERSION, RunSpec
-from swarm.convictions import ConvictionBook, EvidenceService
+from swarm.trust.convictions import ConvictionBook, EvidenceService
 from swarm.logs import HANDLER_LOGGER, RefusalFilter
 from swarm.protocol import ForwardRequest, Refusal, pack_message, unpack_message
-from swarm.stage import StageServer
-from swarm.transport import gather, stream_out
+from swarm.server.stage import StageServer
+from swarm.net.transport import gather, stream_out
 from tests.conftest import keyed_dhts
 from tests.test_fuzz import values
 
@@ -174,7 +174,7 @@ def test_every_handler_answers_any_request_and_the_peer_is_unharmed(live):
     assert set(outcomes) == set(ANSWERS), outcomes
     seen = {kind for counts in outcomes.values() for kind in counts}
     # every refusal reaches the client, also one made before the handler read the whole request (the rest is
-    # read first, swarm.transport.delivering_refusals; these requests are far below its 1 MiB)
+    # read first, swarm.net.transport.delivering_refusals; these requests are far below its 1 MiB)
     assert seen <= {"tuple", "P2PHandlerError"}, f"a request failed otherwise than by a refusal: {outcomes}"
     assert torch.equal(_reference(live), before), "a fuzzed request changed the stage's parameters"
     assert all(torch.isfinite(p).all() for s in live.servers for p in s.module.parameters())

@@ -148,7 +148,7 @@ def test_spec_verification(tiny_spec):
     import json
 
     from swarm.config import SpecError
-    from swarm.directory import RunDirectory
+    from swarm.net.directory import RunDirectory
     from swarm.protocol import SpecRecord
 
     coordinator = Identity.generate()

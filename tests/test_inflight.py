@@ -1,8 +1,8 @@
-"""The trainer's micro-batches in flight cover its round trips (swarm.inflight): Little's law, bounded."""
+"""The trainer's micro-batches in flight cover its round trips (swarm.trainer.inflight): Little's law, bounded."""
 
 from __future__ import annotations
 
-from swarm.inflight import MOST_IN_FLIGHT, InFlight, in_flight_target
+from swarm.trainer.inflight import MOST_IN_FLIGHT, InFlight, in_flight_target
 
 
 def test_the_target_covers_the_round_trips_at_the_rate_seen():

@@ -5,7 +5,7 @@ import math
 from swarm.checkpoint.rollback import LossSpikeDetector
 from swarm.config import RollbackSpec
 from swarm.protocol import ServerInfo, ServerState
-from swarm.rebalance import MovePlanner, plan_move
+from swarm.server.rebalance import MovePlanner, plan_move
 
 
 def _server(peer: str, stage: int, throughput: float, state=ServerState.ONLINE) -> ServerInfo:
@@ -117,7 +117,7 @@ def test_a_spike_streak_issues_one_order_naming_its_first_epoch(tiny_spec):
     from types import SimpleNamespace
 
     from swarm.checkpoint.lifecycle import StageCheckpoints
-    from swarm.stage import EpochEnd
+    from swarm.server.stage import EpochEnd
 
     spec = tiny_spec.updated(rollback={"window_epochs": 4, "margin": 0.15, "warmup_epochs": 3})
     keeper = SimpleNamespace(spec=spec, directory=SimpleNamespace(ttl=30.0), authority=SimpleNamespace(states={}))

@@ -8,7 +8,7 @@ import pytest
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
-from swarm.directory import reachability
+from swarm.net.directory import reachability
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

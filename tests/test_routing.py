@@ -8,7 +8,7 @@ import pytest
 
 from swarm.config import ModelSpec
 from swarm.protocol import ServerInfo, ServerState
-from swarm.routing import NoServerError, Router, choose_stage
+from swarm.trainer.routing import NoServerError, Router, choose_stage
 
 
 def server(pid, throughput=1.0, stage=0, state=ServerState.ONLINE):
@@ -112,7 +112,7 @@ class _SlowDirectory:
 
 
 def test_a_due_read_of_the_servers_runs_in_the_background_while_micro_batches_route_on():
-    from swarm.pipeline import RemotePipeline
+    from swarm.trainer.pipeline import RemotePipeline
     from tests.conftest import TINY
 
     async def scenario():

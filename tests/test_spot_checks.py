@@ -1,6 +1,6 @@
 """Spot checks over real libp2p (hivemind DHT nodes in this process, each server its own key): a stage server
 lying to trainers is convicted with evidence anyone can verify, honest servers drifting apart are not, and a
-convicted server gets no more work (:mod:`swarm.spotcheck`, :mod:`swarm.receipts`)."""
+convicted server gets no more work (:mod:`swarm.trust.spotcheck`, :mod:`swarm.trust.receipts`)."""
 
 import asyncio
 import contextlib
@@ -12,14 +12,14 @@ import torch
 from hivemind.utils import get_dht_time
 
 from swarm.attacks import LyingStageServer
-from swarm.convictions import ConvictionBook, ConvictionFollower, EvidenceService, push_evidence
-from swarm.directory import RunDirectory
-from swarm.pipeline import RemotePipeline
-from swarm.codecs import unpack_tensors
+from swarm.trust.convictions import ConvictionBook, ConvictionFollower, EvidenceService, push_evidence
+from swarm.net.directory import RunDirectory
+from swarm.trainer.pipeline import RemotePipeline
+from swarm.net.codecs import unpack_tensors
 from swarm.protocol import ProtocolError, ServerInfo, ServerState, StageReceipt, open_record
-from swarm.receipts import check_receipt, sign_receipt, tensors_digest
-from swarm.spotcheck import SpotChecker, odd_one_out, relative_difference, verify_evidence
-from swarm.stage import StageServer
+from swarm.trust.receipts import check_receipt, sign_receipt, tensors_digest
+from swarm.trust.spotcheck import SpotChecker, odd_one_out, relative_difference, verify_evidence
+from swarm.server.stage import StageServer
 from swarm.identity import Identity
 from tests.conftest import TINY, keyed_dhts
 
@@ -208,8 +208,8 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
                     failed_once.append(p2p_id)
                     raise ConnectionError("injected: push lost")
                 await push_evidence(p2p, p2p_id, evidence)
-            monkeypatch.setattr("swarm.pipeline.push_evidence", flaky_push)
-            monkeypatch.setattr("swarm.pipeline.PUSH_RETRY_S", (0.1,))
+            monkeypatch.setattr("swarm.trainer.pipeline.push_evidence", flaky_push)
+            monkeypatch.setattr("swarm.trainer.pipeline.PUSH_RETRY_S", (0.1,))
             for batch in _batches(tiny_dataset, 12):
                 await a.forward_loss(batch, train=True)
                 await a.checker.drain()

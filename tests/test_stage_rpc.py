@@ -9,14 +9,14 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.config import PROTOCOL_VERSION, RunSpec
-from swarm.directory import RunDirectory
+from swarm.net.directory import RunDirectory
 from swarm.model import build_stage, lm_loss
-from swarm.pipeline import RemotePipeline
+from swarm.trainer.pipeline import RemotePipeline
 from swarm.logs import HANDLER_LOGGER, RefusalFilter
 from swarm.protocol import (BackwardRequest, ForwardRequest, PingRequest, Refusal, ServerInfo, ServerState, StageResponse,
                             pack_message, unpack_message)
-from swarm.transport import gather, stream_out
-from swarm.stage import StageServer, is_serving
+from swarm.net.transport import gather, stream_out
+from swarm.server.stage import StageServer, is_serving
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
 
@@ -141,7 +141,7 @@ def test_stage_rpcs_and_refusals(dhts, exact_spec_path):
 def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
     """40 forward streams that never finish (issue 11) hold at most ``max_in_flight`` slots; the rest are refused
     at once, naming the cause, and the slots come back when the stalled streams go."""
-    from swarm.admission import PeerAdmission
+    from swarm.net.admission import PeerAdmission
 
     class Watched(PeerAdmission):
         """Counts what the server decided, whether or not each refusal reaches the client."""
@@ -209,7 +209,7 @@ def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
 def test_one_peer_starts_at_most_its_rate_of_requests(dhts, exact_spec_path):
     """Requests answered at once are metered too: past its burst, a peer's forwards are refused naming the rate
     and when to retry, until its token bucket refills (a fake clock stands for the seconds passing)."""
-    from swarm.admission import PeerAdmission
+    from swarm.net.admission import PeerAdmission
 
     now = [0.0]
     server_dht, client_dht = dhts

@@ -14,7 +14,7 @@ from swarm.attacks import LyingDonorAverager
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.model import build_stage
 from swarm.protocol import CheckpointManifest
-from swarm.statecheck import judge_donor_state
+from swarm.trust.statecheck import judge_donor_state
 from tests.conftest import TINY, keyed_dhts
 
 A, B = "a" * 64, "b" * 64
@@ -63,8 +63,8 @@ def test_the_other_servers_are_asked_over_rpc_and_one_behind_is_waited_for(tiny_
     from types import SimpleNamespace
 
     from swarm.protocol import ServerInfo
-    from swarm.stage import StageServer
-    from swarm.statecheck import DonorStateCheck
+    from swarm.server.stage import StageServer
+    from swarm.trust.statecheck import DonorStateCheck
 
     nodes = keyed_dhts(5)  # the checker, three servers, and a peer that serves no stage (a stale record)
     servers = [StageServer(tiny_spec, "rpc-run", 0) for _ in range(3)]

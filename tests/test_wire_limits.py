@@ -16,7 +16,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
 from swarm.protocol import MAX_METADATA_BYTES, PingRequest, ProtocolError, pack_message
-from swarm.transport import CHUNK_BYTES, ProtocolServicer, gather, stream_out
+from swarm.net.transport import CHUNK_BYTES, ProtocolServicer, gather, stream_out
 
 pytestmark = pytest.mark.timeout(60)
 META = pack_message(PingRequest(run_id="r", stage=0))
@@ -144,7 +144,7 @@ def test_a_refused_request_logs_one_escaped_line_per_class_and_peer_per_period(m
     clock[0] += 61.0
     later = handler_failed(ProtocolError("later"))
     assert refusals.filter(later) and "(2 more in the last 60 s)" in later.getMessage()
-    # named peers (swarm.transport.delivering_refusals names them) get a line each: one noisy peer hides no other
+    # named peers (swarm.net.transport.delivering_refusals names them) get a line each: one noisy peer hides no other
     for peer in ("12D3KooWnoisy", "12D3KooWother"):
         error = ProtocolError("bad stage")
         error.remote_peer = peer
@@ -157,7 +157,7 @@ def test_a_refused_request_logs_one_escaped_line_per_class_and_peer_per_period(m
 
 def test_a_reply_ends_at_its_end_marker_and_the_caller_closes_the_stream():
     """The caller stops at the empty message that ends a reply and closes the stream itself (what comes after the
-    marker is never read), so the handler's side never closes first (see swarm.transport.delivering_refusals)."""
+    marker is never read), so the handler's side never closes first (see swarm.net.transport.delivering_refusals)."""
     closed = []
 
     async def reply():

@@ -35,9 +35,9 @@ from hivemind.proto import runtime_pb2
 from swarm.averaging.aggregation import Aggregator
 from swarm.averaging.compression import Phase, PhaseResult
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, Reduction, Verdict, partition_bounds, reduce_partition
-from swarm.codecs import WireCodec
+from swarm.net.codecs import WireCodec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
-from swarm.transport import gather, stream_out
+from swarm.net.transport import gather, stream_out
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ SendFn = Callable[[str, AveragingPart, list[torch.Tensor]], Awaitable[tuple[Aver
 
 
 class Accountant:
-    """Signs this peer's commitments and receipts and checks the receipts it gets (:mod:`swarm.averaging.evidence`).
+    """Signs this peer's commitments and receipts and checks the receipts it gets (:mod:`swarm.averaging.audit`).
     The base class does nothing (the in-process harness, unit tests)."""
 
     def commit(self, meta: AveragingPart) -> bytes:

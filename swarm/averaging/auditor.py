@@ -1,4 +1,4 @@
-"""The averager's side of the audit protocol (:mod:`swarm.averaging.evidence`): signing, audits, accusations.
+"""The averager's side of the audit protocol (:mod:`swarm.averaging.audit`): signing, audits, accusations.
 
 :class:`Auditor` is mixed into the averagers and runs in the averager process. It signs this peer's commitments
 and receipts with the peer's Ed25519 identity, which is also its libp2p identity (:mod:`swarm.identity`), so
@@ -20,15 +20,15 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.admission import Busy, PeerAdmission, TooFast
+from swarm.net.admission import Busy, PeerAdmission, TooFast
 from swarm.averaging.allreduce import Accountant, PhaseOutcome, RoundFailed, digest
-from swarm.averaging.evidence import OpenedReceipt, audit_plan, matches, open_receipt, recompute, verify_evidence
-from swarm.codecs import make_codec
+from swarm.averaging.audit import OpenedReceipt, audit_plan, matches, open_receipt, recompute, verify_evidence
+from swarm.net.codecs import make_codec
 from swarm.identity import Identity
 from swarm.protocol import (Accusation, AuditReply, AuditRequest, AveragingPart, AveragingReply, PartCommitment,
                             ProtocolError, ReductionReceipt, accusations_key, open_record, pack_message, seal,
                             unpack_message)
-from swarm.transport import gather, stream_out
+from swarm.net.transport import gather, stream_out
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +79,10 @@ class Auditor:
 
     def _init_audit(self, identity: Optional[Identity], run_id: str, audit_probability: float, dht) -> None:
         """:raises ValueError: no ``identity``, or not the key ``dht``'s libp2p daemon speaks as (start the DHT
-            with :func:`swarm.directory.spawn_dht`)."""
+            with :func:`swarm.net.directory.spawn_dht`)."""
         if identity is None or dht is None or str(dht.peer_id) != identity.p2p_id:
             raise ValueError("an averager signs as its peer: pass the Identity its DHT was started with "
-                             "(swarm.directory.spawn_dht(identity, ...))")
+                             "(swarm.net.directory.spawn_dht(identity, ...))")
         self.identity = identity
         self.run_id, self.audit_probability = run_id, audit_probability
         self.accountant = _SigningAccountant(self)
@@ -171,7 +171,7 @@ class Auditor:
 
     def _judge_aggregate(self, received, recomputed, codec) -> tuple[bool, float]:
         """Whether a reducer's decoded aggregate matches the recomputation: ``(ok, relative difference)``
-        (:func:`~swarm.averaging.evidence.matches`)."""
+        (:func:`~swarm.averaging.audit.matches`)."""
         return matches(received, recomputed, codec)
 
     async def _fetch(self, peer: str, method: str, request: AuditRequest, evidence: bool = False):

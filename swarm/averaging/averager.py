@@ -33,7 +33,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
-from swarm.admission import Busy, PeerAdmission, TooFast
+from swarm.net.admission import Busy, PeerAdmission, TooFast
 from swarm.averaging.aggregation import Aggregator, MeanAggregator, make_aggregator
 from swarm.averaging.allreduce import PartitionReducer, RoundFailed, WireStats, decode_part, run_phase, send_part
 from swarm.averaging.auditor import Auditor
@@ -44,7 +44,7 @@ from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.reducer import ReducePolicy, partition_bounds
 from swarm.config import AveragingSpec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
-from swarm.transport import ProtocolServicer, gather, stream_out
+from swarm.net.transport import ProtocolServicer, gather, stream_out
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class AveragingRules:
     :param policy: bounds on parts (norm ratio, weight ratio, outlier ratio).
     :param exclusion: scores that turn rejections and flags into exclusions.
     :param phase_timeout: seconds a reducer waits for the parts of a phase (a sender waits twice that).
-    :param audit_probability: chance that a partition is audited in a phase (:mod:`swarm.averaging.evidence`).
+    :param audit_probability: chance that a partition is audited in a phase (:mod:`swarm.averaging.audit`).
     """
 
     aggregator: Aggregator = field(default_factory=MeanAggregator)

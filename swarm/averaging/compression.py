@@ -1,6 +1,6 @@
 """Gradient compression for intra-stage averaging: compressors with error feedback over the wire codecs.
 
-The codecs themselves (fp32, fp16, 8-bit blockwise) live in :mod:`swarm.codecs`, shared with the activation
+The codecs themselves (fp32, fp16, 8-bit blockwise) live in :mod:`swarm.net.codecs`, shared with the activation
 transport. A :class:`Compressor` decides *what* vectors a peer all-reduces in a round, through
 :meth:`Compressor.phases`, a generator that yields one :class:`Phase` per all-reduce and receives its
 :class:`PhaseResult`. Elementwise compressors run one phase and keep the per-peer **error feedback**
@@ -28,7 +28,7 @@ from typing import Generator, Sequence
 
 import torch
 
-from swarm.codecs import Blockwise8Bit, BlockwiseLowBit, Float16Codec, Float32Codec, SparseLowBit, WireCodec
+from swarm.net.codecs import Blockwise8Bit, BlockwiseLowBit, Float16Codec, Float32Codec, SparseLowBit, WireCodec
 
 
 @dataclass
@@ -194,7 +194,7 @@ class SharedTopK(_ChunkedWithResidual):
     ``chunk`` values. Phase 1 all-reduces each chunk's RMS (8-bit blockwise, ``numel / chunk`` values), with the
     run's aggregator like any part. Every peer of the round holds the same aggregated scores (the all-reduce is
     bit-identical on honest peers), so each picks the same ``ceil(fraction * chunks)`` highest chunks (ties by
-    position). Phase 2 all-reduces ``v`` on those chunks with :class:`~swarm.codecs.BlockwiseLowBit` (one scale per
+    position). Phase 2 all-reduces ``v`` on those chunks with :class:`~swarm.net.codecs.BlockwiseLowBit` (one scale per
     64 values); the result is the aggregate there and zero elsewhere. What this peer did not send (the other chunks,
     and the rounding of those it sent) stays in its residual for the next round (error feedback: Seide et al.
     2014; Stich et al., "Sparsified SGD with Memory", NeurIPS 2018; SparseLoCo, Sarfi et al. 2025, sec. 3).
@@ -232,7 +232,7 @@ class ChunkTopK(_ChunkedWithResidual):
 
     The flat vector ``v`` (the tensors plus this peer's residual, float32 ``(numel,)``) is cut into chunks of
     ``chunk`` values; each peer keeps the ``k = round(fraction * chunk)`` largest magnitudes of every chunk, its
-    own choice, and all-reduces that sparse vector in one phase with :class:`~swarm.codecs.SparseLowBit`. A reducer
+    own choice, and all-reduces that sparse vector in one phase with :class:`~swarm.net.codecs.SparseLowBit`. A reducer
     decodes each peer's part to a dense one (zeros where the peer kept nothing) and aggregates those with the
     run's aggregator, so the result lives on the union of the group's choices. What this peer did not send (the
     other values, the rounding of those it sent) stays in its residual.

@@ -9,14 +9,14 @@ donor's stream names, and never says who it was. Here, in the averager's process
   excluded from averaging are skipped, and the stage's announced servers (:meth:`DonorChoice.set_roster`) are
   tried before peers that only declared themselves donors (anyone can, under hivemind's ``all_averagers`` key:
   junk entries of the highest priority would otherwise use up every try);
-* the stream is read with :func:`swarm.transport.gather`: tensor headers are checked before anything is
+* the stream is read with :func:`swarm.net.transport.gather`: tensor headers are checked before anything is
   buffered (dtype, rank, size), the whole download is bounded by the size of this server's own state, and
   the tensors must have this server's shapes and dtypes one for one;
 * only the donor's tensors and epoch are used: the optimizer's settings (hyper-parameters, flags) that hivemind
   would load from the donor's metadata are this server's own;
 * the donor that answered is kept, for the caller to verify its state and name it
   (:meth:`DonorChoice.last_donor`; :class:`swarm.averaging.optimizer.StageOptimizer` does, with
-  :mod:`swarm.statecheck`).
+  :mod:`swarm.trust.statecheck`).
 
 Loading the state into the optimizer stays hivemind's (``TrainingStateAverager.load_state_from_peers``).
 """
@@ -39,7 +39,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from swarm.protocol import MAX_EPOCH, ProtocolError
-from swarm.transport import gather
+from swarm.net.transport import gather
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class DonorChoice:
 
 
 async def _as_messages(stream: AsyncIterator[averaging_pb2.DownloadData]) -> AsyncIterator[SimpleNamespace]:
-    """hivemind's state stream (one tensor chunk per message) as messages :func:`swarm.transport.gather` reads."""
+    """hivemind's state stream (one tensor chunk per message) as messages :func:`swarm.net.transport.gather` reads."""
     async for msg in stream:
         yield SimpleNamespace(metadata=msg.metadata, tensors=[msg.tensor_part] if msg.HasField("tensor_part") else [])
 

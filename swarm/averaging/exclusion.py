@@ -7,8 +7,8 @@ score decays with its own rounds, not the server's: one that joins a round now a
 alone); a score at or above ``threshold``
 excludes the peer for ``exclude_s`` seconds: matchmaking refuses it as a group member and its parts are
 never aggregated. A peer proven to have returned a wrong aggregate (a verified accusation,
-:mod:`swarm.averaging.evidence`) is excluded at once, and so is a peer on the run's ban list
-(:mod:`swarm.banlist`), which the server passes on.
+:mod:`swarm.averaging.audit`) is excluded at once, and so is a peer on the run's ban list
+(:mod:`swarm.trust.banlist`), which the server passes on.
 
 With the defaults a peer rejected in every round is excluded after 4 rounds, one flagged in every round after
 9; an honest peer flagged by chance once in a while decays back towards zero.

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 StateCheck = Callable[[int, str, str], Optional[tuple[str, float]]]
 """Judges a state loaded from a donor: ``(epoch, SHA-256 of the loaded state, the donor's libp2p id)`` -> None to
 keep it, else ``(why it is refused, seconds to skip the donor)`` (blocking; may raise, which refuses it for
-:data:`~swarm.averaging.donors.RETRY_S`; :class:`swarm.statecheck.DonorStateCheck`)."""
+:data:`~swarm.averaging.donors.RETRY_S`; :class:`swarm.trust.statecheck.DonorStateCheck`)."""
 MAX_DONORS_TRIED = 3
 AveragerFactory = Callable[..., RobustGradientAverager]
 """Builds the stage's gradient averager (keyword arguments of :class:`RobustGradientAverager`); tests and

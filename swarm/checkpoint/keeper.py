@@ -13,7 +13,7 @@ Every ``record_ttl_s / 3`` seconds (:meth:`FragmentKeeper.tick`):
    places them on new peers (:func:`~swarm.checkpoint.catalog.choose_holders`).
 
 A holder that serves bytes not matching the manifest's hash is *distrusted*: never fetched from or placed on
-again, and listed in this peer's StorageInfo with the reason. Peers on the run's ban list (:mod:`swarm.banlist`)
+again, and listed in this peer's StorageInfo with the reason. Peers on the run's ban list (:mod:`swarm.trust.banlist`)
 are shunned alike.
 """
 
@@ -29,15 +29,15 @@ from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from swarm.aio import periodic
-from swarm.banlist import RunBans
-from swarm.checkpoint.authority import CheckpointAuthority
+from swarm.trust.banlist import RunBans
+from swarm.trust.authority import CheckpointAuthority
 from swarm.checkpoint.catalog import CheckpointView, checkpoint_views, choose_holders, holding
 from swarm.checkpoint.erasure import CorruptFragment, Fragment, FragmentError, join_fragments, split_into_fragments
 from swarm.checkpoint.service import FragmentService, get_fragment, put_fragment, put_manifest
 from swarm.checkpoint.shard import max_shard_bytes
 from swarm.checkpoint.store import FragmentStore
 from swarm.config import RunSpec
-from swarm.directory import RunDirectory
+from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.logs import PeerLog
 from swarm.protocol import CheckpointManifest, ProtocolError, StorageInfo, open_record, storage_key
@@ -53,7 +53,7 @@ class FragmentKeeper:
     :param stage: the stage this peer serves (-1: none); placement avoids putting a stage's fragments on
         its own servers. Updated when a server moves.
     :param bans: the run's ban list, which this keeper refreshes and re-publishes every tick (the peer's one
-        :class:`~swarm.banlist.RunBans`; a new one if omitted).
+        :class:`~swarm.trust.banlist.RunBans`; a new one if omitted).
     """
 
     def __init__(self, spec: RunSpec, directory: RunDirectory, identity: Identity, store: FragmentStore,

@@ -8,7 +8,7 @@
   checkpoints but too few holders yet (every peer is restarting), the server waits up to
   ``checkpoint.restore_timeout_s`` for them; only then does it fall back to an older restorable checkpoint,
   logging the epochs lost. With no checkpoint anywhere (a new run) it starts from the spec's initial parameters.
-* **Commit**: where an epoch ends (:class:`swarm.server.ServerSession`), every ``checkpoint.interval_epochs``
+* **Commit**: where an epoch ends (:class:`swarm.server.session.ServerSession`), every ``checkpoint.interval_epochs``
   epochs (:meth:`StageCheckpoints.due`) the state is captured on the compute thread (a consistent copy between
   micro-batches, :meth:`StageCheckpoints.capture`) and, if this server is the stage's writer (the online server
   with the lowest peer id), committed in the background (:meth:`StageCheckpoints.commit`, through
@@ -37,7 +37,7 @@ from swarm.checkpoint.writer import CheckpointError, write_checkpoint
 from swarm.identity import peer_id_of
 from swarm.logs import PeerLog
 from swarm.protocol import RestoreReport, RollbackOrder, ServerState, rollback_key
-from swarm.stage import EpochEnd, StageServer, is_serving
+from swarm.server.stage import EpochEnd, StageServer, is_serving
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class RestoreError(RuntimeError):
 
 
 class StageCheckpoints:
-    """Checkpoint duties of ``server`` (a :class:`~swarm.stage.StageServer` with its optimizer), whose peer holds
+    """Checkpoint duties of ``server`` (a :class:`~swarm.server.stage.StageServer` with its optimizer), whose peer holds
     fragments through ``keeper``. Create it on the event loop (background commits are scheduled there)."""
 
     def __init__(self, keeper: FragmentKeeper, server: StageServer, identity):
@@ -92,7 +92,7 @@ class StageCheckpoints:
 
     def load_from_peers(self) -> bool:
         """(blocking) Load the state of the stage's live servers (:meth:`StageOptimizer.load_state_from_peers`:
-        a donor's state, kept only if the stage's other servers vouch for it, :mod:`swarm.statecheck`). False if
+        a donor's state, kept only if the stage's other servers vouch for it, :mod:`swarm.trust.statecheck`). False if
         no donor gave one: the optimizer's epoch stayed more than one behind the epoch the live servers
         announced (their donor records may all be stale, every donor busy, or every donor refused), and the
         caller restores the checkpoint instead of serving the initial parameters."""

@@ -72,7 +72,7 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
     Of the orders in force, the one naming the earliest good epoch is returned (the most cautious). An
     outsider's order is none of these; a Sybil that runs most of the last stage's servers is out of reach.
 
-    :param orders: verified ``(order, sealed)`` pairs (:meth:`~swarm.directory.RunDirectory.rollback_orders`).
+    :param orders: verified ``(order, sealed)`` pairs (:meth:`~swarm.net.directory.RunDirectory.rollback_orders`).
     :param online: stage -> its servers announced online now (the last stage is the highest key).
     :param applied: the generation this server applied.
     """

@@ -14,7 +14,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm.admission import Busy, PeerAdmission
+from swarm.net.admission import Busy, PeerAdmission
 from swarm.checkpoint.erasure import Fragment, FragmentError
 from swarm.checkpoint.store import FragmentStore, StoreFull
 from swarm.protocol import (
@@ -30,10 +30,10 @@ from swarm.protocol import (
     pack_message,
     unpack_message,
 )
-from swarm.transport import ProtocolServicer, gather, stream_out
+from swarm.net.transport import ProtocolServicer, gather, stream_out
 
 if TYPE_CHECKING:
-    from swarm.checkpoint.authority import CheckpointAuthority
+    from swarm.trust.authority import CheckpointAuthority
 
 PUT_DEADLINE_S = 300.0
 """Seconds a fragment upload may take (a 50 MB fragment at 1 MB/s takes 50 s); a slower one is dropped."""
@@ -66,7 +66,7 @@ class FragmentService(ProtocolServicer):
         in the DHT at once, so a checkpoint is visible even if its writer dies before publishing it).
         :param num_stages: the run's stages; fragments of any other stage number are refused.
         :param authority: who may put fragments here and what this peer endorses
-            (:class:`~swarm.checkpoint.authority.CheckpointAuthority`); None takes puts from anyone and endorses
+            (:class:`~swarm.trust.authority.CheckpointAuthority`); None takes puts from anyone and endorses
             nothing (a unit test's bare store).
         :param max_fragment_bytes: the largest fragment a put may carry (the run's largest shard over ``k``,
             :func:`~swarm.checkpoint.shard.max_shard_bytes`); default: the store's whole budget."""
@@ -77,7 +77,7 @@ class FragmentService(ProtocolServicer):
 
     async def _serve(self, work, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                      ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Run ``work(stream, context) -> (reply, data)`` within the peer's admission (:mod:`swarm.admission`)
+        """Run ``work(stream, context) -> (reply, data)`` within the peer's admission (:mod:`swarm.net.admission`)
         and stream the reply back; an expected refusal becomes a reply that names its cause."""
         data = b""
         try:
@@ -130,7 +130,7 @@ class FragmentService(ProtocolServicer):
         """Verify a sealed manifest against the fragments held here and save it (commits the checkpoint).
 
         :raises ProtocolError: bad signature, other run, a writer or endorsers not entitled to commit it
-            (:meth:`~swarm.directory.RunDirectory.entitled`), or it lists none of the held fragments' hashes.
+            (:meth:`~swarm.net.directory.RunDirectory.entitled`), or it lists none of the held fragments' hashes.
         """
         manifest, _ = open_record(sealed, CheckpointManifest, run_id=self.run_id)
         refusal = self.authority.directory.entitled(manifest) if self.authority is not None else None

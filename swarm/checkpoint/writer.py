@@ -1,6 +1,6 @@
 """Commit a stage's checkpoint to the swarm: endorse, encode, erasure-code, place, hand over the manifest, publish.
 
-First a second peer endorses it (:mod:`swarm.checkpoint.authority`: another server of the stage whose state at
+First a second peer endorses it (:mod:`swarm.trust.authority`: another server of the stage whose state at
 that epoch has the same digest, or a witness where the writer is the stage's only server); without one
 nothing is placed.
 

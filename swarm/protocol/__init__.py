@@ -21,8 +21,8 @@ add fields without breaking older ones (same protocol version); a removed or ret
 :data:`~swarm.config.PROTOCOL_VERSION`.
 
 Wire messages are the ``metadata`` of hivemind's ``runtime_pb2.ExpertRequest``/``ExpertResponse`` streams;
-the tensors travel in the same messages (see :mod:`swarm.stage`). They live in :mod:`swarm.protocol.wire`, the
-records of audits and spot checks in :mod:`swarm.protocol.evidence`; both are imported here: every schema is
+the tensors travel in the same messages (see :mod:`swarm.server.stage`). They live in :mod:`swarm.protocol.wire`, the
+records of audits and spot checks in :mod:`swarm.protocol.statements`; both are imported here: every schema is
 read from this one namespace, ``swarm.protocol``.
 """
 
@@ -230,10 +230,10 @@ class ServerInfo(AnnouncedRecord):
     reachability: Reachability = "direct"
     convicted: dict[str, str] = Field(
         default_factory=dict, max_length=32, description="Peer ids of servers convicted by spot-check evidence "
-        "this server verified (swarm.convictions) -> reason; anyone can fetch the evidence (rpc_get_evidence).")
+        "this server verified (swarm.trust.convictions) -> reason; anyone can fetch the evidence (rpc_get_evidence).")
     donors_refused: dict[str, str] = Field(
         default_factory=dict, max_length=32, description="libp2p ids of stage-mates whose state this server "
-        "downloaded and refused (it did not verify, swarm.statecheck) -> why: the stage's report of lying donors.")
+        "downloaded and refused (it did not verify, swarm.trust.statecheck) -> why: the stage's report of lying donors.")
     progress_key: str = Field("", max_length=2048, pattern=r"^([0-9a-f]{2})*$", description="Hex of its sub-key "
                               "in the stage's hivemind progress records: the stage's servers count only the progress "
                               "of sub-keys their records name (swarm.averaging.progress).")
@@ -280,7 +280,7 @@ class CheckpointManifest(Record):
                               "holds (swarm.checkpoint.state.state_digest: parameters and optimizer state only).")
     endorsements: list[bytes] = Field(min_length=1, max_length=MAX_ENDORSEMENTS, description="Sealed "
                                       ":class:`Endorsement` records of other peers (the checkpoint's authority, "
-                                      "swarm.checkpoint.authority); :func:`open_record` checks them.")
+                                      "swarm.trust.authority); :func:`open_record` checks them.")
 
     @model_validator(mode="after")
     def _fragments_fit(self) -> "CheckpointManifest":
@@ -297,7 +297,7 @@ class CheckpointManifest(Record):
 
 class Endorsement(Record):
     """Another peer's signed word that a checkpoint's writer may commit it, embedded sealed in the manifest
-    (see :mod:`swarm.checkpoint.authority`). ``same_state``: a server of the stage whose own state at ``epoch``
+    (see :mod:`swarm.trust.authority`). ``same_state``: a server of the stage whose own state at ``epoch``
     has digest ``state_sha256``; ``witness``: a peer that saw ``writer`` as the stage's only online server."""
 
     kind: Literal["endorsement"] = "endorsement"
@@ -433,7 +433,7 @@ class TrainerInfo(AnnouncedRecord):
                                       "measured every SWARM_VAL_EVERY_S seconds through the swarm.")
     val_time: float = Field(0.0, ge=0, description="DHT time of that measurement.")
     spot_checks: dict[str, Count] = Field(
-        default_factory=dict, max_length=8, description="Its spot checks (swarm.spotcheck): sampled, agreed, "
+        default_factory=dict, max_length=8, description="Its spot checks (swarm.trust.spotcheck): sampled, agreed, "
         "convicted, inconclusive, unchecked.")
     convicted: dict[str, str] = Field(
         default_factory=dict, max_length=32, description="Peer ids of servers its spot checks convicted -> reason.")
@@ -557,7 +557,7 @@ def open_spec(sealed: bytes, run_id: str) -> tuple[RunSpec, bytes]:
 
 
 # the records of audits and spot checks, and the wire messages, at the end: they build on the base classes above
-from swarm.protocol.evidence import (  # noqa: E402
+from swarm.protocol.statements import (  # noqa: E402
     AVERAGERS,
     Accusation,
     PartCommitment,

@@ -24,7 +24,7 @@ class ForwardRequest(_Schema):
     mb_id: str = Field(min_length=1, max_length=128)
     mode: Literal["train", "eval", "check"] = Field(
         "train", description="'train' caches the graph (middle stages) or accumulates gradients (last stage); "
-        "'eval' returns outputs or the loss only; 'check' (a trainer's spot check, :mod:`swarm.spotcheck`) returns "
+        "'eval' returns outputs or the loss only; 'check' (a trainer's spot check, :mod:`swarm.trust.spotcheck`) returns "
         "what 'train' returns and keeps nothing.")
     codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 
@@ -40,7 +40,7 @@ class BackwardRequest(_Schema):
     stage: int = Field(ge=0)
     mb_id: str = Field(min_length=1, max_length=128)
     with_inputs: bool = False
-    check: bool = Field(False, description="A spot check (:mod:`swarm.spotcheck`): recompute from the inputs sent "
+    check: bool = Field(False, description="A spot check (:mod:`swarm.trust.spotcheck`): recompute from the inputs sent "
                         "along and return the input gradient without accumulating anything.")
     codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 
@@ -54,7 +54,7 @@ class PingRequest(_Schema):
 
 class StateDigestRequest(_Schema):
     """What is your state's digest at ``epoch`` (``rpc_state_digest``)? A server that loaded the stage's state
-    from a live server asks the stage's other servers before it keeps that state (:mod:`swarm.statecheck`).
+    from a live server asks the stage's other servers before it keeps that state (:mod:`swarm.trust.statecheck`).
     Answered with a tensor-less StageResponse: the server's ``epoch`` now and ``state_sha256`` at ``epoch``
     (empty if it has none: it had not reached that epoch, joined after it, or forgot it)."""
 
@@ -76,7 +76,7 @@ class StageResponse(_Schema):
 
 
 class EvidenceMessage(_Schema):
-    """A spot check's evidence on the wire (:mod:`swarm.convictions`): the three answers' sealed
+    """A spot check's evidence on the wire (:mod:`swarm.trust.convictions`): the three answers' sealed
     :class:`StageReceipt` s, which one lied, the tolerance, and how many tensors of each of the six groups follow
     (the check request, the three answers, the accused's own request and forward request when they differ)."""
 

@@ -1,7 +1,7 @@
 """Convictions shared: a spot check's evidence, verified by every peer that acts on it (issue 11, item 4).
 
-A trainer whose spot check convicts a server (:mod:`swarm.spotcheck`) pushes the evidence to the run's
-servers (``rpc_push_evidence``). Checking it needs no parameters (:func:`~swarm.spotcheck.verify_evidence`:
+A trainer whose spot check convicts a server (:mod:`swarm.trust.spotcheck`) pushes the evidence to the run's
+servers (``rpc_push_evidence``). Checking it needs no parameters (:func:`~swarm.trust.spotcheck.verify_evidence`:
 signatures, digests, distances), so any server can: one that verifies it keeps it (:class:`ConvictionBook`),
 lists the accused in its :class:`~swarm.protocol.ServerInfo` (``convicted``) and, if the accused serves its own
 stage, excludes it from its averaging groups. A trainer that sees a peer id listed there fetches the evidence
@@ -26,14 +26,14 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm.admission import PeerAdmission
+from swarm.net.admission import PeerAdmission
 from swarm.config import RunSpec
 from swarm.protocol import (EvidenceMessage, EvidenceRequest, ProtocolError, Refusal, ServerInfo, StageReceipt,
                             open_record)
 from swarm.protocol import pack_message, unpack_message
-from swarm.spotcheck import SpotEvidence, verify_evidence
-from swarm.stage import max_message_bytes
-from swarm.transport import ProtocolServicer, gather, stream_out
+from swarm.trust.spotcheck import SpotEvidence, verify_evidence
+from swarm.server.stage import max_message_bytes
+from swarm.net.transport import ProtocolServicer, gather, stream_out
 
 logger = logging.getLogger(__name__)
 MAX_GROUP_TENSORS = 4
@@ -78,7 +78,7 @@ class ConvictionBook:
     :param me: this peer's id (evidence against it is refused, not listed).
     :param min_tolerance: the least tolerance evidence is verified at (the run's ``spot_checks.rtol``).
     :param accepts: False where servers' answers are not comparable (outer steps:
-        :func:`~swarm.spotcheck.answers_comparable`): then every piece of evidence is refused.
+        :func:`~swarm.trust.spotcheck.answers_comparable`): then every piece of evidence is refused.
     """
 
     def __init__(self, run_id: str, me: str, min_tolerance: float, accepts: bool = True):

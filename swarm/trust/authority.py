@@ -28,7 +28,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm.checkpoint.service import EndorsementRefused, request_endorsement
-from swarm.directory import RunDirectory
+from swarm.net.directory import RunDirectory
 from swarm.identity import Identity, SignatureError, p2p_id_of, peer_id_of, public_key_of_p2p_id
 from swarm.protocol import Endorsement, EndorseRequest, ProtocolError, ServerInfo, seal
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 from hivemind.utils import get_dht_time
 
-from swarm.directory import RunDirectory
+from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.protocol import MAX_BANS, BanList, seal
 

@@ -1,6 +1,6 @@
 """A stage server: forward/backward RPCs over libp2p, gradient accumulation and the stage's optimizer.
 
-RPCs (streams of ``runtime_pb2.ExpertRequest``, namespace ``<run_id>``; see :mod:`swarm.transport`):
+RPCs (streams of ``runtime_pb2.ExpertRequest``, namespace ``<run_id>``; see :mod:`swarm.net.transport`):
 
 * ``rpc_forward`` — :class:`~swarm.protocol.ForwardRequest`. A middle stage returns its outputs and keeps
   the autograd graph for the micro-batch (bounded cache, keyed by caller and micro-batch id). The last stage
@@ -12,10 +12,10 @@ RPCs (streams of ``runtime_pb2.ExpertRequest``, namespace ``<run_id>``; see :mod
 * ``rpc_ping`` — :class:`~swarm.protocol.PingRequest`: answers with its epoch, so a peer can tell a live
   server from a stale record (:func:`is_serving`).
 
-A trainer's spot check (:mod:`swarm.spotcheck`) sends a forward with ``mode="check"`` or a backward with
+A trainer's spot check (:mod:`swarm.trust.spotcheck`) sends a forward with ``mode="check"`` or a backward with
 ``check`` set: the server answers what a training call would (outputs, loss, input gradient) from the inputs
 sent along and keeps nothing (no cache, no gradient accumulated, no samples counted). A server with an identity
-signs every forward and backward reply (:class:`~swarm.protocol.StageReceipt`, :mod:`swarm.receipts`), stating
+signs every forward and backward reply (:class:`~swarm.protocol.StageReceipt`, :mod:`swarm.trust.receipts`), stating
 the epoch of the parameters it computed with.
 
 All compute runs on one worker thread, in arrival order. After each backward the micro-batch's parameter
@@ -25,7 +25,7 @@ and steps once per epoch; when an epoch ends the server reports it to its owner 
 an :class:`EpochEnd`), still on the compute thread, so the owner sees the state right after the step. Bad
 requests (wrong shape/dtype/range, NaN/Inf, oversized, other run or protocol version) are refused with an
 error naming the cause; they never touch the accumulated gradients. Peers on the run's ban list
-(:mod:`swarm.banlist`) are refused.
+(:mod:`swarm.trust.banlist`) are refused.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.performance_ema import PerformanceEMA
 
-from swarm.admission import PeerAdmission
+from swarm.net.admission import PeerAdmission
 from swarm.aio import periodic
-from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
+from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.model import build_stage
@@ -60,8 +60,8 @@ from swarm.protocol import (
     pack_message,
     unpack_message,
 )
-from swarm.receipts import sign_receipt, tensors_digest
-from swarm.transport import ProtocolServicer, gather, stream_out
+from swarm.trust.receipts import sign_receipt, tensors_digest
+from swarm.net.transport import ProtocolServicer, gather, stream_out
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,9 @@ class StageServer(ProtocolServicer):
 
     :param optimizer: the stage's :class:`~swarm.averaging.optimizer.StageOptimizer` (set before serving);
         ``None`` runs forward/backward only (tests of the RPC layer).
-    :param bans: the run's ban list (:class:`~swarm.banlist.RunBans`); requests from banned peers are refused.
+    :param bans: the run's ban list (:class:`~swarm.trust.banlist.RunBans`); requests from banned peers are refused.
     :param cache_size: micro-batches whose autograd graph is kept between forward and backward.
-    :param identity: signs a receipt for every forward and backward reply (:mod:`swarm.receipts`); None sends
+    :param identity: signs a receipt for every forward and backward reply (:mod:`swarm.trust.receipts`); None sends
         none (trainers that spot-check treat such a server's sampled replies as unverifiable).
     """
 
@@ -127,7 +127,7 @@ class StageServer(ProtocolServicer):
         self.max_batch = max_batch(spec)
         self.max_message_bytes = max_message_bytes(spec)
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
-        self.admission = PeerAdmission()  # requests in flight per peer (swarm.admission)
+        self.admission = PeerAdmission()  # requests in flight per peer (swarm.net.admission)
 
     @property
     def epoch(self) -> int:
@@ -482,7 +482,7 @@ DIGESTS_KEPT = 64
 """Epochs whose state digest a server keeps (:attr:`StageServer.state_digests`, asked by ``rpc_state_digest``)."""
 MAX_WIRE_TENSORS = 4
 """Most wire tensors in a stage request or reply: two tensors, each at most two on the wire (blockwise 8-bit
-sends codes and scales, :mod:`swarm.codecs`)."""
+sends codes and scales, :mod:`swarm.net.codecs`)."""
 
 
 def max_batch(spec: RunSpec) -> int:

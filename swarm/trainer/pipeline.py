@@ -1,15 +1,15 @@
 """A trainer's view of the model: a chain of remote stages, one server per stage per micro-batch.
 
 :meth:`RemotePipeline.forward_loss` streams int64 tokens ``(B, T+1)`` forward through stages ``0..S-1``
-(servers picked by :class:`~swarm.routing.Router`), the last stage returns the loss and the gradient of its
+(servers picked by :class:`~swarm.trainer.routing.Router`), the last stage returns the loss and the gradient of its
 input, and the gradient flows back through the servers that ran the forward. Any failed call (error reply,
 timeout, unreachable peer) backs off from that server (exponentially) and retries the same step on another
 server of the stage; a backward retried elsewhere carries the stage inputs so the new server recomputes the
 forward (SWARM, sec. 3.2). The trainer keeps every stage input of a micro-batch until its backward is done.
-Servers on the run's ban list, and servers convicted by spot checks (:mod:`swarm.spotcheck`: a sample of
+Servers on the run's ban list, and servers convicted by spot checks (:mod:`swarm.trust.spotcheck`: a sample of
 training calls is re-run on other servers of the stage) are never used: this trainer's own convictions, whose
 evidence it hands to the servers, and those a server lists whose evidence this trainer fetched and verified
-(:mod:`swarm.convictions`).
+(:mod:`swarm.trust.convictions`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.config import RunSpec
-from swarm.directory import RunDirectory
+from swarm.net.directory import RunDirectory
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
-from swarm.routing import NoServerError, Router
-from swarm.convictions import ConvictionBook, ConvictionFollower, push_evidence
-from swarm.spotcheck import SpotChecker, SpotEvidence, StageReply, answers_comparable
-from swarm.stage import MAX_WIRE_TENSORS, StageServer, max_message_bytes
-from swarm.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
-from swarm.transport import gather, stream_out
+from swarm.trainer.routing import NoServerError, Router
+from swarm.trust.convictions import ConvictionBook, ConvictionFollower, push_evidence
+from swarm.trust.spotcheck import SpotChecker, SpotEvidence, StageReply, answers_comparable
+from swarm.server.stage import MAX_WIRE_TENSORS, StageServer, max_message_bytes
+from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
+from swarm.net.transport import gather, stream_out
 
 logger = logging.getLogger(__name__)
 PUSH_RETRY_S = (5.0, 20.0)
@@ -51,11 +51,11 @@ class PipelineError(RuntimeError):
 class RemotePipeline:
     """Runs micro-batches through the run's stage servers with routing, back-off and retries.
 
-    :param bans: the run's ban list (:class:`~swarm.banlist.RunBans`): servers on it are never used.
+    :param bans: the run's ban list (:class:`~swarm.trust.banlist.RunBans`): servers on it are never used.
     :param log: the trainer's log (its retries are logged there).
     :param max_attempts: tries per stage call before the micro-batch fails with :class:`PipelineError`.
     :param refresh_s: seconds between reads of a stage's server records from the DHT.
-    :param rng: the spot checks' sampling (:class:`~swarm.spotcheck.SpotChecker`; seeded in tests).
+    :param rng: the spot checks' sampling (:class:`~swarm.trust.spotcheck.SpotChecker`; seeded in tests).
     """
 
     def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, p2p: P2P, *, bans=None, log=None,
@@ -104,12 +104,12 @@ class RemotePipeline:
         if not task.cancelled() and task.exception() is not None:
             self.log.warning("reading stage %d's servers failed: %r; the next call reads again", stage, task.exception())
 
-    # ---- convictions shared (swarm.convictions) ----------------------------------------------------------
+    # ---- convictions shared (swarm.trust.convictions) ----------------------------------------------------------
     def _share(self, evidence: SpotEvidence) -> None:
         """Hand this trainer's evidence to every server it knows (they verify it before they list it). A push
-        that fails (the server busy or unreachable for :data:`~swarm.convictions.EVIDENCE_TIMEOUT_S`) is tried
+        that fails (the server busy or unreachable for :data:`~swarm.trust.convictions.EVIDENCE_TIMEOUT_S`) is tried
         again after each of :data:`PUSH_RETRY_S`; a server missed for good still learns it from a stage-mate's
-        listing (:class:`~swarm.convictions.ConvictionFollower`)."""
+        listing (:class:`~swarm.trust.convictions.ConvictionFollower`)."""
         accused = self.book.add(evidence)[0].peer_id
         servers = {s.peer_id: s for _, found in self._servers.values() for s in found}
 

@@ -7,7 +7,7 @@ micro-batch's critical path), sends the same request in *check* mode to a second
 same epoch (``ForwardRequest.mode="check"``, ``BackwardRequest.check``: recomputed, nothing kept). Two answers
 whose relative L2 difference (:func:`relative_difference`) is within the stage's tolerance agree; otherwise a
 third server breaks the tie: the one answer that is far from both others, while those two agree, convicts
-its server. Every answer is signed (:mod:`swarm.receipts`), so the three receipts with the request and reply
+its server. Every answer is signed (:mod:`swarm.trust.receipts`), so the three receipts with the request and reply
 tensors are :class:`SpotEvidence` that anyone can check (:func:`verify_evidence`) without trusting the trainer.
 
 The tolerance is ``max(rtol, spread_factor x median difference of the last 64 first pairs compared)``, at most
@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
-from swarm.codecs import unpack_tensors
+from swarm.net.codecs import unpack_tensors
 from swarm.config import RunSpec
 from swarm.protocol import BackwardRequest, ForwardRequest, ProtocolError, StageReceipt, StageResponse, open_record
-from swarm.receipts import check_receipt, tensors_digest
+from swarm.trust.receipts import check_receipt, tensors_digest
 
 if TYPE_CHECKING:
-    from swarm.pipeline import RemotePipeline
+    from swarm.trainer.pipeline import RemotePipeline
     from swarm.protocol import ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def answers_comparable(spec: RunSpec) -> bool:
 
 
 class SpotChecker:
-    """A trainer's spot checks (module docstring). Owned by its :class:`~swarm.pipeline.RemotePipeline`.
+    """A trainer's spot checks (module docstring). Owned by its :class:`~swarm.trainer.pipeline.RemotePipeline`.
 
     :param rng: sampling and the choice of checking servers (seeded in tests).
     """

@@ -38,7 +38,7 @@ import torch
 from swarm.averaging.aggregation import Aggregator
 from swarm.averaging.allreduce import digest
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, reduce_partition
-from swarm.codecs import WireCodec
+from swarm.net.codecs import WireCodec
 from swarm.protocol import PartCommitment, ProtocolError, ReductionReceipt, open_record
 
 

@@ -1,6 +1,6 @@
 """Signed statements behind the swarm's checks of computation: an averaging sender's commitment to its part, a
-reducer's receipt of a partition, an auditor's accusation (:mod:`swarm.averaging.evidence`), and a stage
-server's receipt of a reply (:mod:`swarm.spotcheck`). Records like the others (:mod:`swarm.protocol`: sealed,
+reducer's receipt of a partition, an auditor's accusation (:mod:`swarm.averaging.audit`), and a stage
+server's receipt of a reply (:mod:`swarm.trust.spotcheck`). Records like the others (:mod:`swarm.protocol`: sealed,
 versioned, opened by :func:`~swarm.protocol.open_record`); read them from ``swarm.protocol``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from swarm.protocol import Record, open_record
 
 
 class PartCommitment(Record):
-    """A sender's signed statement of the part it sent a reducer (see :mod:`swarm.averaging.evidence`)."""
+    """A sender's signed statement of the part it sent a reducer (see :mod:`swarm.averaging.audit`)."""
 
     kind: Literal["commitment"] = "commitment"
     p2p_id: str = Field(min_length=1, max_length=128, description="libp2p id the part was sent from.")
@@ -41,8 +41,8 @@ class ReductionReceipt(Record):
 
 
 class StageReceipt(Record):
-    """A stage server's signed statement of one reply (:mod:`swarm.spotcheck`): for the request tensors with
-    SHA-256 ``request_sha256`` (:func:`swarm.spotcheck.tensors_digest` of their wire form) it answered, with its
+    """A stage server's signed statement of one reply (:mod:`swarm.trust.spotcheck`): for the request tensors with
+    SHA-256 ``request_sha256`` (:func:`swarm.trust.spotcheck.tensors_digest` of their wire form) it answered, with its
     parameters of ``epoch``, the tensors with ``reply_sha256`` and ``loss``. Anyone holding both tensor lists can
     check the statement; three of them over one request are the evidence a trainer publishes against a liar."""
 

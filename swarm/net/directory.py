@@ -22,7 +22,7 @@ from hivemind.p2p import P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from swarm.config import PeerSettings, RunSpec, SpecError
-from swarm.dht_validation import RunRecordValidator
+from swarm.net.dht_validation import RunRecordValidator
 from swarm.identity import Identity, claim_identity, derive_run_id, peer_id_of
 from swarm.protocol import (
     AnnouncedRecord,
@@ -107,7 +107,7 @@ def spawn_dht(identity: Optional[Identity], **kwargs) -> hivemind.DHT:
 def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, client_mode: bool = False,
               run_id: Optional[str] = None, identity: Optional[Identity] = None) -> hivemind.DHT:
     """Start a hivemind DHT node (its own process and p2pd) listening per ``settings``; with ``run_id``, it
-    validates the run's records (:class:`~swarm.dht_validation.RunRecordValidator`); with ``identity``, its
+    validates the run's records (:class:`~swarm.net.dht_validation.RunRecordValidator`); with ``identity``, its
     libp2p id is that key's (:func:`spawn_dht`): every peer that signs records passes its identity.
 
     With ``SWARM_RELAY=auto`` (default) on a non-loopback host, libp2p circuit relays are on: this node can

@@ -20,7 +20,7 @@ from swarm.protocol import ProtocolError, StageReceipt, open_record, seal
 
 
 def tensors_digest(tensors: Sequence[torch.Tensor]) -> str:
-    """Hex SHA-256 of wire tensors (as :func:`~swarm.codecs.pack_tensors` makes them) in order: each one's
+    """Hex SHA-256 of wire tensors (as :func:`~swarm.net.codecs.pack_tensors` makes them) in order: each one's
     dtype, shape and bytes, length-prefixed (two lists hash equal only if every tensor is equal bit for bit)."""
     h = hashlib.sha256(struct.pack("<I", len(tensors)))
     for t in tensors:

@@ -5,7 +5,7 @@ carries the msgpack metadata (:mod:`swarm.protocol`), the tensors follow in chun
 :data:`CHUNK_BYTES`. A handler ends its reply with an empty message (:func:`delivering_refusals`), after which
 the caller stops reading and closes the stream. Incoming streams larger than ``max_bytes`` are refused before
 they are deserialized.
-What the tensors hold (codecs and their layout) is :mod:`swarm.codecs`'s business.
+What the tensors hold (codecs and their layout) is :mod:`swarm.net.codecs`'s business.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ wires signals and ``swarm-peer pause|resume|drain``); a test starts one in-proce
 It joins the run's DHT in client mode (works behind NAT), prepares the run's dataset, claims a data share (the
 lowest one no other live trainer announces), and resumes it at the position the newest checkpoint manifest
 recorded (:func:`resume_position`). It walks that share of each pass in a seeded order
-(:func:`swarm.data.shard_order`), keeping micro-batches in flight through :class:`~swarm.pipeline.RemotePipeline`
-(``concurrency`` of them, plus enough to cover the round trips to its servers, :mod:`swarm.inflight`). Every
+(:func:`swarm.data.shard_order`), keeping micro-batches in flight through :class:`~swarm.trainer.pipeline.RemotePipeline`
+(``concurrency`` of them, plus enough to cover the round trips to its servers, :mod:`swarm.trainer.inflight`). Every
 ``record_ttl_s / 3`` seconds it publishes a signed :class:`~swarm.protocol.TrainerInfo` (with its position in
 the share's stream, which checkpoints record) and logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds
 it measures the validation loss through the swarm.
@@ -32,17 +32,17 @@ from hivemind.utils import get_dht_time
 
 from swarm import __version__
 from swarm.aio import sleep_or_stop, wait_any
-from swarm.banlist import PeerBanned, RunBans
+from swarm.trust.banlist import PeerBanned, RunBans
 from swarm.config import PeerSettings, RunSpec
 from swarm.data import TokenDataset, prepare_dataset, shard_order
-from swarm.directory import RunDirectory, connect_run
+from swarm.net.directory import RunDirectory, connect_run
 from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
-from swarm.inflight import TUNE_EVERY_S, InFlight, round_trip
+from swarm.trainer.inflight import TUNE_EVERY_S, InFlight, round_trip
 from swarm.logs import PeerLog
-from swarm.pipeline import PipelineError, RemotePipeline, validation_loss
+from swarm.trainer.pipeline import PipelineError, RemotePipeline, validation_loss
 from swarm.protocol import TrainerInfo
-from swarm.transport import GLOBAL_COUNTER
+from swarm.net.transport import GLOBAL_COUNTER
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class TrainerOptions:
 
     :param shard: data share to train on (default: the lowest one no live trainer announces).
     :param concurrency: the least micro-batches in flight; the trainer adds enough to cover its round trips to the
-        servers (:mod:`swarm.inflight`), up to :data:`~swarm.inflight.MOST_IN_FLIGHT`.
+        servers (:mod:`swarm.trainer.inflight`), up to :data:`~swarm.trainer.inflight.MOST_IN_FLIGHT`.
     :param max_samples: stop after this many samples (default: train until stopped).
     :param loss_log: append every micro-batch's loss and sample indices here (JSON lines).
     """
@@ -223,8 +223,8 @@ class Trainer:
             await asyncio.gather(reporter, validator, tuner, return_exceptions=True)
 
     async def _tune_in_flight(self, workers: set[asyncio.Task], batches: Iterator[list[int]]) -> None:
-        """Every :data:`~swarm.inflight.TUNE_EVERY_S` seconds, set the micro-batches in flight to
-        :class:`~swarm.inflight.InFlight`'s target: start workers, or let some retire after their micro-batch."""
+        """Every :data:`~swarm.trainer.inflight.TUNE_EVERY_S` seconds, set the micro-batches in flight to
+        :class:`~swarm.trainer.inflight.InFlight`'s target: start workers, or let some retire after their micro-batch."""
         tuning = InFlight(self.options.concurrency, self.spec.model.num_stages)
         while not await sleep_or_stop(self._stop, TUNE_EVERY_S):
             servers = [s for k in range(self.spec.model.num_stages) for s in await self.pipeline.servers(k)]

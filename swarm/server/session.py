@@ -7,11 +7,11 @@ and :meth:`~ServerSession.resume`); a test starts one in-process the same way::
     session = ServerSession(address, PeerSettings(host="127.0.0.1"), stage=0)
     await session.run()            # until session.stop()
 
-1. Join the run's DHT and fetch the verified spec (:func:`swarm.directory.connect_run`); start the fragment
+1. Join the run's DHT and fetch the verified spec (:func:`swarm.net.directory.connect_run`); start the fragment
    keeper (:mod:`swarm.checkpoint.keeper`), which serves and re-announces the fragments on this peer's disk for
    the whole life of the process, whatever stage it serves. A peer on the run's ban list stops here
-   (:class:`~swarm.banlist.PeerBanned`).
-2. Pick a stage (the pinned one, or the bottleneck stage, :func:`swarm.routing.choose_stage`), build its
+   (:class:`~swarm.trust.banlist.PeerBanned`).
+2. Pick a stage (the pinned one, or the bottleneck stage, :func:`swarm.trainer.routing.choose_stage`), build its
    module, measure throughput (samples/s), announce ``joining``.
 3. Create the stage's collaborative optimizer (:class:`~swarm.averaging.optimizer.StageOptimizer`) and
    restore its state: from live servers of the stage if any, else from the newest checkpoint
@@ -21,7 +21,7 @@ and :meth:`~ServerSession.resume`); a test starts one in-process the same way::
    signed spec too, so the run outlives its coordinator. Where an epoch ends (:meth:`ServerSession._epoch_ended`,
    on the compute thread) log the epoch's line, judge its loss (a spike issues a rollback order) and, when one
    is due, capture and commit a checkpoint. Follow rollback orders; honour the run's ban list; and, if the
-   stage was not pinned, move to a stage that lacks throughput more (:mod:`swarm.rebalance`): drain, then go
+   stage was not pinned, move to a stage that lacks throughput more (:mod:`swarm.server.rebalance`): drain, then go
    back to step 2 for the new stage.
 5. :meth:`ServerSession.pause`: leave the stage as a drain does (:meth:`ServerSession._withdraw`: announce
    ``paused``, with throughput 0 and no progress key, so trainers stop routing here and the stage's other
@@ -52,13 +52,13 @@ from hivemind.utils import get_dht_time
 from swarm import __version__
 from swarm.aio import periodic, sleep_or_stop
 from swarm.averaging.optimizer import StageOptimizer
-from swarm.banlist import RunBans
+from swarm.trust.banlist import RunBans
 from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.lifecycle import StageCheckpoints
 from swarm.config import PeerSettings, RunSpec
-from swarm.convictions import ConvictionBook, ConvictionFollower, EvidenceService
-from swarm.directory import connect_run, reachability, relay_enabled, visible_maddrs
+from swarm.trust.convictions import ConvictionBook, ConvictionFollower, EvidenceService
+from swarm.net.directory import connect_run, reachability, relay_enabled, visible_maddrs
 from swarm.host import ThreadShare, resolve_device
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
@@ -66,11 +66,11 @@ from swarm.kernels import select_backend
 from swarm.kernels.flops import PeakCache, compute_dtype, stage_flops_per_token
 from swarm.model import build_stage
 from swarm.protocol import ServerInfo, ServerState, StorageInfo, add_history
-from swarm.rebalance import MovePlanner
-from swarm.routing import choose_stage
-from swarm.spotcheck import answers_comparable
-from swarm.stage import EpochEnd, StageServer
-from swarm.statecheck import DonorStateCheck
+from swarm.server.rebalance import MovePlanner
+from swarm.trainer.routing import choose_stage
+from swarm.trust.spotcheck import answers_comparable
+from swarm.server.stage import EpochEnd, StageServer
+from swarm.trust.statecheck import DonorStateCheck
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class ServerSession:
     :param stage: serve this stage and never move (default: the bottleneck stage, moving when another lacks
         throughput more).
     :param optimizer_factory: builds the stage's optimizer (default :class:`StageOptimizer`).
-    :param server_factory: builds the stage's RPC server (default :class:`~swarm.stage.StageServer`).
+    :param server_factory: builds the stage's RPC server (default :class:`~swarm.server.stage.StageServer`).
     :param on_announce: called after each announcement (:data:`AnnounceHook`).
 
     Call :meth:`run` on the event loop's thread (hivemind's averagers install signal handlers there), and
@@ -262,7 +262,7 @@ class ServerSession:
         return choose_stage(self.spec.model, self.directory.all_servers(self.spec.model.num_stages))
 
     def _say_reachability(self) -> None:
-        """Log how peers outside this one's network reach it (see :func:`swarm.directory.reachability`)."""
+        """Log how peers outside this one's network reach it (see :func:`swarm.net.directory.reachability`)."""
         shown = ", ".join(self.maddrs[:2]) or "none"
         if reachability(self.maddrs, relay_enabled(self.settings)) == "relayed":
             self.log.warning("the swarm reaches this peer through a relay (no public address: %s): slower; forward "
@@ -423,7 +423,7 @@ class ServerSession:
             self.log.info("resumed: rejoining stage %d", self.stage)
 
     async def _rebalance_target(self, planner: MovePlanner) -> Optional[int]:
-        """The stage to move to now (:class:`swarm.rebalance.MovePlanner`), or None."""
+        """The stage to move to now (:class:`swarm.server.rebalance.MovePlanner`), or None."""
         if not self.spec.rebalance.enabled:
             return None
         servers = {k: await self._io(self.directory.fresh_servers, k, self.directory.ttl / 3, SUPPLY_STATES)
@@ -446,7 +446,7 @@ class ServerSession:
     async def _apply_bans(self) -> None:
         """Follow the run's ban list (refreshed by the keeper): stop if this peer is on it, else keep banned
         servers out of this server's averaging groups (the stage RPCs refuse them through the same list), and
-        the servers of this stage convicted by spot-check evidence this server verified (:mod:`swarm.convictions`:
+        the servers of this stage convicted by spot-check evidence this server verified (:mod:`swarm.trust.convictions`:
         pushed by a trainer, or fetched from a stage-mate's listing by :class:`ConvictionFollower`).
 
         :raises PeerBanned: this peer is banned.
