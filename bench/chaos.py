@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.launch import LocalSwarm, Peer  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
-from swarm.net.directory import connect_run, format_run_address  # noqa: E402
+from swarm.net.dht import connect_run, format_run_address  # noqa: E402
 from swarm.protocol import ServerState  # noqa: E402
 
 logger = logging.getLogger("swarm.chaos")

@@ -45,7 +45,7 @@ from harness import outer_spec, train  # noqa: E402
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager  # noqa: E402
 from swarm.averaging.compression import make_compressor  # noqa: E402
 from swarm.config import RunSpec  # noqa: E402
-from swarm.net.directory import spawn_dht  # noqa: E402
+from swarm.net.dht import spawn_dht  # noqa: E402
 from swarm.identity import Identity  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
 

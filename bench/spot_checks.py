@@ -39,11 +39,13 @@ from hivemind.utils import get_dht_time  # noqa: E402
 from swarm.attacks import LyingStageServer  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
-from swarm.net.directory import RunDirectory, spawn_dht  # noqa: E402
+from swarm.net.dht import spawn_dht  # noqa: E402
+from swarm.net.directory import AsyncRunDirectory, RunDirectory  # noqa: E402
 from swarm.identity import Identity  # noqa: E402
 from swarm.trainer.pipeline import RemotePipeline  # noqa: E402
 from swarm.protocol import ServerInfo, ServerState  # noqa: E402
 from swarm.server.stage import StageServer  # noqa: E402
+from swarm.trust.spotcheck import SpotChecker  # noqa: E402
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
 LOOPBACK = dict(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False)
@@ -79,16 +81,16 @@ async def start(spec: RunSpec, layout, nodes) -> list[StageServer]:
 async def until_convicted(spec, pipe, dataset, liar, max_batches: int, rng: random.Random) -> dict:
     b, n = spec.training.micro_batch_size, dataset.num_samples("train")
     calls_before, sent = liar.answered, 0
-    while sent < max_batches and liar.peer_id not in pipe.checker.convicted:
+    while sent < max_batches and liar.peer_id not in pipe.observer.convicted:
         start = rng.randrange(0, n - b)
         await pipe.forward_loss(dataset.batch(list(range(start, start + b))), train=True)
         sent += 1
         if sent % 8 == 0:
-            await pipe.checker.drain()
-    await pipe.checker.drain()
-    return dict(convicted=liar.peer_id in pipe.checker.convicted, micro_batches=sent,
-                liar_calls=liar.answered - calls_before, honest_convicted=len(set(pipe.checker.convicted) - {liar.peer_id}),
-                counts=dict(pipe.checker.counts))
+            await pipe.observer.drain()
+    await pipe.observer.drain()
+    return dict(convicted=liar.peer_id in pipe.observer.convicted, micro_batches=sent,
+                liar_calls=liar.answered - calls_before, honest_convicted=len(set(pipe.observer.convicted) - {liar.peer_id}),
+                counts=dict(pipe.observer.counts))
 
 
 async def cost(spec, make_pipe, dataset, pairs: int, per_leg: int) -> float:
@@ -101,7 +103,7 @@ async def cost(spec, make_pipe, dataset, pairs: int, per_leg: int) -> float:
             started = time.perf_counter()
             for batch in batches:
                 await pipe.forward_loss(batch, train=True)
-            await pipe.checker.drain()
+            await pipe.observer.drain()
             rates[rate].append(len(batches) * b / (time.perf_counter() - started))
     off, on = (statistics.median(v) for v in rates.values())
     return on / off
@@ -143,7 +145,8 @@ class Swarm:
         return servers
 
     def pipeline(self, spec: RunSpec, seed: int) -> RemotePipeline:
-        return RemotePipeline(spec, RUN, RunDirectory(self.trainer, RUN, ttl=3600), self.p2p, rng=random.Random(seed))
+        return RemotePipeline(spec, RUN, AsyncRunDirectory(RunDirectory(self.trainer, RUN, ttl=3600)), self.p2p,
+                              observer=SpotChecker(spec, RUN, self.p2p, rng=random.Random(seed)))
 
 
 async def detection(spec, dataset, args) -> list[dict]:

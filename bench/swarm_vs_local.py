@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from coordinator.launch import LocalSwarm  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
-from swarm.net.directory import connect_run  # noqa: E402
+from swarm.net.dht import connect_run  # noqa: E402
 from swarm.protocol import ServerState  # noqa: E402
 from swarm.reference import train_reference  # noqa: E402
 

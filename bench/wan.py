@@ -64,7 +64,8 @@ from coordinator.launch import LocalSwarm, on_loopback  # noqa: E402
 from coordinator.status import snapshot  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
-from swarm.net.directory import connect_run  # noqa: E402
+from swarm.net.dht import connect_run  # noqa: E402
+from swarm.net.directory import AsyncRunDirectory  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
 from swarm.trainer.pipeline import RemotePipeline, validation_loss  # noqa: E402
 from swarm.protocol import ServerState  # noqa: E402
@@ -190,7 +191,8 @@ class Run:
 
     def val_loss(self, dataset) -> float:
         async def evaluate() -> float:
-            pipeline = RemotePipeline(self.spec, self.directory.run_id, self.directory, await self.dht.replicate_p2p())
+            pipeline = RemotePipeline(self.spec, self.directory.run_id, AsyncRunDirectory(self.directory),
+                                      await self.dht.replicate_p2p())
             return await validation_loss(pipeline, dataset, EVAL_BATCHES)
 
         return asyncio.run(evaluate())

@@ -46,7 +46,7 @@ from hivemind.proto import runtime_pb2  # noqa: E402
 from coordinator.launch import LocalSwarm  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
-from swarm.net.directory import connect_run  # noqa: E402
+from swarm.net.dht import connect_run  # noqa: E402
 from swarm.protocol import ForwardRequest, PingRequest, ServerState, pack_message  # noqa: E402
 from swarm.server.stage import StageServer  # noqa: E402
 from swarm.net.transport import CHUNK_BYTES  # noqa: E402

@@ -70,7 +70,7 @@ def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
     Exit code 5 if none of the --peer addresses answered within SWARM_JOIN_TIMEOUT_S, 6 if another process
     on this machine serves with the same key."""
     from coordinator.serve import serve as serve_run
-    from swarm.net.directory import RunUnreachable
+    from swarm.net.dht import RunUnreachable
     from swarm.identity import IdentityInUse
     from swarm.logs import configure_logging
 
@@ -235,7 +235,7 @@ def monitor(address: str = typer.Argument(..., help="Run address."),
 def _connect(address: str, timeout: float):
     """``connect_run`` for a CLI command: exit 2 on a bad address, 1 if the run cannot be reached or found."""
     from swarm.logs import configure_logging
-    from swarm.net.directory import RunAddressError, RunUnreachable, connect_run
+    from swarm.net.dht import RunAddressError, RunUnreachable, connect_run
 
     configure_logging("WARNING")
     try:

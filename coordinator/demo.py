@@ -21,7 +21,8 @@ from coordinator.launch import LocalSwarm
 from coordinator.status import snapshot
 from swarm.config import PeerSettings, RunSpec
 from swarm.data import prepare_dataset
-from swarm.net.directory import connect_run
+from swarm.net.dht import connect_run
+from swarm.net.directory import AsyncRunDirectory
 from swarm.kernels.flops import measure_peak_flops
 from swarm.trainer.pipeline import RemotePipeline, validation_loss
 from swarm.protocol import ServerState
@@ -79,7 +80,7 @@ def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, tra
             logger.info("measuring the validation loss on %d held-out micro-batches", eval_batches)
 
             async def evaluate() -> float:
-                pipeline = RemotePipeline(spec, directory.run_id, directory, await dht.replicate_p2p())
+                pipeline = RemotePipeline(spec, directory.run_id, AsyncRunDirectory(directory), await dht.replicate_p2p())
                 return await validation_loss(pipeline, dataset, eval_batches)
 
             val_loss = asyncio.run(evaluate())

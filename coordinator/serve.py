@@ -23,7 +23,8 @@ from swarm.aio import periodic
 from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.config import PeerSettings, RunSpec
-from swarm.net.directory import RunDirectory, format_run_address, join_dht, visible_maddrs
+from swarm.net.dht import format_run_address, join_dht, visible_maddrs
+from swarm.net.directory import RunDirectory
 from swarm.identity import Identity, claim_folder
 
 logger = logging.getLogger("swarm.coordinator")

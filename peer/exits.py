@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from swarm.trust.banlist import PeerBanned
 from swarm.checkpoint.lifecycle import RestoreError
-from swarm.net.directory import RunUnreachable
+from swarm.net.dht import RunUnreachable
 from swarm.identity import IdentityInUse
 
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (

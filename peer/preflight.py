@@ -185,7 +185,7 @@ def _run(address: str, settings: PeerSettings, timeout: float) -> list[Check]:
     from hivemind.utils import get_dht_time
 
     from swarm.config import SpecError
-    from swarm.net.directory import RunAddressError, connect_run
+    from swarm.net.dht import RunAddressError, connect_run
 
     try:
         dht, directory, spec, _ = connect_run(address, settings.model_copy(update={"port": 0}), timeout=timeout)

@@ -19,7 +19,7 @@ from peer.exits import EXIT_CODES, exit_code
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.config import PeerSettings
-from swarm.net.directory import parse_run_address
+from swarm.net.dht import parse_run_address
 from swarm.protocol import ServerInfo, StorageInfo
 from swarm.server.session import NoSuchStage, OptimizerFactory, ServerSession, StageServerFactory
 from swarm.host import DeviceUnavailable

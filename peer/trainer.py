@@ -16,7 +16,7 @@ from peer.control import EXIT_GRACE_S, run_controlled
 from peer.exits import EXIT_CODES, exit_code
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.config import PeerSettings
-from swarm.net.directory import parse_run_address
+from swarm.net.dht import parse_run_address
 from swarm.trainer.pipeline import RemotePipeline
 from swarm.protocol import TrainerInfo
 from swarm.trainer.session import PipelineFactory, Trainer, TrainerOptions

@@ -9,7 +9,7 @@ is the same Ed25519 key: its libp2p id (``12D3KooW...``) is the identity multiha
 peer-ids spec, "Ed25519 keys are inlined"), so :func:`public_key_of_p2p_id` recovers the key from the id
 alone. A record or accusation naming a libp2p id is therefore checkable by anyone, offline, with no
 challenge round trip: the id *is* the key, and libp2p's handshake proves that whoever speaks for the id holds
-it (:func:`swarm.net.directory.spawn_dht` starts the daemon with the key).
+it (:func:`swarm.net.dht.spawn_dht` starts the daemon with the key).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def keyed_dhts(n: int, **kw):
     """``n`` DHT nodes on loopback (real p2pd daemons), each speaking as a fresh identity, the others
     bootstrapped from the first (or from ``initial_peers`` in ``kw``): a list of ``(identity, dht)``. The caller
     shuts them down."""
-    from swarm.net.directory import spawn_dht
+    from swarm.net.dht import spawn_dht
     from swarm.identity import Identity
 
     nodes = []

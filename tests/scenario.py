@@ -25,7 +25,7 @@ from hivemind.utils import get_dht_time
 from coordinator.launch import LocalSwarm, Peer, Placement, on_loopback
 from peer.control import send
 from swarm.config import PeerSettings, RunSpec
-from swarm.net.directory import connect_run
+from swarm.net.dht import connect_run
 from swarm.protocol import ServerState
 from tests.conftest import write_spec
 

@@ -1,11 +1,13 @@
 """The coordinator's ban list in a real DHT: only the run key can ban, peers follow the newest list."""
 
+import asyncio
+
 import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from swarm.trust.banlist import PeerBanned, RunBans, update_bans
-from swarm.net.directory import RunDirectory
+from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.identity import Identity
 from swarm.protocol import BanList, bans_key, seal
 
@@ -23,8 +25,8 @@ def run(tiny_spec):
 
 def test_only_the_run_key_bans_and_followers_see_the_newest_list(run):
     directory, coordinator = run
-    follower = RunBans(directory)
-    assert follower.refresh() is None and follower.banned == {}
+    follower = RunBans(AsyncRunDirectory(directory))
+    assert _run(follower.refresh()) is None and follower.banned == {}
     follower.check("anyone")  # nothing banned: no error
 
     with pytest.raises(PermissionError, match="did not create run"):
@@ -37,26 +39,30 @@ def test_only_the_run_key_bans_and_followers_see_the_newest_list(run):
 
     update_bans(directory, coordinator, ban=("peerx", "sent garbage", "12D3KooWX"))
     update_bans(directory, coordinator, ban=("peery", "r" * 300, ""))
-    current = follower.refresh(republish=True)
+    current = _run(follower.refresh(republish=True))
     assert current.banned == {"peerx": "sent garbage", "peery": "r" * 200} and set(follower.banned_p2p_ids) == {"12D3KooWX"}
     assert follower.is_banned("peerx") and not follower.is_banned("honest")
     with pytest.raises(PeerBanned, match="banned from run .* sent garbage.*swarm-coordinator unban"):
         follower.check("peerx")
 
     update_bans(directory, coordinator, unban="peerx")
-    assert set(follower.refresh().banned) == {"peery"}
+    assert set(_run(follower.refresh()).banned) == {"peery"}
     follower.check("peerx")
 
 
 def test_an_older_list_never_replaces_a_newer_one(run):
     directory, coordinator = run
-    follower = RunBans(directory)
+    follower = RunBans(AsyncRunDirectory(directory))
     update_bans(directory, coordinator, ban=("peerx", "first", ""))
-    follower.refresh()
+    _run(follower.refresh())
     stale = BanList(run_id=directory.run_id, peer_id=coordinator.peer_id, time=get_dht_time() - 60, banned={})
     # a replay of an older list, kept alive longer than the newest (hivemind keeps, per sub-key, the value that
     # expires last): every version lives under its own sub-key, so it hides nothing
     assert directory.dht.store(bans_key(directory.run_id), seal(stale, coordinator), get_dht_time() + 600,
                                subkey=stale.dht_subkey())
-    assert follower.refresh().banned == {"peerx": "first"}
-    assert RunBans(directory).refresh().banned == {"peerx": "first"}, "a newcomer reads the newest list too"
+    assert _run(follower.refresh()).banned == {"peerx": "first"}
+    assert _run(RunBans(AsyncRunDirectory(directory)).refresh()).banned == {"peerx": "first"}, "a newcomer reads the newest list too"
+
+
+def _run(coro):
+    return asyncio.run(coro)

@@ -44,7 +44,7 @@ SIGNER = Identity.generate()
 RECORD_KINDS = [cls for cls in vars(protocol).values()
                 if isinstance(cls, type) and issubclass(cls, Record) and cls not in (Record, protocol.AnnouncedRecord)]
 MESSAGE_KINDS = [cls for cls in vars(protocol).values()
-                 if isinstance(cls, type) and issubclass(cls, protocol._Schema) and not issubclass(cls, Record)]
+                 if isinstance(cls, type) and issubclass(cls, protocol.Schema) and not issubclass(cls, Record)]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True),
                     st.text(max_size=40), st.binary(max_size=40))

@@ -14,7 +14,7 @@ from hivemind.utils import get_dht_time
 
 from coordinator.launch import free_port
 from swarm.config import PeerSettings
-from swarm.net.directory import RunUnreachable, join_dht
+from swarm.net.dht import RunUnreachable, join_dht
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,7 +37,7 @@ def _down_address(tmp_path) -> tuple[int, list[str]]:
 def test_a_peer_keeps_trying_until_a_peer_of_the_address_answers(tmp_path, caplog):
     port, maddrs = _down_address(tmp_path)
     joined, nodes = {}, []
-    caplog.set_level(logging.INFO, logger="swarm.net.directory")
+    caplog.set_level(logging.INFO, logger="swarm.net.dht")
     joining = threading.Thread(target=lambda: joined.update(dht=join_dht(
         PeerSettings(host="127.0.0.1"), maddrs, client_mode=True, join_timeout_s=90)), daemon=True)
     joining.start()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
-from swarm.net.directory import spawn_dht
+from swarm.net.dht import spawn_dht
 from swarm.identity import Identity, SignatureError, p2p_id_of, public_key_of_p2p_id
 from swarm.protocol import ProtocolError, ServerInfo, ServerState, StorageInfo, open_record, seal
 from tests.conftest import LOOPBACK_DHT

@@ -8,7 +8,7 @@ import pytest
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
-from swarm.net.directory import reachability
+from swarm.net.dht import reachability
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -104,10 +104,10 @@ class _SlowDirectory:
     def __init__(self):
         self.reads, self.gate = 0, threading.Event()
 
-    def servers(self, stage: int):
+    async def servers(self, stage: int):
         self.reads += 1
         if self.reads > 1:
-            self.gate.wait(30)
+            await asyncio.to_thread(self.gate.wait, 30)
         return [SimpleNamespace(peer_id=f"read{self.reads}", stage=stage, convicted={})]
 
 

@@ -13,12 +13,13 @@ from hivemind.utils import get_dht_time
 
 from swarm.attacks import LyingStageServer
 from swarm.trust.convictions import ConvictionBook, ConvictionFollower, EvidenceService, push_evidence
-from swarm.net.directory import RunDirectory
+from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.trainer.pipeline import RemotePipeline
 from swarm.net.codecs import unpack_tensors
 from swarm.protocol import ProtocolError, ServerInfo, ServerState, StageReceipt, open_record
 from swarm.trust.receipts import check_receipt, sign_receipt, tensors_digest
-from swarm.trust.spotcheck import SpotChecker, odd_one_out, relative_difference, verify_evidence
+from swarm.trust.evidence import odd_one_out, relative_difference, verify_evidence
+from swarm.trust.spotcheck import SpotChecker
 from swarm.server.stage import StageServer
 from swarm.identity import Identity
 from tests.conftest import TINY, keyed_dhts
@@ -46,11 +47,14 @@ async def serving(layout, trainers: int = 1, spec=SPEC):
             server.peer_id, server.ident, server.directory = ident.peer_id, ident, RunDirectory(dht, RUN, ttl=600)
             announce(server, stage)
             servers.append(server)
-        pipes = [RemotePipeline(spec, RUN, RunDirectory(dht, RUN, ttl=600), await dht.replicate_p2p(),
-                                rng=random.Random(i)) for i, (_, dht) in enumerate(nodes[len(layout):])]
+        pipes = []
+        for i, (_, dht) in enumerate(nodes[len(layout):]):
+            p2p = await dht.replicate_p2p()
+            pipes.append(RemotePipeline(spec, RUN, AsyncRunDirectory(RunDirectory(dht, RUN, ttl=600)), p2p,
+                                        observer=SpotChecker(spec, RUN, p2p, rng=random.Random(i))))
         yield servers, (pipes[0] if trainers == 1 else pipes)
         for pipe in pipes:
-            await pipe.checker.drain()
+            await pipe.observer.drain()
     finally:
         for _, dht in reversed(nodes):
             dht.shutdown()
@@ -96,12 +100,12 @@ def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_datase
             lying, honest = servers[1], [servers[2], servers[3]]
             for batch in _batches(tiny_dataset, 12):
                 await pipe.forward_loss(batch, train=True)
-                await pipe.checker.drain()
-                if lying.peer_id in pipe.checker.convicted:
+                await pipe.observer.drain()
+                if lying.peer_id in pipe.observer.convicted:
                     break
-            assert set(pipe.checker.convicted) == {lying.peer_id}, pipe.checker.convicted
-            assert pipe.checker.counts["agreed"] > 0, "honest servers 1e-3 apart agree"
-            evidence = pipe.checker.evidence[-1]
+            assert set(pipe.observer.convicted) == {lying.peer_id}, pipe.observer.convicted
+            assert pipe.observer.counts["agreed"] > 0, "honest servers 1e-3 apart agree"
+            evidence = pipe.observer.evidence[-1]
             assert evidence.call == calls[0] and verify_evidence(evidence) == lying.peer_id
 
             # tampered evidence proves nothing
@@ -128,17 +132,17 @@ def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_datase
             # no evidence, however well signed, is accepted
             with pytest.raises(ProtocolError, match="outer steps"):
                 ConvictionBook(evidence.run_id, me="", min_tolerance=0.0, accepts=False).add(evidence)
-            outer = SpotChecker(TINY.updated(averaging={"mode": "outer"}, spot_checks={"rate": 1.0}), pipe)
+            outer = SpotChecker(TINY.updated(averaging={"mode": "outer"}, spot_checks={"rate": 1.0}), RUN, pipe.p2p)
             assert not any(outer.sample() for _ in range(20))
-            assert SpotChecker(TINY.updated(spot_checks={"rate": 1.0}), pipe).sample()
+            assert SpotChecker(TINY.updated(spot_checks={"rate": 1.0}), RUN, pipe.p2p).sample()
 
             # the convicted server gets no more work from this trainer
             before = lying.samples
             for batch in _batches(tiny_dataset, 4):
                 await pipe.forward_loss(batch, train=True)
-            await pipe.checker.drain()
+            await pipe.observer.drain()
             assert lying.samples == before and all(s.samples > 0 for s in honest)
-            assert set(pipe.checker.convicted) == {lying.peer_id}
+            assert set(pipe.observer.convicted) == {lying.peer_id}
 
     asyncio.run(main())
 
@@ -151,10 +155,10 @@ def test_an_unsigned_reply_convicts_and_two_disagreeing_servers_convict_no_one(t
         async with serving(layout) as (servers, pipe):
             for batch in _batches(tiny_dataset, 6):
                 await pipe.forward_loss(batch, train=True)
-            await pipe.checker.drain()
-            assert set(pipe.checker.convicted) == {servers[1].peer_id}, pipe.checker.convicted
-            assert "no receipt" in pipe.checker.convicted[servers[1].peer_id]
-            assert pipe.checker.counts["inconclusive"] > 0, "stage 1's two servers disagree: no third to break the tie"
+            await pipe.observer.drain()
+            assert set(pipe.observer.convicted) == {servers[1].peer_id}, pipe.observer.convicted
+            assert "no receipt" in pipe.observer.convicted[servers[1].peer_id]
+            assert pipe.observer.counts["inconclusive"] > 0, "stage 1's two servers disagree: no third to break the tie"
 
     asyncio.run(main())
 
@@ -199,7 +203,7 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
 
     async def main():
         async with serving(layout, trainers=2) as (servers, (a, b)):
-            b.checker.cfg = b.checker.cfg.model_copy(update={"rate": 0.0})
+            b.observer.cfg = b.observer.cfg.model_copy(update={"rate": 0.0})
             lying, honest = servers[1], [s for s in servers if s is not servers[1]]
             failed_once = []
 
@@ -208,19 +212,19 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
                     failed_once.append(p2p_id)
                     raise ConnectionError("injected: push lost")
                 await push_evidence(p2p, p2p_id, evidence)
-            monkeypatch.setattr("swarm.trainer.pipeline.push_evidence", flaky_push)
-            monkeypatch.setattr("swarm.trainer.pipeline.PUSH_RETRY_S", (0.1,))
+            monkeypatch.setattr("swarm.trust.convictions.push_evidence", flaky_push)
+            monkeypatch.setattr("swarm.trust.convictions.PUSH_RETRY_S", (0.1,))
             for batch in _batches(tiny_dataset, 12):
                 await a.forward_loss(batch, train=True)
-                await a.checker.drain()
-                if lying.peer_id in a.checker.convicted:
+                await a.observer.drain()
+                if lying.peer_id in a.observer.convicted:
                     break
-            assert set(a.checker.convicted) == {lying.peer_id}
+            assert set(a.observer.convicted) == {lying.peer_id}
             assert failed_once and all(lying.peer_id in s.book for s in honest), "every server verified the evidence"
             assert lying.peer_id not in lying.book, "the accused does not list itself"
 
             # a forged push: the accused answer swapped for a witness's is refused, the sender named in the log
-            evidence = a.checker.evidence[-1]
+            evidence = a.observer.evidence[-1]
             forged = dataclasses.replace(evidence, accused=(evidence.accused + 1) % 3)
             with pytest.raises(Exception, match="single out|another request"):
                 await push_evidence(b.p2p, honest[0].ident.p2p_id, forged)
@@ -228,17 +232,17 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
 
             for batch in _batches(tiny_dataset, 2):
                 await b.forward_loss(batch, train=True)
-            assert lying.peer_id not in b.checker.convicted, "nothing listed yet: B routes to everyone"
+            assert lying.peer_id not in b.observer.convicted, "nothing listed yet: B routes to everyone"
             announce(honest[1], 1)  # its record now lists the conviction
             before = lying.samples
             b.refresh_s = 0.0
             for _ in range(50):
                 await b.servers(1)
-                await b.checker.drain()
-                if lying.peer_id in b.checker.convicted:
+                await b.observer.drain()
+                if lying.peer_id in b.observer.convicted:
                     break
                 await asyncio.sleep(0.2)
-            assert b.checker.convicted.keys() == {lying.peer_id} and b.checker.counts["adopted"] == 1
+            assert b.observer.convicted.keys() == {lying.peer_id} and b.observer.counts["adopted"] == 1
             for batch in _batches(tiny_dataset, 6):
                 await b.forward_loss(batch, train=True)
             assert lying.samples == before, "B no longer routes to the liar"

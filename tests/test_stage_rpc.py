@@ -9,14 +9,15 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.config import PROTOCOL_VERSION, RunSpec
-from swarm.net.directory import RunDirectory
+from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.model import build_stage, lm_loss
 from swarm.trainer.pipeline import RemotePipeline
 from swarm.logs import HANDLER_LOGGER, RefusalFilter
 from swarm.protocol import (BackwardRequest, ForwardRequest, PingRequest, Refusal, ServerInfo, ServerState, StageResponse,
                             pack_message, unpack_message)
 from swarm.net.transport import gather, stream_out
-from swarm.server.stage import StageServer, is_serving
+from swarm.net.stage_rpc import is_serving
+from swarm.server.stage import StageServer
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
 
@@ -37,13 +38,13 @@ def test_stage_rpcs_and_refusals(dhts, exact_spec_path):
         for s in servers:  # both stages on one peer, distinguished by the request's stage field
             await s.add_p2p_handlers(p2p_server, namespace=f"{RUN}/{s.stage}")
         p2p = await client_dht.replicate_p2p()
-        pipe = RemotePipeline(spec, RUN, RunDirectory(client_dht, RUN), p2p)
+        pipe = RemotePipeline(spec, RUN, AsyncRunDirectory(RunDirectory(client_dht, RUN)), p2p)
         s0, s1 = info(server_dht, 0), info(server_dht, 1)
 
         async def call(stage, method, msg, tensors):
             pipe.run_id = f"{RUN}/{stage}"  # namespace of that stage's handlers in this test
             try:
-                reply = await pipe._rpc(s0 if stage == 0 else s1, method, msg, tensors, 20)
+                reply = await pipe.call(s0 if stage == 0 else s1, method, msg, tensors, 20)
                 return reply.msg, reply.tensors
             finally:
                 pipe.run_id = RUN

@@ -79,10 +79,10 @@ class Auditor:
 
     def _init_audit(self, identity: Optional[Identity], run_id: str, audit_probability: float, dht) -> None:
         """:raises ValueError: no ``identity``, or not the key ``dht``'s libp2p daemon speaks as (start the DHT
-            with :func:`swarm.net.directory.spawn_dht`)."""
+            with :func:`swarm.net.dht.spawn_dht`)."""
         if identity is None or dht is None or str(dht.peer_id) != identity.p2p_id:
             raise ValueError("an averager signs as its peer: pass the Identity its DHT was started with "
-                             "(swarm.net.directory.spawn_dht(identity, ...))")
+                             "(swarm.net.dht.spawn_dht(identity, ...))")
         self.identity = identity
         self.run_id, self.audit_probability = run_id, audit_probability
         self.accountant = _SigningAccountant(self)

@@ -37,7 +37,8 @@ from swarm.checkpoint.writer import CheckpointError, write_checkpoint
 from swarm.identity import peer_id_of
 from swarm.logs import PeerLog
 from swarm.protocol import RestoreReport, RollbackOrder, ServerState, rollback_key
-from swarm.server.stage import EpochEnd, StageServer, is_serving
+from swarm.net.stage_rpc import is_serving
+from swarm.server.stage import EpochEnd, StageServer
 
 logger = logging.getLogger(__name__)
 

@@ -17,14 +17,13 @@ tolerances):
   GPU (``TritonBackend`` says by how much). The CUDA default when Triton is installed; runs on the CPU only under
   ``TRITON_INTERPRET=1`` (slowly: for tests).
 
-:func:`select_backend` picks one per device (``auto``) or takes a forced name (the ``SWARM_KERNELS`` setting).
+:func:`~swarm.kernels.selection.select_backend` picks one per device (``auto``) or takes a forced name (the
+``SWARM_KERNELS`` setting).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from typing import Callable, Optional
 
 import torch
@@ -33,7 +32,8 @@ from swarm.kernels import reference
 from swarm.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
 BACKENDS = ("reference", "torch", "compiled", "triton")
-"""Names a peer may force (``SWARM_KERNELS``); ``auto`` picks per device (:func:`select_backend`)."""
+"""Names a peer may force (``SWARM_KERNELS``); ``auto`` picks per device
+(:func:`~swarm.kernels.selection.select_backend`)."""
 
 
 class KernelBackend:
@@ -127,42 +127,7 @@ class CompiledBackend(TorchBackend):
         return self._ops["rope"](x, cos, sin)
 
 
-class BackendUnavailable(ValueError):
-    """A forced backend this peer cannot run (the message names the cause and the fix)."""
-
-
-def triton_usable(device: torch.device) -> Optional[str]:
-    """None if Triton kernels can run on ``device``, else why not (one line)."""
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (pip install triton; the CUDA peer image has it)"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"Triton runs on CUDA devices, not {device.type} (TRITON_INTERPRET=1 runs it on the CPU, slowly)"
-    return None
-
-
-def select_backend(choice: str, device: torch.device) -> KernelBackend:
-    """The backend ``choice`` (one of :data:`BACKENDS` or ``auto``) for ``device``.
-
-    ``auto``: ``triton`` on a CUDA device with Triton installed, else ``torch``.
-
-    :raises BackendUnavailable: an unknown name, or a forced ``triton`` that cannot run here.
-    """
-    if choice == "auto":
-        choice = "triton" if device.type == "cuda" and triton_usable(device) is None else "torch"
-    if choice == "triton":
-        why = triton_usable(device)
-        if why is not None:
-            raise BackendUnavailable(f"kernel backend 'triton' cannot run here: {why}; set SWARM_KERNELS=auto")
-        from swarm.kernels.triton_ops import TritonBackend
-        return TritonBackend()
-    makers = {"reference": KernelBackend, "torch": TorchBackend, "compiled": CompiledBackend}
-    if choice not in makers:
-        raise BackendUnavailable(f"unknown kernel backend {choice!r}; pick auto or one of {', '.join(BACKENDS)}")
-    return makers[choice]()
-
-
 REFERENCE = KernelBackend()
 """The reference backend (stateless; shared)."""
 
-__all__ = ["BACKENDS", "BackendUnavailable", "CompiledBackend", "KernelBackend", "REFERENCE", "TorchBackend",
-           "select_backend", "triton_usable"]
+__all__ = ["BACKENDS", "CompiledBackend", "KernelBackend", "REFERENCE", "TorchBackend"]

@@ -1,29 +1,27 @@
-"""The run directory: starting a DHT node from a run address, publishing and reading a run's signed records.
+"""The run directory: publishing and reading a run's signed records in its DHT.
 
-A *run address* is ``<run_id>@<multiaddr>[,<multiaddr>...]``: the run id and the bootstrap peers. The
-directory reads only records that verify (:func:`swarm.protocol.open_record`); bad ones are logged with
-their cause and skipped, so a forged or malformed record never reaches routing or monitoring.
+The directory reads only records that verify (:func:`swarm.protocol.open_record`); bad ones are logged with
+their cause and skipped, so a forged or malformed record never reaches routing or monitoring. It has two faces
+over the same records, in the manner of httpx's ``Client`` and ``AsyncClient``: :class:`RunDirectory`, whose
+calls block (observers, tests, code on a worker thread), and :class:`AsyncRunDirectory`, whose calls are awaited
+(every peer's code on its event loop: ``await directory.servers(k)``). A DHT call blocks on hivemind's DHT
+process and a record's signature check costs CPU, so the async face runs each call in the loop's default
+executor. Joining a run (its address, the DHT node) is :mod:`swarm.net.dht`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import os
-import re
-import tempfile
 import time
 from concurrent.futures import CancelledError
-from typing import Any, Optional, Sequence, Type, TypeVar
+from typing import Any, Optional, Type, TypeVar
 
 import hivemind
-from hivemind.p2p import P2PDaemonError
 from hivemind.utils import get_dht_time
 
-from swarm.config import PeerSettings, RunSpec, SpecError
-from swarm.net.dht_validation import RunRecordValidator
-from swarm.identity import Identity, claim_identity, derive_run_id, peer_id_of
+from swarm.config import RunSpec, SpecError
+from swarm.identity import Identity, derive_run_id, peer_id_of
 from swarm.protocol import (
     AnnouncedRecord,
     BanList,
@@ -51,86 +49,6 @@ from swarm.protocol import (
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
-
-_RUN_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,31}-[a-z2-7]{16}")
-
-
-class RunAddressError(ValueError):
-    """A run address that cannot be parsed."""
-
-
-def format_run_address(run_id: str, maddrs: Sequence[str]) -> str:
-    return f"{run_id}@{','.join(str(m) for m in maddrs)}"
-
-
-def parse_run_address(address: str) -> tuple[str, list[str]]:
-    """``(run_id, bootstrap multiaddrs)`` of a run address; raises :class:`RunAddressError`."""
-    run_id, sep, rest = address.strip().partition("@")
-    maddrs = [m for m in rest.split(",") if m]
-    if not sep or not _RUN_ID.fullmatch(run_id) or not maddrs or not all(m.startswith("/") for m in maddrs):
-        raise RunAddressError(
-            f"bad run address {address!r}; expected <run_id>@<multiaddr>[,<multiaddr>...] as printed by "
-            "`swarm-coordinator serve`, e.g. demo-abcdefghijklmnop@/ip4/1.2.3.4/tcp/31337/p2p/12D3Koo..."
-        )
-    return run_id, maddrs
-
-
-def relay_enabled(settings: PeerSettings) -> bool:
-    """Circuit relays are on: ``SWARM_RELAY=auto`` and a non-loopback host (a loopback swarm needs none)."""
-    return settings.relay == "auto" and settings.host not in ("127.0.0.1", "localhost")
-
-
-def spawn_dht(identity: Optional[Identity], **kwargs) -> hivemind.DHT:
-    """``hivemind.DHT(**kwargs)`` whose p2pd speaks as ``identity`` (its libp2p id is ``identity.p2p_id``; see
-    :mod:`swarm.identity`), or a random libp2p key when ``identity`` is None (a monitoring client that signs
-    nothing). The key reaches p2pd through a file readable by this user only, deleted once the daemon runs.
-
-    :raises IdentityInUse: another process on this machine runs as ``identity`` (:func:`claim_identity`).
-    :raises RuntimeError: the daemon came up under another libp2p id (it did not take the key).
-    """
-    if identity is None:
-        return hivemind.DHT(**kwargs)
-    claim_identity(identity)
-    with tempfile.TemporaryDirectory(prefix="swarm-key-") as folder:
-        path = os.path.join(folder, "p2p.key")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(identity.libp2p_private_key())
-        # hivemind's own "identity taken" probe reads RSA keys only; claim_identity covers this machine
-        dht = hivemind.DHT(identity_path=path, check_if_identity_free=False, **kwargs)
-    if str(dht.peer_id) != identity.p2p_id:
-        dht.shutdown()
-        raise RuntimeError(f"p2pd came up as {dht.peer_id}, not as this peer's key {identity.p2p_id}")
-    return dht
-
-
-def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, client_mode: bool = False,
-              run_id: Optional[str] = None, identity: Optional[Identity] = None) -> hivemind.DHT:
-    """Start a hivemind DHT node (its own process and p2pd) listening per ``settings``; with ``run_id``, it
-    validates the run's records (:class:`~swarm.net.dht_validation.RunRecordValidator`); with ``identity``, its
-    libp2p id is that key's (:func:`spawn_dht`): every peer that signs records passes its identity.
-
-    With ``SWARM_RELAY=auto`` (default) on a non-loopback host, libp2p circuit relays are on: this node can
-    reach relayed peers and relay for others, and, if AutoNAT finds it unreachable, it reserves a slot on a
-    public peer's relay and announces that ``/p2p-circuit`` address instead (hivemind's ``use_auto_relay``).
-    """
-    loopback = settings.host in ("127.0.0.1", "localhost")
-    relay = relay_enabled(settings)
-    kwargs = dict(
-        initial_peers=list(initial_peers),
-        start=True,
-        client_mode=client_mode,
-        host_maddrs=[f"/ip4/{settings.host}/tcp/{settings.port}"],
-        use_relay=relay,
-        use_auto_relay=relay and not client_mode,
-        record_validators=[RunRecordValidator(run_id)] if run_id else [],
-    )
-    if loopback:
-        kwargs.update(nat_port_map=False, auto_nat=False)
-    if settings.announce_host:
-        kwargs["announce_maddrs"] = [f"/ip4/{settings.announce_host}/tcp/{settings.port}"]
-    return spawn_dht(identity, **kwargs)
-
 
 ROSTER_READ_S = 2.0
 """Seconds between two reads of a stage's records made to look up a peer not seen serving it
@@ -384,89 +302,87 @@ class RunDirectory:
                       key=lambda ob: (-ob[0].generation, -ob[0].time))
 
 
-def visible_maddrs(dht: hivemind.DHT) -> list[str]:
-    """The node's multiaddrs that others can dial, loopback last; empty for a peer that cannot listen."""
-    try:
-        addrs = [str(m) for m in dht.get_visible_maddrs()]
-    except ValueError:  # hivemind: "No multiaddrs found for peer ..."
-        return []
-    return sorted(addrs, key=lambda a: a.startswith("/ip4/127."))
+class AsyncRunDirectory:
+    """:class:`RunDirectory`'s calls, awaited (module docstring): what a peer's event-loop code reads and publishes
+    the run's records through. :attr:`blocking` is the blocking face over the same records and caches, for code on
+    another thread."""
+
+    def __init__(self, blocking: RunDirectory):
+        self.blocking = blocking
+
+    @property
+    def run_id(self) -> str:
+        return self.blocking.run_id
+
+    @property
+    def ttl(self) -> float:
+        """Seconds an announcement lives (the spec's ``record_ttl_s`` once joined)."""
+        return self.blocking.ttl
+
+    @property
+    def run_key(self) -> Optional[bytes]:
+        """The coordinator's public key, once a spec verified."""
+        return self.blocking.run_key
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    # ---- reads ---------------------------------------------------------------------------------------------
+    async def servers(self, stage: int) -> list[ServerInfo]:
+        """:meth:`RunDirectory.servers`: verified, unexpired server records of ``stage``, any state."""
+        return await self._call(self.blocking.servers, stage)
+
+    async def fresh_servers(self, stage: int, slack_s: float = 1.5,
+                            states: tuple[ServerState, ...] = (ServerState.ONLINE,)) -> list[ServerInfo]:
+        """:meth:`RunDirectory.fresh_servers`: servers of ``stage`` in ``states`` announced within ``ttl / 3 +
+        slack_s`` seconds."""
+        return await self._call(self.blocking.fresh_servers, stage, slack_s, states)
+
+    async def all_servers(self, num_stages: int) -> dict[int, list[ServerInfo]]:
+        return await self._call(self.blocking.all_servers, num_stages)
+
+    async def trainers(self) -> list[TrainerInfo]:
+        return await self._call(self.blocking.trainers)
+
+    async def storage(self) -> list[StorageInfo]:
+        """Verified StorageInfo records: the fragment holders alive now."""
+        return await self._call(self.blocking.storage)
+
+    async def manifests(self, stage: int) -> list[tuple[CheckpointManifest, bytes]]:
+        """:meth:`RunDirectory.manifests`: verified manifests of ``stage`` from entitled writers, newest first."""
+        return await self._call(self.blocking.manifests, stage)
+
+    async def rollback_orders(self) -> list[tuple[RollbackOrder, bytes]]:
+        return await self._call(self.blocking.rollback_orders)
+
+    async def bans(self) -> tuple[Optional[BanList], Optional[bytes]]:
+        return await self._call(self.blocking.bans)
+
+    async def entitled(self, manifest: CheckpointManifest) -> Optional[str]:
+        """:meth:`RunDirectory.entitled`: None if the manifest's writer and an endorser may commit it, else why."""
+        return await self._call(self.blocking.entitled, manifest)
+
+    # ---- writes --------------------------------------------------------------------------------------------
+    async def announce(self, key: str, record: Record, identity: Identity) -> bool:
+        return await self._call(self.blocking.announce, key, record, identity)
+
+    async def announce_server(self, info: ServerInfo, identity: Identity) -> bool:
+        return await self._call(self.blocking.announce_server, info, identity)
+
+    async def announce_trainer(self, info: TrainerInfo, identity: Identity) -> bool:
+        return await self._call(self.blocking.announce_trainer, info, identity)
+
+    async def publish_spec(self, sealed: bytes) -> bool:
+        return await self._call(self.blocking.publish_spec, sealed)
+
+    async def publish_manifest(self, manifest: CheckpointManifest, sealed: bytes) -> bool:
+        return await self._call(self.blocking.publish_manifest, manifest, sealed)
+
+    async def publish_bans(self, bans: BanList, sealed: bytes, ttl: Optional[float] = None) -> bool:
+        return await self._call(self.blocking.publish_bans, bans, sealed, ttl)
+
+    async def store_sealed(self, key: str, subkey: str, sealed: bytes) -> bool:
+        return await self._call(self.blocking.store_sealed, key, subkey, sealed)
 
 
-def reachability(maddrs: Sequence[str], relay: bool = False) -> str:
-    """How peers outside this peer's network reach it: ``relayed`` if it has a libp2p circuit address, or if
-    relays are on (:func:`relay_enabled`) and none of its addresses is public (its inbound connections then come
-    through a relay; p2pd does not always list circuit addresses); else ``direct``."""
-    if any("/p2p-circuit" in m for m in maddrs):
-        return "relayed"
-    return "relayed" if relay and not any(_is_public(m) for m in maddrs) else "direct"
-
-
-def _is_public(maddr: str) -> bool:
-    parts = maddr.split("/")
-    if len(parts) < 3:
-        return False
-    if parts[1].startswith("dns"):
-        return True
-    try:
-        return parts[1] in ("ip4", "ip6") and ipaddress.ip_address(parts[2]).is_global
-    except ValueError:
-        return False
-
-
-class RunUnreachable(ConnectionError):
-    """None of a run address's peers answered: the run is not up yet, its peers left, or the network is down."""
-
-
-JOIN_RETRY_S = (1.0, 2.0, 4.0, 8.0)
-"""Seconds between attempts to reach a run's peers (the last one repeats)."""
-
-
-def join_dht(settings: PeerSettings, maddrs: Sequence[str], *, client_mode: bool, join_timeout_s: float = 0.0,
-             run_id: Optional[str] = None, identity: Optional[Identity] = None) -> hivemind.DHT:
-    """:func:`start_dht` bootstrapped from ``maddrs``, trying again (:data:`JOIN_RETRY_S` apart) until one of
-    them answers or ``join_timeout_s`` seconds have passed.
-
-    :raises RunUnreachable: no peer of ``maddrs`` answered in time.
-    """
-    deadline, attempt = time.monotonic() + join_timeout_s, 0
-    while True:
-        try:
-            return start_dht(settings, maddrs, client_mode=client_mode, run_id=run_id, identity=identity)
-        except P2PDaemonError as e:
-            if "bootstrap" not in str(e):  # not about the run's peers (a taken port, a broken daemon): say so
-                raise
-            wait = JOIN_RETRY_S[min(attempt, len(JOIN_RETRY_S) - 1)]
-            if time.monotonic() + wait > deadline:
-                raise RunUnreachable(
-                    f"none of the run's peers {list(maddrs)} answered (tried for {join_timeout_s:.0f} s): check "
-                    "that the run is up (`swarm-coordinator status <address>`), that this machine can reach that "
-                    "address, or join through another peer's address; SWARM_JOIN_TIMEOUT_S waits longer") from None
-            attempt += 1
-            logger.info("none of the run's peers answered yet (attempt %d); trying again in %.0f s", attempt, wait)
-            time.sleep(wait)
-
-
-def connect_run(address: str, settings: Optional[PeerSettings] = None, *, client_mode: bool = True,
-                timeout: float = 30.0, join_timeout_s: float = 0.0, identity: Optional[Identity] = None
-                ) -> tuple[hivemind.DHT, RunDirectory, RunSpec, bytes]:
-    """Join the DHT of a run address and fetch its verified spec: ``(dht, directory, spec, sealed_spec)``.
-
-    :param identity: the peer's key, which becomes its libp2p identity (servers and trainers); None for a
-        monitoring client.
-    :param timeout: seconds to wait for the spec once joined.
-    :param join_timeout_s: seconds to keep trying to reach the address's peers (:func:`join_dht`).
-    :raises RunUnreachable: none of the address's peers answered within ``join_timeout_s``.
-    :raises SpecError: the run's spec could not be fetched and verified.
-    """
-    run_id, maddrs = parse_run_address(address)
-    dht = join_dht(settings or PeerSettings(host="127.0.0.1"), maddrs, client_mode=client_mode,
-                   join_timeout_s=join_timeout_s, run_id=run_id, identity=identity)
-    try:
-        directory = RunDirectory(dht, run_id)
-        spec, sealed = directory.fetch_spec(timeout)
-        directory.ttl = spec.timeouts.record_ttl_s
-        return dht, directory, spec, sealed
-    except BaseException:
-        dht.shutdown()
-        raise
+__all__ = ["AsyncRunDirectory", "RunDirectory"]

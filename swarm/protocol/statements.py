@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from swarm.protocol import Record, open_record
+from swarm.protocol.schema import Record, open_record
 
 
 class PartCommitment(Record):

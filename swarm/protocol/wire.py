@@ -1,5 +1,5 @@
 """Wire messages of the protocol: the ``metadata`` of the stage, averaging, fragment and evidence RPCs
-(msgpack of :class:`~swarm.protocol._Schema` subclasses; see :mod:`swarm.protocol` for versioning)."""
+(msgpack of :class:`~swarm.protocol.Schema` subclasses; see :mod:`swarm.protocol` for versioning)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Literal, Optional, Type
 import msgpack
 from pydantic import Field, model_validator
 
-from swarm.protocol import MAX_METADATA_BYTES, ProtocolError, S, _parse, _Schema
+from swarm.protocol.schema import MAX_METADATA_BYTES, ProtocolError, S, Schema, parse
 
 
-class ForwardRequest(_Schema):
+class ForwardRequest(Schema):
     """Run a micro-batch through a stage.
 
     Tensors: ``[inputs]`` — int64 token ids ``(B, T)`` for stage 0, else float32 hidden states ``(B, T, d)``;
@@ -29,7 +29,7 @@ class ForwardRequest(_Schema):
     codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 
 
-class BackwardRequest(_Schema):
+class BackwardRequest(Schema):
     """Backpropagate a micro-batch through a stage (not the last one).
 
     Tensors: ``[grad_outputs]`` float32 ``(B, T, d)``, followed by the forward ``inputs`` when
@@ -45,14 +45,14 @@ class BackwardRequest(_Schema):
     codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 
 
-class PingRequest(_Schema):
+class PingRequest(Schema):
     """Is this stage server alive and serving (``rpc_ping``)? Answered with a tensor-less StageResponse."""
 
     run_id: str
     stage: int = Field(ge=0)
 
 
-class StateDigestRequest(_Schema):
+class StateDigestRequest(Schema):
     """What is your state's digest at ``epoch`` (``rpc_state_digest``)? A server that loaded the stage's state
     from a live server asks the stage's other servers before it keeps that state (:mod:`swarm.trust.statecheck`).
     Answered with a tensor-less StageResponse: the server's ``epoch`` now and ``state_sha256`` at ``epoch``
@@ -63,7 +63,7 @@ class StateDigestRequest(_Schema):
     epoch: int = Field(ge=0)
 
 
-class StageResponse(_Schema):
+class StageResponse(Schema):
     """Reply to a stage RPC; tensors: outputs (forward) or input gradients (backward / last stage train)."""
 
     loss: Optional[float] = None
@@ -75,7 +75,7 @@ class StageResponse(_Schema):
                               "whole state at the asked epoch (swarm.checkpoint.state.state_digest), or empty.")
 
 
-class EvidenceMessage(_Schema):
+class EvidenceMessage(Schema):
     """A spot check's evidence on the wire (:mod:`swarm.trust.convictions`): the three answers' sealed
     :class:`StageReceipt` s, which one lied, the tolerance, and how many tensors of each of the six groups follow
     (the check request, the three answers, the accused's own request and forward request when they differ)."""
@@ -97,7 +97,7 @@ class EvidenceMessage(_Schema):
         return self
 
 
-class EvidenceRequest(_Schema):
+class EvidenceRequest(Schema):
     """Ask a peer for the evidence behind a conviction it lists (``rpc_get_evidence``); also the answer to a
     push of evidence (``rpc_push_evidence``), naming the accused the evidence proved."""
 
@@ -105,7 +105,7 @@ class EvidenceRequest(_Schema):
     accused: str = Field(min_length=1, max_length=64)
 
 
-class AveragingPart(_Schema):
+class AveragingPart(Schema):
     """One sender's part of one partition in an averaging round (:mod:`swarm.averaging.allreduce`).
 
     Tensors: the part encoded with ``codec`` (see :mod:`swarm.averaging.compression`). ``digest`` is the
@@ -121,7 +121,7 @@ class AveragingPart(_Schema):
     commitment: bytes = Field(b"", max_length=4096, description="The sender's sealed PartCommitment.")
 
 
-class AveragingReply(_Schema):
+class AveragingReply(Schema):
     """The reducer's answer: the partition's aggregate (tensors, encoded with the round's codec) and what it
     made of the sender's part. ``error`` set means there is no aggregate (tensors empty)."""
 
@@ -134,7 +134,7 @@ class AveragingReply(_Schema):
     receipt: bytes = Field(b"", max_length=32 * 1024, description="The reducer's sealed ReductionReceipt.")
 
 
-class AuditRequest(_Schema):
+class AuditRequest(Schema):
     """Ask a sender for its part of an audited partition (``rpc_audit_part``) or an auditor for the evidence
     behind an accusation (``rpc_audit_evidence``)."""
 
@@ -142,7 +142,7 @@ class AuditRequest(_Schema):
     partition: int = Field(ge=0)
 
 
-class AuditReply(_Schema):
+class AuditReply(Schema):
     """Tensors: the encoded part (``rpc_audit_part``), or the encoded aggregate followed by every committed
     part in receipt order (``rpc_audit_evidence``). ``error`` set: nothing follows."""
 
@@ -151,7 +151,7 @@ class AuditReply(_Schema):
     tensors_per_part: int = 0
 
 
-def pack_message(msg: _Schema) -> bytes:
+def pack_message(msg: Schema) -> bytes:
     return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
 
 
@@ -162,10 +162,10 @@ def unpack_message(data: bytes, cls: Type[S]) -> S:
                             "or it refused the request at its first chunk: check the request's size and tensors)")
     if len(data) > MAX_METADATA_BYTES:
         raise ProtocolError(f"message metadata of {len(data)} bytes exceeds {MAX_METADATA_BYTES}")
-    return _parse(data, cls, "message")
+    return parse(data, cls, "message")
 
 
-class FragmentPut(_Schema):
+class FragmentPut(Schema):
     """Ask a peer to hold a checkpoint fragment (``rpc_put_fragment``); tensors: the bytes as uint8 ``(size,)``."""
 
     run_id: str
@@ -175,7 +175,7 @@ class FragmentPut(_Schema):
     sha256: str = Field(min_length=64, max_length=64)
 
 
-class FragmentGet(_Schema):
+class FragmentGet(Schema):
     """Ask a holder for a fragment (``rpc_get_fragment``); ``sha256`` names the one the manifest lists."""
 
     run_id: str
@@ -185,14 +185,14 @@ class FragmentGet(_Schema):
     sha256: str = Field("", max_length=64)
 
 
-class ManifestPut(_Schema):
+class ManifestPut(Schema):
     """Hand a holder the sealed manifest of a checkpoint it holds fragments of (``rpc_put_manifest``), so it
     can re-publish the manifest after every other peer is gone; tensors: the sealed bytes as uint8 ``(size,)``."""
 
     run_id: str
 
 
-class EndorseRequest(_Schema):
+class EndorseRequest(Schema):
     """A checkpoint's writer asks a peer to endorse it (``rpc_endorse``); the reply carries the sealed
     :class:`Endorsement` as uint8 bytes, or an error naming why not."""
 
@@ -202,7 +202,7 @@ class EndorseRequest(_Schema):
     state_sha256: str = Field(min_length=64, max_length=64)
 
 
-class FragmentReply(_Schema):
+class FragmentReply(Schema):
     """``error`` empty: done (for a get, the fragment's bytes follow as uint8 and ``sha256`` names them)."""
 
     error: str = Field("", max_length=512)

@@ -7,7 +7,7 @@ and :meth:`~ServerSession.resume`); a test starts one in-process the same way::
     session = ServerSession(address, PeerSettings(host="127.0.0.1"), stage=0)
     await session.run()            # until session.stop()
 
-1. Join the run's DHT and fetch the verified spec (:func:`swarm.net.directory.connect_run`); start the fragment
+1. Join the run's DHT and fetch the verified spec (:func:`swarm.net.dht.connect_run`); start the fragment
    keeper (:mod:`swarm.checkpoint.keeper`), which serves and re-announces the fragments on this peer's disk for
    the whole life of the process, whatever stage it serves. A peer on the run's ban list stops here
    (:class:`~swarm.trust.banlist.PeerBanned`).
@@ -58,7 +58,7 @@ from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.lifecycle import StageCheckpoints
 from swarm.config import PeerSettings, RunSpec
 from swarm.trust.convictions import ConvictionBook, ConvictionFollower, EvidenceService
-from swarm.net.directory import connect_run, reachability, relay_enabled, visible_maddrs
+from swarm.net.dht import connect_run, reachability, relay_enabled, visible_maddrs
 from swarm.host import ThreadShare, resolve_device
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
@@ -262,7 +262,7 @@ class ServerSession:
         return choose_stage(self.spec.model, self.directory.all_servers(self.spec.model.num_stages))
 
     def _say_reachability(self) -> None:
-        """Log how peers outside this one's network reach it (see :func:`swarm.net.directory.reachability`)."""
+        """Log how peers outside this one's network reach it (see :func:`swarm.net.dht.reachability`)."""
         shown = ", ".join(self.maddrs[:2]) or "none"
         if reachability(self.maddrs, relay_enabled(self.settings)) == "relayed":
             self.log.warning("the swarm reaches this peer through a relay (no public address: %s): slower; forward "

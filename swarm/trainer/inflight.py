@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Optional, Sequence
 
-from swarm.server.stage import ping_seconds
+from swarm.net.stage_rpc import ping_seconds
 
 MOST_IN_FLIGHT = 16
 """Most micro-batches a trainer keeps in flight (each holds its activations, ~B x T x d floats per stage); half of

@@ -1,15 +1,17 @@
 """A trainer's view of the model: a chain of remote stages, one server per stage per micro-batch.
 
 :meth:`RemotePipeline.forward_loss` streams int64 tokens ``(B, T+1)`` forward through stages ``0..S-1``
-(servers picked by :class:`~swarm.trainer.routing.Router`), the last stage returns the loss and the gradient of its
-input, and the gradient flows back through the servers that ran the forward. Any failed call (error reply,
+(servers picked by :class:`~swarm.trainer.routing.Router`), the last stage returns the loss and the gradient of
+its input, and the gradient flows back through the servers that ran the forward. Any failed call (error reply,
 timeout, unreachable peer) backs off from that server (exponentially) and retries the same step on another
 server of the stage; a backward retried elsewhere carries the stage inputs so the new server recomputes the
 forward (SWARM, sec. 3.2). The trainer keeps every stage input of a micro-batch until its backward is done.
-Servers on the run's ban list, and servers convicted by spot checks (:mod:`swarm.trust.spotcheck`: a sample of
-training calls is re-run on other servers of the stage) are never used: this trainer's own convictions, whose
-evidence it hands to the servers, and those a server lists whose evidence this trainer fetched and verified
-(:mod:`swarm.trust.convictions`).
+Servers on the run's ban list are never used.
+
+The pipeline owns its stage calls (:meth:`RemotePipeline.call`, each answered with a :class:`StageReply`) and
+tells an observer (:class:`PipelineObserver`) about them: the trainer gives it its spot checks
+(:class:`~swarm.trust.spotcheck.SpotChecker`), which re-run a sample of the training calls on other servers of
+the stage through :meth:`RemotePipeline.call` and refuse the servers they convicted.
 """
 
 from __future__ import annotations
@@ -19,25 +21,22 @@ import functools
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional, TypeVar
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from swarm.config import RunSpec
-from swarm.net.directory import RunDirectory
+from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
+from swarm.net.directory import AsyncRunDirectory
+from swarm.net.stage_rpc import MAX_WIRE_TENSORS, max_message_bytes, stage_stub
+from swarm.net.transport import gather, stream_out
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
 from swarm.trainer.routing import NoServerError, Router
-from swarm.trust.convictions import ConvictionBook, ConvictionFollower, push_evidence
-from swarm.trust.spotcheck import SpotChecker, SpotEvidence, StageReply, answers_comparable
-from swarm.server.stage import MAX_WIRE_TENSORS, StageServer, max_message_bytes
-from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
-from swarm.net.transport import gather, stream_out
 
 logger = logging.getLogger(__name__)
-PUSH_RETRY_S = (5.0, 20.0)
-"""Seconds a trainer waits before pushing evidence again to the servers a push failed on (then gives up)."""
 
 T = TypeVar("T")
 
@@ -48,18 +47,56 @@ class PipelineError(RuntimeError):
     """A micro-batch that failed on every server tried within the attempt budget."""
 
 
+@dataclass
+class StageReply:
+    """One stage call as the trainer saw it: the server, the reply, its tensors (decoded), and the wire form of
+    what was sent and received (what the server's receipt states, :mod:`swarm.trust.receipts`)."""
+
+    server: ServerInfo
+    msg: StageResponse
+    tensors: list[torch.Tensor]
+    request_wire: list[torch.Tensor]
+    reply_wire: list[torch.Tensor]
+
+
+class PipelineObserver:
+    """What watches a pipeline's calls from outside (the trainer's spot checks,
+    :class:`~swarm.trust.spotcheck.SpotChecker`). The default watches nothing and refuses no server."""
+
+    def refuses(self, server: ServerInfo) -> bool:
+        """Never route to ``server``."""
+        return False
+
+    def saw(self, stage: int, servers: list[ServerInfo]) -> None:
+        """The records of ``stage``'s servers were just read (banned servers already left out)."""
+
+    def forwarded(self, caller: "RemotePipeline", stage: int, request: ForwardRequest, tensors: list[torch.Tensor],
+                  reply: StageReply) -> None:
+        """A training forward of ``stage`` with ``tensors`` was answered with ``reply``."""
+
+    def backwarded(self, caller: "RemotePipeline", stage: int, mb_id: str, grad: torch.Tensor, inputs: torch.Tensor,
+                   reply: StageReply, forward: StageReply) -> None:
+        """A backward of ``stage`` (output gradient ``grad``, stage inputs ``inputs``) was answered with ``reply``;
+        ``forward`` is the reply to the micro-batch's forward of the stage."""
+
+    async def drain(self) -> None:
+        """Wait for work the observer runs beside training."""
+
+
 class RemotePipeline:
     """Runs micro-batches through the run's stage servers with routing, back-off and retries.
 
+    :param directory: the run's records (the servers of each stage).
     :param bans: the run's ban list (:class:`~swarm.trust.banlist.RunBans`): servers on it are never used.
     :param log: the trainer's log (its retries are logged there).
     :param max_attempts: tries per stage call before the micro-batch fails with :class:`PipelineError`.
     :param refresh_s: seconds between reads of a stage's server records from the DHT.
-    :param rng: the spot checks' sampling (:class:`~swarm.trust.spotcheck.SpotChecker`; seeded in tests).
+    :param observer: told of every training call and every read of a stage's records (:class:`PipelineObserver`;
+        the trainer passes its :class:`~swarm.trust.spotcheck.SpotChecker`).
     """
 
-    def __init__(self, spec: RunSpec, run_id: str, directory: RunDirectory, p2p: P2P, *, bans=None, log=None,
-                 max_attempts: int = 8, refresh_s: float = 2.0, rng=None):
+    def __init__(self, spec: RunSpec, run_id: str, directory: AsyncRunDirectory, p2p: P2P, *, bans=None, log=None,
+                 max_attempts: int = 8, refresh_s: float = 2.0, observer: Optional[PipelineObserver] = None):
         self.spec, self.run_id, self.directory, self.p2p = spec, run_id, directory, p2p
         self.bans, self.log = bans, log if log is not None else logger
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
@@ -67,15 +104,10 @@ class RemotePipeline:
         self.router = Router(backoff_s=spec.timeouts.backoff_s, backoff_max_s=spec.timeouts.backoff_max_s)
         self.max_attempts, self.refresh_s = max_attempts, refresh_s
         self.num_stages = spec.model.num_stages
+        self.observer = observer if observer is not None else PipelineObserver()
         self._servers: dict[int, tuple[float, list[ServerInfo]]] = {}
         self._reading: dict[int, asyncio.Task] = {}  # stage -> its records' read in the background
         self.failures = 0
-        self.checker = SpotChecker(spec, self, rng=rng, log=self.log)
-        self.checker.on_evidence = self._share
-        self.book = ConvictionBook(run_id, me="", min_tolerance=spec.spot_checks.rtol,
-                                   accepts=answers_comparable(spec))
-        self.follower = ConvictionFollower(self.book, p2p, spec, run_id, spawn=self.checker.spawn,
-                                           on_adopted=self.checker.adopt, log=self.log)
 
     async def servers(self, stage: int, force: bool = False) -> list[ServerInfo]:
         """ServerInfo records of ``stage``, read from the DHT at most every ``refresh_s`` seconds. A read that is due
@@ -89,14 +121,18 @@ class RemotePipeline:
             if time.monotonic() - cached[0] > self.refresh_s and stage not in self._reading:
                 task = self._reading[stage] = asyncio.create_task(self._read_servers(stage))
                 task.add_done_callback(functools.partial(self._read_done, stage))
-        return [s for s in found if s.peer_id not in self.checker.convicted]
+        return [s for s in found if not self.observer.refuses(s)]
+
+    def is_backed_off(self, peer_id: str) -> bool:
+        """Whether this pipeline avoids ``peer_id`` now (a call to it failed lately)."""
+        return self.router.is_backed_off(peer_id)
 
     async def _read_servers(self, stage: int) -> list[ServerInfo]:
-        found = await asyncio.get_running_loop().run_in_executor(None, self.directory.servers, stage)
+        found = await self.directory.servers(stage)
         if self.bans is not None:
             found = [s for s in found if not self.bans.is_banned(s.peer_id)]
         self._servers[stage] = (time.monotonic(), found)
-        self.follower.follow(found)
+        self.observer.saw(stage, found)
         return found
 
     def _read_done(self, stage: int, task: asyncio.Task) -> None:
@@ -104,37 +140,18 @@ class RemotePipeline:
         if not task.cancelled() and task.exception() is not None:
             self.log.warning("reading stage %d's servers failed: %r; the next call reads again", stage, task.exception())
 
-    # ---- convictions shared (swarm.trust.convictions) ----------------------------------------------------------
-    def _share(self, evidence: SpotEvidence) -> None:
-        """Hand this trainer's evidence to every server it knows (they verify it before they list it). A push
-        that fails (the server busy or unreachable for :data:`~swarm.trust.convictions.EVIDENCE_TIMEOUT_S`) is tried
-        again after each of :data:`PUSH_RETRY_S`; a server missed for good still learns it from a stage-mate's
-        listing (:class:`~swarm.trust.convictions.ConvictionFollower`)."""
-        accused = self.book.add(evidence)[0].peer_id
-        servers = {s.peer_id: s for _, found in self._servers.values() for s in found}
-
-        async def push():
-            targets = [s for p, s in servers.items() if p != accused]
-            handed = 0
-            for delay in (*PUSH_RETRY_S, None):
-                results = await asyncio.gather(*(push_evidence(self.p2p, s.p2p_id, evidence) for s in targets),
-                                               return_exceptions=True)
-                handed += sum(not isinstance(r, BaseException) for r in results)
-                failed = [(s, r) for s, r in zip(targets, results) if isinstance(r, BaseException)]
-                self.log.info("handed the spot-check evidence against %s to %d of %d servers%s", accused, handed,
-                              len(servers) - (accused in servers), "".join(
-                                  f"; {s.peer_id} failed: {r!r}"[:160] for s, r in failed[:4]))
-                if not failed or delay is None:
-                    return
-                targets = [s for s, _ in failed]
-                await asyncio.sleep(delay)
-        self.checker.spawn(push())
-
-    async def _rpc(self, server: ServerInfo, method: str, msg, tensors: list[torch.Tensor],
+    async def call(self, server: ServerInfo, method: str, message, tensors: list[torch.Tensor],
                    timeout: float) -> StageReply:
-        """Call ``method`` with ``msg`` (its float tensors sent with this pipeline's activation codec)."""
-        stub = StageServer.get_stub(self.p2p, PeerID.from_base58(server.p2p_id), namespace=self.run_id)
-        meta = pack_message(msg.model_copy(update={"codec": self.codec}))
+        """Call stage RPC ``method`` (``rpc_forward`` or ``rpc_backward``) of ``server`` with ``message`` (a
+        :class:`~swarm.protocol.ForwardRequest` or :class:`~swarm.protocol.BackwardRequest`), its float tensors sent
+        with this pipeline's activation codec.
+
+        :raises TimeoutError: no reply within ``timeout`` seconds.
+        :raises Exception: the server's refusal, hivemind's errors for an unreachable peer, or a malformed reply
+            (:class:`~swarm.protocol.ProtocolError`).
+        """
+        stub = stage_stub(self.p2p, server, self.run_id)
+        meta = pack_message(message.model_copy(update={"codec": self.codec}))
         request = pack_tensors(tensors, self.codec)
 
         async def call():
@@ -198,31 +215,29 @@ class RemotePipeline:
             meta = ForwardRequest(run_id=self.run_id, stage=k, mb_id=mb_id, mode=mode)
 
             async def fwd(s: ServerInfo, k=k, meta=meta):
-                return await self._rpc(s, "rpc_forward", meta, [acts[k]], t.forward_s)
+                return await self.call(s, "rpc_forward", meta, [acts[k]], t.forward_s)
 
             reply, _ = await self._on_stage(k, work, fwd)
-            if train and self.checker.sample():
-                self.checker.check_forward(k, meta, [acts[k]], reply)
+            if train:
+                self.observer.forwarded(self, k, meta, [acts[k]], reply)
             acts.append(reply.tensors[0])
             replies.append(reply)
         meta = ForwardRequest(run_id=self.run_id, stage=self.num_stages - 1, mb_id=mb_id, mode=mode)
 
         async def fwd_last(s: ServerInfo):
-            reply = await self._rpc(s, "rpc_forward", meta, [acts[-1], targets], t.forward_s + t.backward_s)
+            reply = await self.call(s, "rpc_forward", meta, [acts[-1], targets], t.forward_s + t.backward_s)
             if reply.msg.loss is None:
                 raise PipelineError(f"last-stage server {s.peer_id} returned no loss")
             return reply
 
         last, _ = await self._on_stage(self.num_stages - 1, work, fwd_last)
-        if train and self.checker.sample():
-            self.checker.check_forward(self.num_stages - 1, meta, [acts[-1], targets], last)
+        if train:
+            self.observer.forwarded(self, self.num_stages - 1, meta, [acts[-1], targets], last)
         grad = last.tensors[0] if last.tensors else None
         if train:
             for k in reversed(range(self.num_stages - 1)):
                 reply = await self.backward(k, mb_id, grad, acts[k], replies[k].server)
-                if k > 0 and self.checker.sample():
-                    forward = replies[k] if replies[k].server.peer_id == reply.server.peer_id else None
-                    self.checker.check_backward(k, mb_id, grad, acts[k], reply, forward)
+                self.observer.backwarded(self, k, mb_id, grad, acts[k], reply, replies[k])
                 grad = reply.tensors[0] if reply.tensors else None
         return last.msg.loss
 
@@ -251,7 +266,7 @@ class RemotePipeline:
 
     async def _send_backward(self, s, stage, mb_id, grad, inputs, *, with_inputs: bool, timeout: float) -> StageReply:
         meta = BackwardRequest(run_id=self.run_id, stage=stage, mb_id=mb_id, with_inputs=with_inputs)
-        return await self._rpc(s, "rpc_backward", meta, [grad, inputs] if with_inputs else [grad], timeout)
+        return await self.call(s, "rpc_backward", meta, [grad, inputs] if with_inputs else [grad], timeout)
 
 
 async def validation_loss(pipeline: RemotePipeline, dataset, max_batches: int = 16, batch_size: int = 0) -> float:
@@ -266,3 +281,6 @@ async def validation_loss(pipeline: RemotePipeline, dataset, max_batches: int = 
     losses = [await pipeline.forward_loss(dataset.batch(list(range(i * b, (i + 1) * b)), "val"), train=False)
               for i in range(n)]
     return sum(losses) / len(losses)
+
+
+__all__ = ["PipelineError", "PipelineObserver", "RemotePipeline", "StageReply", "validation_loss"]

@@ -32,28 +32,30 @@ from hivemind.utils import get_dht_time
 
 from swarm import __version__
 from swarm.aio import sleep_or_stop, wait_any
-from swarm.trust.banlist import PeerBanned, RunBans
 from swarm.config import PeerSettings, RunSpec
 from swarm.data import TokenDataset, prepare_dataset, shard_order
-from swarm.net.directory import RunDirectory, connect_run
 from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
-from swarm.trainer.inflight import TUNE_EVERY_S, InFlight, round_trip
 from swarm.logs import PeerLog
-from swarm.trainer.pipeline import PipelineError, RemotePipeline, validation_loss
-from swarm.protocol import TrainerInfo
+from swarm.net.dht import connect_run
+from swarm.net.directory import AsyncRunDirectory
 from swarm.net.transport import GLOBAL_COUNTER
+from swarm.protocol import TrainerInfo
+from swarm.trainer.inflight import TUNE_EVERY_S, InFlight, round_trip
+from swarm.trainer.pipeline import PipelineError, RemotePipeline, validation_loss
+from swarm.trust.banlist import PeerBanned, RunBans
+from swarm.trust.spotcheck import SpotChecker
 
 logger = logging.getLogger(__name__)
 
 PipelineFactory = Callable[..., RemotePipeline]
-"""Builds the trainer's pipeline: ``(spec, run_id, directory, p2p, bans=..., log=...)`` (tests pass a Byzantine one,
-:mod:`swarm.attacks`)."""
+"""Builds the trainer's pipeline: ``(spec, run_id, directory, p2p, bans=..., log=..., observer=...)`` (tests pass a
+Byzantine one, :mod:`swarm.attacks`)."""
 
 
-def claim_shard(directory: RunDirectory, num_shards: int, peer_id: str) -> int:
+async def claim_shard(directory: AsyncRunDirectory, num_shards: int, peer_id: str) -> int:
     """Lowest data share not announced by another live trainer (a hash of the peer id if all are taken)."""
-    taken = {t.shard for t in directory.trainers() if t.peer_id != peer_id}
+    taken = {t.shard for t in await directory.trainers() if t.peer_id != peer_id}
     free = [s for s in range(num_shards) if s not in taken]
     return free[0] if free else int(peer_id.encode().hex(), 16) % num_shards
 
@@ -76,10 +78,10 @@ def micro_batches(dataset: TokenDataset, spec: RunSpec, shard: int, position: in
             yield order[i : i + b]
 
 
-def resume_position(directory: RunDirectory, shard: int, num_stages: int) -> int:
+async def resume_position(directory: AsyncRunDirectory, shard: int, num_stages: int) -> int:
     """Samples of data share ``shard`` consumed as recorded by the stages' newest checkpoint manifests (the
     largest of them; 0 if none records the share)."""
-    newest = [m for k in range(num_stages) for m, _ in directory.manifests(k)[:1]]
+    newest = [m for k in range(num_stages) for m, _ in (await directory.manifests(k))[:1]]
     return max((m.data_position.get(shard, 0) for m in newest), default=0)
 
 
@@ -166,10 +168,10 @@ class Trainer:
         """
         claim_local_state(self.identity, self.settings, fragments=False)
         self.threads.update(self.log)
-        loop = asyncio.get_running_loop()
-        self.dht, self.directory, self.spec, _ = await loop.run_in_executor(
-            None, lambda: connect_run(self.address, self.settings, client_mode=True,
-                                      join_timeout_s=self.settings.join_timeout_s, identity=self.identity))
+        self.dht, directory, self.spec, _ = await asyncio.to_thread(
+            connect_run, self.address, self.settings, client_mode=True, join_timeout_s=self.settings.join_timeout_s,
+            identity=self.identity)
+        self.directory = AsyncRunDirectory(directory)
         try:
             await self._join()
             await self._train(grace_s)
@@ -180,24 +182,24 @@ class Trainer:
 
     async def _join(self) -> None:
         """Prepare the data, claim a share, follow the ban list, build the pipeline."""
-        loop, spec, me = asyncio.get_running_loop(), self.spec, self.identity.peer_id
-        self.dataset = await loop.run_in_executor(None, prepare_dataset, spec, self.settings.cache_dir)
+        spec, me = self.spec, self.identity.peer_id
+        self.dataset = await asyncio.to_thread(prepare_dataset, spec, self.settings.cache_dir)
         shard = self.options.shard
         if shard is None:
-            shard = await loop.run_in_executor(None, claim_shard, self.directory, spec.data.num_shards, me)
+            shard = await claim_shard(self.directory, spec.data.num_shards, me)
         self.shard = shard
-        self.start_position = await loop.run_in_executor(None, resume_position, self.directory, shard,
-                                                         spec.model.num_stages)
+        self.start_position = await resume_position(self.directory, shard, spec.model.num_stages)
         self.log.info("run %s, data share %d/%d, %d samples per pass, resuming at sample %d, tokenizer %s",
                       self.directory.run_id, shard, spec.data.num_shards,
                       self.dataset.num_samples() // spec.data.num_shards, self.start_position,
                       self.dataset.tokenizer_sha256[:16])
         self.bans = RunBans(self.directory)
-        await loop.run_in_executor(None, self.bans.refresh)
+        await self.bans.refresh()
         self.bans.check(me)
         self.p2p = await self.dht.replicate_p2p()
+        self.checker = SpotChecker(spec, self.directory.run_id, self.p2p, log=self.log)
         self.pipeline = self.pipeline_factory(spec, self.directory.run_id, self.directory, self.p2p, bans=self.bans,
-                                              log=self.log)
+                                              log=self.log, observer=self.checker)
 
     async def _train(self, grace_s: float) -> None:
         self._started = time.monotonic()
@@ -215,7 +217,7 @@ class Trainer:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.pipeline.checker.drain(), grace_s)
+                await asyncio.wait_for(self.checker.drain(), grace_s)
         finally:
             self._stop.set()
             validator.cancel()
@@ -283,8 +285,8 @@ class Trainer:
             samples_per_s=self.samples / elapsed, failures=self.pipeline.failures,
             bytes_sent=GLOBAL_COUNTER.sent, bytes_received=GLOBAL_COUNTER.received, version=__version__,
             name=self.settings.name, p2p_id=str(self.p2p.peer_id), state=self.state, val_loss=self.val_loss,
-            val_time=self.val_time, spot_checks=dict(self.pipeline.checker.counts),
-            convicted={p: r[:200] for p, r in sorted(self.pipeline.checker.convicted.items())[:32]},
+            val_time=self.val_time, spot_checks=dict(self.checker.counts),
+            convicted={p: r[:200] for p, r in sorted(self.checker.convicted.items())[:32]},
         )
 
     async def _validate(self, batches: int = 4) -> None:
@@ -301,10 +303,9 @@ class Trainer:
 
     async def _report(self) -> None:
         """Announce and log every ``record_ttl_s / 3`` seconds, and once more when stopping; stop if banned."""
-        loop = asyncio.get_running_loop()
         while True:
             try:
-                await loop.run_in_executor(None, self.bans.refresh)
+                await self.bans.refresh()
                 self.bans.check(self.identity.peer_id)
             except PeerBanned as e:
                 self.error = e
@@ -312,19 +313,19 @@ class Trainer:
                 return
             self.threads.update(self.log)
             info = self.info()
-            await loop.run_in_executor(None, self.directory.announce_trainer, info, self.identity)
+            await self.directory.announce_trainer(info, self.identity)
             if self.on_announce is not None:
                 self.on_announce(info)
             await self._log_progress(info)
             if await sleep_or_stop(self._stop, self.spec.timeouts.record_ttl_s / 3):
-                await loop.run_in_executor(None, self.directory.announce_trainer, self.info(), self.identity)
+                await self.directory.announce_trainer(self.info(), self.identity)
                 return
 
     async def _log_progress(self, info: TrainerInfo) -> None:
         """The trainer's fixed-key line: the stages' epoch, loss, samples, its share of the swarm's samples/s."""
         stages = [await self.pipeline.servers(k) for k in range(self.spec.model.num_stages)]
         epochs = [max((s.epoch for s in group), default=0) for group in stages]
-        total = await asyncio.get_running_loop().run_in_executor(None, self._swarm_samples_per_s)
+        total = await self._swarm_samples_per_s()
         self.log.info(
             "epoch=%s loss=%s samples=%d samples/s=%.2f share=%s failures=%d servers=%s checks=%d/%d convicted=%d "
             "state=%s", min(epochs), f"{info.loss:.4f}" if info.loss is not None else "-", info.samples,
@@ -333,9 +334,9 @@ class Trainer:
             info.spot_checks.get("sampled", 0), len(info.convicted), info.state,
         )
 
-    def _swarm_samples_per_s(self) -> float:
+    async def _swarm_samples_per_s(self) -> float:
         """Samples/s of every trainer of the run (this one's share of it is its contribution)."""
-        others = sum(t.samples_per_s for t in self.directory.trainers() if t.peer_id != self.identity.peer_id)
+        others = sum(t.samples_per_s for t in await self.directory.trainers() if t.peer_id != self.identity.peer_id)
         return others + self.info().samples_per_s
 
 

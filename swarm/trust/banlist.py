@@ -16,8 +16,8 @@ from typing import Optional
 
 from hivemind.utils import get_dht_time
 
-from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
+from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.protocol import MAX_BANS, BanList, seal
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class RunBans:
     replaces it; an older one never does). One object per peer, shared by everything that honours bans: the
     trainer's routing, the stage RPCs, averaging (banned servers are excluded), fragment placement."""
 
-    def __init__(self, directory: RunDirectory):
+    def __init__(self, directory: AsyncRunDirectory):
         self.directory = directory
         self.current: Optional[BanList] = None
         self.sealed: Optional[bytes] = None
@@ -53,16 +53,16 @@ class RunBans:
     def is_banned(self, peer_id: str) -> bool:
         return self.current is not None and peer_id in self.current.banned
 
-    def refresh(self, republish: bool = False) -> Optional[BanList]:
-        """Read the list from the DHT (blocking); with ``republish``, store the newest one back verbatim."""
-        found, sealed = self.directory.bans()
+    async def refresh(self, republish: bool = False) -> Optional[BanList]:
+        """Read the list from the DHT; with ``republish``, store the newest one back verbatim."""
+        found, sealed = await self.directory.bans()
         if found is not None and (self.current is None or found.time > self.current.time):
             added = set(found.banned) - set(self.banned)
             for peer in sorted(added):
                 logger.warning("the run's coordinator banned peer %s: %s", peer, found.banned[peer])
             self.current, self.sealed = found, sealed
         if republish and self.current is not None:
-            self.directory.publish_bans(self.current, self.sealed)
+            await self.directory.publish_bans(self.current, self.sealed)
         return self.current
 
     def check(self, me: str) -> None:
@@ -76,7 +76,8 @@ class RunBans:
 def update_bans(directory: RunDirectory, coordinator: Identity, *, ban: Optional[tuple[str, str, str]] = None,
                 unban: Optional[str] = None) -> BanList:
     """Sign and publish a new list: the newest one in the DHT plus ``ban = (peer_id, reason, p2p_id)`` and/or
-    minus ``unban``. Its record lives ``7 x record_ttl_s``; keepers re-publish it after that.
+    minus ``unban`` (blocking: ``swarm-coordinator ban`` runs it). Its record lives ``7 x record_ttl_s``; keepers
+    re-publish it after that.
 
     :raises PermissionError: ``coordinator`` is not the run's key (only the key that signed the spec may ban).
     :raises ValueError: the list already holds :data:`~swarm.protocol.MAX_BANS` peers.

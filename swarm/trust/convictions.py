@@ -1,7 +1,8 @@
-"""Convictions shared: a spot check's evidence, verified by every peer that acts on it (issue 11, item 4).
+"""Convictions shared: a spot check's evidence, verified by every peer that acts on it.
 
 A trainer whose spot check convicts a server (:mod:`swarm.trust.spotcheck`) pushes the evidence to the run's
-servers (``rpc_push_evidence``). Checking it needs no parameters (:func:`~swarm.trust.spotcheck.verify_evidence`:
+servers (``rpc_push_evidence``, :func:`share_evidence`). Checking it needs no parameters
+(:func:`~swarm.trust.evidence.verify_evidence`:
 signatures, digests, distances), so any server can: one that verifies it keeps it (:class:`ConvictionBook`),
 lists the accused in its :class:`~swarm.protocol.ServerInfo` (``convicted``) and, if the accused serves its own
 stage, excludes it from its averaging groups. A trainer that sees a peer id listed there fetches the evidence
@@ -9,9 +10,8 @@ from the listing server (``rpc_get_evidence``), verifies it itself, and stops ro
 takes another's word: each acts only on evidence it verified, and evidence that does not verify is refused with
 its cause (one log line), costing the sender its request.
 
-Wire: :class:`~swarm.protocol.EvidenceMessage` with the evidence's tensors in six groups (the check request,
-the three answers, the accused's own request and forward request when they differ), at most
-:data:`MAX_GROUP_TENSORS` each, within ``6 x`` a stage message's byte budget.
+Wire: the evidence's wire form (:func:`~swarm.trust.evidence.pack_evidence`), within ``6 x`` a stage message's byte
+budget.
 """
 
 from __future__ import annotations
@@ -22,54 +22,28 @@ import time
 from collections import OrderedDict
 from typing import AsyncIterator, Awaitable, Callable, Iterable, Optional
 
-import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.net.admission import PeerAdmission
 from swarm.config import RunSpec
-from swarm.protocol import (EvidenceMessage, EvidenceRequest, ProtocolError, Refusal, ServerInfo, StageReceipt,
-                            open_record)
-from swarm.protocol import pack_message, unpack_message
-from swarm.trust.spotcheck import SpotEvidence, verify_evidence
-from swarm.server.stage import max_message_bytes
+from swarm.net.stage_rpc import max_message_bytes
 from swarm.net.transport import ProtocolServicer, gather, stream_out
+from swarm.protocol import (EvidenceMessage, EvidenceRequest, ProtocolError, Refusal, ServerInfo, StageReceipt,
+                            open_record, pack_message, unpack_message)
+from swarm.trust.evidence import MAX_GROUP_TENSORS, SpotEvidence, pack_evidence, unpack_evidence, verify_evidence
 
 logger = logging.getLogger(__name__)
-MAX_GROUP_TENSORS = 4
-"""Wire tensors per evidence group (a stage message's most: two tensors, each two on the wire)."""
 MAX_CONVICTIONS = 32
 """Convictions a peer keeps (and lists in its record); the oldest go first."""
 EVIDENCE_TIMEOUT_S = 30.0
 """Seconds a push or fetch of evidence may take."""
+PUSH_RETRY_S = (5.0, 20.0)
+"""Seconds a trainer waits before pushing evidence again to the servers a push failed on (then gives up)."""
 
 
 class EvidenceRefused(RuntimeError, Refusal):
     """A push or fetch of evidence this peer refuses (the cause named)."""
-
-
-def pack_evidence(evidence: SpotEvidence) -> tuple[EvidenceMessage, list[torch.Tensor]]:
-    groups = [evidence.request_wire, *(wire for _, wire in evidence.answers), evidence.accused_request_wire,
-              evidence.forward_request_wire]
-    msg = EvidenceMessage(run_id=evidence.run_id, stage=evidence.stage, call=evidence.call, codec=evidence.codec,
-                          accused=evidence.accused, tolerance=evidence.tolerance,
-                          receipts=[sealed for sealed, _ in evidence.answers],
-                          forward_receipt=evidence.forward_receipt, groups=[len(g) for g in groups])
-    return msg, [t for g in groups for t in g]
-
-
-def unpack_evidence(msg: EvidenceMessage, tensors: list[torch.Tensor]) -> SpotEvidence:
-    """:raises ProtocolError: the tensors do not follow the message's groups."""
-    if len(msg.groups) != 6 or sum(msg.groups) != len(tensors) or len(msg.receipts) != 3:
-        raise ProtocolError(f"evidence groups {msg.groups} do not match {len(tensors)} tensors and 3 receipts")
-    groups, i = [], 0
-    for n in msg.groups:
-        groups.append(list(tensors[i:i + n]))
-        i += n
-    return SpotEvidence(run_id=msg.run_id, stage=msg.stage, call=msg.call, codec=msg.codec,
-                        request_wire=groups[0], answers=list(zip(msg.receipts, groups[1:4])), accused=msg.accused,
-                        tolerance=msg.tolerance, accused_request_wire=groups[4], forward_receipt=msg.forward_receipt,
-                        forward_request_wire=groups[5])
 
 
 class ConvictionBook:
@@ -78,7 +52,7 @@ class ConvictionBook:
     :param me: this peer's id (evidence against it is refused, not listed).
     :param min_tolerance: the least tolerance evidence is verified at (the run's ``spot_checks.rtol``).
     :param accepts: False where servers' answers are not comparable (outer steps:
-        :func:`~swarm.trust.spotcheck.answers_comparable`): then every piece of evidence is refused.
+        :func:`~swarm.trust.evidence.answers_comparable`): then every piece of evidence is refused.
     """
 
     def __init__(self, run_id: str, me: str, min_tolerance: float, accepts: bool = True):
@@ -182,6 +156,28 @@ async def push_evidence(p2p: P2P, p2p_id: str, evidence: SpotEvidence) -> None:
     await asyncio.wait_for(call(), EVIDENCE_TIMEOUT_S)
 
 
+async def share_evidence(p2p: P2P, servers: dict[str, ServerInfo], evidence: SpotEvidence, accused: str,
+                         log: logging.Logger | logging.LoggerAdapter = logger) -> None:
+    """Hand ``evidence`` against ``accused`` to every server in ``servers`` (peer id -> record) but the accused
+    (they verify it before they list it). A push that fails (the server busy or unreachable for
+    :data:`EVIDENCE_TIMEOUT_S`) is tried again after each of :data:`PUSH_RETRY_S`; a server missed for good still
+    learns it from a stage-mate's listing (:class:`ConvictionFollower`)."""
+    targets = [s for p, s in servers.items() if p != accused]
+    handed = 0
+    for delay in (*PUSH_RETRY_S, None):
+        results = await asyncio.gather(*(push_evidence(p2p, s.p2p_id, evidence) for s in targets),
+                                       return_exceptions=True)
+        handed += sum(not isinstance(r, BaseException) for r in results)
+        failed = [(s, r) for s, r in zip(targets, results) if isinstance(r, BaseException)]
+        log.info("handed the spot-check evidence against %s to %d of %d servers%s", accused, handed,
+                 len(servers) - (accused in servers), "".join(
+                     f"; {s.peer_id} failed: {r!r}"[:160] for s, r in failed[:4]))
+        if not failed or delay is None:
+            return
+        targets = [s for s, _ in failed]
+        await asyncio.sleep(delay)
+
+
 async def fetch_evidence(p2p: P2P, p2p_id: str, spec: RunSpec, run_id: str, accused: str) -> SpotEvidence:
     """The evidence against ``accused`` kept by peer ``p2p_id`` (not yet verified: see :class:`ConvictionBook`).
 
@@ -259,5 +255,5 @@ class ConvictionFollower:
             self.on_adopted(receipt.peer_id, reason)
 
 
-__all__ = ["ConvictionBook", "ConvictionFollower", "EvidenceService", "fetch_evidence", "pack_evidence",
-           "push_evidence", "unpack_evidence"]
+__all__ = ["ConvictionBook", "ConvictionFollower", "EvidenceService", "fetch_evidence", "push_evidence",
+           "share_evidence"]

@@ -1,19 +1,27 @@
-"""Spot checks: a trainer re-runs a sample of its stage calls on other servers of the stage (issue 11, item 4).
+"""Spot checks: a trainer re-runs a sample of its stage calls on other servers of the stage.
 
 A server can answer a forward or backward with wrong activations, gradients or loss; averaging never sees it.
 So a trainer samples a fraction ``spot_checks.rate`` of its calls — forwards of every stage, backwards of the
 middle stages (stage 0's backward returns nothing to the trainer) — and, beside training (never on the
 micro-batch's critical path), sends the same request in *check* mode to a second server of the stage at the
 same epoch (``ForwardRequest.mode="check"``, ``BackwardRequest.check``: recomputed, nothing kept). Two answers
-whose relative L2 difference (:func:`relative_difference`) is within the stage's tolerance agree; otherwise a
+whose relative L2 difference (:func:`~swarm.trust.evidence.relative_difference`) is within the stage's tolerance agree; otherwise a
 third server breaks the tie: the one answer that is far from both others, while those two agree, convicts
 its server. Every answer is signed (:mod:`swarm.trust.receipts`), so the three receipts with the request and reply
-tensors are :class:`SpotEvidence` that anyone can check (:func:`verify_evidence`) without trusting the trainer.
+tensors are :class:`~swarm.trust.evidence.SpotEvidence` that anyone can check
+(:func:`~swarm.trust.evidence.verify_evidence`) without trusting the trainer.
 
 The tolerance is ``max(rtol, spread_factor x median difference of the last 64 first pairs compared)``, at most
 0.5: servers of a stage drift apart between state averagings (lossy all-reduce codecs), and the median of the
 differences measures that drift from the answers themselves; a liar moves the median only if it is in most of
-the comparisons. A convicted server is never routed to again by this trainer.
+the comparisons. A convicted server is never routed to again by this trainer, and the evidence goes to the
+run's servers (:func:`~swarm.trust.convictions.share_evidence`); convictions other peers list are followed too
+(:class:`~swarm.trust.convictions.ConvictionFollower`).
+
+:class:`SpotChecker` watches a trainer's pipeline from outside: the pipeline
+(:class:`~swarm.trainer.pipeline.RemotePipeline`) is given it as its observer, tells it every training call and
+every batch of server records it read, and routes to no server it refuses; the checker re-runs a sampled call
+through the same pipeline (:class:`StageCaller`).
 A sampled reply whose receipt is missing or states another request or reply than the one received convicts
 its server too (an honest server always signs what it sends).
 
@@ -22,7 +30,7 @@ Detection: a server lying on a fraction ``f`` of its calls is caught after about
 
 Not with outer steps (``[averaging] mode = "outer"``, :mod:`swarm.averaging.outer`): the servers of a stage then
 hold their own inner parameters between outer steps, so two honest servers' answers differ and prove nothing
-(:func:`answers_comparable`); trainers sample no checks and every peer refuses spot-check evidence.
+(:func:`~swarm.trust.evidence.answers_comparable`); trainers sample no checks and every peer refuses spot-check evidence.
 """
 
 from __future__ import annotations
@@ -33,18 +41,17 @@ import math
 import random
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol
 
 import torch
-from swarm.net.codecs import unpack_tensors
-from swarm.config import RunSpec
-from swarm.protocol import BackwardRequest, ForwardRequest, ProtocolError, StageReceipt, StageResponse, open_record
-from swarm.trust.receipts import check_receipt, tensors_digest
+from hivemind.p2p import P2P
 
-if TYPE_CHECKING:
-    from swarm.trainer.pipeline import RemotePipeline
-    from swarm.protocol import ServerInfo
+from swarm.config import RunSpec
+from swarm.protocol import BackwardRequest, ForwardRequest, ProtocolError, ServerInfo, StageReceipt
+from swarm.trust.convictions import ConvictionBook, ConvictionFollower, share_evidence
+from swarm.trust.evidence import SpotEvidence, answers_comparable, odd_one_out, relative_difference
+from swarm.trust.receipts import check_receipt, tensors_digest
 
 logger = logging.getLogger(__name__)
 SPREAD_WINDOW = 64
@@ -56,83 +63,51 @@ EVIDENCE_KEPT = 16
 """Convictions whose evidence a trainer keeps."""
 
 
-@dataclass
-class StageReply:
-    """One stage call as the trainer saw it: the reply, its tensors (decoded), and the wire form of what was
-    sent and received (what the server's receipt states)."""
+class StageCaller(Protocol):
+    """What a spot check needs of the trainer's pipeline (:class:`~swarm.trainer.pipeline.RemotePipeline`): a stage
+    call to another server, the stage's servers, and which of them it backs off from. A reply
+    (:class:`~swarm.trainer.pipeline.StageReply`) has ``server``, ``msg`` (the StageResponse), ``tensors`` (decoded)
+    and the wire form of what was sent and received (``request_wire``, ``reply_wire``)."""
 
-    server: "ServerInfo"
-    msg: StageResponse
-    tensors: list[torch.Tensor]
-    request_wire: list[torch.Tensor]
-    reply_wire: list[torch.Tensor]
+    codec: str
+
+    async def call(self, server: ServerInfo, method: str, message, tensors: list[torch.Tensor], timeout: float): ...
+
+    async def servers(self, stage: int) -> list[ServerInfo]: ...
+
+    def is_backed_off(self, peer_id: str) -> bool: ...
 
 
-@dataclass
-class SpotEvidence:
-    """A conviction anyone can check (:func:`verify_evidence`): the check request's wire tensors, every answer
-    to it (the server's sealed receipt and reply wire tensors), and which answer lied. A backward's check
-    request is ``[grad_outputs, inputs]``; the accused may have been sent ``[grad_outputs]`` alone
-    (``accused_request_wire``), and then its forward's receipt and request (``forward_receipt``,
-    ``forward_request_wire``) bind it to the inputs."""
+@dataclass(frozen=True)
+class SampledCall:
+    """A training call being checked: the pipeline that made it (and re-runs it), the stage, ``call``
+    (``forward`` or ``backward``), its request in check mode with the tensors to send, the reply it got and, for a
+    backward, the same server's reply to the micro-batch's forward (whose receipt binds the inputs; None if another
+    server ran the forward, and then the backward was sent the inputs)."""
 
-    run_id: str
+    caller: StageCaller
     stage: int
     call: str
-    codec: str
-    request_wire: list[torch.Tensor]
-    answers: list[tuple[bytes, list[torch.Tensor]]]
-    accused: int
-    tolerance: float
-    accused_request_wire: list[torch.Tensor] = field(default_factory=list)
-    forward_receipt: bytes = b""
-    forward_request_wire: list[torch.Tensor] = field(default_factory=list)
+    request: ForwardRequest | BackwardRequest
+    tensors: list[torch.Tensor]
+    primary: object
+    forward: Optional[object] = None
 
-
-def relative_difference(a: Sequence[torch.Tensor], la: Optional[float], b: Sequence[torch.Tensor],
-                        lb: Optional[float]) -> float:
-    """Largest relative L2 difference ``||x - y|| / max(||x||, ||y||)`` over paired tensors and the losses;
-    ``inf`` if the answers differ in kind (tensor count, shape, a loss on one side only)."""
-    if len(a) != len(b) or (la is None) != (lb is None):
-        return float("inf")
-    worst = 0.0
-    pairs = [(x.float(), y.float()) for x, y in zip(a, b)]
-    if la is not None:
-        pairs.append((torch.tensor([la]), torch.tensor([lb])))
-    for x, y in pairs:
-        if x.shape != y.shape:
-            return float("inf")
-        scale = max(float(x.norm()), float(y.norm()), 1e-12)
-        worst = max(worst, float((x - y).norm()) / scale)
-    return worst
-
-
-def odd_one_out(diffs: dict[tuple[int, int], float], tolerance: float) -> Optional[int]:
-    """Among three answers with pairwise ``diffs`` (keys ``(i, j)``, i < j), the one far from both others while
-    those two agree; None if there is no such answer."""
-    for accused in range(3):
-        i, j = [k for k in range(3) if k != accused]
-        far = all(diffs[tuple(sorted((accused, k)))] > tolerance for k in (i, j))
-        if far and diffs[(i, j)] <= tolerance:
-            return accused
-    return None
-
-
-def answers_comparable(spec: RunSpec) -> bool:
-    """Whether two honest servers of a stage answer one call alike in this run: not with outer steps, where each
-    holds its own inner parameters between outer steps (module docstring)."""
-    return spec.averaging.mode != "outer"
+    @property
+    def method(self) -> str:
+        return f"rpc_{self.call}"
 
 
 class SpotChecker:
-    """A trainer's spot checks (module docstring). Owned by its :class:`~swarm.trainer.pipeline.RemotePipeline`.
+    """A trainer's spot checks (module docstring): the observer its pipeline is given.
 
+    :param p2p: the trainer's libp2p node (evidence is pushed and fetched through it).
     :param rng: sampling and the choice of checking servers (seeded in tests).
     """
 
-    def __init__(self, spec: RunSpec, pipeline: "RemotePipeline", *, rng: Optional[random.Random] = None,
-                 log: Optional[logging.Logger] = None):
-        self.spec, self.pipeline, self.cfg = spec, pipeline, spec.spot_checks
+    def __init__(self, spec: RunSpec, run_id: str, p2p: Optional[P2P], *, rng: Optional[random.Random] = None,
+                 log: Optional[logging.Logger | logging.LoggerAdapter] = None):
+        self.spec, self.run_id, self.p2p, self.cfg = spec, run_id, p2p, spec.spot_checks
         self.rng = rng or random.Random()
         self.log = log if log is not None else logger
         self.convicted: dict[str, str] = {}  # peer id -> reason
@@ -140,7 +115,42 @@ class SpotChecker:
         self.counts = dict(sampled=0, agreed=0, convicted=0, inconclusive=0, unchecked=0, adopted=0)
         self._spread: dict[tuple[int, str], deque[float]] = {}
         self._tasks: set[asyncio.Task] = set()
-        self.on_evidence: Optional[Callable[[SpotEvidence], None]] = None  # the pipeline shares convictions
+        self._seen: dict[int, list[ServerInfo]] = {}  # stage -> its records last read (who gets evidence)
+        self.book = ConvictionBook(run_id, me="", min_tolerance=spec.spot_checks.rtol,
+                                   accepts=answers_comparable(spec))
+        self.follower = ConvictionFollower(self.book, p2p, spec, run_id, spawn=self.spawn, on_adopted=self.adopt,
+                                           log=self.log)
+
+    # ---- the pipeline's observer ---------------------------------------------------------------------
+    def refuses(self, server: ServerInfo) -> bool:
+        """Never route to a server convicted here (by a check of this trainer or verified evidence of another)."""
+        return server.peer_id in self.convicted
+
+    def saw(self, stage: int, servers: list[ServerInfo]) -> None:
+        """The records of ``stage``'s servers just read: follow the convictions they list."""
+        self._seen[stage] = servers
+        self.follower.follow(servers)
+
+    def forwarded(self, caller: StageCaller, stage: int, request: ForwardRequest, tensors: list[torch.Tensor],
+                  reply) -> None:
+        """A training forward of ``stage`` with ``tensors`` answered ``reply``: check it if sampled."""
+        if self.sample():
+            check = request.model_copy(update={"mode": "check"})
+            self._start(SampledCall(caller, stage, "forward", check, tensors, reply))
+
+    def backwarded(self, caller: StageCaller, stage: int, mb_id: str, grad: torch.Tensor, inputs: torch.Tensor,
+                   reply, forward) -> None:
+        """A backward of ``stage`` answered ``reply`` (``forward``: the reply to the micro-batch's forward there):
+        check it if sampled; stage 0's backward returns nothing to check."""
+        if stage > 0 and self.sample():
+            check = BackwardRequest(run_id=self.run_id, stage=stage, mb_id=mb_id, with_inputs=True, check=True)
+            same = forward.server.peer_id == reply.server.peer_id
+            self._start(SampledCall(caller, stage, "backward", check, [grad, inputs], reply, forward if same else None))
+
+    async def drain(self) -> None:
+        """Wait for the checks under way (a trainer that stops, a test)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     # ---- sampling ------------------------------------------------------------------------------------
     def sample(self) -> bool:
@@ -152,23 +162,9 @@ class SpotChecker:
             return False
         return True
 
-    def check_forward(self, stage: int, request: ForwardRequest, tensors: list[torch.Tensor],
-                      primary: StageReply) -> None:
-        """Start checking ``primary``, the reply to a training forward of ``stage`` with ``tensors``."""
-        check = request.model_copy(update={"mode": "check"})
-        self._start(self._check(stage, "forward", "rpc_forward", check, tensors, primary))
-
-    def check_backward(self, stage: int, mb_id: str, grad: torch.Tensor, inputs: torch.Tensor,
-                       primary: StageReply, forward: Optional[StageReply]) -> None:
-        """Start checking ``primary``, the reply to a backward of middle stage ``stage`` (``forward``: the same
-        server's reply to the micro-batch's forward, whose receipt binds the inputs; None if another server ran
-        the forward, and then ``primary`` was sent the inputs)."""
-        check = BackwardRequest(run_id=self.pipeline.run_id, stage=stage, mb_id=mb_id, with_inputs=True, check=True)
-        self._start(self._check(stage, "backward", "rpc_backward", check, [grad, inputs], primary, forward))
-
-    def _start(self, coro) -> None:
+    def _start(self, sampled: SampledCall) -> None:
         self.counts["sampled"] += 1
-        self.spawn(coro)
+        self.spawn(self._check(sampled))
 
     def spawn(self, coro) -> None:
         """Run ``coro`` beside training; :meth:`drain` waits for it."""
@@ -184,11 +180,6 @@ class SpotChecker:
             self.log.warning("verified another peer's evidence against server %s: %s; not routing to it again",
                              peer_id, reason)
 
-    async def drain(self) -> None:
-        """Wait for the checks under way (a trainer that stops, a test)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
     def tolerance(self, stage: int, call: str) -> float:
         """The relative difference above which two answers for ``stage``'s ``call`` disagree (module
         docstring), at most :data:`MAX_TOLERANCE`."""
@@ -197,36 +188,37 @@ class SpotChecker:
         return min(max(self.cfg.rtol, self.cfg.spread_factor * spread), MAX_TOLERANCE)
 
     # ---- one check -----------------------------------------------------------------------------------
-    def _receipt(self, reply: StageReply, stage: int, call: str, mb_id: str) -> StageReceipt:
-        return check_receipt(reply.msg.receipt, self.pipeline.run_id, p2p_id=reply.server.p2p_id, stage=stage,
+    def _receipt(self, reply, stage: int, call: str, mb_id: str) -> StageReceipt:
+        return check_receipt(reply.msg.receipt, self.run_id, p2p_id=reply.server.p2p_id, stage=stage,
                              mb_id=mb_id, call=call, request_sha256=tensors_digest(reply.request_wire),
                              reply_sha256=tensors_digest(reply.reply_wire), loss=reply.msg.loss)
 
-    async def _check(self, stage: int, call: str, method: str, request, tensors: list[torch.Tensor],
-                     primary: StageReply, forward: Optional[StageReply] = None) -> None:
+    async def _check(self, sampled: SampledCall) -> None:
         try:
-            await self._run_check(stage, call, method, request, tensors, primary, forward)
+            await self._run_check(sampled)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a check never breaks training; it is logged and counted
             self.counts["inconclusive"] += 1
-            self.log.warning("spot check of stage %d %s failed: %s: %s", stage, call, type(e).__name__, str(e)[:200])
+            self.log.warning("spot check of stage %d %s failed: %s: %s", sampled.stage, sampled.call,
+                             type(e).__name__, str(e)[:200])
 
-    async def _run_check(self, stage, call, method, request, tensors, primary, forward) -> None:
+    async def _run_check(self, sampled: SampledCall) -> None:
+        stage, call, mb_id = sampled.stage, sampled.call, sampled.request.mb_id
         try:
-            first = self._receipt(primary, stage, call, request.mb_id)
-            if forward is not None:
-                self._receipt(forward, stage, "forward", request.mb_id)
+            first = self._receipt(sampled.primary, stage, call, mb_id)
+            if sampled.forward is not None:
+                self._receipt(sampled.forward, stage, "forward", mb_id)
         except ProtocolError as e:
-            self._convict(primary.server.peer_id, stage, f"its signed {call} reply does not verify: {e}")
+            self._convict(sampled.primary.server.peer_id, stage, f"its signed {call} reply does not verify: {e}")
             return
-        answers = [(primary, first)]
+        answers = [(sampled.primary, first)]
         tolerance = self.tolerance(stage, call)
-        for server in await self._witnesses(stage, primary.server.peer_id, first.epoch):
+        for server in await self._witnesses(sampled, first.epoch):
             try:
                 timeout = self.spec.timeouts.forward_s + self.spec.timeouts.backward_s
-                reply = await self.pipeline._rpc(server, method, request, tensors, timeout)
-                receipt = self._receipt(reply, stage, call, request.mb_id)
+                reply = await sampled.caller.call(server, sampled.method, sampled.request, sampled.tensors, timeout)
+                receipt = self._receipt(reply, stage, call, mb_id)
             except Exception as e:
                 self.log.info("spot check: stage %d server %s did not answer a check (%s)", stage, server.peer_id,
                               str(e)[:200])
@@ -237,15 +229,16 @@ class SpotChecker:
             verdict = self._judge(stage, call, answers, tolerance)
             if verdict is not None:
                 if verdict >= 0:
-                    self._convicted_by(stage, call, answers, verdict, tolerance, tensors, forward)
+                    self._convicted_by(sampled, answers, verdict, tolerance)
                 return
         self.counts["inconclusive"] += 1
 
-    async def _witnesses(self, stage: int, exclude: str, epoch: int) -> list["ServerInfo"]:
-        """Other servers of ``stage`` to re-run the call on (up to four tries for two answers), those announcing
+    async def _witnesses(self, sampled: SampledCall, epoch: int) -> list[ServerInfo]:
+        """Other servers of the stage to re-run the call on (up to four tries for two answers), those announcing
         ``epoch`` first."""
-        found = [s for s in await self.pipeline.servers(stage) if s.peer_id != exclude]
-        found.sort(key=lambda s: (s.epoch != epoch, self.pipeline.router.is_backed_off(s.peer_id), self.rng.random()))
+        exclude, caller = sampled.primary.server.peer_id, sampled.caller
+        found = [s for s in await caller.servers(sampled.stage) if s.peer_id != exclude]
+        found.sort(key=lambda s: (s.epoch != epoch, caller.is_backed_off(s.peer_id), self.rng.random()))
         return found[:4]
 
     def _judge(self, stage: int, call: str, answers: list, tolerance: float) -> Optional[int]:
@@ -269,25 +262,32 @@ class SpotChecker:
             return -1
         return accused
 
-    def _convicted_by(self, stage, call, answers, accused, tolerance, tensors, forward) -> None:
+    def _convicted_by(self, sampled: SampledCall, answers: list, accused: int, tolerance: float) -> None:
+        stage, call = sampled.stage, sampled.call
         reply = answers[accused][0]
         others = [answers[i][0] for i in range(3) if i != accused]
         far = min(relative_difference(reply.tensors, reply.msg.loss, o.tensors, o.msg.loss) for o in others)
         witnesses = ", ".join(o.server.peer_id for o in others)
         self._convict(reply.server.peer_id, stage, f"its {call} answer differs by {far:.3g} (tolerance "
                       f"{tolerance:.3g}) from those of {witnesses}, which agree")
-        primary, check = answers[0][0], answers[1][0]
+        primary, check, forward = answers[0][0], answers[1][0], sampled.forward
         rebound = call == "backward" and accused == 0 and \
             tensors_digest(primary.request_wire) != tensors_digest(check.request_wire)
         self.evidence.append(SpotEvidence(
-            run_id=self.pipeline.run_id, stage=stage, call=call, codec=self.pipeline.codec,
+            run_id=self.run_id, stage=stage, call=call, codec=sampled.caller.codec,
             request_wire=check.request_wire, answers=[(r.msg.receipt, r.reply_wire) for r, _ in answers],
             accused=accused, tolerance=tolerance,
             accused_request_wire=primary.request_wire if rebound else [],
             forward_receipt=forward.msg.receipt if rebound else b"",
             forward_request_wire=forward.request_wire if rebound else []))
-        if self.on_evidence is not None:
-            self.on_evidence(self.evidence[-1])
+        self._share(self.evidence[-1])
+
+    def _share(self, evidence: SpotEvidence) -> None:
+        """Keep this trainer's evidence and hand it to every server it knows
+        (:func:`~swarm.trust.convictions.share_evidence`)."""
+        accused = self.book.add(evidence)[0].peer_id
+        servers = {s.peer_id: s for found in self._seen.values() for s in found}
+        self.spawn(share_evidence(self.p2p, servers, evidence, accused, self.log))
 
     def _convict(self, peer_id: str, stage: int, reason: str) -> None:
         if peer_id in self.convicted:
@@ -298,63 +298,4 @@ class SpotChecker:
                          reason)
 
 
-def verify_evidence(evidence: SpotEvidence, min_tolerance: float = 0.0) -> str:
-    """Check a conviction without trusting whoever shows it: the receipts' signatures, that every receipt
-    states the request and reply tensors shown, that the answers are three servers' to one call of one stage
-    and micro-batch at one epoch, and that the accused answer is far from two answers that agree, at the
-    evidence's tolerance but never below ``min_tolerance`` (the verifier's ``spot_checks.rtol``: a tolerance
-    chosen between three honest servers' small differences would otherwise single one of them out).
-
-    :returns: the accused server's peer id.
-    :raises ProtocolError: the evidence does not prove what it claims (the cause named).
-    """
-    if len(evidence.answers) != 3 or not 0 <= evidence.accused < 3:
-        raise ProtocolError("spot-check evidence needs three answers and the index of the accused one")
-    receipts, replies = [], []
-    for sealed, wire in evidence.answers:
-        receipt, _ = open_record(sealed, StageReceipt, run_id=evidence.run_id)
-        if receipt.reply_sha256 != tensors_digest(wire):
-            raise ProtocolError(f"the reply shown for {receipt.peer_id} is not the one its receipt states")
-        receipts.append(receipt)
-        replies.append(_decode(wire, evidence.codec))
-    if len({(r.stage, r.call, r.mb_id, r.epoch) for r in receipts}) != 1 or receipts[0].stage != evidence.stage \
-            or receipts[0].call != evidence.call or len({r.peer_id for r in receipts}) != 3:
-        raise ProtocolError("the receipts are not three servers' answers to one call of one stage at one epoch")
-    for i, receipt in enumerate(receipts):
-        if receipt.request_sha256 != tensors_digest(evidence.request_wire) and \
-                not (i == evidence.accused and _bound_by_forward(evidence, receipt)):
-            raise ProtocolError(f"{receipt.peer_id}'s receipt states another request than the one shown")
-    diffs = {(i, j): relative_difference(replies[i], receipts[i].loss, replies[j], receipts[j].loss)
-             for i in range(3) for j in range(i + 1, 3)}
-    tolerance = max(evidence.tolerance, min_tolerance)
-    if odd_one_out(diffs, tolerance) != evidence.accused:
-        raise ProtocolError(f"the answers do not single out the accused (differences "
-                            f"{', '.join(f'{d:.3g}' for d in diffs.values())}, tolerance {tolerance:.3g})")
-    return receipts[evidence.accused].peer_id
-
-
-def _bound_by_forward(evidence: SpotEvidence, receipt: StageReceipt) -> bool:
-    """A backward the accused got without the inputs (it had the forward cached): its request is the check's
-    ``grad_outputs`` and its own signed forward took the check's ``inputs``."""
-    if evidence.call != "backward" or not evidence.forward_receipt:
-        return False
-    forward, _ = open_record(evidence.forward_receipt, StageReceipt, run_id=evidence.run_id)
-    if (forward.peer_id, forward.mb_id, forward.call) != (receipt.peer_id, receipt.mb_id, "forward") or \
-            receipt.request_sha256 != tensors_digest(evidence.accused_request_wire) or \
-            forward.request_sha256 != tensors_digest(evidence.forward_request_wire):
-        return False
-    check = _decode(evidence.request_wire, evidence.codec)
-    sent = _decode(evidence.accused_request_wire, evidence.codec) + _decode(evidence.forward_request_wire,
-                                                                           evidence.codec)
-    return len(check) == len(sent) == 2 and all(torch.equal(a, b) for a, b in zip(check, sent))
-
-
-def _decode(wire: list[torch.Tensor], codec: str) -> list[torch.Tensor]:
-    try:
-        return unpack_tensors(wire, codec)
-    except Exception as e:
-        raise ProtocolError(f"evidence tensors do not decode: {e}") from None
-
-
-__all__ = ["SpotChecker", "SpotEvidence", "StageReply", "answers_comparable", "relative_difference",
-           "verify_evidence"]
+__all__ = ["SampledCall", "SpotChecker", "StageCaller"]

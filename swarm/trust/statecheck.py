@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 from swarm.averaging.donors import REFUSAL_S, RETRY_S
 from swarm.protocol import CheckpointManifest, ServerInfo
-from swarm.server.stage import ask_state_digest
+from swarm.net.stage_rpc import ask_state_digest
 
 logger = logging.getLogger(__name__)
 
