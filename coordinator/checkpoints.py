@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from swarm.checkpoint import FragmentStore, decode_shard
+from swarm.checkpoint import FragmentService, FragmentStore, decode_shard
 from swarm.checkpoint.catalog import CheckpointView, checkpoint_views
 from swarm.checkpoint.export import export_model, generate, load_exported
-from swarm.checkpoint.keeper import FragmentKeeper
+from swarm.checkpoint.transfers import FragmentTransfers
 from swarm.config import RunSpec
-from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
+from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.protocol import ServerState
+from swarm.trust.banlist import RunBans
 
 logger = logging.getLogger("swarm.coordinator")
 
@@ -129,20 +131,21 @@ async def fetch_complete(directory: RunDirectory, spec: RunSpec, p2p, epoch: Opt
 
     :raises LookupError: no complete checkpoint (or not at ``epoch``).
     """
-    loop = asyncio.get_running_loop()
-    views = await loop.run_in_executor(None, _views, directory, spec)
+    views = await asyncio.to_thread(_views, directory, spec)
     complete = complete_epochs(views)
     if not complete or (epoch is not None and epoch not in complete):
         raise LookupError(f"no complete checkpoint{f' at epoch {epoch}' if epoch is not None else ''} (complete: "
                           f"{complete or 'none'}); see `swarm-coordinator checkpoints`")
     epoch = complete[0] if epoch is None else epoch
-    servers = await loop.run_in_executor(None, directory.all_servers, spec.model.num_stages)
+    servers = await asyncio.to_thread(directory.all_servers, spec.model.num_stages)
     lag = lag_report(views, epoch, _stage_epochs(servers))
     if progress:
         progress(lag["summary"])
     with tempfile.TemporaryDirectory() as tmp:
-        keeper = FragmentKeeper(spec, directory, Identity.generate(), FragmentStore(Path(tmp), 1))
-        keeper.p2p = p2p
+        store, reader = FragmentStore(Path(tmp), 1), AsyncRunDirectory(directory)
+        transfers = FragmentTransfers(p2p, reader, Identity.generate().peer_id, store,
+                                      FragmentService(store, directory.run_id), bans=RunBans(reader), log=logger,
+                                      rng=random.Random())
         shards = []
         for k, group in views.items():
             view = max((v for v in group if v.manifest.epoch == epoch and v.restorable), key=lambda v: v.fragments_alive)
@@ -150,7 +153,7 @@ async def fetch_complete(directory: RunDirectory, spec: RunSpec, p2p, epoch: Opt
             def report(done, needed, received, k=k):
                 if progress:
                     progress(f"stage {k}: {done} of {needed} fragments fetched ({received / 1e6:.2f} MB so far)")
-            blob, _ = await keeper.fetch(view, report)
+            blob, _ = await transfers.fetch(view, report)
             shards.append(decode_shard(blob, view.manifest.shard_sha256, run_id=directory.run_id, stage=k))
     return epoch, shards, lag
 

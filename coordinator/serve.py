@@ -24,7 +24,7 @@ from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.config import PeerSettings, RunSpec
 from swarm.net.dht import format_run_address, join_dht, visible_maddrs
-from swarm.net.directory import RunDirectory
+from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.identity import Identity, claim_folder
 
 logger = logging.getLogger("swarm.coordinator")
@@ -56,7 +56,7 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
         claim_folder(settings.fragment_path(), "SWARM_FRAGMENT_DIR", "fragments")
         store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep,
                               grace_s=2 * spec.timeouts.record_ttl_s)
-        keeper = FragmentKeeper(spec, directory, key, store)
+        keeper = FragmentKeeper(spec, AsyncRunDirectory(directory), key, store)
         metrics = None
         if settings.metrics_port:
             metrics = RunMetrics(run_id)
@@ -88,10 +88,10 @@ async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes,
 
     async def tick() -> None:
         """Each duty on its own: one that fails is logged and the others still run."""
-        if not await loop.run_in_executor(None, directory.publish_spec, sealed):
+        if not await keeper.directory.publish_spec(sealed):
             logger.warning("could not store the spec in the DHT; retrying in %.0fs", directory.ttl / 3)
         for duty, what in ((keeper.tick, "fragment keeper tick"),
-                           (lambda: loop.run_in_executor(None, observe), "updating the run's metrics")):
+                           (lambda: asyncio.to_thread(observe), "updating the run's metrics")):
             try:
                 await duty()
             except Exception:

@@ -48,7 +48,8 @@ from hivemind.utils import get_dht_time
 from swarm.config import RunSpec
 from swarm.net.directory import RunDirectory
 from swarm.protocol import ServerInfo, ServerState, TrainerInfo
-from swarm.trainer.routing import excluded_by_stage, stage_demand
+from swarm.server.rebalance import stage_demand
+from swarm.trainer.routing import excluded_by_stage
 
 
 def _lag(directory: RunDirectory, record_time: float, now: float, slack_s: float = 2.0) -> bool:

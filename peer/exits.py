@@ -4,7 +4,7 @@ restart policy that must not restart a banned peer, a restore to look into)."""
 from __future__ import annotations
 
 from swarm.trust.banlist import PeerBanned
-from swarm.checkpoint.lifecycle import RestoreError
+from swarm.checkpoint.restore import RestoreError
 from swarm.net.dht import RunUnreachable
 from swarm.identity import IdentityInUse
 

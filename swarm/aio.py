@@ -1,11 +1,13 @@
-"""Small asyncio helpers shared by the library and the apps: waiting on events, sleeping until stopped, and
-running a periodic task that logs its failures instead of dying of them."""
+"""Small asyncio helpers shared by the library and the apps: waiting on events, sleeping until stopped, running a
+periodic task that logs its failures instead of dying of them, and coroutines handed to a loop from another
+thread."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, Union
+from concurrent.futures import Future
+from typing import Awaitable, Callable, Coroutine, Optional, Union
 
 
 async def wait_any(*events: asyncio.Event) -> None:
@@ -39,3 +41,28 @@ async def periodic(stop: asyncio.Event, period_s: float, tick: Callable[[], Awai
             await tick()
         except Exception:
             log.exception("%s failed", what)
+
+
+class Submissions:
+    """Coroutines handed to ``loop`` from other threads (a stage server's compute thread starts checkpoint commits
+    and rollback orders there), kept so that :meth:`close` can wait for them. With no loop (built outside one, as
+    in unit tests) nothing can be submitted."""
+
+    def __init__(self, loop: Optional[asyncio.AbstractEventLoop]):
+        self.loop = loop
+        self._pending: set[Future] = set()
+
+    def submit(self, work: Coroutine) -> None:
+        """Run ``work`` on the loop, from any thread."""
+        future = asyncio.run_coroutine_threadsafe(work, self.loop)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+
+    async def close(self, timeout: float) -> None:
+        """(on the loop) Let the work submitted finish, for at most ``timeout`` seconds, then cancel the rest."""
+        pending = [asyncio.wrap_future(f) for f in list(self._pending)]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=timeout)
+            for f in late:
+                f.cancel()
+            await asyncio.gather(*late, return_exceptions=True)

@@ -15,7 +15,7 @@ from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.service import FragmentService
 from swarm.checkpoint.writer import CheckpointError, write_checkpoint
 from swarm.config import RunSpec
-from swarm.net.directory import RunDirectory
+from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.identity import Identity
 from swarm.model import build_stage
 from swarm.protocol import FragmentReply, ServerInfo, ServerState, pack_message
@@ -57,9 +57,9 @@ async def _announce_pass(nodes) -> None:
     for node in nodes:
         info = ServerInfo(run_id=RUN, peer_id=node.me, time=get_dht_time(), stage=node.stage,
                           state=ServerState.ONLINE, throughput=1.0, p2p_id=node.identity.p2p_id)
-        await node.io(node.directory.announce_server, info, node.identity)
+        await node.directory.announce_server(info, node.identity)
         if node.p2p is not None:
-            await node.io(node.announce)
+            await node.announce()
 
 
 class Serving:
@@ -82,7 +82,7 @@ async def serving(nodes):
     try:
         for node in nodes:
             if node.p2p is None:
-                await node.start(await node.directory.dht.replicate_p2p())
+                await node.start(await node.directory.blocking.dht.replicate_p2p())
         yield handle
     finally:
         stop.set()
@@ -96,7 +96,7 @@ def swarm_of_keepers(tmp_path, tiny_spec):
     spec = RunSpec.from_dict(tiny_spec.model_dump() | {"checkpoint": {"fragments_needed": 2, "fragments_total": 4}})
     keyed, nodes = keyed_dhts(5), []
     for i, (ident, dht) in enumerate(keyed):
-        directory = RunDirectory(dht, RUN, ttl=4.0)
+        directory = AsyncRunDirectory(RunDirectory(dht, RUN, ttl=4.0))
         store = FragmentStore(tmp_path / f"peer{i}", max_bytes=1 << 26, keep_epochs=2)
         nodes.append(FragmentKeeper(spec, directory, ident, store, stage=1 if i == 0 else 0, rng=random.Random(i)))
     yield spec, nodes
@@ -143,15 +143,15 @@ def test_commit_restore_repair_and_ban(swarm_of_keepers):
         full = dict(view.alive)
         view.alive = {i: h for i, h in full.items() if i in (liar_index, (liar_index + 1) % 4)}
         with pytest.raises(FragmentError, match="only 1 of the 2 fragments .* \\(1 corrupt\\)"):
-            await writer.fetch(view)
+            await writer.transfers.fetch(view)
         assert liar.me in writer.distrusted and "corrupt" in writer.distrusted[liar.me]
         view.alive = full
-        blob, bad = await writer.fetch(view)
+        blob, bad = await writer.transfers.fetch(view)
         restored = decode_shard(blob, manifest.shard_sha256)
         assert bad == 0, "a distrusted holder is not asked again"
         assert all(torch.equal(restored.tensors[k], v) for k, v in shard.tensors.items())
         await writer.tick(repair=False)
-        info = next(s for s in writer.directory.storage() if s.peer_id == writer.me)
+        info = next(s for s in await writer.directory.storage() if s.peer_id == writer.me)
         assert liar.me in info.distrusted
 
         # a holder vanishes: after its record expires, the lowest live holder re-creates its fragment elsewhere
@@ -159,7 +159,7 @@ def test_commit_restore_repair_and_ban(swarm_of_keepers):
         gone_index = holders.index(gone.me)
         await served.drop(gone)  # no announcement of it is in flight when its DHT shuts down
         await gone.stop()
-        gone.directory.dht.shutdown()
+        gone.directory.blocking.dht.shutdown()
         alive = [n for n in nodes if n is not gone]
         for _ in range(30):
             await asyncio.sleep(1.0)
@@ -178,7 +178,7 @@ def test_commit_restore_repair_and_ban(swarm_of_keepers):
             await node.tick(repair=False)
         with pytest.raises(CheckpointError, match="found a holder"):
             await write_checkpoint(writer, _shard(spec, epoch=20))
-        assert [m.epoch for m, _ in writer.directory.manifests(1)] == [10]
+        assert [m.epoch for m, _ in await writer.directory.manifests(1)] == [10]
         for node in alive:
             await node.stop()
 
@@ -266,11 +266,12 @@ def test_only_a_stages_servers_commit_and_a_second_one_must_agree(swarm_of_keepe
     from swarm.checkpoint.erasure import split_into_fragments
     from swarm.checkpoint.service import put_fragment, request_endorsement
     from swarm.protocol import Endorsement, EndorseRequest, open_record
+    from swarm.trust.authority import EndorsementRefused
 
     spec, nodes = swarm_of_keepers
     lone, mate_a, mate_b, mate_c, _ = nodes  # lone: stage 1's only server; the others serve stage 0
     [(stranger_key, stranger_dht)] = keyed_dhts(1, initial_peers=[str(m) for m in
-                                                                  lone.directory.dht.get_visible_maddrs()])
+                                                                  lone.directory.blocking.dht.get_visible_maddrs()])
     fragment = split_into_fragments(b"x" * 1000, 1, 1)[0]
     digest, other = "a" * 64, "b" * 64
 
@@ -282,7 +283,7 @@ def test_only_a_stages_servers_commit_and_a_second_one_must_agree(swarm_of_keepe
             p2p = await stranger_dht.replicate_p2p()
             with pytest.raises(FragmentError, match="not an online server of stage 0"):
                 await put_fragment(p2p, mate_a.identity.p2p_id, RUN, 0, 40, fragment)
-            with pytest.raises(FragmentError, match="not an online server of stage 1"):
+            with pytest.raises(EndorsementRefused, match="not an online server of stage 1"):
                 await request_endorsement(p2p, mate_a.identity.p2p_id, ask((1, 40, digest)))
             # stage 0: mate_b's state at epoch 40 is the writer's, mate_c's is not
             for node, state in ((mate_a, digest), (mate_b, digest), (mate_c, other)):
@@ -290,10 +291,10 @@ def test_only_a_stages_servers_commit_and_a_second_one_must_agree(swarm_of_keepe
             sealed = await request_endorsement(mate_a.p2p, mate_b.identity.p2p_id, ask((0, 40, digest)))
             endorsement, _ = open_record(sealed, Endorsement, run_id=RUN)
             assert (endorsement.basis, endorsement.writer, endorsement.peer_id) == ("same_state", mate_a.me, mate_b.me)
-            with pytest.raises(FragmentError, match="has digest bbbbbbbb"):
+            with pytest.raises(EndorsementRefused, match="has digest bbbbbbbb"):
                 await request_endorsement(mate_a.p2p, mate_c.identity.p2p_id, ask((0, 40, digest)))
             # a witness (stage 1's server) refuses stage 0, which has other servers; it endorses stage 1's only one
-            with pytest.raises(FragmentError, match="other online servers"):
+            with pytest.raises(EndorsementRefused, match="other online servers"):
                 await request_endorsement(mate_a.p2p, lone.identity.p2p_id, ask((0, 40, digest)))
             sealed = await request_endorsement(lone.p2p, mate_a.identity.p2p_id, ask((1, 40, digest)))
             assert open_record(sealed, Endorsement, run_id=RUN)[0].basis == "witness"
@@ -321,7 +322,7 @@ def test_a_checkpoint_of_two_fresh_keys_is_ignored_by_every_reader(swarm_of_keep
 
     spec, nodes = swarm_of_keepers
     lone, mate_a, mate_b, _, _ = nodes
-    [(writer, stranger_dht)] = keyed_dhts(1, initial_peers=[str(m) for m in lone.directory.dht.get_visible_maddrs()])
+    [(writer, stranger_dht)] = keyed_dhts(1, initial_peers=[str(m) for m in lone.directory.blocking.dht.get_visible_maddrs()])
     fragment = split_into_fragments(b"y" * 1000, 1, 1)[0]
 
     def manifest(by: Identity, endorser: Identity, basis: str) -> bytes:
@@ -334,20 +335,20 @@ def test_a_checkpoint_of_two_fresh_keys_is_ignored_by_every_reader(swarm_of_keep
 
     async def main():
         async with serving(nodes):
-            await lone.io(lone.directory.servers, 0)  # the reader has seen stage 0's servers
+            await lone.directory.servers(0)  # the reader has seen stage 0's servers
             for basis in ("witness", "same_state"):
                 sealed = manifest(writer, Identity.generate(), basis)
                 stranger = RunDirectory(stranger_dht, RUN, ttl=4.0)
                 assert await asyncio.to_thread(stranger.store_sealed, f"{RUN}/checkpoints/0", f"50:{writer.peer_id}",
                                                sealed)
-                assert not [m for m, _ in await lone.io(lone.directory.manifests, 0) if m.epoch == 50]
+                assert not [m for m, _ in await lone.directory.manifests(0) if m.epoch == 50]
                 with pytest.raises(ProtocolError, match="never seen announced as a server of stage 0"):
-                    await lone.io(lone.service.accept_manifest, sealed)
+                    await lone.service.accept_manifest(sealed)
                 p2p = await stranger_dht.replicate_p2p()
                 with pytest.raises(FragmentError, match="no committed checkpoint of epoch 50"):
                     await put_fragment(p2p, lone.identity.p2p_id, RUN, 0, 50, fragment)
             genuine = manifest(mate_a.identity, mate_b.identity, "same_state")
-            assert await lone.io(lone.directory.entitled, open_record(genuine)) is None
+            assert await lone.directory.entitled(open_record(genuine)) is None
         for node in nodes:
             await node.stop()
 
@@ -363,14 +364,15 @@ def test_a_checkpoint_of_two_fresh_keys_is_ignored_by_every_reader(swarm_of_keep
 
 def test_a_keeper_stops_quietly_when_its_p2p_daemon_is_already_gone(tmp_path, tiny_spec):
     """Ctrl-C in a terminal reaches the p2p daemon too, which exits first: stopping the keeper then has no
-    handlers to remove, and says so instead of raising (issue 12: `serve` ended in a traceback)."""
+    handlers to remove, and says so instead of raising (`serve` once ended in a traceback there)."""
     import os
     import signal
     import subprocess
     from pathlib import Path
 
     [(ident, dht)] = keyed_dhts(1)
-    keeper = FragmentKeeper(tiny_spec, RunDirectory(dht, RUN), ident, FragmentStore(tmp_path, max_bytes=1 << 20))
+    keeper = FragmentKeeper(tiny_spec, AsyncRunDirectory(RunDirectory(dht, RUN)), ident,
+                            FragmentStore(tmp_path, max_bytes=1 << 20))
 
     async def main():
         await keeper.start(await dht.replicate_p2p())

@@ -59,7 +59,13 @@ def test_a_put_is_judged_at_its_first_chunk_and_bounded_by_the_runs_largest_frag
     small = split_into_fragments(random.Random(0).randbytes(25_600), 2, 4)[0]  # 12,800 bytes
     big = split_into_fragments(random.Random(1).randbytes(16 << 20), 2, 2)[0]  # 8 MiB
     outsider = str(client_dht.peer_id)
-    authority = SimpleNamespace(may_put=lambda putter, *_: "not a server of stage 0" if putter == outsider else None)
+    async def outsider_refused(putter, *_):
+        return "not a server of stage 0" if putter == outsider else None
+
+    async def anyone(*_):
+        return None
+
+    authority = SimpleNamespace(may_put=outsider_refused)
     read = []  # the byte limit of every fragment stream the holder read (the client's reads have no deadline)
 
     def counting(stream, **kw):
@@ -80,7 +86,7 @@ def test_a_put_is_judged_at_its_first_chunk_and_bounded_by_the_runs_largest_frag
         with pytest.raises(FragmentError):  # (its refusal may be cut off with the unread rest of the stream)
             await put_fragment(p2p, holder, RUN, 0, 5, big)
         assert read == [], "the holder read an outsider's fragment"
-        authority.may_put = lambda *_: None
+        authority.may_put = anyone
         with pytest.raises(FragmentError, match="exceeds 10000 bytes"):
             await put_fragment(p2p, holder, RUN, 0, 5, small)
         assert read == [10_000]

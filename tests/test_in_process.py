@@ -58,7 +58,7 @@ def test_in_process_server_and_trainer_match_the_reference_state(mode, exact_spe
             trainer = Trainer(address, _settings(tmp_path, cache_dir, "trainer"),
                               TrainerOptions(shard=0, concurrency=1, max_samples=samples))
             await asyncio.wait_for(trainer.run(), 300)
-            states = [await asyncio.wait_for(s.server.compute(s.server.optimizer.state), 60) for s in sessions]
+            states = [await asyncio.wait_for(s.served.server.compute(s.served.optimizer.state), 60) for s in sessions]
             return trainer, states, [s.epoch for s in sessions]
         finally:
             for s in sessions:

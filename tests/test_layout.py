@@ -26,13 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = "swarm"
 MAX_CLASS_LINES = 300
 MAX_TOP_MODULES = 8
-ROOM_ORDER = ["swarm", "protocol", "kernels", "model", "data", "net", "trust", "averaging", "checkpoint",
-              "server", "trainer", "reference", "attacks"]
-"""Rooms from the ground up; a room imports only rooms before it in this list (``swarm`` is the top-level
-modules every room may use: config, identity, logs, aio, host, metrics). ``reference`` and ``attacks`` are
-top-level modules that sit above the roles they drive."""
-FOUNDATION = {"config", "identity", "logs", "aio", "host", "metrics"}
-"""Top-level modules that form the ground floor (room ``swarm``)."""
+ROOM_ORDER = ["config", "identity", "swarm", "aio", "protocol", "host", "logs", "metrics", "kernels", "model", "data",
+              "net", "trust", "checkpoint", "averaging", "server", "trainer", "reference", "attacks"]
+"""Rooms from the ground up; a room imports only rooms before it in this list. A package of ``swarm/`` is a room,
+and so is each module at its top (``swarm`` is the package's own ``__init__``: its version and public names).
+``reference`` and ``attacks`` sit above the roles they drive."""
 THIRD_PARTY_PRIVATE_ROOM = "averaging"
 """The one room allowed to touch a third party's private names (hivemind's, behind small classes of ours)."""
 THIRD_PARTY_PRIVATE_READS = {"_version"}
@@ -54,14 +52,10 @@ def library_modules() -> dict[str, Path]:
 
 
 def room_of(module: str) -> str:
-    """The room a module lives in: its package under ``swarm/`` (``swarm.net.directory`` -> ``net``), or its own
-    name for a top-level module above the ground (``swarm.reference``), or ``swarm`` for the ground floor."""
+    """The room a module lives in: its package under ``swarm/`` (``swarm.net.directory`` -> ``net``), its own name
+    for a module at the top (``swarm.config`` -> ``config``), ``swarm`` for the package's ``__init__``."""
     parts = module.split(".")
-    if len(parts) == 1:
-        return "swarm"
-    if len(parts) == 2 and (ROOT / LIBRARY / f"{parts[1]}.py").exists():
-        return "swarm" if parts[1] in FOUNDATION else parts[1]
-    return parts[1]
+    return "swarm" if len(parts) == 1 else parts[1]
 
 
 def _resolve(target: str, names: list[str], modules: dict[str, Path]) -> set[str]:

@@ -114,20 +114,20 @@ def test_a_rollback_order_counts_only_when_it_is_in_force():
 
 
 def test_a_spike_streak_issues_one_order_naming_its_first_epoch(tiny_spec):
+    import logging
     from types import SimpleNamespace
 
-    from swarm.checkpoint.lifecycle import StageCheckpoints
-    from swarm.server.stage import EpochEnd
+    from swarm.checkpoint.rollback import Rollbacks
 
     spec = tiny_spec.updated(rollback={"window_epochs": 4, "margin": 0.15, "warmup_epochs": 3})
-    keeper = SimpleNamespace(spec=spec, directory=SimpleNamespace(ttl=30.0), authority=SimpleNamespace(states={}))
-    server = SimpleNamespace(stage=1, epoch=0, is_last=True, optimizer=None)
-    ck = StageCheckpoints(keeper, server, SimpleNamespace(peer_id="me"))
-    flagged = [ck.is_spike(EpochEnd(epoch=e, loss=loss, samples=32, seconds=0.1))
-               for e, loss in enumerate((6.0, 5.8, 5.6, 5.5, 7.3, 7.0, 6.9), start=1)]
+    restore = SimpleNamespace(spec=spec, directory=SimpleNamespace(ttl=30.0), stage=1,
+                              keeper=SimpleNamespace(run_id="run"))
+    ck = Rollbacks(restore, SimpleNamespace(lr_scale=1.0), compute=None, identity=SimpleNamespace(peer_id="me"),
+                   is_last=True, log=logging.getLogger(__name__))
+    flagged = [ck.is_spike(loss) for loss in (6.0, 5.8, 5.6, 5.5, 7.3, 7.0, 6.9)]
     # the bad data went on for three epochs: only the first is answered with an order (the order names the epoch
     # before it; a later one would name an epoch already trained on bad data)
     assert flagged == [False, False, False, False, True, False, False]
     ck.generation = 1  # the order was applied: the next spike is a new rollback
     ck.detector.average, ck.detector.seen = 5.0, 3
-    assert ck.is_spike(EpochEnd(epoch=9, loss=9.0, samples=32, seconds=0.1))
+    assert ck.is_spike(9.0)

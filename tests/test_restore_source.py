@@ -1,8 +1,10 @@
 """Where a starting server's state comes from: a load from live servers that brought nothing is refused."""
 
+import asyncio
+import logging
 from types import SimpleNamespace
 
-from swarm.checkpoint.lifecycle import StageCheckpoints
+from swarm.checkpoint.restore import Lineage, StageRestore
 from swarm.config import RunSpec
 from swarm.protocol import CheckpointManifest
 
@@ -20,26 +22,27 @@ class _Optimizer:
 
 
 def _checkpoints(spec, donor_epoch, manifests=()):
-    directory = SimpleNamespace(manifests=lambda stage: list(manifests))
-    keeper = SimpleNamespace(spec=spec, directory=directory, authority=SimpleNamespace(states={}))
-    server = SimpleNamespace(stage=0, epoch=0, optimizer=_Optimizer(donor_epoch))
-    return StageCheckpoints(keeper, server, SimpleNamespace(peer_id="me"))
+    async def listed(stage):
+        return list(manifests)
+
+    keeper = SimpleNamespace(spec=spec, directory=SimpleNamespace(manifests=listed), me="me")
+    return StageRestore(keeper, _Optimizer(donor_epoch), compute=None, stage=0, lineage=Lineage(),
+                        log=logging.getLogger(__name__))
 
 
 def test_a_load_from_peers_that_brought_no_state_is_refused(tiny_spec: RunSpec):
     # every donor record was stale: hivemind returns without loading, the epoch stays 0
     ck = _checkpoints(tiny_spec, donor_epoch=None)
     ck.peer_epoch = 12
-    assert ck.load_from_peers() is False
-    assert ck.lineage == ("", -1)
+    assert asyncio.run(ck.load_from_peers()) is False
+    assert ck.lineage.current == ("", -1)
 
 
 def test_a_load_from_peers_counts_when_the_epoch_reaches_the_live_servers(tiny_spec: RunSpec):
     manifest = CheckpointManifest.model_construct(epoch=10, shard_sha256="ab" * 32)
     ck = _checkpoints(tiny_spec, donor_epoch=11, manifests=[(manifest, b"")])
-    ck.server.epoch = 11
     ck.peer_epoch = 12  # records lag the servers: one epoch behind what they announced is a load
-    assert ck.load_from_peers() is True
-    assert ck.lineage == ("ab" * 32, 10)  # the state descends from the stage's newest checkpoint
+    assert asyncio.run(ck.load_from_peers()) is True
+    assert ck.lineage.current == ("ab" * 32, 10)  # the state descends from the stage's newest checkpoint
     fresh = _checkpoints(tiny_spec, donor_epoch=None)  # a stage that never finished an epoch: nothing to load
-    assert fresh.load_from_peers() is True
+    assert asyncio.run(fresh.load_from_peers()) is True

@@ -8,7 +8,8 @@ import pytest
 
 from swarm.config import ModelSpec
 from swarm.protocol import ServerInfo, ServerState
-from swarm.trainer.routing import NoServerError, Router, choose_stage
+from swarm.server.rebalance import choose_stage
+from swarm.trainer.routing import NoServerError, Router
 
 
 def server(pid, throughput=1.0, stage=0, state=ServerState.ONLINE):

@@ -79,7 +79,13 @@ def test_the_other_servers_are_asked_over_rpc_and_one_behind_is_waited_for(tiny_
     async def scenario():
         for server, (_, dht) in zip(servers, nodes[1:4]):
             await server.add_p2p_handlers(await dht.replicate_p2p(), namespace="rpc-run")
-        check = DonorStateCheck(await nodes[0][1].replicate_p2p(), "rpc-run", lambda: listed, lambda: [],
+        async def listed_servers():
+            return listed
+
+        async def no_checkpoints():
+            return []
+
+        check = DonorStateCheck(await nodes[0][1].replicate_p2p(), "rpc-run", listed_servers, no_checkpoints,
                                 me=str(nodes[0][1].peer_id), wait_s=20, timeout_s=2)
 
         async def catch_up():  # z reaches epoch 5 a second later, with the stage's state
@@ -144,11 +150,10 @@ def test_a_lying_donor_is_refused_and_the_state_comes_from_an_honest_one():
 
         def check(epoch: int, digest: str, donor: str):
             asked.append((epoch, donor))
-            return None if digest == truth else ("another state than the stage's", 120.0)
+            return None if digest == truth else ("another state than the stage's", True)
 
-        joiner = StageOptimizer(TINY, "donors", 0, d2, modules[2], identity=k2)
+        joiner = StageOptimizer(TINY, "donors", 0, d2, modules[2], identity=k2, state_check=check)
         optimizers.append(joiner)
-        joiner.state_check = check
         assert joiner.load_state_from_peers() >= 2
         assert [donor for _, donor in asked] == [str(d1.peer_id), str(d0.peer_id)], asked
         assert joiner.donors_refused.keys() == {str(d1.peer_id)}
@@ -178,10 +183,10 @@ def test_a_refused_state_is_undone_when_no_donor_verifies():
         while not _declared(d1, "alone-stage0_state_averager"):
             assert time.monotonic() < deadline, "the liar never declared itself a donor"
             time.sleep(0.2)
-        joiner = StageOptimizer(TINY, "alone", 0, d1, modules[1], identity=k1)
+        joiner = StageOptimizer(TINY, "alone", 0, d1, modules[1], identity=k1,
+                                state_check=lambda epoch, digest, donor: (f"refused {donor}", True))
         optimizers.append(joiner)
         before, lr = joiner.state(), joiner.lr
-        joiner.state_check = lambda epoch, digest, donor: (f"refused {donor}", 120.0)
         assert joiner.load_state_from_peers() == 0
         after = joiner.state()
         assert all(torch.equal(before[k], after[k]) for k in before) and joiner.lr == lr

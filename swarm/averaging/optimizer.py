@@ -35,7 +35,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import spec_compressor
-from swarm.averaging.donors import RETRY_S
+from swarm.averaging.donors import REFUSAL_S, RETRY_S
 from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
 from swarm.averaging.overlap import OverlappedRounds
 from swarm.averaging.progress import Roster, SampleCountTracker
@@ -45,10 +45,12 @@ from swarm.config import RunSpec
 
 logger = logging.getLogger(__name__)
 
-StateCheck = Callable[[int, str, str], Optional[tuple[str, float]]]
+StateCheck = Callable[[int, str, str], Optional[tuple[str, bool]]]
 """Judges a state loaded from a donor: ``(epoch, SHA-256 of the loaded state, the donor's libp2p id)`` -> None to
-keep it, else ``(why it is refused, seconds to skip the donor)`` (blocking; may raise, which refuses it for
-:data:`~swarm.averaging.donors.RETRY_S`; :class:`swarm.trust.statecheck.DonorStateCheck`)."""
+keep it, else ``(why it is refused, whether the stage's checkpoint or servers contradicted it)``: a contradicted
+donor is skipped for :data:`~swarm.averaging.donors.REFUSAL_S`, one nobody vouched for for
+:data:`~swarm.averaging.donors.RETRY_S` (blocking; may raise, which refuses it for ``RETRY_S``;
+:class:`swarm.trust.statecheck.DonorStateCheck`)."""
 MAX_DONORS_TRIED = 3
 AveragerFactory = Callable[..., RobustGradientAverager]
 """Builds the stage's gradient averager (keyword arguments of :class:`RobustGradientAverager`); tests and
@@ -196,6 +198,8 @@ class StageOptimizer:
     :param identity: the peer's Ed25519 identity; it signs this server's averaging commitments, receipts and
         accusations.
     :param averager_factory: builds the gradient averager (default :class:`RobustGradientAverager`).
+    :param state_check: judges a state loaded from a donor before it is kept (:data:`StateCheck`); None keeps
+        any.
 
     Create it on the event loop's thread (hivemind's averagers install signal handlers). What changes or reads
     the state (``step``, ``finish_epoch_if_ready``, ``state``, ``load_state``, ``jump_to_epoch``,
@@ -206,10 +210,11 @@ class StageOptimizer:
 
     def __init__(self, spec: RunSpec, run_id: str, stage: int, dht: hivemind.DHT, module: torch.nn.Module, *,
                  identity=None, averager_factory: AveragerFactory = RobustGradientAverager,
-                 state_averager_factory: Callable[..., RobustStateAverager] = RobustStateAverager):
+                 state_averager_factory: Callable[..., RobustStateAverager] = RobustStateAverager,
+                 state_check: Optional[StateCheck] = None):
         self.module, self.stage, self.schedule = module, stage, Schedule(spec.optim)
         self._target = spec.training.target_batch_size
-        self.state_check: Optional[StateCheck] = None
+        self.state_check = state_check
         self.donors_refused: dict[str, str] = {}  # libp2p id -> why its state was refused (the last 32)
         self.reloads = 0  # loads of the stage's state from live servers (not epochs this server stepped)
         with _sigint_kept():
@@ -365,17 +370,18 @@ class StageOptimizer:
             if not donor:
                 return self.epoch  # no donor answered (or none is left that was not refused)
             if epoch < before[0]:  # hivemind loads no state from a donor behind this server
-                refusal: Optional[tuple[str, float]] = (f"its epoch {epoch} is behind this server's", RETRY_S)
+                refusal: Optional[tuple[str, bool]] = (f"its epoch {epoch} is behind this server's", False)
             else:
                 try:
                     refusal = self.state_check(epoch, self.state_digest(), donor)
                 except Exception as e:  # the check itself failed (timeout, DHT): nothing vouched for the state
-                    refusal = (f"the check failed ({type(e).__name__}: {e})", RETRY_S)
+                    refusal = (f"the check failed ({type(e).__name__}: {e})", False)
                 if refusal is None:
                     self.set_lr_scale(self.schedule.scale)  # the schedule at the new epoch, with this run's scale
                     return self.epoch
             self._restore(before)
-            why, seconds = refusal
+            why, contradicted = refusal
+            seconds = REFUSAL_S if contradicted else RETRY_S
             logger.warning("refused the state of donor %s at epoch %d: %s", donor, epoch, why)
             self.donors_refused = dict(list(self.donors_refused.items())[-31:]) | {donor: why[:200]}
             try:

@@ -8,7 +8,7 @@ micro-batch's loss, keeps an exponential moving average of its per-epoch mean tr
 ``warmup_epochs`` epochs is a spike. The server then publishes a signed
 :class:`~swarm.protocol.RollbackOrder` naming the newest epoch still good (the one before the spike) and the
 new cumulative learning-rate multiplier; every server of every stage restores its newest checkpoint at or
-before that epoch and scales its learning rate (:class:`~swarm.checkpoint.lifecycle.StageCheckpoints`).
+before that epoch and scales its learning rate (:class:`Rollbacks`).
 Epoch counters keep increasing (hivemind's collaborative epoch never goes back); the hash chain records the
 jump, as the next checkpoint's parent is the restored one.
 
@@ -19,11 +19,21 @@ stage's online servers issued that generation, or most of the swarm's online ser
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Optional, Sequence
 
+from hivemind.utils import get_dht_time
+
+from swarm.checkpoint.catalog import newest_restorable
+from swarm.checkpoint.erasure import FragmentError
+from swarm.checkpoint.restore import StageRestore
+from swarm.checkpoint.shard import ShardError
+from swarm.checkpoint.state import Compute, StateHolder
 from swarm.config import RollbackSpec
-from swarm.protocol import RollbackOrder, ServerInfo
+from swarm.identity import Identity, peer_id_of
+from swarm.protocol import RollbackOrder, ServerInfo, rollback_key
 
 
 class LossSpikeDetector:
@@ -92,3 +102,123 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
         if chosen:
             return min(chosen, key=lambda ob: (ob[0].epoch, ob[0].peer_id))
     return None
+
+
+class Rollbacks:
+    """A stage server's part in rollbacks: a last-stage server judges each epoch's loss (:meth:`is_spike`) and
+    issues a signed order on a spike (:meth:`issue`); every server follows orders in force (:meth:`follow`),
+    restoring the checkpoint through ``restore`` and scaling the learning rate of ``holder`` (on the compute thread,
+    ``compute``).
+
+    :param is_last: this server serves the last stage (it sees the loss).
+    :param log: the stage's log.
+    """
+
+    def __init__(self, restore: StageRestore, holder: StateHolder, compute: Compute, identity: Identity, *,
+                 is_last: bool, log: logging.Logger | logging.LoggerAdapter):
+        self.restore, self.holder, self.compute, self.identity = restore, holder, compute, identity
+        self.directory, self.spec, self.stage = restore.directory, restore.spec, restore.stage
+        self.run_id, self.is_last, self.log = restore.keeper.run_id, is_last, log
+        self.generation, self.order_sealed = 0, None
+        self._issued = (0, 0.0)  # (generation, time.monotonic()) of the last rollback order this server issued
+        self._order_scale, self.order_issuer, self.order_subkey = 1.0, "", ""
+        self.detector = LossSpikeDetector(self.spec.rollback)
+
+    def meta(self) -> dict:
+        """What a checkpoint of this server's state records of its rollbacks (its shard's metadata)."""
+        return {"lr_scale": self.holder.lr_scale, "rollback_generation": self.generation}
+
+    def resume(self, meta: dict) -> None:
+        """(compute thread) After restoring a checkpoint at start-up: take up its rollback generation and
+        learning-rate scale (``meta``, its shard's metadata), unless this server already follows an order."""
+        if self.generation == 0 and meta.get("rollback_generation"):
+            self.generation = int(meta["rollback_generation"])
+            self.holder.set_lr_scale(float(meta.get("lr_scale", 1.0)))
+
+    def reapply(self) -> None:
+        """After loading the state from live servers: the learning-rate scale of the order this server follows."""
+        if self.order_sealed is not None:
+            self.holder.set_lr_scale(self._order_scale)
+
+    def is_spike(self, loss: Optional[float]) -> bool:
+        """(compute thread) Judge ``loss``, the mean training loss of the epoch that ended (last stage, rollback
+        enabled): True on a spike, which the caller answers with :meth:`issue`; False on the later spikes of a
+        streak while this server's order is alive (a record TTL) and not yet applied: the first spike names the
+        epoch to return to, a later one would name an epoch already trained on the bad data."""
+        if not (self.spec.rollback.enabled and self.is_last and loss is not None):
+            return False
+        if not self.detector.update(loss):
+            return False
+        self.log.warning("loss spike: epoch mean %.4f > (1 + %.2f) x moving average %.4f", loss,
+                         self.spec.rollback.margin, self.detector.average)
+        generation, issued_at = self._issued
+        if generation > self.generation and time.monotonic() - issued_at < self.directory.ttl:
+            return False  # its order is out, alive and not yet applied: the first spike names the epoch to return to
+        self._issued = (self.generation + 1, time.monotonic())
+        return True
+
+    def _adopt(self, order: RollbackOrder, sealed: bytes) -> None:
+        self.generation, self.order_sealed = order.generation, sealed
+        self._order_scale, self.order_issuer, self.order_subkey = order.lr_scale, order.peer_id, order.dht_subkey()
+        self.holder.set_lr_scale(order.lr_scale)
+
+    async def issue(self, detected_epoch: int, loss: float) -> None:
+        """Publish a signed order to return every stage to its checkpoint before ``detected_epoch``, with the
+        learning rate scaled by ``rollback.lr_factor``."""
+        order = RollbackOrder(run_id=self.run_id, peer_id=self.identity.peer_id, time=get_dht_time(),
+                              epoch=max(0, detected_epoch - 1), detected_epoch=detected_epoch,
+                              lr_scale=self.holder.lr_scale * self.spec.rollback.lr_factor,
+                              generation=self.generation + 1,
+                              reason=f"epoch {detected_epoch} mean loss {loss:.4f} > (1 + {self.spec.rollback.margin}) "
+                                     f"x moving average {self.detector.average:.4f}")
+        if not await self.directory.announce(rollback_key(self.run_id), order, self.identity):
+            self._issued = (self.generation, 0.0)  # not stored: the next spike issues it again
+            self.log.warning("could not store rollback #%d in the DHT; it is issued again at the next spike",
+                             order.generation)
+            return
+        self.log.warning("issued rollback #%d to epoch <= %d, lr scale %.3g: %s", order.generation, order.epoch,
+                         order.lr_scale, order.reason)
+
+    async def adopt_in_force(self) -> None:
+        """Before restoring at start-up: take up the rollback order in force, if any (the restore that follows
+        then loads the checkpoint the swarm returned to or a later one)."""
+        order = await self._in_force()
+        if order is not None:
+            self._adopt(*order)
+
+    async def follow(self) -> None:
+        """Apply a rollback order newer than the last one applied that is in force (:func:`order_in_force`), and
+        keep the applied one published (one look; the stage calls it periodically)."""
+        order = await self._in_force()
+        if order is not None:
+            await self.apply(*order)
+        if self.order_sealed is not None:
+            await self.directory.store_sealed(rollback_key(self.run_id), self.order_subkey, self.order_sealed)
+
+    async def _in_force(self) -> Optional[tuple[RollbackOrder, bytes]]:
+        """The rollback order newer than the one applied that is in force (:func:`order_in_force`), or None."""
+        orders = await self.directory.rollback_orders()
+        if not orders or orders[0][0].generation <= self.generation:
+            return None
+        online = {k: await self.directory.fresh_servers(k) for k in range(self.spec.model.num_stages)}
+        run_key = self.directory.run_key
+        return order_in_force(orders, online, applied=self.generation, lr_factor=self.spec.rollback.lr_factor,
+                              authority=peer_id_of(run_key) if run_key is not None else None)
+
+    async def apply(self, order: RollbackOrder, sealed: bytes) -> None:
+        """Restore the newest checkpoint at or before ``order.epoch`` and scale the learning rate."""
+        views = (await self.restore.keeper.views())[self.stage]
+        view = newest_restorable(views, max_epoch=order.epoch)
+        self.log.warning("rollback #%d (%s): restoring %s, lr scale %.3g", order.generation, order.reason,
+                         f"checkpoint epoch {view.manifest.epoch}" if view else "nothing (no checkpoint at or before "
+                         "that epoch; lowering the learning rate only)", order.lr_scale)
+        if view is not None:
+            try:
+                await self.restore.restore_from(view, set_epoch=False)
+            except (FragmentError, ShardError) as e:
+                self.log.error("rollback restore failed (%s); lowering the learning rate only", e)
+        await self.compute(self._adopt, order, sealed)
+        self.detector.reset()
+
+
+__all__ = ["LossSpikeDetector", "Rollbacks", "order_in_force"]

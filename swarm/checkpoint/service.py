@@ -8,7 +8,7 @@ the hash it was given is caught (:class:`~swarm.checkpoint.erasure.FragmentError
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -31,9 +31,7 @@ from swarm.protocol import (
     unpack_message,
 )
 from swarm.net.transport import ProtocolServicer, gather, stream_out
-
-if TYPE_CHECKING:
-    from swarm.trust.authority import CheckpointAuthority
+from swarm.trust.authority import CheckpointAuthority, EndorsementRefused
 
 PUT_DEADLINE_S = 300.0
 """Seconds a fragment upload may take (a 50 MB fragment at 1 MB/s takes 50 s); a slower one is dropped."""
@@ -60,9 +58,11 @@ class FragmentService(ProtocolServicer):
 
     wire_name = "FragmentService"
 
-    def __init__(self, store: FragmentStore, run_id: str, on_manifest=None, num_stages: Optional[int] = None,
-                 authority: Optional["CheckpointAuthority"] = None, max_fragment_bytes: Optional[int] = None):
-        """:param on_manifest: called with ``(manifest, sealed)`` after a manifest is saved (e.g. to publish it
+    def __init__(self, store: FragmentStore, run_id: str,
+                 on_manifest: Optional[Callable[[CheckpointManifest, bytes], Awaitable[object]]] = None,
+                 num_stages: Optional[int] = None, authority: Optional[CheckpointAuthority] = None,
+                 max_fragment_bytes: Optional[int] = None):
+        """:param on_manifest: awaited with ``(manifest, sealed)`` after a manifest is saved (e.g. to publish it
         in the DHT at once, so a checkpoint is visible even if its writer dies before publishing it).
         :param num_stages: the run's stages; fragments of any other stage number are refused.
         :param authority: who may put fragments here and what this peer endorses
@@ -111,10 +111,9 @@ class FragmentService(ProtocolServicer):
             raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
         if self.num_stages is not None and req.stage >= self.num_stages:
             raise ProtocolError(f"run {self.run_id} has stages 0..{self.num_stages - 1}, not {req.stage}")
-        loop = asyncio.get_running_loop()
         if self.authority is not None:
-            refusal = await loop.run_in_executor(
-                None, self.authority.may_put, str(context.remote_id), req.stage, req.epoch, req.index, req.sha256)
+            refusal = await self.authority.may_put(str(context.remote_id), req.stage, req.epoch, req.index,
+                                                   req.sha256)
             if refusal is not None:
                 raise ProtocolError(refusal)
         _, tensors = await gather(_prepend(first, stream), max_bytes=self.max_fragment_bytes, max_tensors=1,
@@ -122,29 +121,33 @@ class FragmentService(ProtocolServicer):
         if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
             raise ProtocolError("a fragment travels as one uint8 vector")
         fragment = Fragment(req.index, tensors[0].numpy().tobytes(), req.sha256)
-        await loop.run_in_executor(None, self.store.put, req.run_id, req.stage, req.epoch, fragment,
-                                   str(context.remote_id))
+        await asyncio.to_thread(self.store.put, req.run_id, req.stage, req.epoch, fragment, str(context.remote_id))
         return FragmentReply(sha256=req.sha256), b""
 
-    def accept_manifest(self, sealed: bytes) -> CheckpointManifest:
+    async def accept_manifest(self, sealed: bytes) -> CheckpointManifest:
         """Verify a sealed manifest against the fragments held here and save it (commits the checkpoint).
 
         :raises ProtocolError: bad signature, other run, a writer or endorsers not entitled to commit it
             (:meth:`~swarm.net.directory.RunDirectory.entitled`), or it lists none of the held fragments' hashes.
+        :raises OSError: the manifest could not be saved (a full disk).
         """
         manifest, _ = open_record(sealed, CheckpointManifest, run_id=self.run_id)
-        refusal = self.authority.directory.entitled(manifest) if self.authority is not None else None
+        refusal = await self.authority.entitled(manifest) if self.authority is not None else None
         if refusal is not None:
             raise ProtocolError(f"the manifest of stage {manifest.stage} epoch {manifest.epoch} is refused: {refusal}")
+        await asyncio.to_thread(self._save_manifest, manifest, sealed)
+        if self.on_manifest is not None:
+            await self.on_manifest(manifest, sealed)
+        return manifest
+
+    def _save_manifest(self, manifest: CheckpointManifest, sealed: bytes) -> None:
+        """(blocking: the disk) Save ``sealed`` if it lists the fragments of its checkpoint held here."""
         listed = {f.index: f.sha256 for f in manifest.fragments}
         held = [h for h in self.store.held() if (h.run_id, h.stage, h.epoch) == (self.run_id, manifest.stage, manifest.epoch)]
         if not held or any(listed.get(h.index) != h.sha256 for h in held):
             raise ProtocolError(f"the manifest of stage {manifest.stage} epoch {manifest.epoch} does not list the "
                                 "fragments held here")
         self.store.save_manifest(self.run_id, manifest.stage, manifest.epoch, sealed)
-        if self.on_manifest is not None:
-            self.on_manifest(manifest, sealed)
-        return manifest
 
     async def rpc_put_manifest(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -160,7 +163,7 @@ class FragmentService(ProtocolServicer):
             raise ProtocolError(f"this peer holds fragments of run {self.run_id}, not {req.run_id}")
         if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
             raise ProtocolError("a manifest travels as one uint8 vector")
-        await asyncio.get_running_loop().run_in_executor(None, self.accept_manifest, tensors[0].numpy().tobytes())
+        await self.accept_manifest(tensors[0].numpy().tobytes())
         return FragmentReply(), b""
 
     async def rpc_endorse(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -187,8 +190,7 @@ class FragmentService(ProtocolServicer):
     async def _get_fragment(self, stream, context: P2PContext) -> tuple[FragmentReply, bytes]:
         metadata, _ = await gather(stream, max_bytes=1 << 16, max_tensors=0, deadline_s=REQUEST_DEADLINE_S)
         req = unpack_message(metadata, FragmentGet)
-        fragment = await asyncio.get_running_loop().run_in_executor(
-            None, self.store.get, req.run_id, req.stage, req.epoch, req.index)
+        fragment = await asyncio.to_thread(self.store.get, req.run_id, req.stage, req.epoch, req.index)
         if req.sha256 and fragment.sha256 != req.sha256:  # another checkpoint of the same epoch (a race)
             raise FileNotFoundError
         return FragmentReply(sha256=fragment.sha256), fragment.data
@@ -238,11 +240,6 @@ async def put_manifest(p2p: P2P, peer: str, run_id: str, sealed: bytes, timeout:
     reply = await _call(call, peer, run_id, timeout)
     if reply.error:
         raise FragmentError(f"{peer} refused the manifest: {reply.error}")
-
-
-class EndorsementRefused(FragmentError):
-    """A peer answered an endorsement request with a refusal (its reason): its answer, which asking again cannot
-    change."""
 
 
 async def request_endorsement(p2p: P2P, peer: str, req: EndorseRequest, timeout: float = 30.0) -> bytes:

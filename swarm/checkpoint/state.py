@@ -9,6 +9,7 @@ stage needs (schedule position, data position, ...), as the caller decides.
 from __future__ import annotations
 
 import hashlib
+from typing import Awaitable, Callable, Protocol
 
 import torch
 
@@ -114,3 +115,37 @@ def restore_stage_state(shard: StageShard, module: torch.nn.Module, optimizer: t
     :raises ShardError: a parameter is missing or has another shape or dtype (the shard is of another model).
     """
     load_named_state(shard.tensors, module, optimizer)
+
+
+class StateHolder(Protocol):
+    """What a stage's checkpoint duties need of its state: the stage's optimizer
+    (:class:`~swarm.averaging.optimizer.StageOptimizer`) satisfies it. Its methods run on the stage server's compute
+    thread, between micro-batches, except :meth:`load_state_from_peers` (blocking, on any thread but the loop's)."""
+
+    @property
+    def epoch(self) -> int:
+        """The stage's epoch as this server knows it."""
+
+    @property
+    def lr_scale(self) -> float:
+        """The rollback learning-rate multiplier (1.0 until a rollback)."""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """A copy of the state: parameters and optimizer state by name (:func:`named_state`)."""
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load a state of the same names, shapes and dtypes."""
+
+    def jump_to_epoch(self, epoch: int) -> int:
+        """Set the epoch to ``epoch`` or, if later, the stage's collaborative epoch; returns the epoch set."""
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Set the rollback multiplier and apply it to the current learning rate."""
+
+    def load_state_from_peers(self) -> int:
+        """Load the state of a live server of the stage; returns the epoch after it."""
+
+
+Compute = Callable[..., Awaitable]
+"""Runs ``fn(*args)`` on the stage server's compute thread, between micro-batches: ``await compute(fn, *args)``
+(:meth:`swarm.server.compute.StageCompute.compute`)."""

@@ -12,6 +12,7 @@ then is the manifest published in the DHT. Fragments that found no holder are le
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Optional
 
@@ -39,17 +40,17 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
     """
     ckpt = keeper.spec.checkpoint
     start = time.perf_counter()
-    state_sha = await keeper.io(state_digest, shard.tensors)
+    state_sha = await asyncio.to_thread(state_digest, shard.tensors)
     try:
-        endorsements = await keeper.authority.gather(keeper.p2p, EndorseRequest(
+        endorsements = await keeper.endorsements(EndorseRequest(
             run_id=keeper.run_id, stage=shard.stage, epoch=shard.epoch, state_sha256=state_sha))
     except ProtocolError as e:
         raise CheckpointError(str(e)) from None
-    blob, sha = await keeper.io(encode_shard, shard)
-    fragments = await keeper.io(split_into_fragments, blob, ckpt.fragments_needed, ckpt.fragments_total)
-    storage = [s for s in await keeper.io(keeper.directory.storage) if s.peer_id != keeper.me]
-    storage.append(keeper.storage_info())
-    placed = await keeper.place(shard.stage, shard.epoch, fragments, storage=storage)
+    blob, sha = await asyncio.to_thread(encode_shard, shard)
+    fragments = await asyncio.to_thread(split_into_fragments, blob, ckpt.fragments_needed, ckpt.fragments_total)
+    storage = [s for s in await keeper.directory.storage() if s.peer_id != keeper.me]
+    storage.append(await asyncio.to_thread(keeper.storage_info))
+    placed = await keeper.transfers.place(shard.stage, shard.epoch, fragments, storage=storage)
     if len(placed) < ckpt.fragments_needed:
         raise CheckpointError(f"only {len(placed)} of {len(fragments)} fragments of stage {shard.stage} epoch "
                               f"{shard.epoch} found a holder ({ckpt.fragments_needed} needed); start more peers or "
@@ -65,15 +66,15 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
     sealed = seal(manifest, keeper.identity)
     by_peer: dict[str, StorageInfo] = {s.peer_id: s for s in storage}
     holders = sorted(set(placed.values()))
-    took = await keeper.hand_manifests([by_peer[p] for p in holders], manifest, sealed)
+    took = await keeper.transfers.hand_manifests([by_peer[p] for p in holders], manifest, sealed)
     committed = sum(1 for holder in placed.values() if holder in took)
     if committed < ckpt.fragments_needed:
         raise CheckpointError(f"only {committed} fragments of stage {shard.stage} epoch {shard.epoch} sit on holders "
                               f"that took the manifest ({ckpt.fragments_needed} needed)")
-    if not await keeper.io(keeper.directory.publish_manifest, manifest, sealed):
+    if not await keeper.directory.publish_manifest(manifest, sealed):
         keeper.log.warning("could not store the manifest of stage %d epoch %d in the DHT; its holders will "
                            "re-publish it", shard.stage, shard.epoch)
-    await keeper.io(keeper.announce)
+    await keeper.announce()
     keeper.log.info("checkpoint of stage %d epoch %d committed: %d bytes sha256=%s, %d/%d fragments on %d peers "
                     "(%d needed), parent %s, %.2f s", shard.stage, shard.epoch, len(blob), sha[:16], len(placed),
                     len(fragments), len(holders), ckpt.fragments_needed, parent[0][:16] or "-",

@@ -324,6 +324,15 @@ class AsyncRunDirectory:
         """The coordinator's public key, once a spec verified."""
         return self.blocking.run_key
 
+    @property
+    def num_stages(self) -> Optional[int]:
+        """The spec's stages, once a spec verified (or set by a peer that got the spec otherwise)."""
+        return self.blocking.num_stages
+
+    @num_stages.setter
+    def num_stages(self, value: int) -> None:
+        self.blocking.num_stages = value
+
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 

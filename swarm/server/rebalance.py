@@ -1,4 +1,9 @@
-"""Adaptive rebalancing: a server moves to the stage that most lacks throughput, with hysteresis.
+"""Which stage a server serves: the bottleneck when it joins, and a move to the stage that most lacks throughput
+later (adaptive rebalancing, with hysteresis).
+
+A joining server picks the stage whose servers together have the least throughput, the pipeline's bottleneck
+(:func:`choose_stage`; Petals' block choice, Borzunov et al., "Distributed Inference and Fine-tuning of LLMs over
+the Internet", 2023, sec. 3.2).
 
 SWARM parallelism (Ryabinin et al., ICML 2023, sec. 3.3) moves peers from the fastest stages to the
 pipeline's bottleneck; its public code never shipped it. Petals (Borzunov et al., 2023, sec. 3.2) uses the
@@ -25,10 +30,37 @@ stage's state (from its live servers or its checkpoint) and only then announces 
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Callable, Optional
 
+from swarm.config import ModelSpec
 from swarm.protocol import ServerInfo, ServerState
+
+
+def stage_demand(spec: ModelSpec) -> list[float]:
+    """Relative compute per micro-batch of each stage (blocks, plus the LM head as ~1 block for the last)."""
+    head = spec.vocab_size / (12 * spec.d_model)  # head matmul vs. a block's ~12 d^2 per token
+    demand = [float(n) for n in spec.stage_layers]
+    demand[-1] += head
+    return demand
+
+
+def choose_stage(spec: ModelSpec, servers: dict[int, list[ServerInfo]], rng: Optional[random.Random] = None) -> int:
+    """The pipeline's bottleneck: the stage whose servers together announce the least throughput (samples/s).
+
+    Ties (e.g. several empty stages) go to the stage with the most compute per micro-batch
+    (:func:`stage_demand`), then at random. Joining servers count with the throughput they announce, so
+    peers starting one after another spread over the stages; draining servers do not count.
+    """
+    rng = rng or random.Random()
+    demand = stage_demand(spec)
+    supply = [sum(s.throughput for s in servers.get(k, []) if s.state != ServerState.DRAINING)
+              for k in range(spec.num_stages)]
+    least = min(supply)
+    tied = [k for k in range(spec.num_stages) if supply[k] <= least * (1 + 1e-9)]
+    costliest = max(demand[k] for k in tied)
+    return rng.choice([k for k in tied if demand[k] >= costliest * (1 - 1e-9)])
 
 
 def stage_supply(servers: dict[int, list[ServerInfo]]) -> dict[int, float]:
@@ -63,7 +95,6 @@ def plan_move(me: str, stage: int, servers: dict[int, list[ServerInfo]], min_gai
     return bottleneck
 
 
-
 class MovePlanner:
     """Debounces :func:`plan_move` for one server: a move is made only when every check plans it for at least
     ``confirm_s`` seconds (the window in which a dead server's record still counts: a move the record of a
@@ -88,3 +119,6 @@ class MovePlanner:
             return None
         self.pending = None
         return planned
+
+
+__all__ = ["MovePlanner", "choose_stage", "plan_move", "stage_demand", "stage_supply"]

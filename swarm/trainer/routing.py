@@ -1,4 +1,4 @@
-"""Stochastic wiring, back-off from failing servers, and the stage choice of a joining server.
+"""Stochastic wiring and back-off from failing servers: how a trainer picks a server of each stage.
 
 Routing follows SWARM parallelism (Ryabinin et al., "SWARM Parallelism", ICML 2023, sec. 3.2, "stochastic
 wiring"): for every micro-batch a trainer picks, per stage, the online server with the least accumulated
@@ -12,9 +12,7 @@ it uses the lower of the announced figure and the one it observed (a moving aver
 the server's answers, network and queueing included). A server announcing more than it delivers, a lie or an
 overloaded machine, gets no more than the share its answers earn.
 
-A joining server picks the stage whose servers together have the least throughput, the pipeline's bottleneck
-(Petals' block choice, Borzunov et al., "Distributed Inference and Fine-tuning of LLMs over the Internet",
-2023, sec. 3.2).
+Which stage a joining server serves is the server's choice (:func:`swarm.server.rebalance.choose_stage`).
 """
 
 from __future__ import annotations
@@ -22,9 +20,8 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
-from swarm.config import ModelSpec
 from swarm.protocol import ServerInfo, ServerState
 
 
@@ -110,14 +107,6 @@ class Router:
             self.observed[peer_id] = now if seen is None else seen + self.smoothing * (now - seen)
 
 
-def stage_demand(spec: ModelSpec) -> list[float]:
-    """Relative compute per micro-batch of each stage (blocks, plus the LM head as ~1 block for the last)."""
-    head = spec.vocab_size / (12 * spec.d_model)  # head matmul vs. a block's ~12 d^2 per token
-    demand = [float(n) for n in spec.stage_layers]
-    demand[-1] += head
-    return demand
-
-
 def excluded_by_stage(servers: Sequence[ServerInfo]) -> set[str]:
     """libp2p ids that more than half of the *other* online servers of a stage have excluded from averaging.
 
@@ -133,18 +122,4 @@ def excluded_by_stage(servers: Sequence[ServerInfo]) -> set[str]:
     return out
 
 
-def choose_stage(spec: ModelSpec, servers: dict[int, list[ServerInfo]], rng: Optional[random.Random] = None) -> int:
-    """The pipeline's bottleneck: the stage whose servers together announce the least throughput (samples/s).
-
-    Ties (e.g. several empty stages) go to the stage with the most compute per micro-batch
-    (:func:`stage_demand`), then at random. Joining servers count with the throughput they announce, so
-    peers starting one after another spread over the stages; draining servers do not count.
-    """
-    rng = rng or random.Random()
-    demand = stage_demand(spec)
-    supply = [sum(s.throughput for s in servers.get(k, []) if s.state != ServerState.DRAINING)
-              for k in range(spec.num_stages)]
-    least = min(supply)
-    tied = [k for k in range(spec.num_stages) if supply[k] <= least * (1 + 1e-9)]
-    costliest = max(demand[k] for k in tied)
-    return rng.choice([k for k in tied if demand[k] >= costliest * (1 - 1e-9)])
+__all__ = ["NoServerError", "Router", "excluded_by_stage"]

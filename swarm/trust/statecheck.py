@@ -18,9 +18,9 @@ their state's SHA-256 at the donor's epoch (``rpc_state_digest``; each keeps its
 4. if no other server is listed, the donor is the stage's only server and its state is kept, unverified, and
    said so in the log: with one server per stage nothing can contradict it (docs/threat-model.md).
 
-A donor contradicted by rule 1 or 2 is skipped for :data:`~swarm.averaging.donors.REFUSAL_S`, one refused as
-unverifiable for :data:`~swarm.averaging.donors.RETRY_S`, and the next one tried; the server keeps its previous
-state meanwhile (:meth:`swarm.averaging.optimizer.StageOptimizer.load_state_from_peers`).
+A refused donor is skipped for a while, longer if rule 1 or 2 contradicted it than if nobody could vouch for it
+(:data:`~swarm.averaging.donors.REFUSAL_S`, :data:`~swarm.averaging.donors.RETRY_S`), and the next one tried; the
+server keeps its previous state meanwhile (:meth:`swarm.averaging.optimizer.StageOptimizer.load_state_from_peers`).
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Awaitable, Callable, Optional, Sequence
 
-from swarm.averaging.donors import REFUSAL_S, RETRY_S
-from swarm.protocol import CheckpointManifest, ServerInfo
 from swarm.net.stage_rpc import ask_state_digest
+from swarm.protocol import CheckpointManifest, ServerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +86,15 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
 class DonorStateCheck:
     """Asks the stage's other servers and judges a donor's state (:func:`judge_donor_state`).
 
-    :param servers: the stage's servers announced online now (blocking, e.g. ``RunDirectory.fresh_servers``).
-    :param checkpoints: the stage's committed checkpoints (blocking).
+    :param servers: the stage's servers announced online now (e.g. ``AsyncRunDirectory.fresh_servers``).
+    :param checkpoints: the stage's committed checkpoints.
     :param me: this server's libp2p id.
     :param wait_s: seconds to wait for servers behind the donor's epoch to reach it.
     :param timeout_s: seconds one server has to answer.
     """
 
-    def __init__(self, p2p, run_id: str, servers: Callable[[], list[ServerInfo]],
-                 checkpoints: Callable[[], list[CheckpointManifest]], me: str, wait_s: float = 10.0,
+    def __init__(self, p2p, run_id: str, servers: Callable[[], Awaitable[list[ServerInfo]]],
+                 checkpoints: Callable[[], Awaitable[list[CheckpointManifest]]], me: str, wait_s: float = 10.0,
                  timeout_s: float = 3.0):
         self.p2p, self.run_id, self.servers, self.checkpoints, self.me = p2p, run_id, servers, checkpoints, me
         self.wait_s, self.timeout_s = wait_s, timeout_s
@@ -105,7 +104,7 @@ class DonorStateCheck:
         it, for at most ``wait_s`` seconds), then judge."""
         deadline = time.monotonic() + self.wait_s
         while True:
-            others = [s for s in await asyncio.to_thread(self.servers) if s.p2p_id not in (donor, self.me)]
+            others = [s for s in await self.servers() if s.p2p_id not in (donor, self.me)]
             replies = await asyncio.gather(*(ask_state_digest(self.p2p, s, self.run_id, epoch, self.timeout_s)
                                              for s in others), return_exceptions=True)
             answers = {s.p2p_id: r for s, r in zip(others, replies) if isinstance(r, tuple)}
@@ -114,13 +113,13 @@ class DonorStateCheck:
             if not waiting or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
-        return judge_donor_state(epoch, digest, answers, await asyncio.to_thread(self.checkpoints), len(others))
+        return judge_donor_state(epoch, digest, answers, await self.checkpoints(), len(others))
 
-    def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Optional[tuple[str, float]]]:
+    def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Optional[tuple[str, bool]]]:
         """A :data:`swarm.averaging.optimizer.StateCheck` for threads other than ``loop``'s: runs :meth:`judge`
         on ``loop`` and logs its verdict. :raises TimeoutError: no verdict within ``wait_s`` + 60 s."""
 
-        def check(epoch: int, digest: str, donor: str) -> Optional[tuple[str, float]]:
+        def check(epoch: int, digest: str, donor: str) -> Optional[tuple[str, bool]]:
             future = asyncio.run_coroutine_threadsafe(self.judge(epoch, digest, donor), loop)
             try:
                 verdict = future.result(self.wait_s + 4 * self.timeout_s + 60)
@@ -129,7 +128,7 @@ class DonorStateCheck:
             if verdict.ok:
                 logger.info("kept the state of donor %s at epoch %d: %s", donor, epoch, verdict.why)
                 return None
-            return verdict.why, REFUSAL_S if verdict.contradicted else RETRY_S
+            return verdict.why, verdict.contradicted
 
         return check
 

@@ -1,0 +1,79 @@
+"""A stage server's checkpoint commits: every ``checkpoint.interval_epochs`` epochs, the stage's writer commits
+its state.
+
+Where an epoch ends (on the compute thread) the server checks :meth:`StageCommits.due`, captures a consistent
+copy of the state between micro-batches (:meth:`StageCommits.capture`) and commits it in the background
+(:meth:`StageCommits.commit`) if it is the stage's writer: the online server with the lowest peer id. The commit
+itself (endorsements, erasure coding, placement, the manifest) is :func:`~swarm.checkpoint.writer.write_checkpoint`,
+with ``parent`` = the checkpoint the state descends from (:class:`~swarm.checkpoint.restore.Lineage`). Every
+server of the stage records its state's digest at each captured epoch, so it can endorse the writer's checkpoint
+(:class:`~swarm.trust.authority.CheckpointAuthority`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from swarm.checkpoint.keeper import FragmentKeeper
+from swarm.checkpoint.restore import Lineage
+from swarm.checkpoint.shard import StageShard
+from swarm.checkpoint.state import StateHolder, state_digest
+from swarm.checkpoint.writer import CheckpointError, write_checkpoint
+from swarm.trust.authority import CheckpointAuthority
+
+
+class StageCommits:
+    """Checkpoint commits of stage ``stage``'s state in ``holder`` (module docstring), through this peer's
+    ``keeper``; ``authority`` learns the digest of every state captured, to endorse the stage's checkpoints.
+
+    :param lineage: the checkpoint the state descends from (each commit's parent; a commit becomes it).
+    :param log: the stage's log.
+    """
+
+    def __init__(self, keeper: FragmentKeeper, authority: CheckpointAuthority, holder: StateHolder, *, stage: int,
+                 lineage: Lineage, log: logging.Logger | logging.LoggerAdapter):
+        self.keeper, self.authority, self.holder, self.stage = keeper, authority, holder, stage
+        self.spec, self.directory, self.me = keeper.spec, keeper.directory, keeper.me
+        self.lineage, self.log = lineage, log
+        self._writing = False
+
+    def due(self, epoch: int) -> bool:
+        """Is a checkpoint due at ``epoch`` (every ``interval_epochs``; not while the last one is still being
+        committed)?"""
+        return epoch > 0 and epoch % self.spec.checkpoint.interval_epochs == 0 and not self._writing
+
+    def capture(self, epoch: int, meta: dict) -> StageShard:
+        """(compute thread, right after the step of ``epoch``) A consistent copy of the stage's state, with
+        ``meta`` (the rollback generation and learning-rate scale) and the samples so far in its metadata."""
+        meta = {**meta, "samples": epoch * self.spec.training.target_batch_size}
+        self._writing = True
+        shard = StageShard(self.keeper.run_id, self.stage, epoch, self.holder.state(), meta)
+        self.authority.record_state(self.stage, epoch, state_digest(shard.tensors))  # to endorse the writer
+        return shard
+
+    async def commit(self, shard: StageShard, loss: Optional[float]) -> None:
+        """Commit ``shard`` to the swarm if this server is the stage's writer (``loss``: its training loss EMA, for
+        the manifest); a failure is logged, not raised."""
+        try:
+            if not await self._is_writer():
+                return
+            parent = self.lineage.parent(await self.keeper.known_manifests(self.stage), shard.epoch)
+            position = {t.shard: t.position for t in await self.directory.trainers()}
+            shard.meta["data_position"] = {str(k): v for k, v in sorted(position.items())}  # part of the state
+            manifest, _ = await write_checkpoint(self.keeper, shard, parent=parent, loss=loss, data_position=position)
+            self.lineage.current = (manifest.shard_sha256, manifest.epoch)
+        except CheckpointError as e:
+            self.log.warning("checkpoint of epoch %d not committed: %s", shard.epoch, e)
+        except Exception:
+            self.log.exception("writing the checkpoint of epoch %d failed", shard.epoch)
+        finally:
+            self._writing = False
+
+    async def _is_writer(self) -> bool:
+        """The stage's writer is its live server with the lowest peer id (stale records of dead servers do
+        not count, or a killed writer would block checkpoints until its record expired)."""
+        return min([s.peer_id for s in await self.directory.fresh_servers(self.stage)] + [self.me]) == self.me
+
+
+__all__ = ["StageCommits"]

@@ -1,0 +1,282 @@
+"""One stage as a server serves it: built whole when the server joins the stage, thrown away when it leaves (a
+move, a pause, a drain), as Petals' ``ModuleContainer`` holds a server's blocks.
+
+A :class:`ServedStage` holds the stage's module behind its RPC server (:class:`~swarm.server.stage.StageServer`),
+the stage's optimizer (given to it, built with its donor-state check), and the stage's checkpoint duties:
+restore (:class:`~swarm.checkpoint.restore.StageRestore`), commits (:class:`~swarm.checkpoint.commit.StageCommits`)
+and rollbacks (:class:`~swarm.checkpoint.rollback.Rollbacks`). Where an epoch ends (on the compute thread) it logs
+the epoch's fixed-key line, judges the loss (a spike issues a rollback order) and, when one is due, captures and
+commits a checkpoint. While it serves it follows rollback orders, reads the stage's server records (whose progress
+this server counts, which are donors) and keeps excluded servers out of its averaging. The process around it
+(join, announcements, moves, pause, drain) is :class:`~swarm.server.session.ServerSession`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Optional
+
+import torch
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from swarm.aio import Submissions, periodic
+from swarm.checkpoint.commit import StageCommits
+from swarm.checkpoint.keeper import FragmentKeeper
+from swarm.checkpoint.restore import Lineage, StageRestore
+from swarm.checkpoint.rollback import Rollbacks
+from swarm.config import RunSpec
+from swarm.identity import Identity
+from swarm.logs import PeerLog
+from swarm.net.directory import AsyncRunDirectory
+from swarm.protocol import add_history
+from swarm.server.stage import EpochEnd, StageServer
+from swarm.trust.banlist import RunBans
+
+logger = logging.getLogger(__name__)
+
+ORDERS_PERIOD_S = 2.0
+"""Seconds between looks at the run's rollback orders."""
+ROSTER_PERIOD_S = 0.5
+"""Seconds between reads of the stage's server records, whose progress keys say whose progress counts: a server
+that joins or leaves is counted, or no longer waited for, within about this long (one DHT read each)."""
+WITHDRAW_S = 4 * ROSTER_PERIOD_S
+"""Seconds a leaving server stays in the stage's averaging after announcing that it leaves: its stage-mates read
+the stage's records every :data:`ROSTER_PERIOD_S` and then stop counting its progress."""
+LEAVE_GRACE_S = 15.0
+"""Seconds a leaving server waits, at most, for the backwards of the micro-batches whose forward it ran."""
+COMMIT_GRACE_S = 30.0
+"""Seconds a leaving server lets a checkpoint being committed finish."""
+
+StageServerFactory = Callable[..., StageServer]
+"""Builds a stage's server: ``(spec, run_id, stage, module, *, optimizer, on_epoch, bans, identity) -> StageServer``
+(tests and benchmarks pass one that lies to trainers, :mod:`swarm.attacks`)."""
+
+
+@dataclass(frozen=True)
+class PeerContext:
+    """What a served stage needs of the peer process serving it (:class:`~swarm.server.session.ServerSession`)."""
+
+    spec: RunSpec
+    directory: AsyncRunDirectory
+    identity: Identity
+    p2p: P2P
+    keeper: FragmentKeeper
+    bans: RunBans
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """A stage as measured before the server joins it: ``throughput`` (samples/s of forward+backward),
+    ``flops_per_sample`` (model FLOPs of one sample through the stage) and ``peak_flops`` (the device's measured
+    FLOP/s, :mod:`swarm.kernels.flops`)."""
+
+    stage: int
+    throughput: float
+    flops_per_sample: float
+    peak_flops: float
+
+    def record(self) -> dict:
+        """The fields of this server's :class:`~swarm.protocol.ServerInfo` the plan fills."""
+        return dict(stage=self.stage, throughput=self.throughput, flops_per_sample=self.flops_per_sample,
+                    peak_flops=self.peak_flops)
+
+
+class ServedStage:
+    """Stage ``plan.stage`` served with ``module`` and ``optimizer`` (its :class:`~swarm.averaging.optimizer.
+    StageOptimizer`, built with this stage's donor-state check); see the module docstring.
+
+    :param server_factory: builds the stage's RPC server (default :class:`~swarm.server.stage.StageServer`).
+    :param dropped_before: samples dropped by the stages this process served before (counted on).
+
+    Create it on the event loop (background commits and rollback orders are scheduled there).
+    """
+
+    def __init__(self, ctx: PeerContext, plan: StagePlan, module: torch.nn.Module, optimizer, *,
+                 server_factory: StageServerFactory = StageServer, dropped_before: int = 0):
+        self.ctx, self.plan, self.stage, self.optimizer = ctx, plan, plan.stage, optimizer
+        self.dropped_before = dropped_before
+        self.spec, self.directory, self.me = ctx.spec, ctx.directory, ctx.identity.peer_id
+        self.server = server_factory(self.spec, self.directory.run_id, self.stage, module, optimizer=optimizer,
+                                     on_epoch=self._epoch_ended, bans=ctx.bans, identity=ctx.identity)
+        b = self.spec.training.micro_batch_size
+        self.server.throughput.update(task_size=b, interval=b / max(plan.throughput, 1e-9))
+        self.log = PeerLog(logger, self.me, stage=self.stage, epoch=lambda: self.server.epoch)
+        self.lineage = Lineage()
+        self.restore = StageRestore(ctx.keeper, optimizer, self.server.compute, stage=self.stage,
+                                    lineage=self.lineage, log=self.log)
+        self.commits = StageCommits(ctx.keeper, ctx.keeper.authority, optimizer, stage=self.stage,
+                                    lineage=self.lineage, log=self.log)
+        self.rollbacks = Rollbacks(self.restore, optimizer, self.server.compute, ctx.identity,
+                                   is_last=self.server.is_last, log=self.log)
+        self.background = Submissions(asyncio.get_running_loop())
+        self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before), see ServerInfo.history
+        self._excluded: set[str] = set()  # libp2p ids already excluded from this stage's averaging
+        self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
+        self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
+        self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
+        optimizer.set_progress_roster(lambda: self._roster)
+        ctx.keeper.authority.serve_stage(self.stage)  # endorse this stage's checkpoints by state only
+
+    @property
+    def epoch(self) -> int:
+        return self.server.epoch
+
+    @property
+    def samples_dropped(self) -> int:
+        """Samples this process accumulated whose gradients never reached a step (``ServerInfo.samples_dropped``),
+        this stage's and those of the stages it served before."""
+        return self.dropped_before + self.optimizer.samples_dropped  # read also once it was shut down
+
+    # ---- joining -----------------------------------------------------------------------------------------
+    async def restore_state(self) -> None:
+        """Load the stage's state from its live servers, else its newest checkpoint, else start fresh; then make
+        sure the stage's other servers count this one before its first epoch ends."""
+        restore = self.restore
+        await self.rollbacks.adopt_in_force()
+        source = await restore.source()
+        if source == "peers":
+            self.log.info("loading state from live servers of the stage")
+            if await restore.load_from_peers():
+                self.rollbacks.reapply()
+            else:
+                # the checkpoint, or (none yet) stay behind at the old epoch, with no catch-up: the optimizer
+                # then downloads the state from the stage's servers when it steps
+                await self.rollbacks.adopt_in_force()
+                if await restore.source(ask_peers=False) == "checkpoint":
+                    await self.server.compute(self.rollbacks.resume, restore.restored_meta)
+        elif source == "checkpoint":
+            await self.server.compute(self.rollbacks.resume, restore.restored_meta)
+        elif source == "fresh":
+            self.log.info("no live server and no checkpoint: starting from the initial parameters")
+            await self.server.compute(restore.catch_up)
+        # publish our progress now, so the stage's servers count us before the first epoch ends (otherwise a
+        # server that reaches the target first sees a group of one and steps alone)
+        self.optimizer.announce_progress()
+        expected = 1 + sum(s.peer_id != self.me for s in await self.directory.fresh_servers(self.stage))
+        await asyncio.to_thread(self.optimizer.wait_until_counted, expected)
+
+    # ---- serving -----------------------------------------------------------------------------------------
+    def duties(self, leave: asyncio.Event) -> list[asyncio.Task]:
+        """Start what a serving stage does beside its RPCs until ``leave``: the epoch watcher, following rollback
+        orders, reading the stage's server records."""
+        return [asyncio.create_task(self.server.watch_epochs(leave)),
+                asyncio.create_task(periodic(leave, ORDERS_PERIOD_S, self.rollbacks.follow,
+                                             "following rollback orders", self.log)),
+                asyncio.create_task(periodic(leave, ROSTER_PERIOD_S, self._read_roster, "reading the stage's servers",
+                                             self.log))]
+
+    async def _read_roster(self) -> None:
+        """Keep the progress sub-keys the stage's servers announce, the only progress this server counts
+        (:mod:`swarm.averaging.progress`; None, counting every entry, until a record names one), and tell the
+        optimizer which declared donors are the stage's servers."""
+        servers = await self.directory.servers(self.stage)
+        self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
+        donors = frozenset(s.p2p_id for s in servers)
+        if donors != self._donors and await asyncio.to_thread(self.optimizer.set_donor_roster, donors):
+            self._donors = donors
+
+    async def exclude(self, excluded: dict[str, str]) -> None:
+        """Keep the servers in ``excluded`` (libp2p id -> reason: banned, or convicted by verified evidence) out
+        of this server's averaging groups (the stage RPCs refuse banned peers through the ban list)."""
+        for p2p, reason in excluded.items():
+            if p2p not in self._excluded:
+                self.log.warning("excluding %s from averaging: %s", p2p, reason)
+                if await asyncio.to_thread(self.optimizer.exclude, p2p, reason):
+                    self._excluded.add(p2p)
+
+    def record(self, serving: bool) -> dict:
+        """The fields of this server's :class:`~swarm.protocol.ServerInfo` the stage fills; ``serving``: online or
+        joining (else leaving or left: no work, no progress, nothing asked of the optimizer)."""
+        server, rollbacks = self.server, self.rollbacks
+        report = self.optimizer.report() if serving else None
+        return dict(
+            self.plan.record(), throughput=server.throughput.samples_per_second if serving else 0.0,
+            epoch=server.epoch, samples=server.samples, loss=server.loss_ema,
+            peers_in_last_round=report.peers if report else 0, state_digests=server.recent_digests(8),
+            round_s=server.meter.mean_round_s, rounds=server.meter.rounds,
+            excluded=report.excluded if report else {}, averaging=report.wire if report else {},
+            lineage=self.lineage.current[0], restored=self.restore.restored, lr_scale=self.optimizer.lr_scale,
+            rollback_generation=rollbacks.generation, rollback_issuer=rollbacks.order_issuer, history=self.history,
+            progress_key=self.optimizer.progress_key if serving else "",
+            donors_refused=dict(self.optimizer.donors_refused) if serving else {},
+        )
+
+    # ---- where an epoch ends (compute thread) ------------------------------------------------------------
+    def _epoch_ended(self, end: EpochEnd) -> None:
+        """Right after the stage's optimizer stepped: log the epoch's line, judge its loss, commit a checkpoint
+        when one is due (in the background, from a copy of the state taken now)."""
+        background = self.background
+        if background is None:  # the stage is being left: an epoch of work in flight starts no commit
+            return
+        self.history = add_history(self.history, (end.epoch, get_dht_time(), end.loss))
+        self._log_epoch(end)
+        if self.rollbacks.is_spike(end.loss):
+            background.submit(self.rollbacks.issue(end.epoch, end.loss))
+        if self.commits.due(end.epoch):
+            shard = self.commits.capture(end.epoch, self.rollbacks.meta())
+            background.submit(self.commits.commit(shard, self.server.loss_ema))
+
+    def _log_epoch(self, end: EpochEnd) -> None:
+        """The epoch's fixed-key line (``share``: this server's samples of the stage's target batch; ``step_s``: the
+        seconds the epoch's transition held the compute thread, matchmaking, all-reduce and optimizer step;
+        ``round_s``: the mean seconds of the all-reduces since the last line, ``-`` if none finished; ``gflops``: model
+        GFLOP/s while computing, ``samples/s`` x the stage's FLOPs per sample; ``mfu``: that over the device's measured
+        peak, :mod:`swarm.kernels.flops`)."""
+        server, spec, optimizer = self.server, self.spec, self.optimizer
+        wire = optimizer.counters()
+        rounds, ms = wire.get("rounds", 0), wire.get("round_ms", 0)
+        before, self._rounds_logged = self._rounds_logged, (rounds, ms)
+        round_s = f"{(ms - before[1]) / 1000 / (rounds - before[0]):.3f}" if rounds > before[0] else "-"
+        achieved = server.throughput.samples_per_second * self.plan.flops_per_sample  # model FLOP/s while computing
+        self.log.info(
+            "loss=%s samples/s=%.2f samples=%d dropped=%d share=%.0f%% progress=%.1f%% peers=%d lr=%.2e "
+            "step_s=%.2f round_s=%s avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d gflops=%.2f mfu=%.1f%%",
+            f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-", server.throughput.samples_per_second,
+            server.samples, self.samples_dropped, 100 * min(1.0, end.samples / spec.training.target_batch_size),
+            100 * min(1.0, end.epoch / spec.optim.total_epochs), optimizer.peers, optimizer.lr,
+            end.seconds, round_s, wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0),
+            wire.get("rejected", 0), wire.get("flagged", 0), achieved / 1e9,
+            100 * achieved / max(self.plan.peak_flops, 1e-9),
+        )
+
+    # ---- leaving -----------------------------------------------------------------------------------------
+    async def withdraw(self, announce: Callable[[], Awaitable[None]]) -> None:
+        """Before leaving the stage: refuse new stage work and ``announce`` that this server leaves (throughput 0,
+        no progress key: trainers stop routing here and the stage's servers stop counting this one), then let the
+        backwards of the micro-batches in flight finish and give the stage-mates :data:`WITHDRAW_S` to read that
+        record, while the epoch watcher still joins any round they begin meanwhile (at most :data:`LEAVE_GRACE_S`
+        in all).
+
+        Leaving at once instead, a stage-mate that began a round still counting this server waits for it
+        ``averaging_timeout`` seconds (twice, when the round averages the state too)."""
+        self.server.leaving = True
+        await announce()
+        started = time.monotonic()
+        while time.monotonic() - started < LEAVE_GRACE_S and \
+                (self.server.in_flight or time.monotonic() - started < WITHDRAW_S):
+            await asyncio.sleep(0.1)
+
+    async def stop(self, p2p: P2P, handlers: bool) -> None:
+        """Leave the stage: take no more work and commit nothing new (``handlers``: the stage RPCs were registered on
+        ``p2p``), let a commit finish, shut the optimizer down, stop the compute thread."""
+        started = time.monotonic()
+        background, self.background = self.background, None  # an epoch that ends from now on starts no commit
+        if handlers:
+            await self.server.remove_p2p_handlers(p2p, namespace=self.directory.run_id)
+        self.ctx.keeper.authority.leave_stage(self.stage)  # it no longer endorses the stage's checkpoints
+        await background.close(COMMIT_GRACE_S)
+        commits_s = time.monotonic() - started
+        # on the compute thread, after any step in progress: hivemind's shutdown iterates the state averager's
+        # pending updates, which a step adds to and removes from ("Set changed size during iteration")
+        await self.server.compute(self.optimizer.shutdown)
+        self.server.shutdown()
+        self.log.info("left the stage in %.1f s (checkpoint commits %.1f s, optimizer %.1f s)",
+                      time.monotonic() - started, commits_s, time.monotonic() - started - commits_s)
+
+
+__all__ = ["LEAVE_GRACE_S", "ORDERS_PERIOD_S", "PeerContext", "ROSTER_PERIOD_S", "ServedStage", "StagePlan",
+           "StageServerFactory", "WITHDRAW_S"]
