@@ -99,7 +99,7 @@ class Chaos:
         self.swarm.address = via
         if role == "server":
             return self.swarm.start_peer("server", "--stage", str(self.stage_of[name]), name=name)
-        return self.swarm.start_peer("trainer", "--shard", name.removeprefix("trainer"), name=name)
+        return self.swarm.start_peer("trainer", "--share", name.removeprefix("trainer"), name=name)
 
     def kill(self, peer: Peer, restart_after: float) -> None:
         self.swarm.kill(peer, signal.SIGKILL)

@@ -65,7 +65,7 @@ stage_layers = [2]
 source = "shakespeare"
 seq_len = 64
 max_bytes = 1500000
-num_shards = 16
+num_shares = 16
 [tokenizer]
 train_bytes = 1500000
 [optim]

@@ -1,4 +1,4 @@
-"""Local kernels against their plain-PyTorch references, a stage end to end, and mixed precision (issue 15).
+"""Local kernels against their plain-PyTorch references, a stage end to end, and mixed precision.
 
     python bench/kernels.py [--tokens 4096] [--vocab 32768] [--width 256] [--repeats 3] [--steps 100]
                             [--spec runs/demo.toml] [--skip-loss] [--cuda-only]

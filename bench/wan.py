@@ -1,4 +1,4 @@
-"""The demo swarm on loopback and on emulated internet links: what slow, far links cost it (issue 13).
+"""The demo swarm on loopback and on emulated internet links: what slow, far links cost it.
 
     python bench/wan.py [--profiles loopback,100:50,20:150] [--seconds 150] [--spec runs/demo.toml]
 
@@ -132,7 +132,7 @@ class Run:
         seconds trained."""
         spec, directory, swarm = self.spec, self.directory, self.swarm
         start_servers(swarm, directory, spec.model.num_stages, 2)
-        trainers = [swarm.start_peer("trainer", "--shard", str(i)) for i in range(2)]
+        trainers = [swarm.start_peer("trainer", "--share", str(i)) for i in range(2)]
         started = time.monotonic()
         probe = joiner = None
         next_report = 15.0

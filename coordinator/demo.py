@@ -107,7 +107,7 @@ def _train(swarm: LocalSwarm, directory, spec: RunSpec, trainers: int, seconds: 
            progress_every: float) -> tuple[dict, float]:
     """Train with ``trainers`` trainers for ``seconds``, logging progress; stop them. Returns the run's snapshot
     (with the trainers' last records) and the seconds trained."""
-    trainer_peers = [swarm.start_peer("trainer", "--shard", str(i)) for i in range(trainers)]
+    trainer_peers = [swarm.start_peer("trainer", "--share", str(i)) for i in range(trainers)]
     started = time.monotonic()
     next_report = started + progress_every
     exited: set[str] = set()

@@ -23,7 +23,7 @@ and split ``excluded`` off ``banned``)::
                 #   "refused_as_donor_by" (servers that downloaded its state and refused it),
                 #   "peak_flops" (its device's measured FLOP/s), "model_flops" (model FLOP/s while computing),
                 #   "mfu" (their ratio, None if unknown: swarm.kernels.flops)
-                # trainers also: "tokens", "initial_loss", "val_loss", "shard", "failures",
+                # trainers also: "tokens", "initial_loss", "val_loss", "share", "failures",
                 #   "bytes_sent", "bytes_received"
                 }],
      "healthy": bool}
@@ -64,7 +64,7 @@ def _epoch_rate(history: list[tuple[int, float, Optional[float]]]) -> Optional[f
     return (recent[-1][0] - recent[0][0]) / (recent[-1][1] - recent[0][1])
 
 
-def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], shunned: set[str], stage_samples: int,
+def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], excluded_by_most: set[str], stage_samples: int,
                 stage_epoch: int, banned: dict[str, str], now: float, directory: RunDirectory) -> dict[str, Any]:
     others = [o for o in online if o.p2p_id != s.p2p_id]
     return {
@@ -76,7 +76,7 @@ def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], shunned: set[st
         "last_seen_s": round(max(0.0, now - s.time), 1),
         "lagging": _lag(directory, s.time, now) or (s.state == ServerState.ONLINE and s.epoch < stage_epoch - 1),
         "loss": s.loss, "p2p_id": s.p2p_id, "banned": s.peer_id in banned, "ban_reason": banned.get(s.peer_id),
-        "excluded": s.p2p_id in shunned, "excluded_by": sum(s.p2p_id in o.excluded for o in others),
+        "excluded": s.p2p_id in excluded_by_most, "excluded_by": sum(s.p2p_id in o.excluded for o in others),
         "exclusion_reasons": sorted({o.excluded[s.p2p_id] for o in others if s.p2p_id in o.excluded}),
         "rejected_parts": s.averaging.get("rejected", 0), "flagged_parts": s.averaging.get("flagged", 0),
         "averaging_bytes": s.averaging.get("sent", 0) + s.averaging.get("received", 0),
@@ -97,7 +97,7 @@ def _trainer_row(t: TrainerInfo, total_rate: float, banned: dict[str, str], now:
         "last_seen_s": round(max(0.0, now - t.time), 1), "lagging": _lag(directory, t.time, now),
         "loss": t.loss, "banned": t.peer_id in banned, "ban_reason": banned.get(t.peer_id), "excluded": False,
         "rejected_parts": 0, "flagged_parts": 0, "tokens": t.tokens, "initial_loss": t.initial_loss,
-        "val_loss": t.val_loss, "shard": t.shard, "failures": t.failures, "bytes_sent": t.bytes_sent,
+        "val_loss": t.val_loss, "share": t.share, "failures": t.failures, "bytes_sent": t.bytes_sent,
         "bytes_received": t.bytes_received,
     }
 
@@ -125,8 +125,8 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         online = [s for s in group if s.state == ServerState.ONLINE]
         epoch = max((s.epoch for s in group), default=0)
         stage_samples = sum(s.samples for s in group if s.state != ServerState.PAUSED)
-        shunned = excluded_by_stage(group)
-        rows = [_server_row(s, k, online, shunned, stage_samples, epoch, banned, now, directory) for s in group]
+        excluded_by_most = excluded_by_stage(group)
+        rows = [_server_row(s, k, online, excluded_by_most, stage_samples, epoch, banned, now, directory) for s in group]
         peers += rows
         stage_rates = [r for r in (_epoch_rate(s.history) for s in online) if r]
         rates.append(max(stage_rates) if stage_rates else None)

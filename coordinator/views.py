@@ -47,24 +47,24 @@ def stages_table(snap: dict[str, Any]) -> Table:
 
 
 def peers_table(snap: dict[str, Any]) -> Table:
-    table = Table("peer", "name", "version", "role", "stage", "state", "link", "samples/s", "MFU", "share", "seen",
+    table = Table("peer", "name", "version", "role", "stage", "state", "link", "samples/s", "MFU", "contribution", "seen",
                   "loss", "flagged/rejected", "banned/excluded", title="peers")
     for p in snap["peers"]:
         if p["banned"]:
-            shunned = f"[red]BANNED[/] ({p['ban_reason']})"
+            refused = f"[red]BANNED[/] ({p['ban_reason']})"
         elif p["excluded"]:
-            shunned = f"[red]EXCLUDED[/] by {p.get('excluded_by', 0)}"
+            refused = f"[red]EXCLUDED[/] by {p.get('excluded_by', 0)}"
         else:
-            shunned = f"excluded by {p['excluded_by']}" if p.get("excluded_by") else "no"
+            refused = f"excluded by {p['excluded_by']}" if p.get("excluded_by") else "no"
         if p.get("convicted_by"):
-            shunned += f", [red]convicted[/] by {p['convicted_by']}"
+            refused += f", [red]convicted[/] by {p['convicted_by']}"
         state = p["state"] + (" [yellow](lagging)[/]" if p["lagging"] else "")
         table.add_row(p["peer_id"], p["name"] or "-", p["version"] or "-", p["role"],
                       "-" if p["stage"] is None else str(p["stage"]), state, p["reachability"],
                       str(p["samples_per_s"]), "-" if p.get("mfu") is None else f"{100 * p['mfu']:.1f}%",
                       f"{100 * p['contribution']:.0f}%",
                       "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.0f}s ago",
-                      _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", shunned)
+                      _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", refused)
     return table
 
 

@@ -42,7 +42,8 @@ def join(
     role: Role = typer.Option(Role.SERVER, help="server: host a stage; trainer: stream data through the stages "
                               "(the role for peers that cannot accept connections)."),
     stage: Optional[int] = typer.Option(None, help="Stage to serve (default: the stage with the least throughput)."),
-    shard: Optional[int] = typer.Option(None, help="Trainer data share (default: the lowest unclaimed one)."),
+    share: Optional[int] = typer.Option(None, help="Trainer data share (default: the lowest unclaimed one)."),
+    shard: Optional[int] = typer.Option(None, hidden=True, help="Deprecated name of --share."),
     concurrency: int = typer.Option(2, min=1, help="Trainer: the least micro-batches in flight; it adds enough to "
                                     "cover its round trips to the servers (the log says how many)."),
     max_samples: Optional[int] = typer.Option(None, help="Trainer stops after this many samples."),
@@ -53,6 +54,12 @@ def join(
     from swarm.logs import configure_logging
 
     configure_logging(log_level)
+    if shard is not None:
+        typer.echo("--shard is deprecated: the trainer's data share is --share (a checkpoint's shard is another "
+                   "thing); taking it as --share", err=True)
+        if share is not None and share != shard:
+            raise typer.BadParameter(f"--share {share} and --shard {shard} disagree; give --share only")
+        share = shard
     settings = PeerSettings()
     if settings.client_mode and role == Role.SERVER:
         typer.echo("SWARM_CLIENT_MODE is set: this peer cannot accept connections, so it joins as a trainer", err=True)
@@ -65,7 +72,7 @@ def join(
         from peer.trainer import run_trainer
         from swarm.trainer.session import TrainerOptions
 
-        run_trainer(address, settings, TrainerOptions(shard=shard, concurrency=concurrency, max_samples=max_samples,
+        run_trainer(address, settings, TrainerOptions(share=share, concurrency=concurrency, max_samples=max_samples,
                                                       loss_log=loss_log))
 
 

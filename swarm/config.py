@@ -16,6 +16,7 @@ import hashlib
 import json
 import re
 import tomllib
+import warnings
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -23,7 +24,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Wire and record protocol version; peers refuse records, messages and specs of another version (2: records
 name exclusions and distrust apart from bans, servers publish state digests; 3: a peer's libp2p id is its
 signing key's, and records naming another libp2p id are refused; 4: announcements carry their lifetime, and
@@ -103,9 +104,22 @@ class DataSpec(_Section):
     text_field: str = Field("text", description="Column holding the text in jsonl/parquet/HF sources.")
     seq_len: int = Field(128, ge=8, description="Tokens per sample (the model sees seq_len inputs, predicts seq_len targets).")
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of documents held out for validation.")
-    num_shards: int = Field(16, ge=1, le=4096, description="Data shares trainers claim; at most this many trainers get disjoint data.")
+    num_shares: int = Field(16, ge=1, le=4096, description="Data shares trainers claim; at most this many trainers get disjoint data.")
     seed: int = Field(0, description="Seed of the sample order.")
     max_bytes: Optional[int] = Field(None, ge=1024, description="Use at most this many bytes of text (for quick tests).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        """``num_shards``, the old name of ``num_shares`` (a checkpoint's *shard* is another thing), is read with a
+        warning; a spec that sets both is refused."""
+        if isinstance(data, dict) and "num_shards" in data:
+            if "num_shares" in data:
+                raise ValueError("[data] sets num_shares and num_shards, its old name: keep num_shares only")
+            warnings.warn("[data] num_shards is now called num_shares; rename it in the run spec", FutureWarning,
+                          stacklevel=2)
+            data = {("num_shares" if k == "num_shards" else k): v for k, v in data.items()}
+        return data
 
 
 class TokenizerSpec(_Section):
@@ -320,7 +334,7 @@ class TimeoutSpec(_Section):
 
 class SpotCheckSpec(_Section):
     """Pipeline integrity: trainers re-run a sample of their stage calls on a second server of the stage and
-    compare the answers (:mod:`swarm.trust.spotcheck`; issue 11 item 4)."""
+    compare the answers (:mod:`swarm.trust.spotcheck`)."""
 
     rate: float = Field(
         0.05, ge=0, le=1, description="Fraction of a trainer's stage calls (forwards, and backwards of middle "

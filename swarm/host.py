@@ -2,7 +2,7 @@
 
 Several peers on one machine (two GPUs, or a quickstart tried on one box) each default to torch's thread count,
 one per core, and then fight over the cores: the same swarm trained at ~1.2k tokens/s that way and ~2.6k with
-one thread per peer (issue 12). A peer therefore takes its share of the cores it may run on, counting the
+one thread per peer. A peer therefore takes its share of the cores it may run on, counting the
 servers and trainers that claimed a state folder on this machine (:func:`swarm.identity.claim_folder`),
 itself included, unless ``SWARM_THREADS`` says otherwise, and follows that count as peers come and go
 (:class:`ThreadShare`, at each announcement).

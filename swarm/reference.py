@@ -35,11 +35,11 @@ class ReferenceResult:
     tokens: int = 0
 
 
-def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max_samples: int,
+def train_reference(spec: RunSpec, dataset: TokenDataset, *, share: int = 0, max_samples: int,
                     delayed: Optional[bool] = None,
                     between_stages: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                     kernels: KernelBackend = REFERENCE) -> ReferenceResult:
-    """Train the chained stages on ``shard``'s micro-batches for ``max_samples`` samples.
+    """Train the chained stages on data share ``share``'s micro-batches for ``max_samples`` samples.
 
     An epoch is ``target_batch_size / micro_batch_size`` micro-batches (rounded up): gradients of their mean
     losses are averaged, then AdamW steps and the schedule advances, as each stage's collaborative optimizer
@@ -64,7 +64,7 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, shard: int = 0, max
     result = ReferenceResult(stages=stages, optimizer=outer.optimizer if outer else opt)
     start, count = time.perf_counter(), 0
     pending: Optional[list[torch.Tensor]] = None
-    for indices in micro_batches(dataset, spec, shard):
+    for indices in micro_batches(dataset, spec, share):
         if count * b >= max_samples:
             break
         batch = dataset.batch(indices)

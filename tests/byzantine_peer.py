@@ -1,6 +1,6 @@
 """A peer that attacks the run, for tests only::
 
-    python -m tests.byzantine_peer <attack> <run address> [--role server|trainer] [--stage K] [--shard S]
+    python -m tests.byzantine_peer <attack> <run address> [--role server|trainer] [--stage K] [--share S]
                                    [--concurrency N]
 
 It is ``swarm-peer join`` with the attack installed from outside: the app's own ``run_server`` /
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("address")
     parser.add_argument("--role", choices=("server", "trainer"), default="server")
     parser.add_argument("--stage", type=int)
-    parser.add_argument("--shard", type=int)
+    parser.add_argument("--share", type=int)
     parser.add_argument("--concurrency", type=int, default=2)
     args = parser.parse_args()
     if (args.role == "trainer") != (args.attack in TRAINER_ATTACKS):
@@ -40,7 +40,7 @@ def main() -> None:
     elif args.role == "server":
         run_server(args.address, settings, args.stage, optimizer_factory=byzantine_optimizer(args.attack))
     else:
-        run_trainer(args.address, settings, TrainerOptions(shard=args.shard, concurrency=args.concurrency),
+        run_trainer(args.address, settings, TrainerOptions(share=args.share, concurrency=args.concurrency),
                     pipeline_factory=byzantine_pipeline(args.attack))
 
 

@@ -120,7 +120,7 @@ class Scenario:
 
     def trainers(self, count: int, *args: str) -> "Scenario":
         for i in range(count):
-            self.swarm.start_peer("trainer", "--shard", str(i), *args)
+            self.swarm.start_peer("trainer", "--share", str(i), *args)
         return self
 
     def byzantine_trainer(self, attack: str, *args: str) -> Peer:

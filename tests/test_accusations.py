@@ -1,6 +1,6 @@
 """An accusation counts against its accuser only if the accuser signed it: a stranger who signs an accusation in
 an honest peer's name (its libp2p id) with a garbage receipt gets nobody excluded, while any peer, whether or not
-it ever averaged with the accuser, can attribute a genuine one (a peer's libp2p id is its key; issue 11)."""
+it ever averaged with the accuser, can attribute a genuine one (a peer's libp2p id is its key)."""
 
 import asyncio
 from types import SimpleNamespace

@@ -6,7 +6,8 @@ from coordinator.cli import app as coordinator_app
 from peer.cli import app as peer_app
 
 EXPECTED = {
-    "swarm-peer join": ["address", "concurrency", "log_level", "loss_log", "max_samples", "role", "shard", "stage"],
+    "swarm-peer join": ["address", "concurrency", "log_level", "loss_log", "max_samples", "role", "shard", "share",
+                        "stage"],  # --shard: the deprecated name of --share
     "swarm-peer status": ["as_json", "probe"],
     "swarm-peer check": ["address", "as_json", "timeout"],
     "swarm-peer pause": ["timeout", "wait"],
@@ -88,3 +89,23 @@ def test_the_demo_computes_in_bf16_only_where_the_spec_allows_and_the_machine_ga
     peaks["bf16"] = 1.2e11
     assert demo.pick_precision(RunSpec.from_toml(free), "auto").training.precision == "fp32"  # 1.2x: not
     assert demo.pick_precision(RunSpec.from_toml(pinned), "bf16").training.precision == "bf16"  # forced
+
+
+def test_the_old_flag_of_a_trainers_data_share_warns_and_still_works(tmp_path, monkeypatch):
+    """``--shard`` is the deprecated name of ``--share``: it warns, names the new flag, and sets the share."""
+    from typer.testing import CliRunner
+
+    import peer.trainer
+
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path))
+    started = []
+    monkeypatch.setattr(peer.trainer, "run_trainer", lambda address, settings, options: started.append(options))
+    runner = CliRunner()
+    result = runner.invoke(peer_app, ["join", "run-aaaaaaaaaaaaaaaa@/ip4/127.0.0.1/tcp/1", "--role", "trainer",
+                                      "--shard", "3"])
+    assert result.exit_code == 0, result.output
+    assert "--shard is deprecated" in result.output and "--share" in result.output
+    assert [o.share for o in started] == [3]
+    result = runner.invoke(peer_app, ["join", "run-aaaaaaaaaaaaaaaa@/ip4/127.0.0.1/tcp/1", "--role", "trainer",
+                                      "--share", "1", "--shard", "2"])
+    assert result.exit_code == 2 and "disagree" in result.output

@@ -69,3 +69,19 @@ def test_peer_settings_from_env(monkeypatch, tmp_path):
     s = PeerSettings()
     assert s.cache_dir == tmp_path and s.port == 31337
     assert s.identity_path() == tmp_path / "identity.key"
+
+
+def test_the_old_name_of_num_shares_is_read_with_a_warning(tmp_path):
+    """``[data] num_shards`` (a data share's old name; a checkpoint's shard is another thing) still loads, with a
+    warning, into the same spec; a spec that sets both names is refused."""
+    text = (ROOT / "runs" / "tiny.toml").read_text()
+    assert "num_shares = 4" in text
+    old = tmp_path / "old.toml"
+    old.write_text(text.replace("num_shares = 4", "num_shards = 4"))
+    with pytest.warns(FutureWarning, match="num_shares"):
+        spec = RunSpec.from_toml(old)
+    assert spec.data.num_shares == 4 and spec.spec_hash() == RunSpec.from_toml(ROOT / "runs" / "tiny.toml").spec_hash()
+    both = tmp_path / "both.toml"
+    both.write_text(text.replace("num_shares = 4", "num_shares = 4\nnum_shards = 2"))
+    with pytest.raises(SpecError, match="num_shards, its old name"):
+        RunSpec.from_toml(both)

@@ -3,20 +3,20 @@ import json
 import pytest
 
 from swarm.config import RunSpec
-from swarm.data import load_documents, prepare_dataset, shard_order
+from swarm.data import load_documents, prepare_dataset, share_order
 from swarm.data.corpus import CorpusError
 from swarm.trainer.session import micro_batches
 
 
-def test_shards_are_disjoint_and_cover():
-    n, shards = 103, 4
-    parts = [shard_order(n, s, shards, seed=7, pass_index=2) for s in range(shards)]
+def test_data_shares_are_disjoint_and_cover():
+    n, shares = 103, 4
+    parts = [share_order(n, s, shares, seed=7, pass_index=2) for s in range(shares)]
     flat = [i for p in parts for i in p]
     assert sorted(flat) == list(range(n))
-    assert shard_order(n, 1, shards, 7, 2) == parts[1]  # deterministic
-    assert shard_order(n, 1, shards, 7, 3) != parts[1]  # a new order every pass
+    assert share_order(n, 1, shares, 7, 2) == parts[1]  # deterministic
+    assert share_order(n, 1, shares, 7, 3) != parts[1]  # a new order every pass
     with pytest.raises(ValueError):
-        shard_order(n, 4, shards, 7)
+        share_order(n, 4, shares, 7)
 
 
 def test_shakespeare_dataset(tiny_dataset, tiny_spec):
@@ -28,7 +28,7 @@ def test_shakespeare_dataset(tiny_dataset, tiny_spec):
     assert ds.sample(1)[0] == ds.train[tiny_spec.data.seq_len]
     with pytest.raises(IndexError):
         ds.sample(ds.num_samples("val"), "val")
-    batches = micro_batches(ds, tiny_spec, shard=1)
+    batches = micro_batches(ds, tiny_spec, share=1)
     first = next(batches)
     assert len(first) == tiny_spec.training.micro_batch_size
 
@@ -37,10 +37,10 @@ def test_a_resumed_trainer_continues_its_share_where_the_checkpoint_says(tiny_da
     import itertools
 
     b = tiny_spec.training.micro_batch_size
-    per_pass = tiny_dataset.num_samples("train") // tiny_spec.data.num_shards // b  # micro-batches per pass
-    stream = list(itertools.islice(micro_batches(tiny_dataset, tiny_spec, shard=1), 2 * per_pass + 8))
+    per_pass = tiny_dataset.num_samples("train") // tiny_spec.data.num_shares // b  # micro-batches per pass
+    stream = list(itertools.islice(micro_batches(tiny_dataset, tiny_spec, share=1), 2 * per_pass + 8))
     for position in (0, 3 * b, per_pass * b, (per_pass + 2) * b, (2 * per_pass + 1) * b):
-        resumed = list(itertools.islice(micro_batches(tiny_dataset, tiny_spec, shard=1, position=position), 5))
+        resumed = list(itertools.islice(micro_batches(tiny_dataset, tiny_spec, share=1, position=position), 5))
         assert resumed == stream[position // b: position // b + 5], position
 
 

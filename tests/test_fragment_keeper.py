@@ -260,7 +260,7 @@ def test_a_draining_holder_hands_its_fragments_off(swarm_of_keepers):
 
 
 def test_only_a_stages_servers_commit_and_a_second_one_must_agree(swarm_of_keepers, tmp_path):
-    """Checkpoint authority (issue 11): a stranger's fragments and endorsement requests are refused; a stage's
+    """Checkpoint authority: a stranger's fragments and endorsement requests are refused; a stage's
     server endorses a stage-mate's checkpoint only if its own state at that epoch has the same digest; a witness
     endorses only a stage's only server."""
     from swarm.checkpoint.erasure import split_into_fragments
@@ -314,7 +314,7 @@ def test_only_a_stages_servers_commit_and_a_second_one_must_agree(swarm_of_keepe
 
 def test_a_checkpoint_of_two_fresh_keys_is_ignored_by_every_reader(swarm_of_keepers):
     """Two keys nobody saw as servers (one writes, one endorses) publish a checkpoint of stage 0: readers skip
-    it, holders refuse its manifest and the fragments it lists (issue 11). The same manifest by a server of the
+    it, holders refuse its manifest and the fragments it lists. The same manifest by a server of the
     stage, endorsed by a stage-mate, counts."""
     from swarm.checkpoint.erasure import split_into_fragments
     from swarm.checkpoint.service import put_fragment

@@ -56,7 +56,7 @@ def test_in_process_server_and_trainer_match_the_reference_state(mode, exact_spe
             await _until(lambda: all(s.state == ServerState.ONLINE for s in sessions) or any(r.done() for r in runs),
                          180, "both servers online")
             trainer = Trainer(address, _settings(tmp_path, cache_dir, "trainer"),
-                              TrainerOptions(shard=0, concurrency=1, max_samples=samples))
+                              TrainerOptions(share=0, concurrency=1, max_samples=samples))
             await asyncio.wait_for(trainer.run(), 300)
             states = [await asyncio.wait_for(s.served.server.compute(s.served.optimizer.state), 60) for s in sessions]
             return trainer, states, [s.epoch for s in sessions]
@@ -69,7 +69,7 @@ def test_in_process_server_and_trainer_match_the_reference_state(mode, exact_spe
         sw.start_coordinator()
         trainer, states, epochs = asyncio.run(main(sw.address))
 
-    ref = train_reference(spec, tiny_dataset, shard=0, max_samples=samples)
+    ref = train_reference(spec, tiny_dataset, share=0, max_samples=samples)
     steps = {"synchronous": 4, "overlapped_rounds": 3, "outer": 2}[mode]
     assert trainer.samples == samples and epochs == [ref.epochs] * 2 == [steps if mode == "outer" else 4] * 2
     for k, (state, module) in enumerate(zip(states, ref.stages)):

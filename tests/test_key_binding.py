@@ -1,5 +1,5 @@
 """One key per peer: a peer's libp2p id is its Ed25519 signing key, so any record naming a libp2p id is checkable
-by anyone, and two processes cannot run as one peer (issue 11, item 2)."""
+by anyone, and two processes cannot run as one peer."""
 
 import subprocess
 import tempfile

@@ -1,4 +1,4 @@
-"""Several peers on one machine (issue 12): each keeps its key, fragments and heartbeat to itself. A second peer
+"""Several peers on one machine: each keeps its key, fragments and heartbeat to itself. A second peer
 started with the same settings as a running one is refused, naming the setting to change; one given its own
 SWARM_STATE_DIR gets its own key and folders by default."""
 

@@ -21,7 +21,7 @@ def test_metrics_mirror_the_records_and_are_served():
                                      flops_per_sample=2e9, peak_flops=1e11))
     metrics.update_storage(StorageInfo(run_id="run-x", peer_id="peer-a", time=0, p2p_id="x", free_bytes=777,
                                        held=[(1, 40, 0, "ab" * 8), (0, 40, 2, "cd" * 8)]))
-    metrics.update_trainer(TrainerInfo(run_id="run-x", peer_id="peer-a", time=0, shard=0, samples=64, tokens=2048))
+    metrics.update_trainer(TrainerInfo(run_id="run-x", peer_id="peer-a", time=0, share=0, samples=64, tokens=2048))
     port = _free_port()
     metrics.serve(port, "127.0.0.1")
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

@@ -79,8 +79,8 @@ def test_watch_shows_each_snapshot_until_stopped():
 
 
 def test_a_server_row_counts_the_stage_mates_that_refused_its_state():
-    """``status`` shows how many servers of its stage downloaded a server's state and refused it (issue 11: a
-    donor whose state does not verify is reported, not only logged)."""
+    """``status`` shows how many servers of its stage downloaded a server's state and refused it (a donor
+    whose state does not verify is reported, not only logged)."""
     from types import SimpleNamespace
 
     from hivemind.utils import get_dht_time

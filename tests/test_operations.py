@@ -119,7 +119,7 @@ def test_monitoring_pause_resume_ban_and_drain_on_a_live_swarm(tmp_path, tiny_sp
         assert done.returncode == 0 and "online" in done.stdout, done.stderr
         sc.until_epoch(epoch + 2)
 
-        # ---- a signed ban: the trainer stops itself, the others shun it -------------------------------
+        # ---- a signed ban: the trainer stops itself, the others leave it out ----------------------------
         key = str(sw.workdir / "keys" / "coordinator.key")
         done = _cli("coordinator", "ban", address, trainer.peer_id, "--reason", "test ban",
                     "--key", str(sw.workdir / "keys" / "server1.key"))

@@ -27,7 +27,7 @@ def test_a_healthy_loopback_machine_passes_the_local_checks_but_not_reachability
 
 def test_a_loopback_run_makes_announcing_loopback_a_note_not_a_failure(tmp_path):
     """A run served on 127.0.0.1 (the quickstart on one box) trains with peers announcing 127.0.0.1: the check
-    says so instead of failing (issue 12); a run elsewhere still fails the same peer."""
+    says so instead of failing; a run elsewhere still fails the same peer."""
     from peer.preflight import _reachability
 
     settings = PeerSettings(cache_dir=tmp_path, host="127.0.0.1", port=0)

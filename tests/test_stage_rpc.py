@@ -140,7 +140,7 @@ def test_stage_rpcs_and_refusals(dhts, exact_spec_path):
 
 @pytest.mark.timeout(120)
 def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
-    """40 forward streams that never finish (issue 11) hold at most ``max_in_flight`` slots; the rest are refused
+    """40 forward streams that never finish hold at most ``max_in_flight`` slots; the rest are refused
     at once, naming the cause, and the slots come back when the stalled streams go."""
     from swarm.net.admission import PeerAdmission
 

@@ -112,7 +112,7 @@ def test_swarm_tracks_single_process_reference(kernels, precision, tolerance, ex
         assert all(f"kernels {kernels}, precision {precision}" in p.log.read_text() for p in sw.peers
                    if p.role == "server"), "a server did not say which kernels and precision it uses"
     swarm_losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    ref = train_reference(tiny_spec, prepare_dataset(tiny_spec, cache_dir), shard=0, max_samples=samples)
+    ref = train_reference(tiny_spec, prepare_dataset(tiny_spec, cache_dir), share=0, max_samples=samples)
     assert len(swarm_losses) == len(ref.losses) == samples // tiny_spec.training.micro_batch_size
     diffs = [abs(a - b) for a, b in zip(swarm_losses, ref.losses)]
     first_bad = next((i for i, d in enumerate(diffs) if d >= tolerance), None)

@@ -1,7 +1,7 @@
 """The wire refuses what is too large, malformed or slow before it costs memory: a tensor header is checked at
 its first chunk (dtype, compression, rank, declared size), a message that takes no tensors refuses the first
 one, a tensor whose bytes do not match its header is refused, and a stream that never ends is dropped at its
-deadline (issue 11: memory amplification and streams that never time out)."""
+deadline (no memory amplification, no stream that never times out)."""
 
 from __future__ import annotations
 

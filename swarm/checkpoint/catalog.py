@@ -113,7 +113,7 @@ def choose_holders(candidates: Iterable[StorageInfo], count: int, size: int, *, 
                    rng: Optional[random.Random] = None) -> list[StorageInfo]:
     """Pick a holder for each of ``count`` fragments of ``size`` bytes (see the module docstring).
 
-    :param exclude: peer ids never chosen (shunned peers, holders of the checkpoint's other fragments).
+    :param exclude: peer ids never chosen (distrusted or banned peers, holders of the checkpoint's other fragments).
     :param load: fragments each peer id already takes (this placement counts on top); updated in place.
     :returns: up to ``count`` records (fewer only if no candidate has room); a peer appears more than once
         only when fewer peers than fragments have room.

@@ -59,7 +59,7 @@ class StageCommits:
             if not await self._is_writer():
                 return
             parent = self.lineage.parent(await self.keeper.known_manifests(self.stage), shard.epoch)
-            position = {t.shard: t.position for t in await self.directory.trainers()}
+            position = {t.share: t.position for t in await self.directory.trainers()}
             shard.meta["data_position"] = {str(k): v for k, v in sorted(position.items())}  # part of the state
             manifest, _ = await write_checkpoint(self.keeper, shard, parent=parent, loss=loss, data_position=position)
             self.lineage.current = (manifest.shard_sha256, manifest.epoch)

@@ -15,7 +15,7 @@ was never committed. An epoch pushed out of the newest ``keep_epochs`` less than
 the budget allows: a server may be fetching it right now, or be about to follow a rollback order to it that
 the DHT has not delivered yet.
 
-Putters (issue 11): an uncommitted epoch belongs to the peer that put its first fragment (``putter`` beside
+Putters: an uncommitted epoch belongs to the peer that put its first fragment (``putter`` beside
 the fragments). Junk a putter places, say fragments for epoch 10**9 that will never be committed, only ever
 displaces its own uncommitted epochs, never another writer's checkpoint in progress, and it is deleted after
 ``pending_s``. One putter's uncommitted fragments take at most ``putter_share`` of the budget (a writer

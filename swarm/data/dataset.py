@@ -66,17 +66,17 @@ class TokenDataset:
         return torch.stack([self.sample(i, split) for i in indices])
 
 
-def shard_order(num_samples: int, shard: int, num_shards: int, seed: int, pass_index: int = 0) -> list[int]:
-    """Sample indices of trainer share ``shard`` for one pass over the data, in training order.
+def share_order(num_samples: int, share: int, num_shares: int, seed: int, pass_index: int = 0) -> list[int]:
+    """Sample indices of a trainer's data share ``share`` for one pass over the data, in training order.
 
-    The pass is a seeded permutation of all samples; share ``s`` takes positions ``s, s + num_shards, ...``.
+    The pass is a seeded permutation of all samples; share ``s`` takes positions ``s, s + num_shares, ...``.
     Shares of the same pass are disjoint and together cover every sample exactly once.
     """
-    if not 0 <= shard < num_shards:
-        raise ValueError(f"shard {shard} out of range for {num_shards} shards")
+    if not 0 <= share < num_shares:
+        raise ValueError(f"data share {share} out of range for {num_shares} shares")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + pass_index)
     perm = torch.randperm(num_samples, generator=gen)
-    return perm[shard::num_shards].tolist()
+    return perm[share::num_shares].tolist()
 
 
 def prepare_dataset(spec: RunSpec, cache_dir: Path) -> TokenDataset:

@@ -3,7 +3,7 @@ many it starts per second.
 
 Each request a handler accepts holds a task, a socket and up to its message budget in memory until it is
 answered or its deadline passes (:func:`swarm.net.transport.gather`). Without a bound per peer, one peer opening
-many streams that never finish holds all of that at once (issue 11: 40 stalled forward streams, +80 MB). A
+many streams that never finish holds all of that at once (40 stalled forward streams: +80 MB measured). A
 :class:`PeerAdmission` counts the requests in flight per remote libp2p id and refuses the one beyond
 ``max_in_flight`` at once, with :class:`Busy` (a :class:`~swarm.protocol.Refusal`: one log line, no traceback),
 so a peer holds at most ``max_in_flight`` times the handler's message budget. Honest clients stay far below

@@ -297,7 +297,7 @@ MAX_BANS = 256
 
 class BanList(Record):
     """Peers the run's coordinator banned (``swarm-coordinator ban``): routing, averaging, fragment placement
-    and the stage RPCs all shun them, and a banned peer stops itself. Signed by the run key (the spec's
+    and the stage RPCs all leave them out, and a banned peer stops itself. Signed by the run key (the spec's
     signer) and stored under :func:`bans_key`, sub-key ``<time>:<coordinator's peer id>`` (one per version);
     every peer re-publishes the newest list it has, so it outlives the coordinator."""
 
@@ -319,7 +319,7 @@ class TrainerInfo(AnnouncedRecord):
     """A trainer's progress under :func:`trainers_key`."""
 
     kind: Literal["trainer"] = "trainer"
-    shard: int = Field(ge=0, lt=4096)
+    share: int = Field(ge=0, lt=4096, description="The data share it trains on.")
     loss: FiniteOrNone = None
     initial_loss: FiniteOrNone = None
     samples: Count = 0

@@ -221,7 +221,7 @@ class ServedStage:
             background.submit(self.commits.commit(shard, self.server.loss_ema))
 
     def _log_epoch(self, end: EpochEnd) -> None:
-        """The epoch's fixed-key line (``share``: this server's samples of the stage's target batch; ``step_s``: the
+        """The epoch's fixed-key line (``contribution``: this server's samples of the stage's target batch; ``step_s``: the
         seconds the epoch's transition held the compute thread, matchmaking, all-reduce and optimizer step;
         ``round_s``: the mean seconds of the all-reduces since the last line, ``-`` if none finished; ``gflops``: model
         GFLOP/s while computing, ``samples/s`` x the stage's FLOPs per sample; ``mfu``: that over the device's measured
@@ -233,7 +233,7 @@ class ServedStage:
         round_s = f"{(ms - before[1]) / 1000 / (rounds - before[0]):.3f}" if rounds > before[0] else "-"
         achieved = server.throughput.samples_per_second * self.plan.flops_per_sample  # model FLOP/s while computing
         self.log.info(
-            "loss=%s samples/s=%.2f samples=%d dropped=%d share=%.0f%% progress=%.1f%% peers=%d lr=%.2e "
+            "loss=%s samples/s=%.2f samples=%d dropped=%d contribution=%.0f%% progress=%.1f%% peers=%d lr=%.2e "
             "step_s=%.2f round_s=%s avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d gflops=%.2f mfu=%.1f%%",
             f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-", server.throughput.samples_per_second,
             server.samples, self.samples_dropped, 100 * min(1.0, end.samples / spec.training.target_batch_size),

@@ -68,11 +68,11 @@ class Router:
         :param exclude: peer ids not to pick.
         :raises NoServerError: no candidate is left.
         """
-        shunned = excluded_by_stage(servers)
+        excluded = excluded_by_stage(servers)
         candidates = [
             s for s in servers
             if s.state == ServerState.ONLINE and not self.is_backed_off(s.peer_id) and s.peer_id not in exclude
-            and s.p2p_id not in shunned
+            and s.p2p_id not in excluded
         ]
         if not candidates:
             raise NoServerError(f"no online server available ({len(servers)} known, the others backed off, excluded "

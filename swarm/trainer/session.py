@@ -9,7 +9,7 @@ wires signals and ``swarm-peer pause|resume|drain``); a test starts one in-proce
 It joins the run's DHT in client mode (works behind NAT), prepares the run's dataset, claims a data share (the
 lowest one no other live trainer announces), and resumes it at the position the newest checkpoint manifest
 recorded (:func:`resume_position`). It walks that share of each pass in a seeded order
-(:func:`swarm.data.shard_order`), keeping micro-batches in flight through :class:`~swarm.trainer.pipeline.RemotePipeline`
+(:func:`swarm.data.share_order`), keeping micro-batches in flight through :class:`~swarm.trainer.pipeline.RemotePipeline`
 (``concurrency`` of them, plus enough to cover the round trips to its servers, :mod:`swarm.trainer.inflight`). Every
 ``record_ttl_s / 3`` seconds it publishes a signed :class:`~swarm.protocol.TrainerInfo` (with its position in
 the share's stream, which checkpoints record) and logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds
@@ -33,7 +33,7 @@ from hivemind.utils import get_dht_time
 from swarm import __version__
 from swarm.aio import sleep_or_stop, wait_any
 from swarm.config import PeerSettings, RunSpec
-from swarm.data import TokenDataset, prepare_dataset, shard_order
+from swarm.data import TokenDataset, prepare_dataset, share_order
 from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
@@ -49,24 +49,24 @@ from swarm.trust.spotcheck import SpotChecker
 logger = logging.getLogger(__name__)
 
 PipelineFactory = Callable[..., RemotePipeline]
-"""Builds the trainer's pipeline: ``(spec, run_id, directory, p2p, bans=..., log=..., observer=...)`` (tests pass a
+"""Builds the trainer's pipeline: ``(spec, run_id, directory, p2p, bans=..., log=..., watcher=...)`` (tests pass a
 Byzantine one, :mod:`swarm.attacks`)."""
 
 
-async def claim_shard(directory: AsyncRunDirectory, num_shards: int, peer_id: str) -> int:
+async def claim_share(directory: AsyncRunDirectory, num_shares: int, peer_id: str) -> int:
     """Lowest data share not announced by another live trainer (a hash of the peer id if all are taken)."""
-    taken = {t.shard for t in await directory.trainers() if t.peer_id != peer_id}
-    free = [s for s in range(num_shards) if s not in taken]
-    return free[0] if free else int(peer_id.encode().hex(), 16) % num_shards
+    taken = {t.share for t in await directory.trainers() if t.peer_id != peer_id}
+    free = [s for s in range(num_shares) if s not in taken]
+    return free[0] if free else int(peer_id.encode().hex(), 16) % num_shares
 
 
-def micro_batches(dataset: TokenDataset, spec: RunSpec, shard: int, position: int = 0) -> Iterator[list[int]]:
-    """Endless lists of sample indices (``micro_batch_size`` each) of ``shard``, pass after pass, starting
+def micro_batches(dataset: TokenDataset, spec: RunSpec, share: int, position: int = 0) -> Iterator[list[int]]:
+    """Endless lists of sample indices (``micro_batch_size`` each) of ``share``, pass after pass, starting
     after the first ``position`` samples of the share's stream (a resumed trainer continues there)."""
     b = spec.training.micro_batch_size
     per_pass = None
     for p in itertools.count(0):
-        order = shard_order(dataset.num_samples("train"), shard, spec.data.num_shards, spec.data.seed, p)
+        order = share_order(dataset.num_samples("train"), share, spec.data.num_shares, spec.data.seed, p)
         per_pass = per_pass or max(b, len(order) - len(order) % b)
         if position >= per_pass:  # skip whole passes without building their batches
             position -= per_pass
@@ -78,25 +78,25 @@ def micro_batches(dataset: TokenDataset, spec: RunSpec, shard: int, position: in
             yield order[i : i + b]
 
 
-async def resume_position(directory: AsyncRunDirectory, shard: int, num_stages: int) -> int:
-    """Samples of data share ``shard`` consumed as recorded by the stages' newest checkpoint manifests (the
+async def resume_position(directory: AsyncRunDirectory, share: int, num_stages: int) -> int:
+    """Samples of data share ``share`` consumed as recorded by the stages' newest checkpoint manifests (the
     largest of them; 0 if none records the share)."""
     newest = [m for k in range(num_stages) for m, _ in (await directory.manifests(k))[:1]]
-    return max((m.data_position.get(shard, 0) for m in newest), default=0)
+    return max((m.data_position.get(share, 0) for m in newest), default=0)
 
 
 @dataclass(frozen=True)
 class TrainerOptions:
     """What a trainer does beyond the run spec (the flags of ``swarm-peer join --role trainer``).
 
-    :param shard: data share to train on (default: the lowest one no live trainer announces).
+    :param share: data share to train on (default: the lowest one no live trainer announces).
     :param concurrency: the least micro-batches in flight; the trainer adds enough to cover its round trips to the
         servers (:mod:`swarm.trainer.inflight`), up to :data:`~swarm.trainer.inflight.MOST_IN_FLIGHT`.
     :param max_samples: stop after this many samples (default: train until stopped).
     :param loss_log: append every micro-batch's loss and sample indices here (JSON lines).
     """
 
-    shard: Optional[int] = None
+    share: Optional[int] = None
     concurrency: int = 2
     max_samples: Optional[int] = None
     loss_log: Optional[Path] = None
@@ -184,14 +184,14 @@ class Trainer:
         """Prepare the data, claim a share, follow the ban list, build the pipeline."""
         spec, me = self.spec, self.identity.peer_id
         self.dataset = await asyncio.to_thread(prepare_dataset, spec, self.settings.cache_dir)
-        shard = self.options.shard
-        if shard is None:
-            shard = await claim_shard(self.directory, spec.data.num_shards, me)
-        self.shard = shard
-        self.start_position = await resume_position(self.directory, shard, spec.model.num_stages)
+        share = self.options.share
+        if share is None:
+            share = await claim_share(self.directory, spec.data.num_shares, me)
+        self.share = share
+        self.start_position = await resume_position(self.directory, share, spec.model.num_stages)
         self.log.info("run %s, data share %d/%d, %d samples per pass, resuming at sample %d, tokenizer %s",
-                      self.directory.run_id, shard, spec.data.num_shards,
-                      self.dataset.num_samples() // spec.data.num_shards, self.start_position,
+                      self.directory.run_id, share, spec.data.num_shares,
+                      self.dataset.num_samples() // spec.data.num_shares, self.start_position,
                       self.dataset.tokenizer_sha256[:16])
         self.bans = RunBans(self.directory)
         await self.bans.refresh()
@@ -199,11 +199,11 @@ class Trainer:
         self.p2p = await self.dht.replicate_p2p()
         self.checker = SpotChecker(spec, self.directory.run_id, self.p2p, log=self.log)
         self.pipeline = self.pipeline_factory(spec, self.directory.run_id, self.directory, self.p2p, bans=self.bans,
-                                              log=self.log, observer=self.checker)
+                                              log=self.log, watcher=self.checker)
 
     async def _train(self, grace_s: float) -> None:
         self._started = time.monotonic()
-        batches = micro_batches(self.dataset, self.spec, self.shard, self.start_position)
+        batches = micro_batches(self.dataset, self.spec, self.share, self.start_position)
         reporter = asyncio.create_task(self._report())
         validator = asyncio.create_task(self._validate())
         workers = {asyncio.create_task(self._worker(batches)) for _ in range(self.options.concurrency)}
@@ -279,7 +279,7 @@ class Trainer:
     def info(self) -> TrainerInfo:
         elapsed = max(time.monotonic() - self._started, 1e-6)
         return TrainerInfo(
-            run_id=self.directory.run_id, peer_id=self.identity.peer_id, time=get_dht_time(), shard=self.shard,
+            run_id=self.directory.run_id, peer_id=self.identity.peer_id, time=get_dht_time(), share=self.share,
             loss=self.loss_ema, initial_loss=self.initial_loss, samples=self.samples,
             position=self.start_position + self.samples, tokens=self.tokens,
             samples_per_s=self.samples / elapsed, failures=self.pipeline.failures,
@@ -322,13 +322,14 @@ class Trainer:
                 return
 
     async def _log_progress(self, info: TrainerInfo) -> None:
-        """The trainer's fixed-key line: the stages' epoch, loss, samples, its share of the swarm's samples/s."""
+        """The trainer's fixed-key line: the stages' epoch, loss, samples, its contribution (its part of the swarm's
+        samples/s)."""
         stages = [await self.pipeline.servers(k) for k in range(self.spec.model.num_stages)]
         epochs = [max((s.epoch for s in group), default=0) for group in stages]
         total = await self._swarm_samples_per_s()
         self.log.info(
-            "epoch=%s loss=%s samples=%d samples/s=%.2f share=%s failures=%d servers=%s checks=%d/%d convicted=%d "
-            "state=%s", min(epochs), f"{info.loss:.4f}" if info.loss is not None else "-", info.samples,
+            "epoch=%s loss=%s samples=%d samples/s=%.2f contribution=%s failures=%d servers=%s checks=%d/%d "
+            "convicted=%d state=%s", min(epochs), f"{info.loss:.4f}" if info.loss is not None else "-", info.samples,
             info.samples_per_s, f"{100 * info.samples_per_s / total:.0f}%" if total else "-", info.failures,
             "/".join(str(len(g)) for g in stages), info.spot_checks.get("agreed", 0),
             info.spot_checks.get("sampled", 0), len(info.convicted), info.state,
@@ -340,4 +341,4 @@ class Trainer:
         return others + self.info().samples_per_s
 
 
-__all__ = ["PipelineFactory", "Trainer", "TrainerOptions", "claim_shard", "micro_batches", "resume_position"]
+__all__ = ["PipelineFactory", "Trainer", "TrainerOptions", "claim_share", "micro_batches", "resume_position"]
