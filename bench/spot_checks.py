@@ -81,16 +81,16 @@ async def start(spec: RunSpec, layout, nodes) -> list[StageServer]:
 async def until_convicted(spec, pipe, dataset, liar, max_batches: int, rng: random.Random) -> dict:
     b, n = spec.training.micro_batch_size, dataset.num_samples("train")
     calls_before, sent = liar.answered, 0
-    while sent < max_batches and liar.peer_id not in pipe.watcher.convicted:
+    while sent < max_batches and liar.peer_id not in pipe.listener.convicted:
         start = rng.randrange(0, n - b)
         await pipe.forward_loss(dataset.batch(list(range(start, start + b))), train=True)
         sent += 1
         if sent % 8 == 0:
-            await pipe.watcher.drain()
-    await pipe.watcher.drain()
-    return dict(convicted=liar.peer_id in pipe.watcher.convicted, micro_batches=sent,
-                liar_calls=liar.answered - calls_before, honest_convicted=len(set(pipe.watcher.convicted) - {liar.peer_id}),
-                counts=dict(pipe.watcher.counts))
+            await pipe.listener.drain()
+    await pipe.listener.drain()
+    return dict(convicted=liar.peer_id in pipe.listener.convicted, micro_batches=sent,
+                liar_calls=liar.answered - calls_before, honest_convicted=len(set(pipe.listener.convicted) - {liar.peer_id}),
+                counts=dict(pipe.listener.counts))
 
 
 async def cost(spec, make_pipe, dataset, pairs: int, per_leg: int) -> float:
@@ -103,7 +103,7 @@ async def cost(spec, make_pipe, dataset, pairs: int, per_leg: int) -> float:
             started = time.perf_counter()
             for batch in batches:
                 await pipe.forward_loss(batch, train=True)
-            await pipe.watcher.drain()
+            await pipe.listener.drain()
             rates[rate].append(len(batches) * b / (time.perf_counter() - started))
     off, on = (statistics.median(v) for v in rates.values())
     return on / off
@@ -146,7 +146,7 @@ class Swarm:
 
     def pipeline(self, spec: RunSpec, seed: int) -> RemotePipeline:
         return RemotePipeline(spec, RUN, AsyncRunDirectory(RunDirectory(self.trainer, RUN, ttl=3600)), self.p2p,
-                              watcher=SpotChecker(spec, RUN, self.p2p, rng=random.Random(seed)))
+                              listener=SpotChecker(spec, RUN, self.p2p, rng=random.Random(seed)))
 
 
 async def detection(spec, dataset, args) -> list[dict]:

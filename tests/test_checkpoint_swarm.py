@@ -104,7 +104,7 @@ def test_a_loss_spike_rolls_every_stage_back_and_lowers_the_learning_rate(tmp_pa
         sc.holds(lambda: all(s.lr_scale == 1.0 and s.rollback_generation == 0
                              for k in range(2) for s in sc.directory.servers(k)), 8.0, "ignoring a stranger's order")
         # bad data: a trainer whose targets are all wrong makes the training loss jump
-        bad = sc.byzantine_trainer("label_flip", "--shard", "1", "--concurrency", "4")
+        bad = sc.byzantine_trainer("label_flip", "--share", "1", "--concurrency", "4")
 
         def genuine():
             return [o for o, _ in sc.directory.rollback_orders() if o.peer_id != stranger.peer_id]

@@ -51,10 +51,10 @@ async def serving(layout, trainers: int = 1, spec=SPEC):
         for i, (_, dht) in enumerate(nodes[len(layout):]):
             p2p = await dht.replicate_p2p()
             pipes.append(RemotePipeline(spec, RUN, AsyncRunDirectory(RunDirectory(dht, RUN, ttl=600)), p2p,
-                                        watcher=SpotChecker(spec, RUN, p2p, rng=random.Random(i))))
+                                        listener=SpotChecker(spec, RUN, p2p, rng=random.Random(i))))
         yield servers, (pipes[0] if trainers == 1 else pipes)
         for pipe in pipes:
-            await pipe.watcher.drain()
+            await pipe.listener.drain()
     finally:
         for _, dht in reversed(nodes):
             dht.shutdown()
@@ -100,12 +100,12 @@ def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_datase
             lying, honest = servers[1], [servers[2], servers[3]]
             for batch in _batches(tiny_dataset, 12):
                 await pipe.forward_loss(batch, train=True)
-                await pipe.watcher.drain()
-                if lying.peer_id in pipe.watcher.convicted:
+                await pipe.listener.drain()
+                if lying.peer_id in pipe.listener.convicted:
                     break
-            assert set(pipe.watcher.convicted) == {lying.peer_id}, pipe.watcher.convicted
-            assert pipe.watcher.counts["agreed"] > 0, "honest servers 1e-3 apart agree"
-            evidence = pipe.watcher.evidence[-1]
+            assert set(pipe.listener.convicted) == {lying.peer_id}, pipe.listener.convicted
+            assert pipe.listener.counts["agreed"] > 0, "honest servers 1e-3 apart agree"
+            evidence = pipe.listener.evidence[-1]
             assert evidence.call == calls[0] and verify_evidence(evidence) == lying.peer_id
 
             # tampered evidence proves nothing
@@ -140,9 +140,9 @@ def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_datase
             before = lying.samples
             for batch in _batches(tiny_dataset, 4):
                 await pipe.forward_loss(batch, train=True)
-            await pipe.watcher.drain()
+            await pipe.listener.drain()
             assert lying.samples == before and all(s.samples > 0 for s in honest)
-            assert set(pipe.watcher.convicted) == {lying.peer_id}
+            assert set(pipe.listener.convicted) == {lying.peer_id}
 
     asyncio.run(main())
 
@@ -155,10 +155,10 @@ def test_an_unsigned_reply_convicts_and_two_disagreeing_servers_convict_no_one(t
         async with serving(layout) as (servers, pipe):
             for batch in _batches(tiny_dataset, 6):
                 await pipe.forward_loss(batch, train=True)
-            await pipe.watcher.drain()
-            assert set(pipe.watcher.convicted) == {servers[1].peer_id}, pipe.watcher.convicted
-            assert "no receipt" in pipe.watcher.convicted[servers[1].peer_id]
-            assert pipe.watcher.counts["inconclusive"] > 0, "stage 1's two servers disagree: no third to break the tie"
+            await pipe.listener.drain()
+            assert set(pipe.listener.convicted) == {servers[1].peer_id}, pipe.listener.convicted
+            assert "no receipt" in pipe.listener.convicted[servers[1].peer_id]
+            assert pipe.listener.counts["inconclusive"] > 0, "stage 1's two servers disagree: no third to break the tie"
 
     asyncio.run(main())
 
@@ -203,7 +203,7 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
 
     async def main():
         async with serving(layout, trainers=2) as (servers, (a, b)):
-            b.watcher.cfg = b.watcher.cfg.model_copy(update={"rate": 0.0})
+            b.listener.cfg = b.listener.cfg.model_copy(update={"rate": 0.0})
             lying, honest = servers[1], [s for s in servers if s is not servers[1]]
             failed_once = []
 
@@ -216,15 +216,15 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
             monkeypatch.setattr("swarm.trust.convictions.PUSH_RETRY_S", (0.1,))
             for batch in _batches(tiny_dataset, 12):
                 await a.forward_loss(batch, train=True)
-                await a.watcher.drain()
-                if lying.peer_id in a.watcher.convicted:
+                await a.listener.drain()
+                if lying.peer_id in a.listener.convicted:
                     break
-            assert set(a.watcher.convicted) == {lying.peer_id}
+            assert set(a.listener.convicted) == {lying.peer_id}
             assert failed_once and all(lying.peer_id in s.book for s in honest), "every server verified the evidence"
             assert lying.peer_id not in lying.book, "the accused does not list itself"
 
             # a forged push: the accused answer swapped for a witness's is refused, the sender named in the log
-            evidence = a.watcher.evidence[-1]
+            evidence = a.listener.evidence[-1]
             forged = dataclasses.replace(evidence, accused=(evidence.accused + 1) % 3)
             with pytest.raises(Exception, match="single out|another request"):
                 await push_evidence(b.p2p, honest[0].ident.p2p_id, forged)
@@ -232,17 +232,17 @@ def test_a_conviction_is_verified_by_every_server_and_adopted_by_other_trainers(
 
             for batch in _batches(tiny_dataset, 2):
                 await b.forward_loss(batch, train=True)
-            assert lying.peer_id not in b.watcher.convicted, "nothing listed yet: B routes to everyone"
+            assert lying.peer_id not in b.listener.convicted, "nothing listed yet: B routes to everyone"
             announce(honest[1], 1)  # its record now lists the conviction
             before = lying.samples
             b.refresh_s = 0.0
             for _ in range(50):
                 await b.servers(1)
-                await b.watcher.drain()
-                if lying.peer_id in b.watcher.convicted:
+                await b.listener.drain()
+                if lying.peer_id in b.listener.convicted:
                     break
                 await asyncio.sleep(0.2)
-            assert b.watcher.convicted.keys() == {lying.peer_id} and b.watcher.counts["adopted"] == 1
+            assert b.listener.convicted.keys() == {lying.peer_id} and b.listener.counts["adopted"] == 1
             for batch in _batches(tiny_dataset, 6):
                 await b.forward_loss(batch, train=True)
             assert lying.samples == before, "B no longer routes to the liar"

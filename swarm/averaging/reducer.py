@@ -1,7 +1,7 @@
 """What a reducer does with the parts of its partition: check them, bound weights, aggregate, flag outliers.
 
 :func:`reduce_partition` is the one place that decides which senders' parts count; the real all-reduce
-(:mod:`swarm.averaging.allreduce`) and the in-process harness (:mod:`swarm.averaging.harness`) both call it.
+(:mod:`swarm.averaging.allreduce`) and the in-process harness of the benchmarks (``bench/harness.py``) both call it.
 
 Checks, in order (BTARD, Gorbunov et al. 2022, sec. 3.2 lists the same kinds of misbehaviour):
 

@@ -34,6 +34,7 @@ from swarm.logs import PeerLog
 from swarm.net.directory import AsyncRunDirectory
 from swarm.protocol import add_history
 from swarm.server.stage import EpochEnd, StageServer
+from swarm.trust.authority import CheckpointAuthority
 from swarm.trust.banlist import RunBans
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class PeerContext:
     identity: Identity
     p2p: P2P
     keeper: FragmentKeeper
+    authority: CheckpointAuthority
     bans: RunBans
 
 
@@ -108,7 +110,7 @@ class ServedStage:
         self.lineage = Lineage()
         self.restore = StageRestore(ctx.keeper, optimizer, self.server.compute, stage=self.stage,
                                     lineage=self.lineage, log=self.log)
-        self.commits = StageCommits(ctx.keeper, ctx.keeper.authority, optimizer, stage=self.stage,
+        self.commits = StageCommits(ctx.keeper, ctx.authority, optimizer, stage=self.stage,
                                     lineage=self.lineage, log=self.log)
         self.rollbacks = Rollbacks(self.restore, optimizer, self.server.compute, ctx.identity,
                                    is_last=self.server.is_last, log=self.log)
@@ -119,7 +121,7 @@ class ServedStage:
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
         optimizer.set_progress_roster(lambda: self._roster)
-        ctx.keeper.authority.serve_stage(self.stage)  # endorse this stage's checkpoints by state only
+        ctx.authority.serve_stage(self.stage)  # endorse this stage's checkpoints by state only
 
     @property
     def epoch(self) -> int:
@@ -267,7 +269,7 @@ class ServedStage:
         background, self.background = self.background, None  # an epoch that ends from now on starts no commit
         if handlers:
             await self.server.remove_p2p_handlers(p2p, namespace=self.directory.run_id)
-        self.ctx.keeper.authority.leave_stage(self.stage)  # it no longer endorses the stage's checkpoints
+        self.ctx.authority.leave_stage(self.stage)  # it no longer endorses the stage's checkpoints
         await background.close(COMMIT_GRACE_S)
         commits_s = time.monotonic() - started
         # on the compute thread, after any step in progress: hivemind's shutdown iterates the state averager's

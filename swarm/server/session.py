@@ -205,7 +205,8 @@ class ServerSession:
         self.keeper = FragmentKeeper(self.spec, self.directory, self.identity, store, bans=self.bans)
         self.p2p = await self.dht.replicate_p2p()
         await self.keeper.start(self.p2p)
-        self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.bans)
+        self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
+                               self.bans)
         self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol,
                                           accepts=answers_comparable(self.spec))
         await EvidenceService(self.spec, self.convictions).add_p2p_handlers(self.p2p, namespace=run_id)

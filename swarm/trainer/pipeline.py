@@ -9,7 +9,7 @@ forward (SWARM, sec. 3.2). The trainer keeps every stage input of a micro-batch 
 Servers on the run's ban list are never used.
 
 The pipeline owns its stage calls (:meth:`RemotePipeline.call`, each answered with a :class:`StageReply`) and
-tells a watcher (:class:`PipelineWatcher`) about them: the trainer gives it its spot checks
+tells a listener (:class:`PipelineListener`) about them: the trainer gives it its spot checks
 (:class:`~swarm.trust.spotcheck.SpotChecker`), which re-run a sample of the training calls on other servers of
 the stage through :meth:`RemotePipeline.call` and refuse the servers they convicted.
 """
@@ -59,9 +59,9 @@ class StageReply:
     reply_wire: list[torch.Tensor]
 
 
-class PipelineWatcher:
-    """What watches a pipeline's calls from outside (the trainer's spot checks,
-    :class:`~swarm.trust.spotcheck.SpotChecker`). The default watches nothing and refuses no server."""
+class PipelineListener:
+    """What listens to a pipeline's calls from outside and may refuse servers (the trainer's spot checks,
+    :class:`~swarm.trust.spotcheck.SpotChecker`). The default listens to nothing and refuses no server."""
 
     def refuses(self, server: ServerInfo) -> bool:
         """Never route to ``server``."""
@@ -80,7 +80,7 @@ class PipelineWatcher:
         ``forward`` is the reply to the micro-batch's forward of the stage."""
 
     async def drain(self) -> None:
-        """Wait for work the watcher runs beside training."""
+        """Wait for work the listener runs beside training."""
 
 
 class RemotePipeline:
@@ -91,12 +91,12 @@ class RemotePipeline:
     :param log: the trainer's log (its retries are logged there).
     :param max_attempts: tries per stage call before the micro-batch fails with :class:`PipelineError`.
     :param refresh_s: seconds between reads of a stage's server records from the DHT.
-    :param watcher: told of every training call and every read of a stage's records (:class:`PipelineWatcher`;
+    :param listener: told of every training call and every read of a stage's records (:class:`PipelineListener`;
         the trainer passes its :class:`~swarm.trust.spotcheck.SpotChecker`).
     """
 
     def __init__(self, spec: RunSpec, run_id: str, directory: AsyncRunDirectory, p2p: P2P, *, bans=None, log=None,
-                 max_attempts: int = 8, refresh_s: float = 2.0, watcher: Optional[PipelineWatcher] = None):
+                 max_attempts: int = 8, refresh_s: float = 2.0, listener: Optional[PipelineListener] = None):
         self.spec, self.run_id, self.directory, self.p2p = spec, run_id, directory, p2p
         self.bans, self.log = bans, log if log is not None else logger
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
@@ -104,7 +104,7 @@ class RemotePipeline:
         self.router = Router(backoff_s=spec.timeouts.backoff_s, backoff_max_s=spec.timeouts.backoff_max_s)
         self.max_attempts, self.refresh_s = max_attempts, refresh_s
         self.num_stages = spec.model.num_stages
-        self.watcher = watcher if watcher is not None else PipelineWatcher()
+        self.listener = listener if listener is not None else PipelineListener()
         self._servers: dict[int, tuple[float, list[ServerInfo]]] = {}
         self._reading: dict[int, asyncio.Task] = {}  # stage -> its records' read in the background
         self.failures = 0
@@ -121,7 +121,7 @@ class RemotePipeline:
             if time.monotonic() - cached[0] > self.refresh_s and stage not in self._reading:
                 task = self._reading[stage] = asyncio.create_task(self._read_servers(stage))
                 task.add_done_callback(functools.partial(self._read_done, stage))
-        return [s for s in found if not self.watcher.refuses(s)]
+        return [s for s in found if not self.listener.refuses(s)]
 
     def is_backed_off(self, peer_id: str) -> bool:
         """Whether this pipeline avoids ``peer_id`` now (a call to it failed lately)."""
@@ -132,7 +132,7 @@ class RemotePipeline:
         if self.bans is not None:
             found = [s for s in found if not self.bans.is_banned(s.peer_id)]
         self._servers[stage] = (time.monotonic(), found)
-        self.watcher.saw(stage, found)
+        self.listener.saw(stage, found)
         return found
 
     def _read_done(self, stage: int, task: asyncio.Task) -> None:
@@ -219,7 +219,7 @@ class RemotePipeline:
 
             reply, _ = await self._on_stage(k, work, fwd)
             if train:
-                self.watcher.forwarded(self, k, meta, [acts[k]], reply)
+                self.listener.forwarded(self, k, meta, [acts[k]], reply)
             acts.append(reply.tensors[0])
             replies.append(reply)
         meta = ForwardRequest(run_id=self.run_id, stage=self.num_stages - 1, mb_id=mb_id, mode=mode)
@@ -232,12 +232,12 @@ class RemotePipeline:
 
         last, _ = await self._on_stage(self.num_stages - 1, work, fwd_last)
         if train:
-            self.watcher.forwarded(self, self.num_stages - 1, meta, [acts[-1], targets], last)
+            self.listener.forwarded(self, self.num_stages - 1, meta, [acts[-1], targets], last)
         grad = last.tensors[0] if last.tensors else None
         if train:
             for k in reversed(range(self.num_stages - 1)):
                 reply = await self.backward(k, mb_id, grad, acts[k], replies[k].server)
-                self.watcher.backwarded(self, k, mb_id, grad, acts[k], reply, replies[k])
+                self.listener.backwarded(self, k, mb_id, grad, acts[k], reply, replies[k])
                 grad = reply.tensors[0] if reply.tensors else None
         return last.msg.loss
 
@@ -283,4 +283,4 @@ async def validation_loss(pipeline: RemotePipeline, dataset, max_batches: int = 
     return sum(losses) / len(losses)
 
 
-__all__ = ["PipelineError", "PipelineWatcher", "RemotePipeline", "StageReply", "validation_loss"]
+__all__ = ["PipelineError", "PipelineListener", "RemotePipeline", "StageReply", "validation_loss"]

@@ -49,7 +49,7 @@ from swarm.trust.spotcheck import SpotChecker
 logger = logging.getLogger(__name__)
 
 PipelineFactory = Callable[..., RemotePipeline]
-"""Builds the trainer's pipeline: ``(spec, run_id, directory, p2p, bans=..., log=..., watcher=...)`` (tests pass a
+"""Builds the trainer's pipeline: ``(spec, run_id, directory, p2p, bans=..., log=..., listener=...)`` (tests pass a
 Byzantine one, :mod:`swarm.attacks`)."""
 
 
@@ -199,7 +199,7 @@ class Trainer:
         self.p2p = await self.dht.replicate_p2p()
         self.checker = SpotChecker(spec, self.directory.run_id, self.p2p, log=self.log)
         self.pipeline = self.pipeline_factory(spec, self.directory.run_id, self.directory, self.p2p, bans=self.bans,
-                                              log=self.log, watcher=self.checker)
+                                              log=self.log, listener=self.checker)
 
     async def _train(self, grace_s: float) -> None:
         self._started = time.monotonic()

@@ -5,7 +5,7 @@ No peer acts on another's word: each acts on signatures, digests and its own rec
 * :mod:`swarm.trust.receipts` — a stage server signs every reply (:class:`~swarm.protocol.StageReceipt`: the
   digests of the request and reply tensors, the epoch of its parameters, the loss).
 * :mod:`swarm.trust.spotcheck` — a trainer re-runs a sample of its calls on other servers of the stage
-  (:class:`~swarm.trust.spotcheck.SpotChecker`, the watcher the trainer gives its pipeline); the odd one out is
+  (:class:`~swarm.trust.spotcheck.SpotChecker`, the listener the trainer gives its pipeline); the odd one out is
   convicted.
 * :mod:`swarm.trust.evidence` — spot-check evidence: three signed answers that prove a server lied, checked by
   anyone without parameters (:func:`~swarm.trust.evidence.verify_evidence`), and its wire form.

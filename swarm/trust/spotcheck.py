@@ -19,7 +19,7 @@ run's servers (:func:`~swarm.trust.convictions.share_evidence`); convictions oth
 (:class:`~swarm.trust.convictions.ConvictionFollower`).
 
 :class:`SpotChecker` watches a trainer's pipeline from outside: the pipeline
-(:class:`~swarm.trainer.pipeline.RemotePipeline`) is given it as its watcher, tells it every training call and
+(:class:`~swarm.trainer.pipeline.RemotePipeline`) is given it as its listener, tells it every training call and
 every batch of server records it read, and routes to no server it refuses; the checker re-runs a sampled call
 through the same pipeline (:class:`StageCaller`).
 A sampled reply whose receipt is missing or states another request or reply than the one received convicts
@@ -99,7 +99,7 @@ class SampledCall:
 
 
 class SpotChecker:
-    """A trainer's spot checks (module docstring): the watcher its pipeline is given.
+    """A trainer's spot checks (module docstring): the listener its pipeline is given.
 
     :param p2p: the trainer's libp2p node (evidence is pushed and fetched through it).
     :param rng: sampling and the choice of checking servers (seeded in tests).
@@ -121,7 +121,7 @@ class SpotChecker:
         self.follower = ConvictionFollower(self.book, p2p, spec, run_id, spawn=self.spawn, on_adopted=self.adopt,
                                            log=self.log)
 
-    # ---- the pipeline's watcher ----------------------------------------------------------------------
+    # ---- the pipeline's listener ----------------------------------------------------------------------
     def refuses(self, server: ServerInfo) -> bool:
         """Never route to a server convicted here (by a check of this trainer or verified evidence of another)."""
         return server.peer_id in self.convicted

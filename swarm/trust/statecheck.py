@@ -6,7 +6,7 @@ anything, and the receiver would serve trainers with it and average it into the 
 stage that took part in the same rounds hold the same state bit for bit (every honest peer ends a round with
 the same bytes, :doc:`docs/averaging.md`), so the receiver asks the stage's *other* servers (not the donor) for
 their state's SHA-256 at the donor's epoch (``rpc_state_digest``; each keeps its last
-:data:`~swarm.server.stage.DIGESTS_KEPT` epochs) and compares with the state it received
+:data:`~swarm.server.compute.DIGESTS_KEPT` epochs) and compares with the state it received
 (:func:`~swarm.checkpoint.state.state_digest`). The rule (:func:`judge_donor_state`):
 
 1. a state older than the stage's newest checkpoint is refused; one at a checkpoint's epoch must match that
