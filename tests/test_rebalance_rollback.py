@@ -120,8 +120,7 @@ def test_a_spike_streak_issues_one_order_naming_its_first_epoch(tiny_spec):
     from swarm.checkpoint.rollback import Rollbacks
 
     spec = tiny_spec.updated(rollback={"window_epochs": 4, "margin": 0.15, "warmup_epochs": 3})
-    restore = SimpleNamespace(spec=spec, directory=SimpleNamespace(ttl=30.0), stage=1,
-                              keeper=SimpleNamespace(run_id="run"))
+    restore = SimpleNamespace(spec=spec, directory=SimpleNamespace(ttl=30.0, run_id="run"), stage=1)
     ck = Rollbacks(restore, SimpleNamespace(lr_scale=1.0), compute=None, identity=SimpleNamespace(peer_id="me"),
                    is_last=True, log=logging.getLogger(__name__))
     flagged = [ck.is_spike(loss) for loss in (6.0, 5.8, 5.6, 5.5, 7.3, 7.0, 6.9)]

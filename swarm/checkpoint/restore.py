@@ -172,6 +172,10 @@ class StageRestore:
                 f"after {waited:.0f} s; start the peers that hold its fragments (their SWARM_FRAGMENT_DIR)")
         return None
 
+    async def newest_checkpoint(self, max_epoch: Optional[int] = None) -> Optional[CheckpointView]:
+        """The stage's newest restorable checkpoint (at or before ``max_epoch``), or None."""
+        return newest_restorable((await self.keeper.views())[self.stage], max_epoch=max_epoch)
+
     async def restore_from(self, view: CheckpointView, *, set_epoch: bool) -> RestoreReport:
         """Fetch ``view``'s shard and load it into the stage's state (on the compute thread).
 

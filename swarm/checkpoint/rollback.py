@@ -26,7 +26,6 @@ from typing import Optional, Sequence
 
 from hivemind.utils import get_dht_time
 
-from swarm.checkpoint.catalog import newest_restorable
 from swarm.checkpoint.erasure import FragmentError
 from swarm.checkpoint.restore import StageRestore
 from swarm.checkpoint.shard import ShardError
@@ -118,7 +117,7 @@ class Rollbacks:
                  is_last: bool, log: logging.Logger | logging.LoggerAdapter):
         self.restore, self.holder, self.compute, self.identity = restore, holder, compute, identity
         self.directory, self.spec, self.stage = restore.directory, restore.spec, restore.stage
-        self.run_id, self.is_last, self.log = restore.keeper.run_id, is_last, log
+        self.run_id, self.is_last, self.log = restore.directory.run_id, is_last, log
         self.generation, self.order_sealed = 0, None
         self._issued = (0, 0.0)  # (generation, time.monotonic()) of the last rollback order this server issued
         self._order_scale, self.order_issuer, self.order_subkey = 1.0, "", ""
@@ -207,8 +206,7 @@ class Rollbacks:
 
     async def apply(self, order: RollbackOrder, sealed: bytes) -> None:
         """Restore the newest checkpoint at or before ``order.epoch`` and scale the learning rate."""
-        views = (await self.restore.keeper.views())[self.stage]
-        view = newest_restorable(views, max_epoch=order.epoch)
+        view = await self.restore.newest_checkpoint(max_epoch=order.epoch)
         self.log.warning("rollback #%d (%s): restoring %s, lr scale %.3g", order.generation, order.reason,
                          f"checkpoint epoch {view.manifest.epoch}" if view else "nothing (no checkpoint at or before "
                          "that epoch; lowering the learning rate only)", order.lr_scale)
