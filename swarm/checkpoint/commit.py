@@ -13,7 +13,7 @@ server of the stage records its state's digest at each captured epoch, so it can
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.restore import Lineage
@@ -52,16 +52,16 @@ class StageCommits:
         self.authority.record_state(self.stage, epoch, state_digest(shard.tensors))  # to endorse the writer
         return shard
 
-    async def commit(self, shard: StageShard, loss: Optional[float]) -> None:
-        """Commit ``shard`` to the swarm if this server is the stage's writer (``loss``: its training loss EMA, for
-        the manifest); a failure is logged, not raised."""
+    async def commit(self, shard: StageShard, loss: Callable[[], Optional[float]]) -> None:
+        """Commit ``shard`` to the swarm if this server is the stage's writer (``loss()``: its training loss EMA when
+        the manifest is written); a failure is logged, not raised."""
         try:
             if not await self._is_writer():
                 return
             parent = self.lineage.parent(await self.keeper.known_manifests(self.stage), shard.epoch)
             position = {t.share: t.position for t in await self.directory.trainers()}
             shard.meta["data_position"] = {str(k): v for k, v in sorted(position.items())}  # part of the state
-            manifest, _ = await write_checkpoint(self.keeper, shard, parent=parent, loss=loss, data_position=position)
+            manifest, _ = await write_checkpoint(self.keeper, shard, parent=parent, loss=loss(), data_position=position)
             self.lineage.current = (manifest.shard_sha256, manifest.epoch)
         except CheckpointError as e:
             self.log.warning("checkpoint of epoch %d not committed: %s", shard.epoch, e)

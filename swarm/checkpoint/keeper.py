@@ -130,27 +130,30 @@ class FragmentKeeper:
                         await self.repair(view)
 
     async def _publish_held(self) -> None:
-        for stage, epoch, sealed in await asyncio.to_thread(lambda: list(self.store.committed(self.run_id))):
-            try:
-                manifest, _ = open_record(sealed, CheckpointManifest, run_id=self.run_id)
-            except ProtocolError as e:
-                self.log.warning("a saved manifest of stage %d epoch %d does not verify (%s); ignoring it", stage,
-                                 epoch, e)
-                continue
+        for manifest, sealed in await asyncio.to_thread(self._held_manifests, True):
             await self.directory.publish_manifest(manifest, sealed)
         for stage in range(self.spec.model.num_stages):
             await asyncio.to_thread(self.store.collect, self.run_id, stage)
         await self.announce()
 
+    def _held_manifests(self, log: bool = False) -> list[tuple[CheckpointManifest, bytes]]:
+        """(blocking: the disk, signature checks) The manifests committed on this peer's disk that verify (``log``:
+        say which do not)."""
+        found = []
+        for stage, epoch, sealed in self.store.committed(self.run_id):
+            try:
+                found.append((open_record(sealed, CheckpointManifest, run_id=self.run_id)[0], sealed))
+            except ProtocolError as e:
+                if log:
+                    self.log.warning("a saved manifest of stage %d epoch %d does not verify (%s); ignoring it",
+                                     stage, epoch, e)
+        return found
+
     async def known_manifests(self, stage: int) -> list[CheckpointManifest]:
         """Manifests of ``stage`` in the DHT and on this peer's disk (the DHT may lag behind a commit)."""
         found = {m.shard_sha256: m for m, _ in await self.directory.manifests(stage)}
-        for k, _, sealed in await asyncio.to_thread(lambda: list(self.store.committed(self.run_id))):
-            if k == stage:
-                try:
-                    manifest, _ = open_record(sealed, CheckpointManifest, run_id=self.run_id)
-                except ProtocolError:
-                    continue
+        for manifest, _ in await asyncio.to_thread(self._held_manifests):
+            if manifest.stage == stage:
                 found.setdefault(manifest.shard_sha256, manifest)
         return list(found.values())
 

@@ -131,7 +131,7 @@ class FragmentService(ProtocolServicer):
             (:meth:`~swarm.net.directory.RunDirectory.entitled`), or it lists none of the held fragments' hashes.
         :raises OSError: the manifest could not be saved (a full disk).
         """
-        manifest, _ = open_record(sealed, CheckpointManifest, run_id=self.run_id)
+        manifest, _ = await asyncio.to_thread(open_record, sealed, CheckpointManifest, run_id=self.run_id)
         refusal = await self.authority.entitled(manifest) if self.authority is not None else None
         if refusal is not None:
             raise ProtocolError(f"the manifest of stage {manifest.stage} epoch {manifest.epoch} is refused: {refusal}")

@@ -120,6 +120,7 @@ class ServedStage:
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
+        self._restored = False  # an epoch that ends before the state is restored starts nothing
         optimizer.set_progress_roster(lambda: self._roster)
         ctx.authority.serve_stage(self.stage)  # endorse this stage's checkpoints by state only
 
@@ -160,6 +161,7 @@ class ServedStage:
         self.optimizer.announce_progress()
         expected = 1 + sum(s.peer_id != self.me for s in await self.directory.fresh_servers(self.stage))
         await asyncio.to_thread(self.optimizer.wait_until_counted, expected)
+        self._restored = True
 
     # ---- serving -----------------------------------------------------------------------------------------
     def duties(self, leave: asyncio.Event) -> list[asyncio.Task]:
@@ -212,7 +214,7 @@ class ServedStage:
         """Right after the stage's optimizer stepped: log the epoch's line, judge its loss, commit a checkpoint
         when one is due (in the background, from a copy of the state taken now)."""
         background = self.background
-        if background is None:  # the stage is being left: an epoch of work in flight starts no commit
+        if background is None or not self._restored:  # being left, or not restored yet: it starts nothing
             return
         self.history = add_history(self.history, (end.epoch, get_dht_time(), end.loss))
         self._log_epoch(end)
@@ -220,7 +222,7 @@ class ServedStage:
             background.submit(self.rollbacks.issue(end.epoch, end.loss))
         if self.commits.due(end.epoch):
             shard = self.commits.capture(end.epoch, self.rollbacks.meta())
-            background.submit(self.commits.commit(shard, self.server.loss_ema))
+            background.submit(self.commits.commit(shard, lambda: self.server.loss_ema))
 
     def _log_epoch(self, end: EpochEnd) -> None:
         """The epoch's fixed-key line (``contribution``: this server's samples of the stage's target batch; ``step_s``: the

@@ -9,9 +9,9 @@ forward (SWARM, sec. 3.2). The trainer keeps every stage input of a micro-batch 
 Servers on the run's ban list are never used.
 
 The pipeline owns its stage calls (:meth:`RemotePipeline.call`, each answered with a :class:`StageReply`) and
-tells a listener (:class:`PipelineListener`) about them: the trainer gives it its spot checks
-(:class:`~swarm.trust.spotcheck.SpotChecker`), which re-run a sample of the training calls on other servers of
-the stage through :meth:`RemotePipeline.call` and refuse the servers they convicted.
+tells a listener (:class:`PipelineListener`) about them: spot checks (:class:`~swarm.trust.spotcheck.SpotChecker`,
+the default; the trainer passes its own), which re-run a sample of the training calls on other servers of the
+stage through :meth:`RemotePipeline.call` and refuse the servers that verified evidence convicted.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from swarm.net.stage_rpc import MAX_WIRE_TENSORS, max_message_bytes, stage_stub
 from swarm.net.transport import gather, stream_out
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
 from swarm.trainer.routing import NoServerError, Router
+from swarm.trust.spotcheck import SpotChecker
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ class StageReply:
 
 class PipelineListener:
     """What listens to a pipeline's calls from outside and may refuse servers (the trainer's spot checks,
-    :class:`~swarm.trust.spotcheck.SpotChecker`). The default listens to nothing and refuses no server."""
+    :class:`~swarm.trust.spotcheck.SpotChecker`, a pipeline's default). This base listens to nothing and refuses
+    no server."""
 
     def refuses(self, server: ServerInfo) -> bool:
         """Never route to ``server``."""
@@ -91,8 +93,9 @@ class RemotePipeline:
     :param log: the trainer's log (its retries are logged there).
     :param max_attempts: tries per stage call before the micro-batch fails with :class:`PipelineError`.
     :param refresh_s: seconds between reads of a stage's server records from the DHT.
-    :param listener: told of every training call and every read of a stage's records (:class:`PipelineListener`;
-        the trainer passes its :class:`~swarm.trust.spotcheck.SpotChecker`).
+    :param listener: told of every training call and every read of a stage's records (:class:`PipelineListener`);
+        default: spot checks (:class:`~swarm.trust.spotcheck.SpotChecker`), which also keep the pipeline off the
+        servers that verified evidence convicted.
     """
 
     def __init__(self, spec: RunSpec, run_id: str, directory: AsyncRunDirectory, p2p: P2P, *, bans=None, log=None,
@@ -104,7 +107,7 @@ class RemotePipeline:
         self.router = Router(backoff_s=spec.timeouts.backoff_s, backoff_max_s=spec.timeouts.backoff_max_s)
         self.max_attempts, self.refresh_s = max_attempts, refresh_s
         self.num_stages = spec.model.num_stages
-        self.listener = listener if listener is not None else PipelineListener()
+        self.listener = listener if listener is not None else SpotChecker(spec, run_id, p2p, log=self.log)
         self._servers: dict[int, tuple[float, list[ServerInfo]]] = {}
         self._reading: dict[int, asyncio.Task] = {}  # stage -> its records' read in the background
         self.failures = 0
