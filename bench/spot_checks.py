@@ -89,7 +89,8 @@ async def until_convicted(spec, pipe, dataset, liar, max_batches: int, rng: rand
             await pipe.listener.drain()
     await pipe.listener.drain()
     return dict(convicted=liar.peer_id in pipe.listener.convicted, micro_batches=sent,
-                liar_calls=liar.answered - calls_before, honest_convicted=len(set(pipe.listener.convicted) - {liar.peer_id}),
+                liar_calls=liar.answered - calls_before,
+                honest_convicted=len(set(pipe.listener.convicted) - {liar.peer_id}),
                 counts=dict(pipe.listener.counts))
 
 

@@ -61,7 +61,8 @@ def run_swarm(spec_path: Path, spec: RunSpec, cache_dir: Path, samples: int, per
                                                           for s in directory.servers(k)), 180, f"{peer.name} online")
             share = samples // trainers
             start = time.monotonic()
-            procs = [swarm.start_peer("trainer", "--share", str(k), "--max-samples", str(share)) for k in range(trainers)]
+            procs = [swarm.start_peer("trainer", "--share", str(k), "--max-samples", str(share))
+                     for k in range(trainers)]
             wait(lambda: all(not p.alive() for p in procs), 3600, "trainers to finish")
             seconds = time.monotonic() - start
             servers = [s for g in directory.all_servers(stages).values() for s in g]

@@ -80,7 +80,8 @@ def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, tra
             logger.info("measuring the validation loss on %d held-out micro-batches", eval_batches)
 
             async def evaluate() -> float:
-                pipeline = RemotePipeline(spec, directory.run_id, AsyncRunDirectory(directory), await dht.replicate_p2p())
+                pipeline = RemotePipeline(spec, directory.run_id, AsyncRunDirectory(directory),
+                                          await dht.replicate_p2p())
                 return await validation_loss(pipeline, dataset, eval_batches)
 
             val_loss = asyncio.run(evaluate())

@@ -126,7 +126,8 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         epoch = max((s.epoch for s in group), default=0)
         stage_samples = sum(s.samples for s in group if s.state != ServerState.PAUSED)
         excluded_by_most = excluded_by_stage(group)
-        rows = [_server_row(s, k, online, excluded_by_most, stage_samples, epoch, banned, now, directory) for s in group]
+        rows = [_server_row(s, k, online, excluded_by_most, stage_samples, epoch, banned, now, directory)
+                for s in group]
         peers += rows
         stage_rates = [r for r in (_epoch_rate(s.history) for s in online) if r]
         rates.append(max(stage_rates) if stage_rates else None)

@@ -47,7 +47,8 @@ def stages_table(snap: dict[str, Any]) -> Table:
 
 
 def peers_table(snap: dict[str, Any]) -> Table:
-    table = Table("peer", "name", "version", "role", "stage", "state", "link", "samples/s", "MFU", "contribution", "seen",
+    table = Table("peer", "name", "version", "role", "stage", "state", "link", "samples/s", "MFU", "contribution",
+                  "seen",
                   "loss", "flagged/rejected", "banned/excluded", title="peers")
     for p in snap["peers"]:
         if p["banned"]:

@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 from swarm.config import PROTOCOL_VERSION, PeerSettings, RunSpec, SpecError  # noqa: E402
 from swarm.identity import Identity  # noqa: E402
 
-_LAZY = {"ServerSession": "swarm.server.session", "Trainer": "swarm.trainer.session", "TrainerOptions": "swarm.trainer.session"}
+_LAZY = {"ServerSession": "swarm.server.session", "Trainer": "swarm.trainer.session",
+         "TrainerOptions": "swarm.trainer.session"}
 
 
 def __getattr__(name: str):

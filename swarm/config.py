@@ -104,7 +104,8 @@ class DataSpec(_Section):
     text_field: str = Field("text", description="Column holding the text in jsonl/parquet/HF sources.")
     seq_len: int = Field(128, ge=8, description="Tokens per sample (the model sees seq_len inputs, predicts seq_len targets).")
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of documents held out for validation.")
-    num_shares: int = Field(16, ge=1, le=4096, description="Data shares trainers claim; at most this many trainers get disjoint data.")
+    num_shares: int = Field(16, ge=1, le=4096, description="Data shares trainers claim; at most this many trainers get "
+                            "disjoint data.")
     seed: int = Field(0, description="Seed of the sample order.")
     max_bytes: Optional[int] = Field(None, ge=1024, description="Use at most this many bytes of text (for quick tests).")
 

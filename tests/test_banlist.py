@@ -61,7 +61,8 @@ def test_an_older_list_never_replaces_a_newer_one(run):
     assert directory.dht.store(bans_key(directory.run_id), seal(stale, coordinator), get_dht_time() + 600,
                                subkey=stale.dht_subkey())
     assert _run(follower.refresh()).banned == {"peerx": "first"}
-    assert _run(RunBans(AsyncRunDirectory(directory)).refresh()).banned == {"peerx": "first"}, "a newcomer reads the newest list too"
+    newcomer = RunBans(AsyncRunDirectory(directory))
+    assert _run(newcomer.refresh()).banned == {"peerx": "first"}, "a newcomer reads the newest list too"
 
 
 def _run(coro):

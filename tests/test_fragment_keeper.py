@@ -322,7 +322,8 @@ def test_a_checkpoint_of_two_fresh_keys_is_ignored_by_every_reader(swarm_of_keep
 
     spec, nodes = swarm_of_keepers
     lone, mate_a, mate_b, _, _ = nodes
-    [(writer, stranger_dht)] = keyed_dhts(1, initial_peers=[str(m) for m in lone.directory.blocking.dht.get_visible_maddrs()])
+    maddrs = [str(m) for m in lone.directory.blocking.dht.get_visible_maddrs()]
+    [(writer, stranger_dht)] = keyed_dhts(1, initial_peers=maddrs)
     fragment = split_into_fragments(b"y" * 1000, 1, 1)[0]
 
     def manifest(by: Identity, endorser: Identity, basis: str) -> bytes:

@@ -104,7 +104,8 @@ class FragmentKeeper:
         return StorageInfo(run_id=self.run_id, peer_id=self.me, time=get_dht_time(),
                            p2p_id=str(self.p2p.peer_id) if self.p2p else "", free_bytes=self.store.free_bytes(),
                            stage=self.stage, held=held[-1024:],
-                           distrusted={p: r[:200] for p, r in sorted(self.distrusted.items())[:MAX_DISTRUSTED_PUBLISHED]})
+                           distrusted={p: r[:200]
+                                       for p, r in sorted(self.distrusted.items())[:MAX_DISTRUSTED_PUBLISHED]})
 
     @property
     def distrusted(self) -> dict[str, str]:
@@ -130,17 +131,19 @@ class FragmentKeeper:
                         await self.repair(view)
 
     async def _publish_held(self) -> None:
-        for manifest, sealed in await asyncio.to_thread(self._held_manifests, True):
+        for manifest, sealed in await asyncio.to_thread(self._held_manifests, None, True):
             await self.directory.publish_manifest(manifest, sealed)
         for stage in range(self.spec.model.num_stages):
             await asyncio.to_thread(self.store.collect, self.run_id, stage)
         await self.announce()
 
-    def _held_manifests(self, log: bool = False) -> list[tuple[CheckpointManifest, bytes]]:
-        """(blocking: the disk, signature checks) The manifests committed on this peer's disk that verify (``log``:
-        say which do not)."""
+    def _held_manifests(self, only_stage: Optional[int] = None, log: bool = False) -> list[tuple]:
+        """(blocking: the disk, signature checks) ``(manifest, sealed)`` of the checkpoints committed on this peer's
+        disk (of ``only_stage``, if given) whose manifests verify (``log``: say which do not)."""
         found = []
         for stage, epoch, sealed in self.store.committed(self.run_id):
+            if only_stage is not None and stage != only_stage:
+                continue
             try:
                 found.append((open_record(sealed, CheckpointManifest, run_id=self.run_id)[0], sealed))
             except ProtocolError as e:
@@ -152,9 +155,8 @@ class FragmentKeeper:
     async def known_manifests(self, stage: int) -> list[CheckpointManifest]:
         """Manifests of ``stage`` in the DHT and on this peer's disk (the DHT may lag behind a commit)."""
         found = {m.shard_sha256: m for m, _ in await self.directory.manifests(stage)}
-        for manifest, _ in await asyncio.to_thread(self._held_manifests):
-            if manifest.stage == stage:
-                found.setdefault(manifest.shard_sha256, manifest)
+        for manifest, _ in await asyncio.to_thread(self._held_manifests, stage):
+            found.setdefault(manifest.shard_sha256, manifest)
         return list(found.values())
 
     async def views(self) -> dict[int, list[CheckpointView]]:

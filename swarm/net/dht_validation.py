@@ -15,8 +15,8 @@ value a lookup brings back (``hivemind.dht.validation``, the mechanism of its ow
 
 Honest nodes refuse the junk, and a reader drops the answer of a node that serves it and keeps the others', so
 an outsider's store hides nothing (an answer is dropped whole if one of its sub-keys fails: honest nodes never
-hold such a value). Keys that are not the run's (hivemind's own progress and matchmaking keys) pass through: who may write
-progress is judged by its readers (:mod:`swarm.averaging.progress`).
+hold such a value). Keys that are not the run's (hivemind's own progress and matchmaking keys) pass through: who may
+write progress is judged by its readers (:mod:`swarm.averaging.progress`).
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ class ServerInfo(AnnouncedRecord):
         "this server verified (swarm.trust.convictions) -> reason; anyone can fetch the evidence (rpc_get_evidence).")
     donors_refused: dict[str, str] = Field(
         default_factory=dict, max_length=32, description="libp2p ids of stage-mates whose state this server "
-        "downloaded and refused (it did not verify, swarm.trust.statecheck) -> why: the stage's report of lying donors.")
+        "downloaded and refused (it did not verify, swarm.trust.statecheck) -> why: the stage's report of lying "
+        "donors.")
     progress_key: str = Field("", max_length=2048, pattern=r"^([0-9a-f]{2})*$", description="Hex of its sub-key "
                               "in the stage's hivemind progress records: the stage's servers count only the progress "
                               "of sub-keys their records name (swarm.averaging.progress).")

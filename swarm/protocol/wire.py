@@ -24,7 +24,8 @@ class ForwardRequest(Schema):
     mb_id: str = Field(min_length=1, max_length=128)
     mode: Literal["train", "eval", "check"] = Field(
         "train", description="'train' caches the graph (middle stages) or accumulates gradients (last stage); "
-        "'eval' returns outputs or the loss only; 'check' (a trainer's spot check, :mod:`swarm.trust.spotcheck`) returns "
+        "'eval' returns outputs or the loss only; 'check' (a trainer's spot check, :mod:`swarm.trust.spotcheck`) "
+        "returns "
         "what 'train' returns and keeps nothing.")
     codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 
@@ -40,7 +41,8 @@ class BackwardRequest(Schema):
     stage: int = Field(ge=0)
     mb_id: str = Field(min_length=1, max_length=128)
     with_inputs: bool = False
-    check: bool = Field(False, description="A spot check (:mod:`swarm.trust.spotcheck`): recompute from the inputs sent "
+    check: bool = Field(False, description="A spot check (:mod:`swarm.trust.spotcheck`): recompute from the inputs "
+                        "sent "
                         "along and return the input gradient without accumulating anything.")
     codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 

@@ -225,7 +225,8 @@ class ServedStage:
             background.submit(self.commits.commit(shard, lambda: self.server.loss_ema))
 
     def _log_epoch(self, end: EpochEnd) -> None:
-        """The epoch's fixed-key line (``contribution``: this server's samples of the stage's target batch; ``step_s``: the
+        """The epoch's fixed-key line (``contribution``: this server's samples of the stage's target batch; ``step_s``:
+        the
         seconds the epoch's transition held the compute thread, matchmaking, all-reduce and optimizer step;
         ``round_s``: the mean seconds of the all-reduces since the last line, ``-`` if none finished; ``gflops``: model
         GFLOP/s while computing, ``samples/s`` x the stage's FLOPs per sample; ``mfu``: that over the device's measured

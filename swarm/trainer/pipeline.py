@@ -141,7 +141,8 @@ class RemotePipeline:
     def _read_done(self, stage: int, task: asyncio.Task) -> None:
         self._reading.pop(stage, None)
         if not task.cancelled() and task.exception() is not None:
-            self.log.warning("reading stage %d's servers failed: %r; the next call reads again", stage, task.exception())
+            self.log.warning("reading stage %d's servers failed: %r; the next call reads again", stage,
+                             task.exception())
 
     async def call(self, server: ServerInfo, method: str, message, tensors: list[torch.Tensor],
                    timeout: float) -> StageReply:
@@ -258,7 +259,8 @@ class RemotePipeline:
         async def bwd(s: ServerInfo):
             resend = s.peer_id != forward_peer  # another server recomputes the forward from the inputs
             try:
-                return await self._send_backward(s, stage, mb_id, grad, inputs, with_inputs=resend, timeout=t.backward_s)
+                return await self._send_backward(s, stage, mb_id, grad, inputs, with_inputs=resend,
+                                                 timeout=t.backward_s)
             except Exception as e:
                 if NOT_CACHED not in str(e):
                     raise

@@ -9,7 +9,8 @@ wires signals and ``swarm-peer pause|resume|drain``); a test starts one in-proce
 It joins the run's DHT in client mode (works behind NAT), prepares the run's dataset, claims a data share (the
 lowest one no other live trainer announces), and resumes it at the position the newest checkpoint manifest
 recorded (:func:`resume_position`). It walks that share of each pass in a seeded order
-(:func:`swarm.data.share_order`), keeping micro-batches in flight through :class:`~swarm.trainer.pipeline.RemotePipeline`
+(:func:`swarm.data.share_order`), keeping micro-batches in flight through
+:class:`~swarm.trainer.pipeline.RemotePipeline`
 (``concurrency`` of them, plus enough to cover the round trips to its servers, :mod:`swarm.trainer.inflight`). Every
 ``record_ttl_s / 3`` seconds it publishes a signed :class:`~swarm.protocol.TrainerInfo` (with its position in
 the share's stream, which checkpoints record) and logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds
@@ -226,7 +227,8 @@ class Trainer:
 
     async def _tune_in_flight(self, workers: set[asyncio.Task], batches: Iterator[list[int]]) -> None:
         """Every :data:`~swarm.trainer.inflight.TUNE_EVERY_S` seconds, set the micro-batches in flight to
-        :class:`~swarm.trainer.inflight.InFlight`'s target: start workers, or let some retire after their micro-batch."""
+        :class:`~swarm.trainer.inflight.InFlight`'s target: start workers, or let some retire after their
+        micro-batch."""
         tuning = InFlight(self.options.concurrency, self.spec.model.num_stages)
         while not await sleep_or_stop(self._stop, TUNE_EVERY_S):
             servers = [s for k in range(self.spec.model.num_stages) for s in await self.pipeline.servers(k)]
@@ -296,7 +298,8 @@ class Trainer:
             if not self.running.is_set():
                 continue
             try:
-                self.val_loss, self.val_time = await validation_loss(self.pipeline, self.dataset, batches), get_dht_time()
+                self.val_loss = await validation_loss(self.pipeline, self.dataset, batches)
+                self.val_time = get_dht_time()
                 self.log.info("val_loss=%.4f", self.val_loss)
             except (PipelineError, ValueError) as e:
                 self.log.warning("validation loss not measured: %s", e)

@@ -92,7 +92,8 @@ class ConvictionBook:
         receipt, _ = open_record(evidence.answers[evidence.accused][0], StageReceipt, run_id=self.run_id)
         if accused in self._known:
             return receipt, False
-        reason = f"spot check: its stage {receipt.stage} {receipt.call} answer at epoch {receipt.epoch} is far from two " \
+        reason = f"spot check: its stage {receipt.stage} {receipt.call} answer at epoch {receipt.epoch} is far from " \
+                 f"two " \
                  f"agreeing servers' (verified evidence)"
         self._known[accused] = (reason, evidence, receipt)
         while len(self._known) > MAX_CONVICTIONS:

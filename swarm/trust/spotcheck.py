@@ -5,7 +5,8 @@ So a trainer samples a fraction ``spot_checks.rate`` of its calls — forwards o
 middle stages (stage 0's backward returns nothing to the trainer) — and, beside training (never on the
 micro-batch's critical path), sends the same request in *check* mode to a second server of the stage at the
 same epoch (``ForwardRequest.mode="check"``, ``BackwardRequest.check``: recomputed, nothing kept). Two answers
-whose relative L2 difference (:func:`~swarm.trust.evidence.relative_difference`) is within the stage's tolerance agree; otherwise a
+whose relative L2 difference (:func:`~swarm.trust.evidence.relative_difference`) is within the stage's tolerance
+agree; otherwise a
 third server breaks the tie: the one answer that is far from both others, while those two agree, convicts
 its server. Every answer is signed (:mod:`swarm.trust.receipts`), so the three receipts with the request and reply
 tensors are :class:`~swarm.trust.evidence.SpotEvidence` that anyone can check
@@ -30,7 +31,8 @@ Detection: a server lying on a fraction ``f`` of its calls is caught after about
 
 Not with outer steps (``[averaging] mode = "outer"``, :mod:`swarm.averaging.outer`): the servers of a stage then
 hold their own inner parameters between outer steps, so two honest servers' answers differ and prove nothing
-(:func:`~swarm.trust.evidence.answers_comparable`); trainers sample no checks and every peer refuses spot-check evidence.
+(:func:`~swarm.trust.evidence.answers_comparable`); trainers sample no checks and every peer refuses spot-check
+evidence.
 """
 
 from __future__ import annotations
