@@ -99,6 +99,7 @@ class HarnessResult:
     samples: int
     excluded_at: dict = field(default_factory=dict)  # peer index -> round most honest peers had excluded it
     honest_excluded: int = 0  # honest peers excluded by at least one honest peer
+    kappas: list = field(default_factory=list)  # per partition reduced with attackers in the group: the error's kappa
     bytes_per_round: float = 0.0  # encoded bytes one peer sends per round (parts + aggregates it returns)
     seconds: float = 0.0
 
@@ -169,13 +170,16 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
     opt = make_torch_optimizer(spec.optim, model.parameters())
     sched = make_scheduler(spec.optim, opt)
     params = list(model.parameters())
-    agg = make_aggregator(aggregator, pre=pre, byzantine_fraction=min(0.45, max(byzantine / peers, 0.3)))
+    avg = spec.averaging
+    agg = make_aggregator(aggregator, pre=pre, trim=avg.trim, tau_ratio=avg.clip_tau, iterations=avg.clip_iterations,
+                          byzantine_fraction=avg.byzantine_fraction, bucket_size=avg.bucket_size)
     policy = ReducePolicy(reject_norm_ratio=10.0 if checks else 1e30, outlier_ratio=3.0 if checks else 1e30)
     trainer_mode = attack in TRAINER_ATTACKS
-    attackers = {peers - 1 - i: make_attack(attack, n=peers, f=byzantine, seed=i) for i in range(byzantine)}
+    probe = _probe(agg, policy, byzantine)
+    attackers = {peers - 1 - i: make_attack(attack, n=peers, f=byzantine, seed=i, probe=probe)
+                 for i in range(byzantine)}
     book = Books([i for i in range(peers) if i not in attackers],
                  ExclusionPolicy(threshold=3.0 if checks else math.inf))
-    avg = spec.averaging
     compressors = [make_compressor(compression, rank=rank, fraction=avg.topk_fraction, chunk=avg.topk_chunk,
                                    bits=avg.topk_bits) for _ in range(peers)]
     outer = _OuterHarness(spec, model, peers) if avg.mode == "outer" else None
@@ -210,7 +214,7 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
             result.honest_excluded = len(set(contrib.exclusion.excluded()) - {str(i) for i in attackers})
         else:
             averaged, sent = _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed,
-                                         audit_probability if checks else 0.0)
+                                         audit_probability if checks else 0.0, result.kappas)
             bytes_sent += sent
             for peer in book.excluded():
                 result.excluded_at.setdefault(int(peer), r + 1)
@@ -231,6 +235,40 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
     result.val_loss = sum(evals) / len(evals)
     result.seconds = time.perf_counter() - start
     return result
+
+
+PROBE_VALUES = 32768
+"""A tuned attacker probes the rule on this many coordinates (a fixed random sample): a tenth of the bench model's,
+enough to rank the scales it tries, at a tenth of the cost."""
+
+
+def _probe(agg, policy: ReducePolicy, byzantine: int):
+    """What a rule-aware attacker runs to tune its lie (:data:`swarm.attacks.Probe`): the reducer's checks and rule
+    on the honest vectors plus ``byzantine`` copies of ``bad``, on :data:`PROBE_VALUES` sampled coordinates."""
+    sample: dict = {}
+
+    def probe(honest: torch.Tensor, bad: torch.Tensor) -> tuple[float, bool]:
+        numel = bad.numel()
+        if numel not in sample:
+            sample[numel] = torch.randperm(numel, generator=torch.Generator().manual_seed(0))[:PROBE_VALUES]
+        idx = sample[numel]
+        h, b = honest[:, idx], bad[idx]
+        parts = {f"h{i}": row for i, row in enumerate(h)} | {f"b{i}": b for i in range(byzantine)}
+        try:
+            red = reduce_partition(parts, dict.fromkeys(parts, 1.0), idx.numel(), agg, policy)
+        except NoValidParts:
+            return 0.0, True
+        caught = any(not v.accepted or v.flagged for s, v in red.verdicts.items() if s.startswith("b"))
+        return float((red.aggregate - h.mean(0)).norm()), caught
+    return probe
+
+
+def kappa_seen(aggregate: torch.Tensor, honest: torch.Tensor) -> Optional[float]:
+    """The kappa of Allouah et al. 2023 that this one aggregation needed: ``|aggregate - mean_H|^2`` over the honest
+    parts' mean squared distance to their mean (``honest`` float32 ``(h, numel)``); None when they all agree."""
+    mean = honest.double().mean(0)
+    var = float((honest.double() - mean).pow(2).sum(1).mean())
+    return float((aggregate.double() - mean).pow(2).sum()) / var if var > 0 else None
 
 
 def _peer_gradient(model, dataset, spec, micro_batches: int, gen, attacker) -> list[torch.Tensor]:
@@ -284,14 +322,21 @@ class _OuterHarness:
         self.epoch += 1
 
 
-def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed, audit_probability):
-    """One averaging round among ``active`` peers; returns (averaged tensors, encoded bytes peer 0 sent)."""
+def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed, audit_probability, kappas):
+    """One averaging round among ``active`` peers; returns (averaged tensors, encoded bytes peer 0 sent). Appends
+    to ``kappas`` the :func:`kappa_seen` of every partition reduced with an attacker in the group."""
     honest = [i for i in active if i not in attackers]
     honest_flat = torch.stack([flatten(grads[i]) for i in honest])
+    numel = honest_flat.shape[1]
+    mine = torch.zeros(numel, dtype=torch.bool)  # the coordinates the attackers reduce (exact for elementwise codecs)
+    block = getattr(getattr(compressors[active[0]], "codec", None), "block", 1)
+    for j, (a, b) in zip(active, partition_bounds(numel, [1.0] * len(active), block)):
+        mine[a:b] = j in attackers
     inputs = {}
     for i in active:
         tensors = grads[i]
         if i in attackers:
+            attackers[i].focus(mine)
             tensors = unflatten(attackers[i].corrupt_part(flatten(tensors), r, honest=honest_flat), tensors)
         inputs[i] = tensors
     gens = {i: compressors[i].phases(inputs[i], seed * 100003 + r) for i in active}
@@ -314,7 +359,8 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
                 encoded = codec.encode(phases[i].vector[a:b])
                 parts[str(i)] = codec.decode(encoded, b - a)
                 sent[i][a:b] = parts[str(i)]
-                weights[str(i)] = 1.0
+                claim = attackers[i].claim if i in attackers else None
+                weights[str(i)] = 1.0 if claim is None else claim
                 if i == active[0] and j != i:
                     sent_bytes += sum(t.numel() * t.element_size() for t in encoded)
             try:
@@ -322,6 +368,8 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
                 out = red.aggregate
                 for sender, v in red.verdicts.items():  # reducer j scores the senders of its partition only
                     verdicts.setdefault(j, {}).setdefault(sender, []).append(v)
+                if len(honest) < len(active) and len(honest) > 1:
+                    kappas.append(kappa_seen(out, torch.stack([parts[str(i)] for i in honest])))
             except NoValidParts:
                 out = torch.zeros(b - a)
             honest_out = out

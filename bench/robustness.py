@@ -15,12 +15,21 @@ reducer's checks and exclusions, every honest peer with its own exclusion book. 
 attackers among 7 servers of a stage; trainer attacks (``label_flip``, ``grad_flip``) among 7 trainers of a
 server.
 
+The attacks include the adaptive ones of ``swarm.attacks.adaptive`` (tuned against the configured rule and checks,
+sleepers, drift under the exclusion threshold, inflated sample claims, lies only where the attackers reduce, exact
+zeros).
+
 Prints one JSON line per configuration on stderr and, last on stdout, ``{"byzantine_fraction", "results":
 [{"attack", "aggregator", "val_loss", "clean_val_loss", "honest_val_loss", "ratio_to_clean",
-"rounds_to_exclusion", "honest_excluded"}], "within_5pct": {aggregator: bool}}``; ``rounds_to_exclusion`` is the
-round by which most honest peers had excluded the last attacker (null: never), ``honest_excluded`` the honest
-peers excluded by at least one honest peer, ``within_5pct`` whether every attack ended within 5% of the clean
-loss with no honest peer excluded. ``--mode outer`` runs every configuration with outer steps (DiLoCo: the
+"rounds_to_exclusion", "attackers_excluded", "honest_excluded", "kappa_median", "kappa_max", "kappa_bound"}],
+"within_5pct": {aggregator: bool}, "within_10pct": {aggregator: bool}}``; ``rounds_to_exclusion`` is the round by
+which most honest peers had excluded the last attacker (null: never), ``attackers_excluded`` how many attackers
+most honest peers excluded, ``honest_excluded`` the honest peers excluded by at least one honest peer,
+``kappa_*`` the error of each partition reduced with attackers in the group as the kappa of (f, kappa)-robustness
+(Allouah et al. 2023: squared distance of the aggregate to the honest parts' mean over their mean squared
+distance to it) next to the rule's proven bound at f of 7 (``swarm.averaging.aggregation.kappa_bound``; null:
+none proven), ``within_5pct`` whether every attack ended within 5% of the clean loss with no honest peer
+excluded, ``within_10pct`` within 10%. ``--mode outer`` runs every configuration with outer steps (DiLoCo: the
 attackers corrupt their pseudo-gradients, ``rounds`` counts inner steps) and ``--compression`` with that
 compressor (``topk``: the shared top-k); the clean runs use the same mode and compressor.
 """
@@ -40,6 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from harness import bench_spec, outer_spec, train  # noqa: E402
 
 from swarm.attacks import ATTACKS  # noqa: E402
+from swarm.averaging.aggregation import kappa_bound  # noqa: E402
 
 PEERS = 7
 
@@ -48,6 +58,20 @@ def _run(spec, args, aggregator: str, **kw):
     pre, _, rule = aggregator.rpartition("+")
     return train(spec, args.cache_dir, peers=kw.pop("peers", PEERS), aggregator=rule, pre=pre or "none",
                  rounds=args.rounds, checks=rule != "mean", compression=args.compression, **kw)
+
+
+def _row(r, attack: str, aggregator: str, clean, honest, f: int) -> dict:
+    excluded = [r.excluded_at.get(i) for i in range(PEERS - f, PEERS)]
+    kappas = sorted(k for k in r.kappas if k is not None)
+    bound = kappa_bound(aggregator, PEERS, f)
+    return {"attack": attack, "aggregator": aggregator, "val_loss": round(r.val_loss, 4),
+            "clean_val_loss": round(clean.val_loss, 4), "honest_val_loss": round(honest.val_loss, 4),
+            "ratio_to_clean": round(r.val_loss / clean.val_loss, 4),
+            "rounds_to_exclusion": max(excluded) if all(b is not None for b in excluded) else None,
+            "attackers_excluded": sum(b is not None for b in excluded), "honest_excluded": r.honest_excluded,
+            "kappa_median": round(kappas[len(kappas) // 2], 4) if kappas else None,
+            "kappa_max": round(kappas[-1], 4) if kappas else None,
+            "kappa_bound": None if bound is None else round(bound, 2)}
 
 
 def main() -> None:
@@ -64,27 +88,23 @@ def main() -> None:
     spec, f = bench_spec(), args.byzantine
     if args.mode == "outer":
         spec = outer_spec(spec, args.inner_steps)
-    results, within = [], {}
+    results, within, within10 = [], {}, {}
     for aggregator in args.aggregators.split(","):
         clean = _run(spec, args, aggregator)
         honest = _run(spec, args, aggregator, peers=PEERS - f)
         print(json.dumps({"aggregator": aggregator, "attack": None, "val_loss": round(clean.val_loss, 4),
                           "honest_val_loss": round(honest.val_loss, 4)}), file=sys.stderr, flush=True)
-        within[aggregator] = True
+        within[aggregator] = within10[aggregator] = True
         for attack in args.attacks.split(","):
             r = _run(spec, args, aggregator, byzantine=f, attack=attack)
-            excluded = [r.excluded_at.get(i) for i in range(PEERS - f, PEERS)]
-            row = {"attack": attack, "aggregator": aggregator, "val_loss": round(r.val_loss, 4),
-                   "clean_val_loss": round(clean.val_loss, 4), "honest_val_loss": round(honest.val_loss, 4),
-                   "ratio_to_clean": round(r.val_loss / clean.val_loss, 4),
-                   "rounds_to_exclusion": max(excluded) if all(b is not None for b in excluded) else None,
-                   "honest_excluded": r.honest_excluded}
+            row = _row(r, attack, aggregator, clean, honest, f)
             within[aggregator] &= row["ratio_to_clean"] <= 1.05 and r.honest_excluded == 0
+            within10[aggregator] &= row["ratio_to_clean"] <= 1.10
             print(json.dumps(row | {"seconds": round(r.seconds, 1)}), file=sys.stderr, flush=True)
             results.append(row)
     print(json.dumps({"byzantine_fraction": round(f / PEERS, 3), "mode": args.mode, "compression": args.compression,
                       "inner_steps": args.inner_steps if args.mode == "outer" else 1, "results": results,
-                      "within_5pct": within}))
+                      "within_5pct": within, "within_10pct": within10}))
 
 
 if __name__ == "__main__":

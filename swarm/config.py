@@ -199,12 +199,14 @@ class AveragingSpec(_Section):
         "sends more; raise it if the loss lags an uncompressed run.",
     )
     aggregator: Literal["mean", "median", "trimmed_mean", "centered_clip"] = Field(
-        "mean", description="How a reducer combines its partition's parts. 'centered_clip' resists a Byzantine "
-        "minority at almost the mean's accuracy; 'mean' trusts every peer.",
+        "centered_clip", description="How a reducer combines its partition's parts. 'centered_clip' (the default) "
+        "keeps a Byzantine minority's pull within the honest parts' spread at almost the mean's "
+        "accuracy; 'median' and 'trimmed_mean' have proven bounds (docs/averaging.md) and cost more accuracy; "
+        "'mean' trusts every peer: use it only among peers you run yourself.",
     )
     trim: float = Field(
-        0.3, ge=0, lt=0.5, description="trimmed_mean: fraction dropped at each end per coordinate; must be at least "
-        "the fraction of Byzantine peers to resist them.",
+        0.3, ge=0, lt=0.5, description="trimmed_mean: fraction dropped at each end per coordinate, rounded up "
+        "(at most a minority): must be at least the fraction of Byzantine peers to resist them.",
     )
     clip_tau: float = Field(
         1.0, gt=0, description="centered_clip: clipping radius as a multiple of the median distance of the parts "
@@ -213,14 +215,16 @@ class AveragingSpec(_Section):
     clip_iterations: int = Field(20, ge=1, le=1000, description="centered_clip: iteration cap.")
     pre_aggregation: Literal["none", "nnm", "bucketing"] = Field(
         "none", description="Mixes the parts before the aggregator runs, against attackers exploiting the honest "
-        "parts' differences (non-IID data) or sending duplicates: 'nnm' replaces each part by the mean of its "
-        "nearest (1 - byzantine_fraction) share of parts (Allouah et al. 2023); 'bucketing' averages random "
-        "buckets of bucket_size parts (Karimireddy et al. 2022). Use with a robust aggregator; 'nnm' costs "
-        "n^2 distances per partition.",
+        "parts' differences (non-IID data, ALIE) or sending duplicates: 'nnm' replaces each part by "
+        "the mean of its nearest n - f parts, f from byzantine_fraction (Allouah et al. 2023); 'bucketing' averages "
+        "random buckets of bucket_size parts (Karimireddy et al. 2022; needs f x bucket_size < n / 2). 'nnm' costs "
+        "n^2 distances per partition. Measured in docs/averaging.md: 'none' with centered_clip holds the bench's "
+        "attacks best.",
     )
     byzantine_fraction: float = Field(
-        0.3, ge=0, lt=0.5, description="nnm: the fraction of a group's servers assumed Byzantine (f = floor of it "
-        "times the group size); raise it towards 0.45 for more attackers, at some accuracy cost.",
+        0.3, ge=0, lt=0.5, description="nnm: the fraction of a group's servers assumed Byzantine: f = this times "
+        "the group size rounded up, at most a minority (groups of 3 assume 1, of 7 assume 3). Lower it towards 0.1 "
+        "if every peer is known, for a little accuracy.",
     )
     bucket_size: int = Field(2, ge=1, le=16, description="bucketing: parts averaged per bucket.")
     reject_norm_ratio: float = Field(
@@ -231,7 +235,8 @@ class AveragingSpec(_Section):
         "repeated flags exclude the sender from averaging. Raise it if honest peers get flagged in the log.",
     )
     max_weight_ratio: float = Field(
-        4.0, ge=1, description="A sender's reported samples count at most this multiple of the median's.",
+        4.0, ge=1, description="aggregator = 'mean': a sender's reported samples count at most this multiple of the "
+        "median's. Robust rules give every part one vote: reported samples are claims nobody checked.",
     )
     exclusion_threshold: float = Field(
         3.0, gt=0, description="Score at which a server excludes a peer from its averaging groups (+1 per rejected "

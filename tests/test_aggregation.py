@@ -1,8 +1,10 @@
+import math
+
 import pytest
 import torch
 
-from swarm.averaging.aggregation import (CenteredClipAggregator, MeanAggregator, bound_weights, coordinate_median,
-                                         make_aggregator)
+from swarm.averaging.aggregation import (CenteredClipAggregator, MeanAggregator, NonFiniteAggregate, assumed_byzantine,
+                                         bound_weights, coordinate_median, kappa_bound, make_aggregator)
 from swarm.attacks import make_attack
 
 ROBUST = ["median", "trimmed_mean", "centered_clip"]
@@ -93,15 +95,62 @@ def test_nnm_mixes_each_part_with_its_nearest_and_f_zero_is_the_rule_alone():
         make_aggregator("mean", pre="krum")
 
 
-def test_centered_clip_still_clips_when_duplicates_sit_on_the_median():
-    # mimic: three attackers copy one honest part, so four of seven parts are the coordinate median and their
-    # distance to it is 0; the radius then comes from the other parts instead of being 0 (the copied part alone)
+def test_centered_clip_returns_the_median_when_most_parts_coincide():
+    # half or more of the parts on the coordinate median: the radius would otherwise come from the parts that differ,
+    # which may all be the attackers' (these aggregated to 1.43e14 and 428.6 before)
+    zeros = torch.zeros(7, 100)
+    cc = make_aggregator("centered_clip")
+    assert torch.equal(cc.aggregate(torch.cat([zeros, torch.full((1, 100), 1e15)]), torch.ones(8)), torch.zeros(100))
+    assert torch.equal(cc.aggregate(torch.cat([zeros[:4], torch.full((3, 100), 1e3)]), torch.ones(7)), torch.zeros(100))
+    # mimic: three attackers copy one honest part; four of seven then agree and that honest part is the answer
     _, honest = _honest(n=4)
-    copied = honest[0]
-    parts = torch.cat([honest, copied.repeat(3, 1)])
-    out = make_aggregator("centered_clip").aggregate(parts, torch.ones(7))
-    assert not torch.equal(out, copied)
-    assert (out - honest.mean(0)).norm() < (copied - honest.mean(0)).norm()
+    out = cc.aggregate(torch.cat([honest, honest[0].repeat(3, 1)]), torch.ones(7))
+    assert torch.equal(out, honest[0])
+
+
+@pytest.mark.parametrize("k", [10.0, 100.0, 1000.0])
+def test_nnm_with_centered_clip_holds_when_the_mixed_honest_parts_coincide(k):
+    # integer-valued honest parts that agree: after mixing the four honest rows are equal (the median), and the
+    # attackers' rows, however far, do not move the aggregate (the error grew with k before)
+    honest = torch.randint(-3, 4, (1, 500), generator=torch.Generator().manual_seed(1)).float().repeat(4, 1)
+    parts = torch.cat([honest, -k * honest[:3]])
+    out = make_aggregator("centered_clip", pre="nnm", byzantine_fraction=0.3).aggregate(parts, torch.ones(7))
+    assert torch.equal(out, honest[0])
+
+
+def test_parts_of_weight_zero_carry_no_vote_in_any_rule():
+    _, honest = _honest(n=3)
+    attackers = torch.full((4, honest.shape[1]), 50.0)
+    parts, w = torch.cat([honest, attackers]), torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    for name in ("mean", "median", "trimmed_mean", "centered_clip"):
+        for pre in ("none", "nnm", "bucketing"):
+            agg = make_aggregator(name, pre=pre)
+            assert torch.equal(agg.aggregate(parts, w), agg.aggregate(honest, torch.ones(3))), (name, pre)
+
+
+def test_an_aggregate_that_overflows_float32_is_refused_with_its_cause():
+    signs = torch.randint(0, 2, (7, 64), generator=torch.Generator().manual_seed(0)).float() * 2 - 1
+    parts = 3e38 * signs  # finite, but any difference of two of them is not
+    with pytest.raises(NonFiniteAggregate, match="overflow float32"):
+        make_aggregator("centered_clip").aggregate(parts, torch.ones(7))
+    assert torch.isfinite(make_aggregator("mean").aggregate(parts, torch.ones(7))).all()  # normalized weights first
+
+
+def test_small_groups_assume_an_attacker():
+    assert [assumed_byzantine(n, 0.3) for n in (1, 2, 3, 4, 5, 7, 10, 20)] == [0, 0, 1, 1, 2, 3, 3, 6]
+    assert [assumed_byzantine(n, 0.1) for n in (3, 7, 11)] == [1, 1, 2]
+    parts = torch.tensor([[0.0], [1.0], [90.0]])
+    assert make_aggregator("trimmed_mean").aggregate(parts, torch.ones(3)).item() == 1.0  # one trimmed each end
+    nnm = make_aggregator("mean", pre="nnm")  # each part mixed with its nearest other: (0,1), (1,0), (90,1)
+    assert nnm.aggregate(parts, torch.ones(3)).item() == pytest.approx((0.5 + 0.5 + 45.5) / 3)
+
+
+def test_kappa_bounds_follow_the_published_table():
+    assert kappa_bound("trimmed_mean", 7, 2) == pytest.approx(6 * 2 / 3 * (1 + 2 / 3))
+    assert kappa_bound("median", 7, 3) == pytest.approx(4 * (1 + 3) ** 2)
+    assert kappa_bound("nnm+median", 7, 2) == pytest.approx(8 * 2 / 5 * (4 * (5 / 3) ** 2 + 1))
+    assert kappa_bound("mean", 7, 1) == math.inf and kappa_bound("mean", 7, 0) == 0.0
+    assert kappa_bound("centered_clip", 7, 2) is None and kappa_bound("median", 6, 3) == math.inf
 
 
 @pytest.mark.parametrize("pre", ["none", "nnm"])  # bucketing (s = 2) needs f * s < n / 2: at 3 of 7 it fails

@@ -1,73 +1,115 @@
 """How a reducer combines the parts of its partition, behind one small interface.
 
 Every rule takes ``parts`` float32 ``(n, numel)`` (one row per sender, already decoded and checked finite)
-and ``weights`` float32 ``(n,)`` (samples behind each part, already bounded by the reducer, see
-:func:`bound_weights`) and returns float32 ``(numel,)``.
+and ``weights`` float32 ``(n,)`` and returns float32 ``(numel,)``. A part of weight 0 carries no vote in any
+rule (it is dropped before the rule runs). The robust rules (``robust = True``) use the weights only as a
+vote: the reducer hands them 1 per part, because a sender's sample count is its own claim
+(:func:`swarm.averaging.reducer.reduce_partition`); :class:`~swarm.averaging.contributions.TrainerContributions`
+hands them the samples the server itself received from each trainer. An aggregate that overflows float32 is
+refused (:class:`NonFiniteAggregate`), never returned.
 
 * :class:`MeanAggregator` — the sample-weighted mean; exact, not robust (one part can move it anywhere).
 * :class:`MedianAggregator` — coordinate-wise median (Yin et al., "Byzantine-Robust Distributed Learning",
-  ICML 2018); unweighted.
-* :class:`TrimmedMeanAggregator` — coordinate-wise mean after dropping the ``floor(trim * n)`` largest and
-  smallest values (Yin et al. 2018); unweighted.
+  ICML 2018).
+* :class:`TrimmedMeanAggregator` — coordinate-wise mean after dropping the ``f`` largest and smallest values,
+  ``f = assumed_byzantine(n, trim)`` (Yin et al. 2018).
 * :class:`CenteredClipAggregator` — CenteredClip (Karimireddy, He, Jaggi, "Learning from History for
   Byzantine Robust Optimization", ICML 2021, eq. 2) as used by BTARD (Gorbunov et al., ICML 2022, Alg. 2):
   start from the coordinate-wise median and iterate ``v += sum_i w_i (x_i - v) min(1, tau / |x_i - v|) /
   sum_i w_i`` at most ``iterations`` times or until the update is below ``1e-6 |v|``. Here ``tau`` is
   ``tau_ratio`` times the median distance of the parts to the starting point, so one setting fits every layer
   and scale; this is our choice, BTARD tunes an absolute tau per model. When half or more of the parts sit
-  exactly on the median (duplicated parts), the median distance is 0 and the median of the non-zero
-  distances is used instead, so the parts that differ are still clipped (:func:`spread`).
+  exactly on the median (an honest majority that agrees exactly, all-zero partitions, copies), that distance
+  is 0 and the median itself is returned: any other radius would be chosen by the parts that differ, which
+  may all be the attackers'.
 
 Pre-aggregation (a wrapper around any rule, :func:`make_aggregator` ``pre=``) against attacks that exploit
 heterogeneity between honest parts (ALIE, mimic) or duplicate an attacker's vector:
 
 * :class:`NearestNeighborMixing` — NNM (Allouah et al., "Fixing by Mixing: A Recipe for Optimal Byzantine ML
   under Heterogeneity", AISTATS 2023, Alg. 1): each part is replaced by the mean of its ``n - f`` nearest
-  parts (itself included) before the rule runs; deterministic.
+  parts (itself included) before the rule runs, ``f = assumed_byzantine(n, byzantine_fraction)``; deterministic.
 * :class:`Bucketing` — Karimireddy, He, Jaggi, "Byzantine-Robust Learning on Heterogeneous Datasets via
   Bucketing", ICLR 2022, Alg. 1: the parts are shuffled into buckets of ``s``, each bucket averaged, and the
   rule runs on the bucket means. The shuffle is seeded by the parts' contents, so an auditor recomputing the
   partition (:mod:`swarm.averaging.auditor`) gets the same buckets.
+
+What each rule guarantees, as the (f, kappa)-robustness of Allouah et al. 2023 (Definition 2: for every set S of
+``n - f`` honest parts, ``|F(x) - mean_S|^2 <= kappa / |S| * sum_{i in S} |x_i - mean_S|^2``), is
+:func:`kappa_bound`; ``bench/robustness.py`` measures the error it sees against it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from abc import ABC, abstractmethod
+from typing import Optional
 
 import torch
 
 
-def _check(parts: torch.Tensor, weights: torch.Tensor) -> None:
+class NonFiniteAggregate(ValueError):
+    """The rule's result overflowed float32 (parts near 3.4e38 sum or subtract to Inf): refused, not returned."""
+
+
+def assumed_byzantine(n: int, fraction: float) -> int:
+    """The number of Byzantine parts a rule assumes among ``n``: ``ceil(fraction * n)``, at most ``(n - 1) // 2``
+    (a minority). Rounding up keeps small groups protected: with ``fraction = 0.3`` a group of 3 assumes 1, of 7
+    assumes 3 (``floor`` would assume none in groups of 3 and turn NNM and the trimmed mean into the mean)."""
+    if n < 1:
+        return 0
+    return max(0, min(math.ceil(fraction * n - 1e-9), (n - 1) // 2))
+
+
+def _voters(parts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``parts`` and ``weights`` that carry a vote (weight > 0), after checking the shapes."""
     if parts.dim() != 2 or weights.shape != parts.shape[:1]:
         raise ValueError(f"parts must be (n, numel) and weights (n,), got {tuple(parts.shape)}, {tuple(weights.shape)}")
     if parts.shape[0] == 0:
         raise ValueError("no parts to aggregate")
     if not weights.sum() > 0:
         raise ValueError("weights must sum to a positive number of samples")
+    voting = weights > 0
+    return (parts, weights) if bool(voting.all()) else (parts[voting], weights[voting])
 
 
 class Aggregator(ABC):
     """Combines ``n`` peers' parts of one partition into one."""
 
     name: str
+    robust: bool = True
+    """Whether a minority of parts has a bounded effect; a robust rule takes weights as votes, not as samples."""
 
-    @abstractmethod
     def aggregate(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``parts`` float32 ``(n, numel)``, ``weights`` float32 ``(n,)`` -> float32 ``(numel,)``.
+        """``parts`` float32 ``(n, numel)``, ``weights`` float32 ``(n,)`` -> float32 ``(numel,)``. Parts of weight
+        0 are left out.
 
         :raises ValueError: shapes disagree, no parts, or weights do not sum to a positive number.
+        :raises NonFiniteAggregate: the result is not finite (the parts overflow float32 arithmetic).
         """
+        parts, weights = _voters(parts, weights)
+        out = self._combine(parts, weights)
+        if not bool(torch.isfinite(out).all()):
+            raise NonFiniteAggregate(
+                f"{self.name} of {parts.shape[0]} parts is not finite: the parts (largest |value| "
+                f"{float(parts.abs().max()):.3g}) overflow float32 arithmetic; such parts are refused")
+        return out
+
+    @abstractmethod
+    def _combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The rule on checked parts, every weight positive."""
 
 
 class MeanAggregator(Aggregator):
-    """Sample-weighted mean: ``sum_i w_i x_i / sum_i w_i``."""
+    """Sample-weighted mean: ``sum_i w_i x_i / sum_i w_i`` (weights normalized first, so finite parts never
+    overflow)."""
 
     name = "mean"
+    robust = False
 
-    def aggregate(self, parts, weights):
-        _check(parts, weights)
-        return (weights[:, None] * parts).sum(0) / weights.sum()
+    def _combine(self, parts, weights):
+        return (weights / weights.sum()) @ parts
 
 
 def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
@@ -76,19 +118,18 @@ def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
     ordered = parts.sort(dim=0).values
     if n % 2:
         return ordered[n // 2].clone()
-    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return ordered[n // 2 - 1] / 2 + ordered[n // 2] / 2
 
 
 class MedianAggregator(Aggregator):
     name = "median"
 
-    def aggregate(self, parts, weights):
-        _check(parts, weights)
+    def _combine(self, parts, weights):
         return coordinate_median(parts)
 
 
 class TrimmedMeanAggregator(Aggregator):
-    """Drops ``floor(trim * n)`` values at each end of every coordinate, averages the rest."""
+    """Drops ``assumed_byzantine(n, trim)`` values at each end of every coordinate, averages the rest."""
 
     name = "trimmed_mean"
 
@@ -97,10 +138,9 @@ class TrimmedMeanAggregator(Aggregator):
             raise ValueError("trim must be in [0, 0.5)")
         self.trim = trim
 
-    def aggregate(self, parts, weights):
-        _check(parts, weights)
+    def _combine(self, parts, weights):
         n = parts.shape[0]
-        b = min(int(self.trim * n), (n - 1) // 2)
+        b = assumed_byzantine(n, self.trim)
         ordered = parts.sort(dim=0).values
         return ordered[b:n - b].mean(0)
 
@@ -113,13 +153,12 @@ class CenteredClipAggregator(Aggregator):
             raise ValueError("tau_ratio must be > 0 and iterations >= 1")
         self.tau_ratio, self.iterations = tau_ratio, iterations
 
-    def aggregate(self, parts, weights):
-        _check(parts, weights)
+    def _combine(self, parts, weights):
         w = weights / weights.sum()
         v = coordinate_median(parts)
         tau = self.tau_ratio * spread((parts - v).norm(dim=1))
         if not tau > 0:
-            return v  # every part is the median: nothing to clip
+            return v  # half or more of the parts are the median: nothing the rest says can be told from an attack
         for _ in range(self.iterations):
             diff = parts - v
             dist = diff.norm(dim=1)
@@ -132,28 +171,24 @@ class CenteredClipAggregator(Aggregator):
 
 
 def spread(distances: torch.Tensor) -> torch.Tensor:
-    """The typical distance of parts to a centre, float32 ``()``: the median of ``distances`` ``(n,)``, or, when
-    half or more are exactly 0 (duplicated parts on the centre), the median of the non-zero ones (0 if none)."""
-    med = distances.median()
-    if med > 0:
-        return med
-    positive = distances[distances > 0]
-    return positive.median() if positive.numel() else med
+    """The typical distance of parts to a centre: the median of ``distances`` ``(n,)``, float ``()``. It is 0 when
+    half or more of the parts sit exactly on the centre; callers then clip or flag nothing (a radius taken from
+    the other parts would be the attackers' to choose when the parts on the centre are the honest ones)."""
+    return distances.median()
 
 
 class NearestNeighborMixing(Aggregator):
-    """NNM pre-aggregation around ``base`` (module docstring): ``f = floor(byzantine_fraction * n)``."""
+    """NNM pre-aggregation around ``base`` (module docstring): ``f = assumed_byzantine(n, byzantine_fraction)``."""
 
     def __init__(self, base: Aggregator, byzantine_fraction: float):
         if not 0 <= byzantine_fraction < 0.5:
             raise ValueError("byzantine_fraction must be in [0, 0.5)")
         self.base, self.byzantine_fraction = base, byzantine_fraction
-        self.name = f"nnm+{base.name}"
+        self.name, self.robust = f"nnm+{base.name}", base.robust
 
-    def aggregate(self, parts, weights):
-        _check(parts, weights)
+    def _combine(self, parts, weights):
         n = parts.shape[0]
-        keep = n - min(int(self.byzantine_fraction * n), (n - 1) // 2)
+        keep = n - assumed_byzantine(n, self.byzantine_fraction)
         if keep >= n:
             return self.base.aggregate(parts, weights)
         dist = torch.cdist(parts[None].double(), parts[None].double())[0]
@@ -164,24 +199,22 @@ class NearestNeighborMixing(Aggregator):
 
 class Bucketing(Aggregator):
     """Bucketing pre-aggregation around ``base`` (module docstring): buckets of ``bucket_size`` parts; a bucket's
-    weight is the sum of its parts' weights."""
+    weight is the sum of its parts' weights (only parts with a vote are bucketed)."""
 
     def __init__(self, base: Aggregator, bucket_size: int = 2):
         if bucket_size < 1:
             raise ValueError("bucket_size must be >= 1")
         self.base, self.bucket_size = base, bucket_size
-        self.name = f"bucketing+{base.name}"
+        self.name, self.robust = f"bucketing+{base.name}", base.robust
 
-    def aggregate(self, parts, weights):
-        _check(parts, weights)
+    def _combine(self, parts, weights):
         rows = [hashlib.sha256(row.numpy().tobytes()).digest() + w.numpy().tobytes()
                 for row, w in zip(parts, weights)]
         canonical = sorted(range(len(rows)), key=rows.__getitem__)  # the same order whatever the senders' order
         seed = int.from_bytes(hashlib.sha256(b"".join(sorted(rows))).digest()[:8], "big")
         shuffled = torch.tensor(canonical)[torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))]
         buckets = shuffled.split(self.bucket_size)
-        means = torch.stack([(weights[b, None] * parts[b]).sum(0) / weights[b].sum().clamp_min(1e-30)
-                             for b in buckets])
+        means = torch.stack([(weights[b] / weights[b].sum()) @ parts[b] for b in buckets])
         return self.base.aggregate(means, torch.stack([weights[b].sum() for b in buckets]))
 
 
@@ -210,8 +243,33 @@ def make_aggregator(name: str, *, trim: float = 0.3, tau_ratio: float = 1.0, ite
 def bound_weights(weights: torch.Tensor, max_ratio: float) -> torch.Tensor:
     """Sender-reported weights clipped to ``[0, max_ratio * median(weights)]`` (non-finite ones become 0).
 
-    A sender claiming 1000x the samples of its peers gets at most ``max_ratio`` times the median's say.
+    A sender claiming 1000x the samples of its peers gets at most ``max_ratio`` times the median's say. Used only
+    for the mean: robust rules get one vote per part (module docstring).
     """
     w = torch.nan_to_num(weights.float(), nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0.0)
     cap = max_ratio * w.median()
     return w.clamp(max=float(cap)) if cap > 0 else w
+
+
+def kappa_bound(name: str, n: int, f: int) -> Optional[float]:
+    """The ``kappa`` for which rule ``name`` (``"median"``, ``"nnm+trimmed_mean"``, ...) is (f, kappa)-robust
+    among ``n`` parts with ``f`` Byzantine, the rule configured to assume at least ``f`` (module docstring), or
+    None where none is proven; ``inf`` when ``2f >= n``. No rule does better than ``f / (n - 2f)`` (Allouah et al.
+    2023, their lower bound).
+
+    Upper bounds from Allouah et al. 2023 (their table of rules): coordinate-wise trimmed mean ``6f/(n-2f) (1 + f/(n-2f))``,
+    coordinate-wise median ``4 (1 + f/(n-2f))^2``; NNM in front of a (f, kappa)-robust rule gives
+    ``8f/(n-f) (kappa + 1)`` (their lemma on NNM). The mean has none (``inf`` for ``f >= 1``). CenteredClip with a
+    radius from the parts themselves has no proven kappa (Karimireddy et al. 2021 prove their bound for an
+    honest-variance-tuned radius and under 10% Byzantine), so None: ``bench/robustness.py`` reports what it
+    measures.
+    """
+    pre, _, rule = name.rpartition("+")
+    if 2 * f >= n:
+        return math.inf
+    r = f / (n - 2 * f)
+    base = {"trimmed_mean": 6 * r * (1 + r), "median": 4 * (1 + r) ** 2,
+            "mean": 0.0 if f == 0 else math.inf}.get(rule)
+    if base is None or pre == "bucketing":
+        return None
+    return 8 * f / (n - f) * (base + 1) if pre == "nnm" and f > 0 else base

@@ -34,7 +34,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.net.admission import Busy, PeerAdmission, TooFast
-from swarm.averaging.aggregation import Aggregator, MeanAggregator, make_aggregator
+from swarm.averaging.aggregation import Aggregator, CenteredClipAggregator, make_aggregator
 from swarm.averaging.allreduce import PartitionReducer, RoundFailed, WireStats, decode_part, run_phase, send_part
 from swarm.averaging.auditor import Auditor
 from swarm.averaging.compression import Compressor, make_compressor
@@ -68,14 +68,14 @@ REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start her
 class AveragingRules:
     """How this peer's reducers and auditors judge parts; the same on every honest peer of a run.
 
-    :param aggregator: the rule every reducer applies to its partition (default: the mean).
+    :param aggregator: the rule every reducer applies to its partition (default: CenteredClip, the spec's).
     :param policy: bounds on parts (norm ratio, weight ratio, outlier ratio).
     :param exclusion: scores that turn rejections and flags into exclusions.
     :param phase_timeout: seconds a reducer waits for the parts of a phase (a sender waits twice that).
     :param audit_probability: chance that a partition is audited in a phase (:mod:`swarm.averaging.audit`).
     """
 
-    aggregator: Aggregator = field(default_factory=MeanAggregator)
+    aggregator: Aggregator = field(default_factory=CenteredClipAggregator)
     policy: ReducePolicy = field(default_factory=ReducePolicy)
     exclusion: ExclusionPolicy = field(default_factory=ExclusionPolicy)
     phase_timeout: float = 10.0

@@ -7,23 +7,33 @@ Checks, in order (BTARD, Gorbunov et al. 2022, sec. 3.2 lists the same kinds of 
 
 1. the part decodes with the round's codec to the partition's size (dtype and shape right) — else rejected;
 2. every value is finite — else rejected;
-3. its L2 norm is at most ``reject_norm_ratio`` times the median norm of the partition's parts — else
-   rejected (with one sender there is nothing to compare with and this check is skipped);
-4. after aggregation, a part whose distance to the aggregate exceeds ``outlier_ratio`` times the median
-   distance is *flagged* (counted, still used: the aggregator already bounded its influence).
+3. a part whose sender claims no samples (weight 0, or a non-finite weight) is kept out of the vote: accepted,
+   not counted, not scored (an idle server sends zeros with weight 0); when no part claims samples, all count;
+4. its L2 norm is at most ``reject_norm_ratio`` times the median norm of the counted parts — else rejected (with
+   one part there is nothing to compare with and this check is skipped). When the median norm is 0 (most parts
+   are exactly zero), every part that is not zero is rejected: a multiple of zero is zero;
+5. the rule runs. A robust rule gets one vote per counted part: the sample counts are the senders' own claims,
+   which nobody in the group saw them earn, so weighting by them would hand the weight to whoever claims most
+   (a weighted rule with claims capped at 4x the median gave 2 of 7 attackers 62% of the weight). The mean,
+   which trusts every sender anyway, weighs them by their claims capped at ``max_weight_ratio`` times the
+   median. An aggregate that overflows float32 is refused (:class:`NoValidParts`, naming the cause);
+6. after aggregation, a part whose distance to the aggregate exceeds ``outlier_ratio`` times the median
+   distance is *flagged* (counted, still used: the aggregator already bounded its influence). When half or
+   more parts equal the aggregate exactly, nothing is flagged (the rule already ignored the rest).
 
 Rejected and flagged senders feed :class:`swarm.averaging.exclusion.ExclusionBook`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from swarm.averaging.aggregation import Aggregator, bound_weights, spread
+from swarm.averaging.aggregation import Aggregator, NonFiniteAggregate, bound_weights, spread
 
 
 class ReducePolicy(BaseModel):
@@ -44,6 +54,8 @@ class Verdict:
     reason: str = ""
     flagged: bool = False
     norm: float = 0.0
+    counted: bool = True
+    """False for an accepted part that carried no samples: it had no vote."""
 
 
 @dataclass
@@ -55,7 +67,7 @@ class Reduction:
 
     @property
     def used(self) -> list:
-        return [s for s, v in self.verdicts.items() if v.accepted]
+        return [s for s, v in self.verdicts.items() if v.accepted and v.counted]
 
 
 class NoValidParts(RuntimeError):
@@ -64,14 +76,46 @@ class NoValidParts(RuntimeError):
 
 def reduce_partition(parts: Mapping[object, Union[torch.Tensor, Exception]], weights: Mapping[object, float],
                      numel: int, aggregator: Aggregator, policy: ReducePolicy) -> Reduction:
-    """Check and aggregate one partition.
+    """Check and aggregate one partition (the module docstring's steps).
 
     :param parts: sender -> decoded float32 ``(numel,)`` part, or the exception its decoding raised.
-    :param weights: sender -> reported samples (bounded here, never trusted as is).
-    :raises NoValidParts: no part survived the checks.
+    :param weights: sender -> reported samples (a vote for robust rules, bounded for the mean, never trusted as is).
+    :raises NoValidParts: no part survived the checks, or their aggregate overflowed float32.
     """
     verdicts: dict = {}
-    good: dict = {}
+    good = _well_formed(parts, numel, verdicts)
+    if not good:
+        raise NoValidParts(f"no valid part among {len(parts)}: " + "; ".join(v.reason for v in verdicts.values()))
+    claims = {s: _claim(weights.get(s, 0.0)) for s in good}
+    if any(c > 0 for c in claims.values()):
+        for s in [s for s in good if claims[s] <= 0]:
+            verdicts[s] = Verdict(True, "claimed no samples (weight 0): not counted", counted=False)
+            del good[s]
+    senders = list(good)
+    stacked = torch.stack([good[s] for s in senders])
+    norms = stacked.double().norm(dim=1)
+    if len(senders) > 1:
+        keep = _norm_check(senders, norms, policy, verdicts)
+        senders, stacked, norms = [senders[i] for i in keep], stacked[keep], norms[keep]
+    claimed = torch.tensor([claims[s] for s in senders])
+    w = bound_weights(claimed, policy.max_weight_ratio) if not aggregator.robust else (claimed > 0).float()
+    if not w.sum() > 0:
+        w = torch.ones(len(senders))
+    try:
+        aggregate = aggregator.aggregate(stacked, w)
+    except NonFiniteAggregate as e:
+        raise NoValidParts(str(e)) from e
+    dist = (stacked.double() - aggregate.double()).norm(dim=1)
+    med = float(spread(dist))
+    for i, s in enumerate(senders):
+        flagged = len(senders) > 2 and med > 0 and float(dist[i]) > policy.outlier_ratio * med
+        verdicts[s] = Verdict(True, "", flagged, float(norms[i]))
+    return Reduction(aggregate, verdicts)
+
+
+def _well_formed(parts: Mapping, numel: int, verdicts: dict) -> dict:
+    """Checks 1 and 2: the parts of the right dtype, shape and finite values; verdicts for the others."""
+    good = {}
     for sender, part in parts.items():
         if isinstance(part, Exception):
             verdicts[sender] = Verdict(False, f"malformed part: {part}")
@@ -81,29 +125,33 @@ def reduce_partition(parts: Mapping[object, Union[torch.Tensor, Exception]], wei
             verdicts[sender] = Verdict(False, "part has NaN or Inf values")
         else:
             good[sender] = part
-    if not good:
-        raise NoValidParts(f"no valid part among {len(parts)}: " + "; ".join(v.reason for v in verdicts.values()))
-    senders = list(good)
-    stacked = torch.stack([good[s] for s in senders])
-    norms = stacked.norm(dim=1)
-    if len(senders) > 1:
-        limit = policy.reject_norm_ratio * float(norms.median())
-        keep = [i for i, nrm in enumerate(norms.tolist()) if nrm <= limit or limit == 0]
-        for i, s in enumerate(senders):
-            if i not in keep:
-                verdicts[s] = Verdict(False, f"part norm {norms[i]:.3g} exceeds {policy.reject_norm_ratio:g}x "
-                                             f"the median {limit / policy.reject_norm_ratio:.3g}", norm=float(norms[i]))
-        senders, stacked, norms = [senders[i] for i in keep], stacked[keep], norms[keep]
-    w = bound_weights(torch.tensor([float(weights.get(s, 0.0)) for s in senders]), policy.max_weight_ratio)
-    if not w.sum() > 0:
-        w = torch.ones(len(senders))
-    aggregate = aggregator.aggregate(stacked, w)
-    dist = (stacked - aggregate).norm(dim=1)
-    med = float(spread(dist))
-    for i, s in enumerate(senders):
-        flagged = len(senders) > 2 and med > 0 and float(dist[i]) > policy.outlier_ratio * med
-        verdicts[s] = Verdict(True, "", flagged, float(norms[i]))
-    return Reduction(aggregate, verdicts)
+    return good
+
+
+def _claim(weight) -> float:
+    """A sender's claimed samples as a float; 0 for a negative, non-finite or non-numeric claim."""
+    try:
+        w = float(weight)
+    except (TypeError, ValueError):
+        return 0.0
+    return w if math.isfinite(w) and w > 0 else 0.0
+
+
+def _norm_check(senders: list, norms: torch.Tensor, policy: ReducePolicy, verdicts: dict) -> list[int]:
+    """Check 4: the indices of the parts within ``reject_norm_ratio`` x the median norm; verdicts for the rest."""
+    median = float(norms.median())
+    limit = policy.reject_norm_ratio * median
+    keep = []
+    for i, (s, nrm) in enumerate(zip(senders, norms.tolist())):
+        if nrm <= limit:
+            keep.append(i)
+        elif median == 0:
+            verdicts[s] = Verdict(False, f"part norm {nrm:.3g} where most parts are exactly zero (median norm 0)",
+                                  norm=nrm)
+        else:
+            verdicts[s] = Verdict(False, f"part norm {nrm:.3g} exceeds {policy.reject_norm_ratio:g}x the median "
+                                         f"{median:.3g}", norm=nrm)
+    return keep
 
 
 def partition_bounds(total: int, fractions: Sequence[float], block: int) -> list[tuple[int, int]]:

@@ -30,21 +30,35 @@ the honest mean.
 * ``lying_reducer`` — returns ``-k`` times the true aggregate of its partition.
 * ``false_accuser`` — accuses every reducer it audits of a wrong aggregate (:mod:`swarm.averaging.audit`).
 
+Adaptive attacks, which know the rule (:mod:`swarm.attacks.adaptive`; the in-process harness hands them the honest
+vectors and a probe of the configured rule and checks):
+
+* ``alie_tuned``, ``ipm_tuned`` — ALIE and IPM with the scale that moves the configured rule's aggregate farthest
+  while no attacker is rejected or flagged, searched every round.
+* ``own_partitions`` — a sign flip only in the partitions the attackers reduce themselves (honest elsewhere).
+* ``sleeper`` — honest for 50 rounds, then ``alie_tuned``, all together.
+* ``drift`` — against the honest mean, as far as the outlier flags allow, flagged one round in two: its
+  exclusion score stays just under the threshold.
+* ``inflated_claim`` — ``-9`` times the honest mean, reporting 1e6 samples.
+* ``zeros`` — exact zeros from every attacker.
+
 :class:`LyingStageServer` answers a fraction of its training forwards and backwards with noise added to its
 outputs or input gradients (caught by trainers' spot checks, :mod:`swarm.trust.spotcheck`).
 :class:`LyingDonorAverager` hands servers that load the stage's state from it a corrupted one (caught by
 :mod:`swarm.trust.statecheck`); :func:`lying_donor` installs it.
 """
 
+
 from __future__ import annotations
 
-import math
-from collections import deque
 from functools import partial
 from typing import Optional
 
 import torch
 
+from swarm.attacks.adaptive import Drift, InflatedClaim, Probe, Sleeper, Tuned, Zeros, own_partitions
+from swarm.attacks.named import (ALIE, IPM, Attack, FalseAccuser, GradFlip, LabelFlip, LyingReducer, Mimic, MinMax,
+                                 Noise, Replay, SignFlip)
 from swarm.averaging.allreduce import PartitionReducer
 from swarm.averaging.averager import RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import Compressor, PhaseGenerator, flatten, make_compressor, unflatten
@@ -55,168 +69,30 @@ from swarm.server.stage import StageServer
 
 ATTACKS = ("sign_flip", "noise", "alie", "ipm", "mimic", "minmax", "label_flip", "grad_flip", "replay", "lying_reducer",
            "false_accuser")
+ADAPTIVE_ATTACKS = ("alie_tuned", "ipm_tuned", "own_partitions", "sleeper", "drift", "inflated_claim", "zeros")
+"""Attacks that know the rule (:mod:`swarm.attacks.adaptive`); part of :data:`ATTACKS`."""
+ATTACKS = ATTACKS + ADAPTIVE_ATTACKS
 TRAINER_ATTACKS = ("label_flip", "grad_flip")
 SERVER_LIES = ("lying_server",)
 """Attacks on trainers by a stage server (:class:`LyingStageServer`), installed with :func:`lying_server`."""
 
 
-class Attack:
-    """Honest by default: every hook returns its input unchanged."""
-
-    name = "none"
-    accuse_always = False
-
-    def corrupt_part(self, vector: torch.Tensor, round: int, honest: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """What a Byzantine sender puts into the all-reduce instead of its float32 ``(numel,)`` ``vector``.
-        ``honest``: float32 ``(h, numel)`` vectors of honest peers, when known."""
-        return vector
-
-    def corrupt_aggregate(self, aggregate: torch.Tensor) -> torch.Tensor:
-        return aggregate
-
-    def corrupt_batch(self, inputs: torch.Tensor, targets: torch.Tensor, vocab: int):
-        return inputs, targets
-
-    def corrupt_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
-class SignFlip(Attack):
-    name = "sign_flip"
-
-    def __init__(self, k: float = 4.0):
-        self.k = k
-
-    def corrupt_part(self, vector, round, honest=None):
-        return -self.k * vector
-
-
-class Noise(Attack):
-    name = "noise"
-
-    def __init__(self, scale: float = 100.0, seed: int = 0):
-        self.scale, self.gen = scale, torch.Generator().manual_seed(seed)
-
-    def corrupt_part(self, vector, round, honest=None):
-        rms = vector.pow(2).mean().sqrt().clamp_min(1e-12)
-        return vector + self.scale * rms * torch.randn(vector.shape, generator=self.gen)
-
-
-class ALIE(Attack):
-    name = "alie"
-
-    def __init__(self, n: int = 7, f: int = 2):
-        s = math.floor(n / 2 + 1) - f
-        self.z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((n - s) / n)))
-
-    def corrupt_part(self, vector, round, honest=None):
-        if honest is None or honest.shape[0] < 2:
-            return vector
-        return honest.mean(0) - self.z * honest.std(0)
-
-
-class IPM(Attack):
-    name = "ipm"
-
-    def __init__(self, eps: float = 0.5):
-        self.eps = eps
-
-    def corrupt_part(self, vector, round, honest=None):
-        mu = honest.mean(0) if honest is not None and honest.shape[0] else vector
-        return -self.eps * mu
-
-
-class Mimic(Attack):
-    """Mimic (Karimireddy, He, Jaggi, ICLR 2022, sec. 5): every attacker sends the same honest peer's vector, so
-    that peer's data counts ``f + 1`` times and duplicates form a block (it exploits heterogeneity and any rule
-    that trusts agreement). The copied peer is the honest one farthest from the honest mean (the paper picks
-    the one with the largest variance along the top principal direction); with no honest vectors known, its
-    own."""
-
-    name = "mimic"
-
-    def corrupt_part(self, vector, round, honest=None):
-        if honest is None or honest.shape[0] < 2:
-            return vector
-        return honest[int((honest - honest.mean(0)).norm(dim=1).argmax())].clone()
-
-
-class MinMax(Attack):
-    """Min-Max (Shejwalkar & Houmansadr, "Manipulating the Byzantine", NDSS 2021, sec. IV-B, AGR-agnostic):
-    ``mu - gamma * sigma`` (coordinate-wise honest mean and standard deviation) with the largest ``gamma`` (binary
-    search) whose distance to every honest vector stays within the largest distance between two honest
-    vectors, so no distance-based check singles it out."""
-
-    name = "minmax"
-
-    def corrupt_part(self, vector, round, honest=None):
-        if honest is None or honest.shape[0] < 2:
-            return vector
-        mu, direction = honest.mean(0), honest.std(0)
-        limit = torch.cdist(honest[None], honest[None])[0].max()
-        lo, hi = 0.0, 10.0
-        for _ in range(30):
-            gamma = (lo + hi) / 2
-            if (honest - (mu - gamma * direction)).norm(dim=1).max() <= limit:
-                lo = gamma
-            else:
-                hi = gamma
-        return mu - lo * direction
-
-
-class LabelFlip(Attack):
-    name = "label_flip"
-
-    def corrupt_batch(self, inputs, targets, vocab):
-        return inputs, (vocab - 1) - targets
-
-
-class GradFlip(Attack):
-    name = "grad_flip"
-
-    def __init__(self, k: float = 4.0):
-        self.k = k
-
-    def corrupt_grad(self, grad):
-        return -self.k * grad
-
-
-class Replay(Attack):
-    name = "replay"
-
-    def __init__(self, delay: int = 5):
-        self.history: deque = deque(maxlen=delay + 1)
-
-    def corrupt_part(self, vector, round, honest=None):
-        self.history.append(vector.clone())
-        stale = self.history[0]
-        return stale if stale.shape == vector.shape else vector
-
-
-class LyingReducer(Attack):
-    name = "lying_reducer"
-
-    def __init__(self, k: float = 4.0):
-        self.k = k
-
-    def corrupt_aggregate(self, aggregate):
-        return -self.k * aggregate
-
-
-class FalseAccuser(Attack):
-    name = "false_accuser"
-    accuse_always = True
-
-
-def make_attack(name: Optional[str], *, n: int = 7, f: int = 2, seed: int = 0) -> Optional[Attack]:
+def make_attack(name: Optional[str], *, n: int = 7, f: int = 2, seed: int = 0,
+                probe: Optional[Probe] = None) -> Optional[Attack]:
     """The attack called ``name`` (see :data:`ATTACKS`), or None for ``None``/``""``/``"none"``.
-    ``n``/``f``: group size and attackers (ALIE's z). Raises ValueError for an unknown name."""
+    ``n``/``f``: group size and attackers (ALIE's z); ``probe``: the configured rule and checks, for the tuned
+    attacks (without one they send ALIE's and IPM's own vectors at scale 1). Raises ValueError for an unknown name."""
     if not name or name == "none":
         return None
     table = {"sign_flip": SignFlip, "noise": lambda: Noise(seed=seed), "alie": lambda: ALIE(n, f), "ipm": IPM,
              "mimic": Mimic, "minmax": MinMax,
              "label_flip": LabelFlip, "grad_flip": GradFlip, "replay": Replay, "lying_reducer": LyingReducer,
-             "false_accuser": FalseAccuser}
+             "false_accuser": FalseAccuser, "alie_tuned": lambda: Tuned("alie", probe),
+             "ipm_tuned": lambda: Tuned("ipm", probe), "own_partitions": own_partitions,
+             "sleeper": lambda: Sleeper(Tuned("alie", probe)), "drift": Drift, "inflated_claim": InflatedClaim,
+             "zeros": Zeros}
     if name not in table:
         raise ValueError(f"unknown attack {name!r}; choose one of {list(ATTACKS)}")
     return table[name]()

@@ -1,0 +1,124 @@
+"""Attacks that know the rule: tuned against the configured aggregator and checks, timed, or aimed at the gaps
+around the rule (claimed weights, partitions the attackers reduce, exact zeros). The package docstring lists them.
+
+They need what only the in-process harness (``bench/harness.py``) hands them: the honest peers' vectors, and the
+coordinates the attackers reduce (:meth:`~swarm.attacks.named.Attack.focus`); a real peer knows only its own
+vector, which then stands in for the honest mean (their lie then shrinks to what its own vector allows).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from swarm.attacks.named import Attack, SignFlip
+
+Probe = Callable[[torch.Tensor, torch.Tensor], tuple[float, bool]]
+"""``probe(honest (h, numel), bad (numel,))`` -> (how far the aggregate lands from the honest mean, L2, when every
+attacker sends ``bad``; whether any attacker's part would be rejected or flagged): the configured rule and the
+reducer's checks, run by the attackers."""
+
+
+class Tuned(Attack):
+    """ALIE or IPM with its scale tuned every round against the configured rule (the "optimal" variants of ByzFL,
+    Allouah et al. 2023, after Shejwalkar & Houmansadr, NDSS 2021): ``mu - z sigma`` (ALIE) or ``-z mu`` (IPM),
+    ``z`` from a grid of ``evals`` scales, the one whose aggregate lands farthest from the honest mean while no
+    attacker's part is rejected or flagged (flags lead to exclusion). One search per round is shared by the
+    attackers, who send the same vector."""
+
+    def __init__(self, kind: str, probe: Optional[Probe], evals: int = 16):
+        if kind not in ("alie", "ipm"):
+            raise ValueError(f"kind must be 'alie' or 'ipm', got {kind!r}")
+        self.kind, self.probe, self.name = kind, probe, f"{kind}_tuned"
+        self.scales = torch.logspace(-1, 1.5, evals).tolist() if kind == "alie" else torch.linspace(
+            -0.5, 4.0, evals).tolist()
+        self._memo: tuple = (None, None)
+
+    def _vector(self, mu: torch.Tensor, sigma: torch.Tensor, z: float) -> torch.Tensor:
+        return mu - z * sigma if self.kind == "alie" else -z * mu
+
+    def corrupt_part(self, vector, round, honest=None):
+        if honest is None or honest.shape[0] < 2 or self.probe is None:
+            return self._vector(vector, torch.zeros_like(vector), 1.0)
+        key = (round, honest.data_ptr())
+        if self._memo[0] == key:
+            return self._memo[1]
+        mu, sigma = honest.mean(0), honest.std(0)
+        best, best_err = mu, -1.0
+        for z in self.scales:
+            bad = self._vector(mu, sigma, z)
+            err, caught = self.probe(honest, bad)
+            if not caught and err > best_err:
+                best, best_err = bad, err
+        self._memo = (key, best)
+        return best
+
+
+class Sleeper(Attack):
+    """Honest for ``wake`` rounds, then ``inner`` every round: all sleepers turn together, with no score built up."""
+
+    def __init__(self, inner: Attack, wake: int = 50):
+        self.inner, self.wake, self.name = inner, wake, "sleeper"
+
+    def corrupt_part(self, vector, round, honest=None):
+        return vector if round < self.wake else self.inner.corrupt_part(vector, round, honest)
+
+
+class OwnPartitions(Attack):
+    """Lies (``inner``) only in the coordinates the attackers reduce themselves, honest everywhere else: no honest
+    reducer ever sees a wrong part, so no honest book scores them, and their own reductions follow the rule (an
+    audit finds nothing to refute); what is left is the rule's bound on the parts it was given."""
+
+    def __init__(self, inner: Attack):
+        self.inner, self.name, self.mask = inner, "own_partitions", None
+
+    def focus(self, reduced_by_attackers):
+        self.mask = reduced_by_attackers
+
+    def corrupt_part(self, vector, round, honest=None):
+        bad = self.inner.corrupt_part(vector, round, honest)
+        return bad if self.mask is None else torch.where(self.mask, bad, vector)
+
+
+class Drift(Attack):
+    """Pushes against the honest mean as far as the outlier flags allow, every round: ``mu - d mu/|mu|`` at
+    ``d = margin * outlier_ratio`` times the honest peers' median distance to their mean, one round in two far
+    enough to be flagged (``2 * outlier_ratio``). With the default exclusion policy (+0.5 a flag, x0.9 a round,
+    exclusion at 3) one flag every other round peaks at a score of 2.63: held just under the threshold."""
+
+    def __init__(self, outlier_ratio: float = 3.0, margin: float = 0.9):
+        self.outlier_ratio, self.margin, self.name = outlier_ratio, margin, "drift"
+
+    def corrupt_part(self, vector, round, honest=None):
+        mu = honest.mean(0) if honest is not None and honest.shape[0] >= 2 else vector
+        spread = float((honest - mu).norm(dim=1).median()) if honest is not None and honest.shape[0] >= 2 else 0.0
+        reach = (2.0 if round % 2 else self.margin) * self.outlier_ratio * spread
+        return mu - reach * mu / mu.norm().clamp_min(1e-12)
+
+
+class InflatedClaim(Attack):
+    """Sends ``-k`` times the honest mean and reports ``claim`` samples (1e6) for it: a weighted rule would hand
+    it the weight it claims."""
+
+    def __init__(self, k: float = 9.0, claim: float = 1e6):
+        self.k, self.claim, self.name = k, claim, "inflated_claim"
+
+    def corrupt_part(self, vector, round, honest=None):
+        mu = honest.mean(0) if honest is not None and honest.shape[0] else vector
+        return -self.k * mu
+
+
+class Zeros(Attack):
+    """Every attacker sends exact zeros: identical parts that all sit on one point (a duplicated block, and, where
+    honest parts are zero too, a majority on the coordinate median), damping the step towards nothing."""
+
+    name = "zeros"
+
+    def corrupt_part(self, vector, round, honest=None):
+        return torch.zeros_like(vector)
+
+
+def own_partitions(inner: Optional[Attack] = None) -> OwnPartitions:
+    """:class:`OwnPartitions` around ``inner`` (default: a sign flip, -4x)."""
+    return OwnPartitions(inner or SignFlip())
