@@ -41,7 +41,7 @@ import torch
 from swarm.attacks import TRAINER_ATTACKS, make_attack
 from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.allreduce import digest
-from swarm.averaging.compression import PhaseResult, flatten, make_compressor, unflatten
+from swarm.averaging.compression import ElementwiseCompressor, PhaseResult, flatten, make_compressor, unflatten
 from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.audit import audit_plan, matches
 from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
@@ -324,14 +324,12 @@ class _OuterHarness:
 
 def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed, audit_probability, kappas):
     """One averaging round among ``active`` peers; returns (averaged tensors, encoded bytes peer 0 sent). Appends
-    to ``kappas`` the :func:`kappa_seen` of every partition reduced with an attacker in the group."""
+    to ``kappas`` the :func:`kappa_seen` of every partition reduced while an attacker in the group lied (a failed
+    partition counts as a zero aggregate)."""
     honest = [i for i in active if i not in attackers]
     honest_flat = torch.stack([flatten(grads[i]) for i in honest])
     numel = honest_flat.shape[1]
-    mine = torch.zeros(numel, dtype=torch.bool)  # the coordinates the attackers reduce (exact for elementwise codecs)
-    block = getattr(getattr(compressors[active[0]], "codec", None), "block", 1)
-    for j, (a, b) in zip(active, partition_bounds(numel, [1.0] * len(active), block)):
-        mine[a:b] = j in attackers
+    mine = _attackers_partitions(compressors[active[0]], numel, active, attackers)
     inputs = {}
     for i in active:
         tensors = grads[i]
@@ -339,6 +337,7 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
             attackers[i].focus(mine)
             tensors = unflatten(attackers[i].corrupt_part(flatten(tensors), r, honest=honest_flat), tensors)
         inputs[i] = tensors
+    lying = any(not all(torch.equal(a, b) for a, b in zip(inputs[i], grads[i])) for i in attackers if i in active)
     gens = {i: compressors[i].phases(inputs[i], seed * 100003 + r) for i in active}
     phases = {i: next(g) for i, g in gens.items()}
     verdicts: dict = {}
@@ -368,10 +367,10 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
                 out = red.aggregate
                 for sender, v in red.verdicts.items():  # reducer j scores the senders of its partition only
                     verdicts.setdefault(j, {}).setdefault(sender, []).append(v)
-                if len(honest) < len(active) and len(honest) > 1:
-                    kappas.append(kappa_seen(out, torch.stack([parts[str(i)] for i in honest])))
             except NoValidParts:
                 out = torch.zeros(b - a)
+            if lying and len(honest) > 1:
+                kappas.append(kappa_seen(out, torch.stack([parts[str(i)] for i in honest])))
             honest_out = out
             if j in attackers:
                 out = attackers[j].corrupt_aggregate(out)
@@ -393,6 +392,19 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
         book.record_round(j, {sender: worst(vs) for sender, vs in seen.items()})
     reference = next(i for i in active if i not in attackers) if any(i not in attackers for i in active) else active[0]
     return outputs[reference], sent_bytes
+
+
+def _attackers_partitions(compressor, numel: int, active: list, attackers: dict):
+    """The coordinates the attackers reduce, bool ``(numel,)``, for a compressor whose phase is the gradient itself
+    (cut at its codec's block); None for others (topk, powersgd: their phases are not the gradient's
+    coordinates)."""
+    codec = getattr(compressor, "codec", None)
+    if codec is None or not isinstance(compressor, ElementwiseCompressor):
+        return None
+    mine = torch.zeros(numel, dtype=torch.bool)
+    for j, (a, b) in zip(active, partition_bounds(numel, [1.0] * len(active), codec.block)):
+        mine[a:b] = j in attackers
+    return mine
 
 
 def _audit(outputs, active, attackers, codec, book, probability, group):

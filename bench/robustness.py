@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from harness import bench_spec, outer_spec, train  # noqa: E402
 
 from swarm.attacks import ATTACKS  # noqa: E402
-from swarm.averaging.aggregation import kappa_bound  # noqa: E402
+from swarm.averaging.aggregation import assumed_byzantine, kappa_bound  # noqa: E402
 
 PEERS = 7
 
@@ -60,10 +60,11 @@ def _run(spec, args, aggregator: str, **kw):
                  rounds=args.rounds, checks=rule != "mean", compression=args.compression, **kw)
 
 
-def _row(r, attack: str, aggregator: str, clean, honest, f: int) -> dict:
+def _row(r, attack: str, aggregator: str, clean, honest, f: int, spec) -> dict:
     excluded = [r.excluded_at.get(i) for i in range(PEERS - f, PEERS)]
     kappas = sorted(k for k in r.kappas if k is not None)
-    bound = kappa_bound(aggregator, PEERS, f)
+    avg = spec.averaging  # the bench's trim and byzantine_fraction agree (0.3 each): one f assumed
+    bound = kappa_bound(aggregator, PEERS, f, assumed=assumed_byzantine(PEERS, avg.byzantine_fraction))
     return {"attack": attack, "aggregator": aggregator, "val_loss": round(r.val_loss, 4),
             "clean_val_loss": round(clean.val_loss, 4), "honest_val_loss": round(honest.val_loss, 4),
             "ratio_to_clean": round(r.val_loss / clean.val_loss, 4),
@@ -97,7 +98,7 @@ def main() -> None:
         within[aggregator] = within10[aggregator] = True
         for attack in args.attacks.split(","):
             r = _run(spec, args, aggregator, byzantine=f, attack=attack)
-            row = _row(r, attack, aggregator, clean, honest, f)
+            row = _row(r, attack, aggregator, clean, honest, f, spec)
             within[aggregator] &= row["ratio_to_clean"] <= 1.05 and r.honest_excluded == 0
             within10[aggregator] &= row["ratio_to_clean"] <= 1.10
             print(json.dumps(row | {"seconds": round(r.seconds, 1)}), file=sys.stderr, flush=True)

@@ -151,6 +151,7 @@ def test_kappa_bounds_follow_the_published_table():
     assert kappa_bound("nnm+median", 7, 2) == pytest.approx(8 * 2 / 5 * (4 * (5 / 3) ** 2 + 1))
     assert kappa_bound("mean", 7, 1) == math.inf and kappa_bound("mean", 7, 0) == 0.0
     assert kappa_bound("centered_clip", 7, 2) is None and kappa_bound("median", 6, 3) == math.inf
+    assert kappa_bound("trimmed_mean", 7, 2, assumed=3) is None and kappa_bound("median", 7, 2, assumed=3) > 0
 
 
 @pytest.mark.parametrize("pre", ["none", "nnm"])  # bucketing (s = 2) needs f * s < n / 2: at 3 of 7 it fails

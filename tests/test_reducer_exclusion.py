@@ -40,7 +40,7 @@ def test_reducer_bounds_claimed_weights_and_flags_outliers():
     assert red.verdicts["liar"].flagged and not any(red.verdicts[f"p{i}"].flagged for i in range(6))
 
 
-@pytest.mark.parametrize("name", ["median", "trimmed_mean", "centered_clip", "nnm+centered_clip"])
+@pytest.mark.parametrize("name", ["centered_clip", "nnm+centered_clip"])
 def test_claimed_samples_buy_no_say_in_a_robust_rule(name):
     # two of seven send -9x the honest mean and claim a million samples each: a robust rule counts one vote per
     # part, so the claim changes nothing (CenteredClip's error was 609 with the claim, 42.9 without, before)
@@ -65,11 +65,21 @@ def test_parts_claiming_no_samples_are_not_counted_and_not_scored():
                                                        make_aggregator("centered_clip"), ReducePolicy()).aggregate)
 
 
-def test_where_most_parts_are_exactly_zero_the_others_are_rejected():
+def test_where_most_parts_are_exactly_zero_the_others_are_set_aside_unscored():
+    # the 1e3 rows moved CenteredClip to 428.6 before; they are set aside, and not scored: an honest server may be
+    # the only one with non-zero values in a partition (embedding rows of tokens only its trainers sent)
     parts = {f"z{i}": torch.zeros(100) for i in range(4)} | {f"a{i}": torch.full((100,), 1e3) for i in range(3)}
     red = reduce_partition(parts, {s: 1.0 for s in parts}, 100, make_aggregator("centered_clip"), ReducePolicy())
     assert torch.equal(red.aggregate, torch.zeros(100)) and sorted(red.used) == [f"z{i}" for i in range(4)]
-    assert all("median norm 0" in red.verdicts[f"a{i}"].reason for i in range(3))
+    assert all("most parts are exactly zero" in red.verdicts[f"a{i}"].reason for i in range(3))
+    book = ExclusionBook()
+    for _ in range(20):
+        assert not book.record_round(red.verdicts)
+    assert book.scores == {}
+    # exactly half zero is no majority: the median norm is the mean of the middle two, and nothing is set aside
+    half = {"z0": torch.zeros(100), "z1": torch.zeros(100), "h0": torch.ones(100), "h1": 1.1 * torch.ones(100)}
+    red = reduce_partition(half, {s: 1.0 for s in half}, 100, make_aggregator("centered_clip"), ReducePolicy())
+    assert sorted(red.used) == sorted(half)
 
 
 def test_an_overflowing_aggregate_is_refused_naming_the_cause():

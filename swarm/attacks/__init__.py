@@ -83,15 +83,15 @@ def make_attack(name: Optional[str], *, n: int = 7, f: int = 2, seed: int = 0,
                 probe: Optional[Probe] = None) -> Optional[Attack]:
     """The attack called ``name`` (see :data:`ATTACKS`), or None for ``None``/``""``/``"none"``.
     ``n``/``f``: group size and attackers (ALIE's z); ``probe``: the configured rule and checks, for the tuned
-    attacks (without one they send ALIE's and IPM's own vectors at scale 1). Raises ValueError for an unknown name."""
+    attacks (without one they are plain ALIE and IPM). Raises ValueError for an unknown name."""
     if not name or name == "none":
         return None
     table = {"sign_flip": SignFlip, "noise": lambda: Noise(seed=seed), "alie": lambda: ALIE(n, f), "ipm": IPM,
              "mimic": Mimic, "minmax": MinMax,
              "label_flip": LabelFlip, "grad_flip": GradFlip, "replay": Replay, "lying_reducer": LyingReducer,
-             "false_accuser": FalseAccuser, "alie_tuned": lambda: Tuned("alie", probe),
+             "false_accuser": FalseAccuser, "alie_tuned": lambda: Tuned("alie", probe, n=n, f=f),
              "ipm_tuned": lambda: Tuned("ipm", probe), "own_partitions": own_partitions,
-             "sleeper": lambda: Sleeper(Tuned("alie", probe)), "drift": Drift, "inflated_claim": InflatedClaim,
+             "sleeper": lambda: Sleeper(Tuned("alie", probe, n=n, f=f)), "drift": Drift, "inflated_claim": InflatedClaim,
              "zeros": Zeros}
     if name not in table:
         raise ValueError(f"unknown attack {name!r}; choose one of {list(ATTACKS)}")

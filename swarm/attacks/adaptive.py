@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from swarm.attacks.named import Attack, SignFlip
+from swarm.attacks.named import ALIE, IPM, Attack, SignFlip
 
 Probe = Callable[[torch.Tensor, torch.Tensor], tuple[float, bool]]
 """``probe(honest (h, numel), bad (numel,))`` -> (how far the aggregate lands from the honest mean, L2, when every
@@ -24,13 +24,15 @@ class Tuned(Attack):
     """ALIE or IPM with its scale tuned every round against the configured rule (the "optimal" variants of ByzFL,
     Allouah et al. 2023, after Shejwalkar & Houmansadr, NDSS 2021): ``mu - z sigma`` (ALIE) or ``-z mu`` (IPM),
     ``z`` from a grid of ``evals`` scales, the one whose aggregate lands farthest from the honest mean while no
-    attacker's part is rejected or flagged (flags lead to exclusion). One search per round is shared by the
-    attackers, who send the same vector."""
+    attacker's part is rejected or flagged (flags lead to exclusion). Every attacker runs the same search, once a
+    round, and sends the same vector. Without a probe or the honest vectors it is the untuned attack
+    (:class:`~swarm.attacks.named.ALIE` for ``n``, ``f``, or :class:`~swarm.attacks.named.IPM`)."""
 
-    def __init__(self, kind: str, probe: Optional[Probe], evals: int = 16):
+    def __init__(self, kind: str, probe: Optional[Probe], evals: int = 16, n: int = 7, f: int = 2):
         if kind not in ("alie", "ipm"):
             raise ValueError(f"kind must be 'alie' or 'ipm', got {kind!r}")
         self.kind, self.probe, self.name = kind, probe, f"{kind}_tuned"
+        self.untuned = ALIE(n, f) if kind == "alie" else IPM()
         self.scales = torch.logspace(-1, 1.5, evals).tolist() if kind == "alie" else torch.linspace(
             -0.5, 4.0, evals).tolist()
         self._memo: tuple = (None, None)
@@ -40,7 +42,7 @@ class Tuned(Attack):
 
     def corrupt_part(self, vector, round, honest=None):
         if honest is None or honest.shape[0] < 2 or self.probe is None:
-            return self._vector(vector, torch.zeros_like(vector), 1.0)
+            return self.untuned.corrupt_part(vector, round, honest)
         key = (round, honest.data_ptr())
         if self._memo[0] == key:
             return self._memo[1]
@@ -68,7 +70,8 @@ class Sleeper(Attack):
 class OwnPartitions(Attack):
     """Lies (``inner``) only in the coordinates the attackers reduce themselves, honest everywhere else: no honest
     reducer ever sees a wrong part, so no honest book scores them, and their own reductions follow the rule (an
-    audit finds nothing to refute); what is left is the rule's bound on the parts it was given."""
+    audit finds nothing to refute); what is left is the rule's bound on the parts it was given. Untold (a real
+    peer, or a compressor whose phases are not the gradient's coordinates: topk, powersgd), it lies everywhere."""
 
     def __init__(self, inner: Attack):
         self.inner, self.name, self.mask = inner, "own_partitions", None

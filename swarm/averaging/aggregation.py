@@ -251,14 +251,15 @@ def bound_weights(weights: torch.Tensor, max_ratio: float) -> torch.Tensor:
     return w.clamp(max=float(cap)) if cap > 0 else w
 
 
-def kappa_bound(name: str, n: int, f: int) -> Optional[float]:
+def kappa_bound(name: str, n: int, f: int, assumed: Optional[int] = None) -> Optional[float]:
     """The ``kappa`` for which rule ``name`` (``"median"``, ``"nnm+trimmed_mean"``, ...) is (f, kappa)-robust
-    among ``n`` parts with ``f`` Byzantine, the rule configured to assume at least ``f`` (module docstring), or
-    None where none is proven; ``inf`` when ``2f >= n``. No rule does better than ``f / (n - 2f)`` (Allouah et al.
-    2023, their lower bound).
+    among ``n`` parts with ``f`` Byzantine (module docstring), or None where none is proven; ``inf`` when
+    ``2f >= n``. ``assumed``: the ``f`` the rule is set to assume (``assumed_byzantine`` of its ``trim`` or
+    ``byzantine_fraction``); the proofs for the trimmed mean and NNM hold when it equals ``f``, so otherwise None.
+    No rule does better than ``f / (n - 2f)`` (Allouah et al. 2023, their lower bound).
 
-    Upper bounds from Allouah et al. 2023 (their table of rules): coordinate-wise trimmed mean ``6f/(n-2f) (1 + f/(n-2f))``,
-    coordinate-wise median ``4 (1 + f/(n-2f))^2``; NNM in front of a (f, kappa)-robust rule gives
+    Upper bounds from Allouah et al. 2023 (their table of rules): coordinate-wise trimmed mean ``6f/(n-2f) (1 +
+    f/(n-2f))``, coordinate-wise median ``4 (1 + f/(n-2f))^2``; NNM in front of a (f, kappa)-robust rule gives
     ``8f/(n-f) (kappa + 1)`` (their lemma on NNM). The mean has none (``inf`` for ``f >= 1``). CenteredClip with a
     radius from the parts themselves has no proven kappa (Karimireddy et al. 2021 prove their bound for an
     honest-variance-tuned radius and under 10% Byzantine), so None: ``bench/robustness.py`` reports what it
@@ -267,6 +268,8 @@ def kappa_bound(name: str, n: int, f: int) -> Optional[float]:
     pre, _, rule = name.rpartition("+")
     if 2 * f >= n:
         return math.inf
+    if assumed is not None and assumed != f and (rule == "trimmed_mean" or pre == "nnm"):
+        return None
     r = f / (n - 2 * f)
     base = {"trimmed_mean": 6 * r * (1 + r), "median": 4 * (1 + r) ** 2,
             "mean": 0.0 if f == 0 else math.inf}.get(rule)

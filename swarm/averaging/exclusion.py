@@ -58,7 +58,9 @@ class ExclusionBook:
     rounds: int = 0
 
     def record_round(self, verdicts: dict[str, Verdict]) -> list[Exclusion]:
-        """Score one round's verdicts (sender -> worst verdict it got); return the exclusions it created."""
+        """Score one round's verdicts (sender -> worst verdict it got); return the exclusions it created. A part that
+        was not counted (no samples claimed, or set aside beside a majority of zero parts) is not scored."""
+        verdicts = {peer: v for peer, v in verdicts.items() if v.counted}
         new = []
         for peer, v in verdicts.items():
             if not v.accepted:
@@ -101,5 +103,5 @@ class ExclusionBook:
 
 
 def worst(verdicts: list[Verdict]) -> Verdict:
-    """The verdict that weighs most: a rejection beats a flag beats a clean part."""
-    return min(verdicts, key=lambda v: (v.accepted, not v.flagged))
+    """The verdict that weighs most: a rejection beats a flag beats a clean part beats one not counted."""
+    return min(verdicts, key=lambda v: (v.accepted, not v.flagged, not v.counted))

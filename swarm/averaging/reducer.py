@@ -10,11 +10,13 @@ Checks, in order (BTARD, Gorbunov et al. 2022, sec. 3.2 lists the same kinds of 
 3. a part whose sender claims no samples (weight 0, or a non-finite weight) is kept out of the vote: accepted,
    not counted, not scored (an idle server sends zeros with weight 0); when no part claims samples, all count;
 4. its L2 norm is at most ``reject_norm_ratio`` times the median norm of the counted parts — else rejected (with
-   one part there is nothing to compare with and this check is skipped). When the median norm is 0 (most parts
-   are exactly zero), every part that is not zero is rejected: a multiple of zero is zero;
+   one part there is nothing to compare with and this check is skipped). When a strict majority of the parts are
+   exactly zero, the others are set aside: not counted, and not scored (an honest server may hold the only
+   non-zero values of a partition, e.g. embedding rows of tokens only its trainers sent);
 5. the rule runs. A robust rule gets one vote per counted part: the sample counts are the senders' own claims,
    which nobody in the group saw them earn, so weighting by them would hand the weight to whoever claims most
-   (a weighted rule with claims capped at 4x the median gave 2 of 7 attackers 62% of the weight). The mean,
+   (a weighted rule with claims capped at 4x the median gave 2 of 7 attackers 62% of the weight). A part of weight
+   0 shrinks the group that votes: a server that tags along with no samples has no say. The mean,
    which trusts every sender anyway, weighs them by their claims capped at ``max_weight_ratio`` times the
    median. An aggregate that overflows float32 is refused (:class:`NoValidParts`, naming the cause);
 6. after aggregation, a part whose distance to the aggregate exceeds ``outlier_ratio`` times the median
@@ -138,16 +140,22 @@ def _claim(weight) -> float:
 
 
 def _norm_check(senders: list, norms: torch.Tensor, policy: ReducePolicy, verdicts: dict) -> list[int]:
-    """Check 4: the indices of the parts within ``reject_norm_ratio`` x the median norm; verdicts for the rest."""
-    median = float(norms.median())
+    """Check 4: the indices of the parts within ``reject_norm_ratio`` x the median norm (the mean of the two middle
+    norms for an even count); verdicts for the rest. When a strict majority of the parts are exactly zero, the
+    others are set aside without a penalty: honest servers whose partition holds, say, embedding rows of tokens only
+    they saw look just like an attacker here, and every robust rule returns zero anyway."""
+    zero = norms == 0
+    if 2 * int(zero.sum()) > len(senders):
+        for i in (~zero).nonzero().flatten().tolist():
+            verdicts[senders[i]] = Verdict(True, f"part norm {float(norms[i]):.3g} where most parts are exactly zero: "
+                                                 "not counted", norm=float(norms[i]), counted=False)
+        return zero.nonzero().flatten().tolist()
+    median = float(norms.quantile(0.5))
     limit = policy.reject_norm_ratio * median
     keep = []
     for i, (s, nrm) in enumerate(zip(senders, norms.tolist())):
         if nrm <= limit:
             keep.append(i)
-        elif median == 0:
-            verdicts[s] = Verdict(False, f"part norm {nrm:.3g} where most parts are exactly zero (median norm 0)",
-                                  norm=nrm)
         else:
             verdicts[s] = Verdict(False, f"part norm {nrm:.3g} exceeds {policy.reject_norm_ratio:g}x the median "
                                          f"{median:.3g}", norm=nrm)
