@@ -199,10 +199,9 @@ class AveragingSpec(_Section):
         "sends more; raise it if the loss lags an uncompressed run.",
     )
     aggregator: Literal["mean", "median", "trimmed_mean", "centered_clip"] = Field(
-        "centered_clip", description="How a reducer combines its partition's parts. 'centered_clip' (the default) "
-        "keeps a Byzantine minority's pull within the honest parts' spread at almost the mean's "
-        "accuracy; 'median' and 'trimmed_mean' have proven bounds (docs/averaging.md) and cost more accuracy; "
-        "'mean' trusts every peer: use it only among peers you run yourself.",
+        "centered_clip", description="How a reducer combines its partition's parts. 'centered_clip' keeps a Byzantine "
+        "minority's pull within the honest parts' spread at almost the mean's accuracy; 'median' and 'trimmed_mean' "
+        "have proven bounds (docs/averaging.md), at more cost; 'mean' trusts every peer (only among your own).",
     )
     trim: float = Field(
         0.3, ge=0, lt=0.5, description="trimmed_mean: fraction dropped at each end per coordinate, rounded up "
@@ -218,8 +217,7 @@ class AveragingSpec(_Section):
         "parts' differences (non-IID data, ALIE) or sending duplicates: 'nnm' replaces each part by "
         "the mean of its nearest n - f parts, f from byzantine_fraction (Allouah et al. 2023); 'bucketing' averages "
         "random buckets of bucket_size parts (Karimireddy et al. 2022; needs f x bucket_size < n / 2). 'nnm' costs "
-        "n^2 distances per partition. Measured in docs/averaging.md: 'none' with centered_clip holds the bench's "
-        "attacks best.",
+        "n^2 distances per partition; 'none' with centered_clip held the bench's attacks best (docs/averaging.md).",
     )
     byzantine_fraction: float = Field(
         0.3, ge=0, lt=0.5, description="nnm: the fraction of a group's servers assumed Byzantine: f = this times "
