@@ -39,7 +39,6 @@ from typing import Optional
 import torch
 
 from swarm.attacks import TRAINER_ATTACKS, make_attack
-from swarm.attacks.adaptive import jittered
 from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.allreduce import digest
 from swarm.averaging.compression import ElementwiseCompressor, PhaseResult, flatten, make_compressor, unflatten
@@ -254,8 +253,7 @@ def _probe(agg, policy: ReducePolicy, byzantine: int):
             sample[numel] = torch.randperm(numel, generator=torch.Generator().manual_seed(0))[:PROBE_VALUES]
         idx = sample[numel]
         h, b = honest[:, idx], bad[idx]
-        gen = torch.Generator().manual_seed(0)  # the attackers send differing vectors (copies vote once)
-        parts = {f"h{i}": row for i, row in enumerate(h)} | {f"b{i}": jittered(b, gen) for i in range(byzantine)}
+        parts = {f"h{i}": row for i, row in enumerate(h)} | {f"b{i}": b for i in range(byzantine)}
         try:
             red = reduce_partition(parts, dict.fromkeys(parts, 1.0), idx.numel(), agg, policy)
         except NoValidParts:

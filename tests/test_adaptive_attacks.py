@@ -5,7 +5,6 @@ rest honest, sleepers wait."""
 import torch
 
 from swarm.attacks import make_attack
-from swarm.attacks.adaptive import jittered
 from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.exclusion import ExclusionBook
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, reduce_partition
@@ -17,8 +16,7 @@ def _honest(n=5, d=2000, seed=0):
 
 
 def _reduce(honest, bad, f):
-    gen = torch.Generator().manual_seed(0)  # the attackers' vectors differ, as they do (copies vote once)
-    parts = {f"h{i}": row for i, row in enumerate(honest)} | {f"b{i}": jittered(bad, gen) for i in range(f)}
+    parts = {f"h{i}": row for i, row in enumerate(honest)} | {f"b{i}": bad for i in range(f)}
     return reduce_partition(parts, dict.fromkeys(parts, 1.0), bad.numel(), make_aggregator("centered_clip"),
                             ReducePolicy())
 
@@ -44,9 +42,8 @@ def test_tuned_attacks_pick_the_farthest_lie_the_checks_let_through():
         err = float((red.aggregate - honest.mean(0)).norm())
         for z in attack.scales:  # no scale it tried does more harm unflagged
             other_err, caught = _probe(2)(honest, attack._vector(honest.mean(0), honest.std(0), z))
-            assert caught or other_err <= err * 1.001, (name, z)  # (up to the jitter)
-        again = attack.corrupt_part(honest[0], 0, honest=honest)  # the round's search again, its own jitter
-        assert not torch.equal(again, bad) and float((again - bad).norm()) < 1e-2 * float(bad.norm())
+            assert caught or other_err <= err + 1e-6, (name, z)
+        assert attack.corrupt_part(honest[0], 0, honest=honest) is bad  # one search per round, shared
 
 
 def test_drift_is_flagged_every_other_round_and_never_excluded():

@@ -82,22 +82,6 @@ def test_where_most_parts_are_exactly_zero_the_others_are_set_aside_unscored():
     assert sorted(red.used) == sorted(half)
 
 
-def test_copies_of_a_part_vote_once_and_zeros_keep_their_votes():
-    # mimic at 3 of 7: three attackers copy the honest part farthest from the mean; four identical parts would be
-    # a majority the rule must follow, so copies vote once and the rule runs on the four distinct honest parts
-    honest = _parts(n=4)
-    mean = torch.stack(list(honest.values())).mean(0)
-    far = max(honest, key=lambda s: float((honest[s] - mean).norm()))
-    parts = honest | {f"c{i}": honest[far].clone() for i in range(3)}
-    cc = make_aggregator("centered_clip")
-    red = reduce_partition(parts, {s: 1.0 for s in parts}, 1000, cc, ReducePolicy())
-    alone = reduce_partition(honest, {s: 1.0 for s in honest}, 1000, cc, ReducePolicy())
-    assert torch.equal(red.aggregate, alone.aggregate) and not any(v.flagged for v in red.verdicts.values())
-    zeros = {f"z{i}": torch.zeros(1000) for i in range(4)} | {f"h{i}": honest[f"p{i}"] for i in range(3)}
-    assert torch.equal(reduce_partition(zeros, {s: 1.0 for s in zeros}, 1000, cc, ReducePolicy()).aggregate,
-                       torch.zeros(1000))
-
-
 def test_an_overflowing_aggregate_is_refused_naming_the_cause():
     signs = torch.randint(0, 2, (5, 64), generator=torch.Generator().manual_seed(0)).float() * 2 - 1
     parts = {f"p{i}": 3e38 * signs[i] for i in range(5)}

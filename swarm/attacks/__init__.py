@@ -40,8 +40,6 @@ vectors and a probe of the configured rule and checks):
 * ``drift`` — against the honest mean, as far as the outlier flags allow, flagged one round in two: its
   exclusion score stays just under the threshold.
 * ``inflated_claim`` — ``-9`` times the honest mean, reporting 1e6 samples.
-
-Except ``zeros``, each adds its own noise of 1e-3 of its vector's RMS: reducers let bit-identical parts vote once.
 * ``zeros`` — exact zeros from every attacker.
 
 :class:`LyingStageServer` answers a fraction of its training forwards and backwards with noise added to its
@@ -91,10 +89,10 @@ def make_attack(name: Optional[str], *, n: int = 7, f: int = 2, seed: int = 0,
     table = {"sign_flip": SignFlip, "noise": lambda: Noise(seed=seed), "alie": lambda: ALIE(n, f), "ipm": IPM,
              "mimic": Mimic, "minmax": MinMax,
              "label_flip": LabelFlip, "grad_flip": GradFlip, "replay": Replay, "lying_reducer": LyingReducer,
-             "false_accuser": FalseAccuser, "alie_tuned": lambda: Tuned("alie", probe, n=n, f=f, seed=seed),
-             "ipm_tuned": lambda: Tuned("ipm", probe, seed=seed), "own_partitions": own_partitions,
-             "sleeper": lambda: Sleeper(Tuned("alie", probe, n=n, f=f, seed=seed)),
-             "drift": lambda: Drift(seed=seed), "inflated_claim": lambda: InflatedClaim(seed=seed), "zeros": Zeros}
+             "false_accuser": FalseAccuser, "alie_tuned": lambda: Tuned("alie", probe, n=n, f=f),
+             "ipm_tuned": lambda: Tuned("ipm", probe), "own_partitions": own_partitions,
+             "sleeper": lambda: Sleeper(Tuned("alie", probe, n=n, f=f)), "drift": Drift, "inflated_claim": InflatedClaim,
+             "zeros": Zeros}
     if name not in table:
         raise ValueError(f"unknown attack {name!r}; choose one of {list(ATTACKS)}")
     return table[name]()

@@ -14,17 +14,6 @@ import torch
 
 from swarm.attacks.named import ALIE, IPM, Attack, SignFlip
 
-JITTER = 1e-3
-"""Each attacker adds its own noise of this RMS relative to its vector's: reducers let bit-identical parts vote
-once, and an attacker who knows that sends vectors that differ."""
-
-
-def jittered(vector: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """``vector`` plus Gaussian noise of :data:`JITTER` times its RMS, from this attacker's ``gen``."""
-    rms = vector.pow(2).mean().sqrt()
-    return vector + JITTER * rms * torch.randn(vector.shape, generator=gen)
-
-
 Probe = Callable[[torch.Tensor, torch.Tensor], tuple[float, bool]]
 """``probe(honest (h, numel), bad (numel,))`` -> (how far the aggregate lands from the honest mean, L2, when every
 attacker sends ``bad``; whether any attacker's part would be rejected or flagged): the configured rule and the
@@ -36,14 +25,13 @@ class Tuned(Attack):
     Allouah et al. 2023, after Shejwalkar & Houmansadr, NDSS 2021): ``mu - z sigma`` (ALIE) or ``-z mu`` (IPM),
     ``z`` from a grid of ``evals`` scales, the one whose aggregate lands farthest from the honest mean while no
     attacker's part is rejected or flagged (flags lead to exclusion). Every attacker runs the same search, once a
-    round, and sends its result :func:`jittered`. Without a probe or the honest vectors it is the untuned attack
+    round, and sends the same vector. Without a probe or the honest vectors it is the untuned attack
     (:class:`~swarm.attacks.named.ALIE` for ``n``, ``f``, or :class:`~swarm.attacks.named.IPM`)."""
 
-    def __init__(self, kind: str, probe: Optional[Probe], evals: int = 16, n: int = 7, f: int = 2, seed: int = 0):
+    def __init__(self, kind: str, probe: Optional[Probe], evals: int = 16, n: int = 7, f: int = 2):
         if kind not in ("alie", "ipm"):
             raise ValueError(f"kind must be 'alie' or 'ipm', got {kind!r}")
         self.kind, self.probe, self.name = kind, probe, f"{kind}_tuned"
-        self.gen = torch.Generator().manual_seed(seed)
         self.untuned = ALIE(n, f) if kind == "alie" else IPM()
         self.scales = torch.logspace(-1, 1.5, evals).tolist() if kind == "alie" else torch.linspace(
             -0.5, 4.0, evals).tolist()
@@ -57,7 +45,7 @@ class Tuned(Attack):
             return self.untuned.corrupt_part(vector, round, honest)
         key = (round, honest.data_ptr())
         if self._memo[0] == key:
-            return jittered(self._memo[1], self.gen)
+            return self._memo[1]
         mu, sigma = honest.mean(0), honest.std(0)
         best, best_err = mu, -1.0
         for z in self.scales:
@@ -66,7 +54,7 @@ class Tuned(Attack):
             if not caught and err > best_err:
                 best, best_err = bad, err
         self._memo = (key, best)
-        return jittered(best, self.gen)
+        return best
 
 
 class Sleeper(Attack):
@@ -102,34 +90,31 @@ class Drift(Attack):
     enough to be flagged (``2 * outlier_ratio``). With the default exclusion policy (+0.5 a flag, x0.9 a round,
     exclusion at 3) one flag every other round peaks at a score of 2.63: held just under the threshold."""
 
-    def __init__(self, outlier_ratio: float = 3.0, margin: float = 0.9, seed: int = 0):
+    def __init__(self, outlier_ratio: float = 3.0, margin: float = 0.9):
         self.outlier_ratio, self.margin, self.name = outlier_ratio, margin, "drift"
-        self.gen = torch.Generator().manual_seed(seed)
 
     def corrupt_part(self, vector, round, honest=None):
         mu = honest.mean(0) if honest is not None and honest.shape[0] >= 2 else vector
         spread = float((honest - mu).norm(dim=1).median()) if honest is not None and honest.shape[0] >= 2 else 0.0
         reach = (2.0 if round % 2 else self.margin) * self.outlier_ratio * spread
-        return jittered(mu - reach * mu / mu.norm().clamp_min(1e-12), self.gen)
+        return mu - reach * mu / mu.norm().clamp_min(1e-12)
 
 
 class InflatedClaim(Attack):
     """Sends ``-k`` times the honest mean and reports ``claim`` samples (1e6) for it: a weighted rule would hand
     it the weight it claims."""
 
-    def __init__(self, k: float = 9.0, claim: float = 1e6, seed: int = 0):
+    def __init__(self, k: float = 9.0, claim: float = 1e6):
         self.k, self.claim, self.name = k, claim, "inflated_claim"
-        self.gen = torch.Generator().manual_seed(seed)
 
     def corrupt_part(self, vector, round, honest=None):
         mu = honest.mean(0) if honest is not None and honest.shape[0] else vector
-        return jittered(-self.k * mu, self.gen)
+        return -self.k * mu
 
 
 class Zeros(Attack):
-    """Every attacker sends exact zeros: identical parts that all sit on one point (exact zeros keep their votes, as
-    honest servers may send them alike; where honest parts are zero too, a majority on the coordinate median),
-    damping the step towards nothing."""
+    """Every attacker sends exact zeros: identical parts that all sit on one point (a duplicated block, and, where
+    honest parts are zero too, a majority on the coordinate median), damping the step towards nothing."""
 
     name = "zeros"
 

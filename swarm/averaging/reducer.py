@@ -16,9 +16,8 @@ Checks, in order (BTARD, Gorbunov et al. 2022, sec. 3.2 lists the same kinds of 
 5. the rule runs. A robust rule gets one vote per counted part: the sample counts are the senders' own claims,
    which nobody in the group saw them earn, so weighting by them would hand the weight to whoever claims most
    (a weighted rule with claims capped at 4x the median gave 2 of 7 attackers 62% of the weight). A part of weight
-   0 shrinks the group that votes: a server that tags along with no samples has no say. Bit-identical non-zero
-   parts vote once (honest servers never send the same one: copies add no information). The mean, which
-   trusts every sender anyway, weighs them by their claims capped at ``max_weight_ratio`` times the
+   0 shrinks the group that votes: a server that tags along with no samples has no say. The mean,
+   which trusts every sender anyway, weighs them by their claims capped at ``max_weight_ratio`` times the
    median. An aggregate that overflows float32 is refused (:class:`NoValidParts`, naming the cause);
 6. after aggregation, a part whose distance to the aggregate exceeds ``outlier_ratio`` times the median
    distance is *flagged* (counted, still used: the aggregator already bounded its influence). When half or
@@ -29,7 +28,6 @@ Rejected and flagged senders feed :class:`swarm.averaging.exclusion.ExclusionBoo
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
@@ -105,9 +103,8 @@ def reduce_partition(parts: Mapping[object, Union[torch.Tensor, Exception]], wei
     w = bound_weights(claimed, policy.max_weight_ratio) if not aggregator.robust else (claimed > 0).float()
     if not w.sum() > 0:
         w = torch.ones(len(senders))
-    voters = _distinct(stacked) if aggregator.robust else list(range(len(senders)))
     try:
-        aggregate = aggregator.aggregate(stacked[voters], w[voters])
+        aggregate = aggregator.aggregate(stacked, w)
     except NonFiniteAggregate as e:
         raise NoValidParts(str(e)) from e
     dist = (stacked.double() - aggregate.double()).norm(dim=1)
@@ -131,21 +128,6 @@ def _well_formed(parts: Mapping, numel: int, verdicts: dict) -> dict:
         else:
             good[sender] = part
     return good
-
-
-def _distinct(stacked: torch.Tensor) -> list[int]:
-    """Check 5's voters: one row of each group of bit-identical non-zero rows, and every zero row. Honest servers
-    never send the same non-zero part (their data differ), so copies are one sender's vector said again (mimic:
-    three attackers copying one honest part would otherwise make a majority of four that the rule must follow);
-    exact zeros can come from honest servers alike and keep their votes."""
-    seen, keep = set(), []
-    for i, row in enumerate(stacked):
-        key = hashlib.sha256(row.numpy().tobytes()).digest()
-        if key in seen and bool(row.any()):
-            continue
-        seen.add(key)
-        keep.append(i)
-    return keep
 
 
 def _claim(weight) -> float:
