@@ -57,7 +57,8 @@ class Verdict:
     flagged: bool = False
     norm: float = 0.0
     counted: bool = True
-    """False for an accepted part that carried no samples: it had no vote."""
+    """False for an accepted part that had no vote: it claimed no samples, or it was set aside beside a strict
+    majority of exactly zero parts. Such a part is not scored."""
 
 
 @dataclass
