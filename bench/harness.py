@@ -12,8 +12,9 @@ One round of :func:`train` is what a stage's servers do in one epoch, with the n
   phases; partition ``j`` is reduced by :func:`~swarm.averaging.reducer.reduce_partition` over the parts as
   decoded from the wire encoding, and its encoded aggregate (corrupted if peer ``j`` is a lying reducer) is
   what every peer receives — exactly the data path of :mod:`swarm.averaging.allreduce`;
-* every honest peer keeps its own :class:`~swarm.averaging.exclusion.ExclusionBook` and scores only the senders
-  of the partition it reduced, as a real peer does; each partition is audited with probability
+* every honest peer keeps its own :class:`~swarm.averaging.exclusion.ExclusionBook` and
+  :class:`~swarm.averaging.history.PartHistory` and scores only the senders of the partition it reduced
+  (:func:`~swarm.averaging.reducer.as_scored_by`), as a real peer does; each partition is audited with probability
   ``audit_probability`` by the peer :func:`~swarm.averaging.audit.audit_plan` draws (signatures and the
   evidence exchange are left out: the auditor's comparison and its outcome are the same, and a confirmed lie or
   a refuted accusation is verified, so it lands in every honest book); a peer leaves the group once most honest
@@ -39,13 +40,15 @@ from typing import Optional
 import torch
 
 from swarm.attacks import TRAINER_ATTACKS, make_attack
+from swarm.attacks.adaptive import apart
 from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.allreduce import digest
 from swarm.averaging.compression import ElementwiseCompressor, PhaseResult, flatten, make_compressor, unflatten
 from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.audit import audit_plan, matches
+from swarm.averaging.history import PartHistory
 from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
-from swarm.averaging.reducer import NoValidParts, ReducePolicy, partition_bounds, reduce_partition
+from swarm.averaging.reducer import NoValidParts, ReducePolicy, as_scored_by, partition_bounds, reduce_partition
 from swarm.averaging.outer import make_outer_optimizer
 from swarm.averaging.schedule import lr_at_epoch, make_scheduler, make_torch_optimizer
 from swarm.config import RunSpec
@@ -157,10 +160,12 @@ def val_loss(model, dataset, spec, batches: int = 32) -> float:
 
 def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0, attack: Optional[str] = None,
           aggregator: str = "centered_clip", compression: str = "none", rank: int = 4, rounds: int = 60,
-          checks: bool = True, audit_probability: float = 0.25, seed: int = 0, pre: str = "none") -> HarnessResult:
+          checks: bool = True, audit_probability: float = 0.5, seed: int = 0, pre: str = "none",
+          history: bool = True) -> HarnessResult:
     """Train ``rounds`` epochs with ``peers`` simulated servers, the last ``byzantine`` of them attackers.
 
-    ``checks=False`` turns the reducer's norm check and exclusions off (plain averaging: the control).
+    ``checks=False`` turns the reducer's norm check and exclusions off (plain averaging: the control);
+    ``history=False`` only the history check (:mod:`swarm.averaging.history`).
     For trainer attacks (``label_flip``, ``grad_flip``) the peers are trainers of one server.
     """
     start = time.perf_counter()
@@ -180,6 +185,7 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
                  for i in range(byzantine)}
     book = Books([i for i in range(peers) if i not in attackers],
                  ExclusionPolicy(threshold=3.0 if checks else math.inf))
+    histories = {i: PartHistory(own=str(i)) for i in range(peers) if i not in attackers} if checks and history else {}
     compressors = [make_compressor(compression, rank=rank, fraction=avg.topk_fraction, chunk=avg.topk_chunk,
                                    bits=avg.topk_bits) for _ in range(peers)]
     outer = _OuterHarness(spec, model, peers) if avg.mode == "outer" else None
@@ -214,7 +220,7 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
             result.honest_excluded = len(set(contrib.exclusion.excluded()) - {str(i) for i in attackers})
         else:
             averaged, sent = _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed,
-                                         audit_probability if checks else 0.0, result.kappas)
+                                         audit_probability if checks else 0.0, result.kappas, histories)
             bytes_sent += sent
             for peer in book.excluded():
                 result.excluded_at.setdefault(int(peer), r + 1)
@@ -244,7 +250,8 @@ enough to rank the scales it tries, at a tenth of the cost."""
 
 def _probe(agg, policy: ReducePolicy, byzantine: int):
     """What a rule-aware attacker runs to tune its lie (:data:`swarm.attacks.Probe`): the reducer's checks and rule
-    on the honest vectors plus ``byzantine`` copies of ``bad``, on :data:`PROBE_VALUES` sampled coordinates."""
+    on the honest vectors plus ``byzantine`` copies of ``bad``, each moved apart as the attackers move theirs
+    (:func:`swarm.attacks.adaptive.apart`), on :data:`PROBE_VALUES` sampled coordinates."""
     sample: dict = {}
 
     def probe(honest: torch.Tensor, bad: torch.Tensor) -> tuple[float, bool]:
@@ -253,7 +260,8 @@ def _probe(agg, policy: ReducePolicy, byzantine: int):
             sample[numel] = torch.randperm(numel, generator=torch.Generator().manual_seed(0))[:PROBE_VALUES]
         idx = sample[numel]
         h, b = honest[:, idx], bad[idx]
-        parts = {f"h{i}": row for i, row in enumerate(h)} | {f"b{i}": b for i in range(byzantine)}
+        gen = torch.Generator().manual_seed(7)  # the attackers keep their vectors apart, as they will when they send
+        parts = {f"h{i}": row for i, row in enumerate(h)} | {f"b{i}": apart(b, h, 0.4, gen) for i in range(byzantine)}
         try:
             red = reduce_partition(parts, dict.fromkeys(parts, 1.0), idx.numel(), agg, policy)
         except NoValidParts:
@@ -322,7 +330,8 @@ class _OuterHarness:
         self.epoch += 1
 
 
-def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed, audit_probability, kappas):
+def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed, audit_probability, kappas,
+                histories):
     """One averaging round among ``active`` peers; returns (averaged tensors, encoded bytes peer 0 sent). Appends
     to ``kappas`` the :func:`kappa_seen` of every partition reduced while an attacker in the group lied (a failed
     partition counts as a zero aggregate)."""
@@ -365,7 +374,9 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
             try:
                 red = reduce_partition(parts, weights, b - a, agg, policy)
                 out = red.aggregate
-                for sender, v in red.verdicts.items():  # reducer j scores the senders of its partition only
+                if j in histories:
+                    histories[j].observe((codec.name, a, b), parts, red)
+                for sender, v in as_scored_by(red.verdicts, str(j)).items():  # reducer j scores its senders only
                     verdicts.setdefault(j, {}).setdefault(sender, []).append(v)
             except NoValidParts:
                 out = torch.zeros(b - a)

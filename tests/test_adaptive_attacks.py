@@ -7,7 +7,7 @@ import torch
 from swarm.attacks import make_attack
 from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.exclusion import ExclusionBook
-from swarm.averaging.reducer import NoValidParts, ReducePolicy, reduce_partition
+from swarm.averaging.reducer import NoValidParts, ReducePolicy, copy_blocks, reduce_partition
 
 
 def _honest(n=5, d=2000, seed=0):
@@ -16,9 +16,11 @@ def _honest(n=5, d=2000, seed=0):
 
 
 def _reduce(honest, bad, f):
+    """``f`` attackers sending ``bad`` itself (copies keep their votes here: this tests the search, not the copies
+    rule, which :func:`test_attackers_who_know_copies_vote_once_keep_apart` covers)."""
     parts = {f"h{i}": row for i, row in enumerate(honest)} | {f"b{i}": bad for i in range(f)}
     return reduce_partition(parts, dict.fromkeys(parts, 1.0), bad.numel(), make_aggregator("centered_clip"),
-                            ReducePolicy())
+                            ReducePolicy(copy_ratio=0.0))
 
 
 def _probe(f):
@@ -35,7 +37,7 @@ def _probe(f):
 def test_tuned_attacks_pick_the_farthest_lie_the_checks_let_through():
     honest = _honest()
     for name in ("alie_tuned", "ipm_tuned"):
-        attack = make_attack(name, n=7, f=2, probe=_probe(2))
+        attack = make_attack(name, n=7, f=2, probe=_probe(2)).inner  # the search, before the attackers move apart
         bad = attack.corrupt_part(honest[0], 0, honest=honest)
         red = _reduce(honest, bad, 2)
         assert all(red.verdicts[f"b{i}"].accepted and not red.verdicts[f"b{i}"].flagged for i in range(2)), name
@@ -44,6 +46,18 @@ def test_tuned_attacks_pick_the_farthest_lie_the_checks_let_through():
             other_err, caught = _probe(2)(honest, attack._vector(honest.mean(0), honest.std(0), z))
             assert caught or other_err <= err + 1e-6, (name, z)
         assert attack.corrupt_part(honest[0], 0, honest=honest) is bad  # one search per round, shared
+
+
+def test_attackers_who_know_copies_vote_once_keep_apart():
+    honest = _honest()
+    for name in ("alie_tuned", "ipm_tuned", "drift", "inflated_claim", "near_copies"):
+        attackers = [make_attack(name, n=7, f=3, seed=i, probe=_probe(3)) for i in range(3)]
+        bad = torch.stack([a.corrupt_part(honest[0], 1, honest=honest) for a in attackers])
+        assert copy_blocks(torch.cat([honest, bad]), ReducePolicy().copy_ratio)[-3:] == [[5], [6], [7]], name
+    mimic = make_attack("mimic").corrupt_part(honest[0], 1, honest=honest)
+    near = make_attack("near_copies", seed=0).corrupt_part(honest[0], 1, honest=honest)
+    typical = torch.pdist(honest).median()
+    assert abs(float((near - mimic).norm() / typical) - 0.05) < 1e-3  # not bit-identical; 20x closer than honest
 
 
 def test_drift_is_flagged_every_other_round_and_never_excluded():

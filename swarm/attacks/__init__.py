@@ -41,6 +41,10 @@ vectors and a probe of the configured rule and checks):
   exclusion score stays just under the threshold.
 * ``inflated_claim`` — ``-9`` times the honest mean, reporting 1e6 samples.
 * ``zeros`` — exact zeros from every attacker.
+* ``slow_drift`` — drift that also knows the history check: its moving average held just inside the flag radius.
+* ``near_copies`` — mimic, each copy moved by 0.05 times the honest parts' median distance: not bit-identical, and
+  with the copied part a majority of near copies whenever ``f + 1 > n / 2``. The tuned attacks, sleeper, both
+  drifts and inflated_claim move each attacker's vector 0.4 apart, so that near copies do not vote once.
 
 :class:`LyingStageServer` answers a fraction of its training forwards and backwards with noise added to its
 outputs or input gradients (caught by trainers' spot checks, :mod:`swarm.trust.spotcheck`).
@@ -56,7 +60,7 @@ from typing import Optional
 
 import torch
 
-from swarm.attacks.adaptive import Drift, InflatedClaim, Probe, Sleeper, Tuned, Zeros, own_partitions
+from swarm.attacks.adaptive import Apart, Drift, InflatedClaim, Probe, Sleeper, SlowDrift, Tuned, Zeros, own_partitions
 from swarm.attacks.named import (ALIE, IPM, Attack, FalseAccuser, GradFlip, LabelFlip, LyingReducer, Mimic, MinMax,
                                  Noise, Replay, SignFlip)
 from swarm.averaging.allreduce import PartitionReducer
@@ -69,8 +73,12 @@ from swarm.server.stage import StageServer
 
 ATTACKS = ("sign_flip", "noise", "alie", "ipm", "mimic", "minmax", "label_flip", "grad_flip", "replay", "lying_reducer",
            "false_accuser")
-ADAPTIVE_ATTACKS = ("alie_tuned", "ipm_tuned", "own_partitions", "sleeper", "drift", "inflated_claim", "zeros")
+ADAPTIVE_ATTACKS = ("alie_tuned", "ipm_tuned", "own_partitions", "sleeper", "drift", "slow_drift", "inflated_claim",
+                    "zeros", "near_copies")
 """Attacks that know the rule (:mod:`swarm.attacks.adaptive`); part of :data:`ATTACKS`."""
+APART = ("alie_tuned", "ipm_tuned", "sleeper", "drift", "slow_drift", "inflated_claim", "near_copies")
+"""Attacks whose attackers would all send one vector: each moves its own :func:`~swarm.attacks.adaptive.apart` (near
+copies vote once)."""
 ATTACKS = ATTACKS + ADAPTIVE_ATTACKS
 TRAINER_ATTACKS = ("label_flip", "grad_flip")
 SERVER_LIES = ("lying_server",)
@@ -92,10 +100,14 @@ def make_attack(name: Optional[str], *, n: int = 7, f: int = 2, seed: int = 0,
              "false_accuser": FalseAccuser, "alie_tuned": lambda: Tuned("alie", probe, n=n, f=f),
              "ipm_tuned": lambda: Tuned("ipm", probe), "own_partitions": own_partitions,
              "sleeper": lambda: Sleeper(Tuned("alie", probe, n=n, f=f)), "drift": Drift, "inflated_claim": InflatedClaim,
-             "zeros": Zeros}
+             "zeros": Zeros, "near_copies": Mimic, "slow_drift": SlowDrift}
     if name not in table:
         raise ValueError(f"unknown attack {name!r}; choose one of {list(ATTACKS)}")
-    return table[name]()
+    attack = table[name]()
+    if name in APART:  # attackers who know that copies vote once keep their vectors apart
+        attack = Apart(attack, seed, size=0.05 if name == "near_copies" else 0.4)
+        attack.name = name
+    return attack
 
 
 # ---- installing an attack from outside ------------------------------------------------------------------

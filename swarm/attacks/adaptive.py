@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from swarm.averaging.history import PartHistory
 from swarm.attacks.named import ALIE, IPM, Attack, SignFlip
 
 Probe = Callable[[torch.Tensor, torch.Tensor], tuple[float, bool]]
@@ -57,6 +58,37 @@ class Tuned(Attack):
         return best
 
 
+def apart(bad: torch.Tensor, honest: torch.Tensor, size: float, gen: torch.Generator) -> torch.Tensor:
+    """``bad`` plus Gaussian noise of norm ``size`` times the median distance between two honest vectors ``honest``
+    ``(h, numel)``: attackers who know that near copies vote once (:func:`swarm.averaging.reducer.copy_blocks`, at
+    half that distance) keep their vectors that far apart (0.4: two attackers ~0.57 apart)."""
+    h = honest.shape[0]
+    if h < 2 or size <= 0:
+        return bad
+    dist = torch.cdist(honest[None].double(), honest[None].double())[0]
+    typical = float(dist[torch.triu_indices(h, h, 1).unbind()].median())
+    noise = torch.randn(bad.shape, generator=gen)
+    return bad + (size * typical / float(noise.norm().clamp_min(1e-30))) * noise
+
+
+class Apart(Attack):
+    """``inner`` with each attacker's vector moved :func:`apart` from the others' (its own noise, ``size`` times
+    the honest vectors' median distance): the same lie, not the same bytes."""
+
+    def __init__(self, inner: Attack, seed: int, size: float = 0.4):
+        self.inner, self.size, self.name = inner, size, inner.name
+        self.claim, self.gen = inner.claim, torch.Generator().manual_seed(1_000_003 + seed)
+
+    def focus(self, reduced_by_attackers):
+        self.inner.focus(reduced_by_attackers)
+
+    def corrupt_part(self, vector, round, honest=None):
+        bad = self.inner.corrupt_part(vector, round, honest)
+        if honest is None or bad is vector:
+            return bad
+        return apart(bad, honest, self.size, self.gen)
+
+
 class Sleeper(Attack):
     """Honest for ``wake`` rounds, then ``inner`` every round: all sleepers turn together, with no score built up."""
 
@@ -98,6 +130,43 @@ class Drift(Attack):
         spread = float((honest - mu).norm(dim=1).median()) if honest is not None and honest.shape[0] >= 2 else 0.0
         reach = (2.0 if round % 2 else self.margin) * self.outlier_ratio * spread
         return mu - reach * mu / mu.norm().clamp_min(1e-12)
+
+
+class SlowDrift(Attack):
+    """Drift that knows the history check (:class:`~swarm.averaging.history.PartHistory`): it keeps moving averages
+    of the honest vectors and of its own parts, as the reducers do, and sends each round the part that brings its
+    own average to ``margin * outlier_ratio`` times the honest averages' median distance from their mean, against
+    the honest mean's direction; each part also stays within ``margin * outlier_ratio`` times the honest parts'
+    median distance of the honest mean, under one round's flags. What is left is the push no check sees."""
+
+    name = "slow_drift"
+
+    def __init__(self, beta: float = PartHistory.beta, outlier_ratio: float = PartHistory.outlier_ratio,
+                 margin: float = 0.9):
+        self.beta, self.outlier_ratio, self.margin = beta, outlier_ratio, margin
+        self.honest_avg: Optional[torch.Tensor] = None
+        self.own_avg: Optional[torch.Tensor] = None
+        self.rounds = 0
+
+    def corrupt_part(self, vector, round, honest=None):
+        if honest is None or honest.shape[0] < 2:
+            return vector
+        mu = honest.mean(0)
+        fresh = self.honest_avg is None or self.honest_avg.shape != honest.shape
+        self.rounds = 1 if fresh else self.rounds + 1
+        b = min(self.beta, 1 - 1 / self.rounds)  # the reducers' averages: the plain mean of the first rounds
+        self.honest_avg = honest.clone() if fresh else b * self.honest_avg + (1 - b) * honest
+        own = mu if fresh or self.own_avg is None else self.own_avg
+        center = self.honest_avg.mean(0)
+        reach = self.margin * self.outlier_ratio * float((self.honest_avg - center).norm(dim=1).median())
+        target = center - reach * center / center.norm().clamp_min(1e-12)
+        part = (target - b * own) / (1 - b)
+        limit = self.margin * self.outlier_ratio * float((honest - mu).norm(dim=1).median())
+        step = part - mu
+        if float(step.norm()) > limit:
+            part = mu + step * (limit / float(step.norm()))
+        self.own_avg = part.clone() if fresh or self.own_avg is None else b * own + (1 - b) * part
+        return part
 
 
 class InflatedClaim(Attack):

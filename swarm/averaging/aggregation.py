@@ -148,7 +148,7 @@ class TrimmedMeanAggregator(Aggregator):
 class CenteredClipAggregator(Aggregator):
     name = "centered_clip"
 
-    def __init__(self, tau_ratio: float = 1.0, iterations: int = 20):
+    def __init__(self, tau_ratio: float = 0.5, iterations: int = 20):
         if tau_ratio <= 0 or iterations < 1:
             raise ValueError("tau_ratio must be > 0 and iterations >= 1")
         self.tau_ratio, self.iterations = tau_ratio, iterations
@@ -222,7 +222,7 @@ AGGREGATORS = ("mean", "median", "trimmed_mean", "centered_clip")
 PRE_AGGREGATIONS = ("none", "nnm", "bucketing")
 
 
-def make_aggregator(name: str, *, trim: float = 0.3, tau_ratio: float = 1.0, iterations: int = 20,
+def make_aggregator(name: str, *, trim: float = 0.3, tau_ratio: float = 0.5, iterations: int = 20,
                     pre: str = "none", byzantine_fraction: float = 0.3, bucket_size: int = 2) -> Aggregator:
     """Aggregator by spec name (see :data:`AGGREGATORS`), wrapped in pre-aggregation ``pre``
     (:data:`PRE_AGGREGATIONS`); raises ValueError for an unknown name."""

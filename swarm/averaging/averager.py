@@ -18,7 +18,7 @@ import logging
 import time
 from concurrent import futures
 from concurrent.futures import InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Optional, Sequence
 
 import torch
@@ -41,7 +41,8 @@ from swarm.averaging.compression import Compressor, make_compressor
 from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.donors import DonorChoice
 from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
-from swarm.averaging.reducer import ReducePolicy, partition_bounds
+from swarm.averaging.history import PartHistory
+from swarm.averaging.reducer import ReducePolicy, as_scored_by, partition_bounds
 from swarm.config import AveragingSpec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
 from swarm.net.transport import ProtocolServicer, gather, stream_out
@@ -79,7 +80,7 @@ class AveragingRules:
     policy: ReducePolicy = field(default_factory=ReducePolicy)
     exclusion: ExclusionPolicy = field(default_factory=ExclusionPolicy)
     phase_timeout: float = 10.0
-    audit_probability: float = 0.25
+    audit_probability: float = 0.5
 
     @classmethod
     def from_spec(cls, avg: AveragingSpec) -> "AveragingRules":
@@ -243,7 +244,8 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
                     if not reply.accepted:
                         logger.warning(f"reducer {peer} rejected this peer's part: {reply.reason}")
                 if reducer is not None and reducer.reduction is not None:
-                    for sender, v in reducer.reduction.verdicts.items():
+                    self._observe(index, phase, fractions, my_index, reducer)
+                    for sender, v in as_scored_by(reducer.reduction.verdicts, me).items():
                         verdicts.setdefault(sender, []).append(v)
                 try:
                     phase = gen.send(outcome.result)
@@ -258,6 +260,10 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
     def _new_reducer(self, **fields) -> PartitionReducer:
         """The reducer of this peer's partition in one phase (:class:`PartitionReducer` fields)."""
         return PartitionReducer(**fields)
+
+    def _observe(self, index: int, phase, fractions, j: int, reducer: PartitionReducer) -> None:
+        """After this peer reduced partition ``j`` of phase ``index``: a look at the senders' history (none here;
+        the gradient averager's :class:`~swarm.averaging.history.PartHistory` flags lasting pushes)."""
 
     def _partition_size(self, phase, fractions, j) -> int:
         a, b = partition_bounds(phase.vector.numel(), fractions, phase.codec.block)[j]
@@ -355,7 +361,16 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
                                                   outlier_ratio=trainer_outlier_ratio,
                                                   exclusion=ExclusionBook(rules.exclusion))
         self._last_local: Optional[list[torch.Tensor]] = None
+        self.histories: dict[int, PartHistory] = {}  # phase index -> the senders' history of my partition
         super().__init__(parameters, **kwargs)
+
+    def _observe(self, index, phase, fractions, j, reducer):
+        a, b = partition_bounds(phase.vector.numel(), fractions, phase.codec.block)[j]
+        history = self.histories.setdefault(index, PartHistory(outlier_ratio=self.rules.policy.outlier_ratio,
+                                                                copy_ratio=self.rules.policy.copy_ratio,
+                                                                own=str(self.peer_id)))
+        for sender in history.observe((phase.codec.name, a, b), reducer.parts, reducer.reduction):
+            logger.info(f"flagged {sender}: {reducer.reduction.verdicts[sender].reason}")
 
     @torch.no_grad()
     def accumulate(self, contributor: str, gradients: Sequence[torch.Tensor], samples: int) -> float:
@@ -418,6 +433,8 @@ class RobustStateAverager(DonorChoice, RobustAllReduceMixin, TrainingStateAverag
     wire_name = "RobustStateAverager"
 
     def __init__(self, *, rules: AveragingRules = AveragingRules(), identity=None, run_id: str = "local", **kwargs):
+        # honest servers' parameters agree bit for bit: here copies are the honest majority, each keeps its vote
+        rules = replace(rules, policy=rules.policy.model_copy(update={"copy_ratio": 0.0}))
         self._init_robust(rules, make_compressor("none"), identity, run_id, kwargs.get("dht"))
         self._init_donors()
         super().__init__(**kwargs)
