@@ -1,6 +1,6 @@
 """Attacks x aggregators with 3 of 7 peers Byzantine: final validation loss next to two clean runs'.
 
-    python bench/robustness.py [--rounds 100] [--byzantine 3] [--attacks sign_flip,noise,...]
+    python bench/robustness.py [--rounds 100] [--byzantine 3] [--seeds 3] [--attacks sign_flip,noise,...]
                                [--aggregators mean,centered_clip,nnm+centered_clip]
                                [--mode outer --inner-steps 5 --compression topk]
 
@@ -20,7 +20,7 @@ sleepers, drift under the exclusion threshold, inflated sample claims, lies only
 zeros).
 
 Prints one JSON line per configuration on stderr and, last on stdout, ``{"byzantine_fraction", "results":
-[{"attack", "aggregator", "val_loss", "clean_val_loss", "honest_val_loss", "ratio_to_clean",
+[{"attack", "aggregator", "val_loss", "clean_val_loss", "honest_val_loss", "ratio_to_clean", "ratios",
 "rounds_to_exclusion", "attackers_excluded", "honest_excluded", "kappa_median", "kappa_max", "kappa_bound"}],
 "within_5pct": {aggregator: bool}, "within_10pct": {aggregator: bool}}``; ``rounds_to_exclusion`` is the round by
 which most honest peers had excluded the last attacker (null: never), ``attackers_excluded`` how many attackers
@@ -54,22 +54,34 @@ from swarm.averaging.aggregation import assumed_byzantine, kappa_bound  # noqa: 
 PEERS = 7
 
 
-def _run(spec, args, aggregator: str, **kw):
+def _run(spec, args, aggregator: str, **kw) -> list:
+    """One run per seed (``--seeds``), the same configuration otherwise."""
     pre, _, rule = aggregator.rpartition("+")
-    return train(spec, args.cache_dir, peers=kw.pop("peers", PEERS), aggregator=rule, pre=pre or "none",
-                 rounds=args.rounds, checks=rule != "mean", compression=args.compression, **kw)
+    peers = kw.pop("peers", PEERS)
+    return [train(spec, args.cache_dir, peers=peers, aggregator=rule, pre=pre or "none", rounds=args.rounds,
+                  checks=rule != "mean", compression=args.compression, seed=seed, **kw)
+            for seed in range(args.seeds)]
 
 
-def _row(r, attack: str, aggregator: str, clean, honest, f: int, spec) -> dict:
-    excluded = [r.excluded_at.get(i) for i in range(PEERS - f, PEERS)]
-    kappas = sorted(k for k in r.kappas if k is not None)
+def _mean_loss(runs: list) -> float:
+    return sum(r.val_loss for r in runs) / len(runs)
+
+
+def _row(runs: list, attack: str, aggregator: str, clean: list, honest: list, f: int, spec) -> dict:
+    """The JSON row of one attack's runs (one per seed) beside the clean runs of the same seeds: losses and the
+    ratio are means over the seeds (``ratios``: per seed), exclusions the worst seed's."""
+    per_seed = [[r.excluded_at.get(i) for i in range(PEERS - f, PEERS)] for r in runs]
+    never = any(b is None for excluded in per_seed for b in excluded)
+    kappas = sorted(k for r in runs for k in r.kappas if k is not None)
+    ratios = [r.val_loss / c.val_loss for r, c in zip(runs, clean)]
     avg = spec.averaging  # the bench's trim and byzantine_fraction agree (0.3 each): one f assumed
     bound = kappa_bound(aggregator, PEERS, f, assumed=assumed_byzantine(PEERS, avg.byzantine_fraction))
-    return {"attack": attack, "aggregator": aggregator, "val_loss": round(r.val_loss, 4),
-            "clean_val_loss": round(clean.val_loss, 4), "honest_val_loss": round(honest.val_loss, 4),
-            "ratio_to_clean": round(r.val_loss / clean.val_loss, 4),
-            "rounds_to_exclusion": max(excluded) if all(b is not None for b in excluded) else None,
-            "attackers_excluded": sum(b is not None for b in excluded), "honest_excluded": r.honest_excluded,
+    return {"attack": attack, "aggregator": aggregator, "val_loss": round(_mean_loss(runs), 4),
+            "clean_val_loss": round(_mean_loss(clean), 4), "honest_val_loss": round(_mean_loss(honest), 4),
+            "ratio_to_clean": round(sum(ratios) / len(ratios), 4), "ratios": [round(x, 4) for x in ratios],
+            "rounds_to_exclusion": None if never else max(max(excluded) for excluded in per_seed),
+            "attackers_excluded": min(sum(b is not None for b in excluded) for excluded in per_seed),
+            "honest_excluded": max(r.honest_excluded for r in runs),
             "kappa_median": round(kappas[len(kappas) // 2], 4) if kappas else None,
             "kappa_max": round(kappas[-1], 4) if kappas else None,
             "kappa_bound": None if bound is None else round(bound, 2)}
@@ -84,6 +96,8 @@ def main() -> None:
     ap.add_argument("--mode", choices=["per_epoch", "outer"], default="per_epoch")
     ap.add_argument("--inner-steps", type=int, default=5, help="--mode outer: inner steps per outer step")
     ap.add_argument("--compression", default="none", help="the compressor of every run (none, topk, powersgd, ...)")
+    ap.add_argument("--seeds", type=int, default=1, help="runs per configuration, seeds 0..N-1 (reported: the "
+                    "mean ratio to the clean runs of the same seeds; one seed's trajectory noise is a few percent)")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("SWARM_CACHE_DIR", ROOT / ".test-cache")))
     args = ap.parse_args()
     spec, f = bench_spec(), args.byzantine
@@ -93,15 +107,15 @@ def main() -> None:
     for aggregator in args.aggregators.split(","):
         clean = _run(spec, args, aggregator)
         honest = _run(spec, args, aggregator, peers=PEERS - f)
-        print(json.dumps({"aggregator": aggregator, "attack": None, "val_loss": round(clean.val_loss, 4),
-                          "honest_val_loss": round(honest.val_loss, 4)}), file=sys.stderr, flush=True)
+        print(json.dumps({"aggregator": aggregator, "attack": None, "val_loss": round(_mean_loss(clean), 4),
+                          "honest_val_loss": round(_mean_loss(honest), 4)}), file=sys.stderr, flush=True)
         within[aggregator] = within10[aggregator] = True
         for attack in args.attacks.split(","):
             r = _run(spec, args, aggregator, byzantine=f, attack=attack)
             row = _row(r, attack, aggregator, clean, honest, f, spec)
-            within[aggregator] &= row["ratio_to_clean"] <= 1.05 and r.honest_excluded == 0
+            within[aggregator] &= row["ratio_to_clean"] <= 1.05 and row["honest_excluded"] == 0
             within10[aggregator] &= row["ratio_to_clean"] <= 1.10
-            print(json.dumps(row | {"seconds": round(r.seconds, 1)}), file=sys.stderr, flush=True)
+            print(json.dumps(row | {"seconds": round(sum(x.seconds for x in r), 1)}), file=sys.stderr, flush=True)
             results.append(row)
     print(json.dumps({"byzantine_fraction": round(f / PEERS, 3), "mode": args.mode, "compression": args.compression,
                       "inner_steps": args.inner_steps if args.mode == "outer" else 1, "results": results,

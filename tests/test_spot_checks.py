@@ -18,7 +18,7 @@ from swarm.trainer.pipeline import RemotePipeline
 from swarm.net.codecs import unpack_tensors
 from swarm.protocol import ProtocolError, ServerInfo, ServerState, StageReceipt, open_record
 from swarm.trust.receipts import check_receipt, sign_receipt, tensors_digest
-from swarm.trust.evidence import odd_one_out, relative_difference, verify_evidence
+from swarm.trust.evidence import SpotEvidence, odd_one_out, relative_difference, verify_evidence
 from swarm.trust.spotcheck import SpotChecker
 from swarm.server.stage import StageServer
 from swarm.identity import Identity
@@ -71,10 +71,16 @@ def _batches(tiny_dataset, n):
     return [tiny_dataset.batch(list(range(i * b, (i + 1) * b))) for i in range(n)]
 
 
-def _perturbed(scale):
+class OutOfSync(StageServer):
+    """An honest server whose gradient round failed: it says so in its receipts (StageOptimizer.synced)."""
+
+    synced = False
+
+
+def _perturbed(scale, cls=StageServer):
     """A server factory whose parameters are off by ``scale`` x their magnitude (honest drift between averagings)."""
     def make(*args, **kwargs):
-        server = StageServer(*args, **kwargs)
+        server = cls(*args, **kwargs)
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for p in server.module.parameters():
@@ -159,6 +165,54 @@ def test_an_unsigned_reply_convicts_and_two_disagreeing_servers_convict_no_one(t
             assert set(pipe.listener.convicted) == {servers[1].peer_id}, pipe.listener.convicted
             assert "no receipt" in pipe.listener.convicted[servers[1].peer_id]
             assert pipe.listener.counts["inconclusive"] > 0, "stage 1's two servers disagree: no third to break the tie"
+
+    asyncio.run(main())
+
+
+def test_an_honest_server_out_of_sync_is_not_convicted_and_is_avoided_while_a_synced_one_is_left(tiny_dataset):
+    """A server that stepped on its own gradient (parameters 50% off) and says so in its receipts: checks compare
+    none of its answers, evidence holding one is refused by every verifier, and the trainer routes to it only
+    when no synced server of the stage is left, until its record shows the stage's next state round."""
+    layout = [(0, StageServer), (1, _perturbed(0.5, OutOfSync)), (1, StageServer), (1, liar(("forward",))),
+              (2, StageServer)]
+
+    async def main():
+        async with serving(layout) as (servers, pipe):
+            unsynced, honest, lying = servers[1], servers[2], servers[3]
+            checker = pipe.listener
+            for batch in _batches(tiny_dataset, 12):
+                await pipe.forward_loss(batch, train=True)
+                await checker.drain()
+            assert unsynced.peer_id not in checker.convicted, checker.convicted
+            assert lying.peer_id not in checker.convicted, "no third synced answer to break the tie"
+            info = next(s for s in await pipe.servers(1) if s.peer_id == unsynced.peer_id)
+            assert checker.avoids(info) and unsynced.samples <= SPEC.training.micro_batch_size * 2
+            assert not any(checker.avoids(s) for s in await pipe.servers(1) if s.peer_id != unsynced.peer_id)
+            every = SPEC.averaging.average_state_every
+            assert not checker.avoids(info.model_copy(update={"epoch": every})), "its next state round re-syncs it"
+
+            # the only server of its stage left: routed to, as before
+            before = unsynced.samples
+            for peer in (honest.peer_id, lying.peer_id):
+                pipe.router.report_failure(peer)
+            await pipe.forward_loss(_batches(tiny_dataset, 1)[0], train=True)
+            assert unsynced.samples > before
+
+            # evidence holding an answer its server signed as out of sync convicts no one
+            ident = Identity.generate()
+            fields = dict(stage=1, mb_id="mb", call="forward", loss=None, time=get_dht_time())
+            wire = [[torch.zeros(2, 3)], [torch.zeros(2, 3)], [torch.ones(2, 3)]]
+            request = [torch.zeros(2, 3)]
+            answers = [(sign_receipt(i, RUN, epoch=4, request_sha256=tensors_digest(request),
+                                     reply_sha256=tensors_digest(w), synced=k != 2, **fields), w)
+                       for k, (i, w) in enumerate(zip([Identity.generate(), Identity.generate(), ident], wire))]
+            evidence = SpotEvidence(run_id=RUN, stage=1, call="forward", codec="float32", request_wire=request,
+                                    answers=answers, accused=2, tolerance=0.05)
+            with pytest.raises(ProtocolError, match="out of sync"):
+                verify_evidence(evidence)
+            answers[2] = (sign_receipt(ident, RUN, epoch=4, request_sha256=tensors_digest(request),
+                                       reply_sha256=tensors_digest(wire[2]), **fields), wire[2])
+            assert verify_evidence(dataclasses.replace(evidence, answers=answers)) == ident.peer_id
 
     asyncio.run(main())
 

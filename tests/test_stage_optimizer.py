@@ -45,6 +45,7 @@ def test_a_server_out_of_sync_loads_the_stages_state_into_the_tensors_that_are_a
         late = optimizers[1]
         held = _statistics(late)
         late.announce_progress()
+        late._opt.synced = False  # as after a failed round: the accepted load re-syncs it
         deadline = time.monotonic() + 60
         # until its tracker has read the ahead server's epoch-2 record, the late one takes an older record for
         # the stage's epoch and (hivemind) steps on its own gradients to catch up instead of loading the state
@@ -61,6 +62,7 @@ def test_a_server_out_of_sync_loads_the_stages_state_into_the_tensors_that_are_a
         differ = sorted(k for k in theirs if not torch.equal(mine[k], theirs[k]))
         assert not differ, f"the loaded state differs from the donor's: {differ[:6]}"
         assert any(float(t.abs().max()) > 0 for k, t in mine.items() if k.endswith("/exp_avg"))  # a real state
+        assert late.synced and ahead.synced, "stepping alone in the stage, or on a loaded state, is in sync"
     finally:
         for o in optimizers:
             o.shutdown()
@@ -183,6 +185,35 @@ def test_a_server_that_rejoins_in_the_same_process_is_counted_and_still_stops_on
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
+def test_a_server_whose_gradient_round_failed_says_it_is_out_of_sync():
+    """Two servers of a stage, the second counted but never averaging: the first's round finds no group and it
+    steps on its own gradient, so its parameters are no longer the stage's (``synced`` False, which its receipts
+    then say: :mod:`swarm.trust.spotcheck`). A jump to the stage's epoch (a restore) is out of sync too."""
+    (first_key, first), (second_key, second) = keyed_dhts(2)
+    modules = [build_stage(TINY.model, 0), build_stage(TINY.model, 0)]
+    optimizers = []
+    try:
+        optimizers = [StageOptimizer(TINY, "failed", 0, node, module, identity=key)
+                      for (key, node), module in zip([(first_key, first), (second_key, second)], modules)]
+        alone, idle = optimizers
+        micro = TINY.training.micro_batch_size
+        idle.step(_gradients(modules[1], 99), micro, "trainer1")  # its progress is stored, then it idles
+        alone.step(_gradients(modules[0], 0), micro, "trainer0")
+        assert alone.wait_until_counted(2, timeout=30), "the first server never counted the second"
+        assert alone.synced
+        for i in range(1, 4 * MICRO_BATCHES):
+            if alone.step(_gradients(modules[0], i), micro, "trainer0"):
+                break
+        assert alone.epoch == 1 and not alone.synced, "it stepped on its own gradient while the stage had two"
+        assert idle.synced and idle.jump_to_epoch(5) == 5 and not idle.synced
+    finally:
+        for o in optimizers:
+            o.shutdown()
+        second.shutdown()
+        first.shutdown()
+
+
 def test_samples_discarded_before_a_step_are_counted_as_dropped_and_matchmaking_requests_time_out_first():
     """``samples_dropped``: samples accumulated and then discarded by a load of the stage's state or by leaving
     mid-epoch. And both averagers' matchmaking requests time out before matchmaking itself does (hivemind warns

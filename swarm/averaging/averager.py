@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
 import time
 from concurrent import futures
 from concurrent.futures import InvalidStateError
@@ -112,6 +113,7 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
         self.compressor = compressor or make_compressor("none")
         self.exclusions = ExclusionBook(rules.exclusion)
         self.wire = WireStats()
+        self._completed = mp.RawValue("q", 0)  # shared with the averager's process (forked after this)
         self._reducers: dict[str, asyncio.Future] = {}
         self._mm_wrapped = False
         self.part_admission = PeerAdmission(PART_IN_FLIGHT, rate_per_s=PART_RATE_PER_S)
@@ -123,6 +125,12 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
         return 8 * sum(t.numel() for t in self._averaged_tensors) + (1 << 20)
 
     # ---- main-process API ---------------------------------------------------------------------------
+    @property
+    def rounds_completed(self) -> int:
+        """All-reduce rounds this averager completed with a group (its result written into the averaged
+        tensors), counted in the averager's process and read here without a call to it."""
+        return self._completed.value
+
     def report(self, timeout: float = 5.0) -> dict:
         """Exclusions and scores as seen by this peer's reducers and auditors:
         ``{"excluded": {libp2p id: reason}, "scores": {libp2p id: score}}``."""
@@ -199,6 +207,7 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
                 for t, a in zip(local_tensors, averaged):
                     t.copy_(a)
             self.wire.rounds += 1
+            self._completed.value += 1
             self.wire.round_ms += round((time.perf_counter() - began) * 1000)
             return user_gathered
         except BaseException as e:

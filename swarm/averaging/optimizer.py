@@ -109,6 +109,21 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         self.samples_dropped = 0  # accumulated here, then discarded before a step (see ServerInfo.samples_dropped)
         super().__init__(**kwargs)
 
+    synced: bool = True
+    """Whether this server's parameters are the stage's shared ones (:attr:`StageOptimizer.synced`)."""
+    _late: bool = False  # overlap_rounds: a state was loaded, and the next transition has no aggregate to apply
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        """The epoch's transition (hivemind's, or a mixin's), then :attr:`synced` from how its rounds went."""
+        grads, states = self.grad_averager.rounds_completed, self.state_averager.rounds_completed
+        late, self._late = self._late, False
+        others = self.tracker.global_progress.num_peers > 1
+        super()._update_global_epoch(grad_scaler)
+        if self.state_averager.rounds_completed > states:
+            self.synced = True  # parameters and statistics averaged with the group: equal to theirs again
+        elif others and (late or self.grad_averager.rounds_completed == grads and not self.overlap_rounds):
+            self.synced = False  # it stepped on its own gradient (or, late, on none) while its stage-mates did not
+
     def drop_accumulated(self) -> None:
         """Count the samples accumulated so far as dropped (their gradients are about to be discarded)."""
         self.samples_dropped += self.grad_averager.local_samples_accumulated
@@ -151,6 +166,7 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         with self.state_averager.lock_averaged_tensors:
             _put_back(opt, originals)
         self.reset_inner()
+        self._late = self.overlap_rounds
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         stale = self.scheduled_grads
@@ -218,45 +234,8 @@ class StageOptimizer:
         self.donors_refused: dict[str, str] = {}  # libp2p id -> why its state was refused (the last 32)
         self.reloads = 0  # loads of the stage's state from live servers (not epochs this server stepped)
         with _sigint_kept():
-            self._opt = self._start(spec, run_id, dht, identity, averager_factory, state_averager_factory)
+            self._opt = _start_optimizer(self, spec, run_id, dht, identity, (averager_factory, state_averager_factory))
         self._opt.reload = self.load_state_from_peers
-
-    def _start(self, spec, run_id, dht, identity, averager_factory, state_averager_factory) -> "_CollaborativeOptimizer":
-        """hivemind's optimizer for this stage, with its averager processes and progress tracker started; in
-        ``outer`` mode its optimizer is the outer one, on hivemind's offloaded copies of the parameters, and the
-        inner loop runs on the module (:mod:`swarm.averaging.outer`)."""
-        avg, rules = spec.averaging, AveragingRules.from_spec(spec.averaging)
-        outer, target = avg.mode == "outer", spec.training.target_batch_size
-        opt = _CollaborativeOptimizer(
-            state_rules=dict(rules=rules, identity=identity, run_id=run_id),
-            state_averager_factory=state_averager_factory, overlap_rounds=avg.overlap_rounds,
-            dht=dht, run_id=f"{run_id}-stage{self.stage}", params=self.module.parameters(),
-            optimizer=partial(make_outer_optimizer, spec) if outer else partial(make_stage_torch_optimizer, spec.optim),
-            scheduler=None if outer else partial(make_scheduler, spec.optim, schedule=self.schedule),
-            target_batch_size=target * (avg.inner_steps if outer else 1),
-            batch_size_per_step=spec.training.micro_batch_size,
-            matchmaking_time=avg.matchmaking_time, averaging_timeout=avg.averaging_timeout,
-            next_chunk_timeout=avg.next_chunk_timeout, average_state_every=avg.average_state_every,
-            average_opt_statistics=("momentum_buffer",) if outer else ("exp_avg", "exp_avg_sq") + (
-                ("step",) if avg.overlap_rounds else ()),  # see swarm.averaging.overlap: a reload lags one step
-            delay_state_averaging=False, offload_optimizer=True,
-            grad_averager_factory=partial(
-                averager_factory, rules=rules, compressor=spec_compressor(avg),
-                identity=identity, run_id=run_id, clip_ratio=avg.microbatch_clip_ratio,
-                trainer_outlier_ratio=avg.trainer_outlier_ratio, request_timeout=request_timeout(avg.matchmaking_time)),
-            # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors
-            # and its restarted successor stop counting it soon
-            tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25,
-                              metadata_expiration=2 * spec.timeouts.record_ttl_s, private_key=progress_signer(dht)),
-            averager_opts=dict(request_timeout=request_timeout(avg.matchmaking_time), min_vector_size=0),
-            verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
-        )
-        if outer:
-            opt.inner = InnerLoop(spec, list(self.module.parameters()), target,
-                                  lr_at=lambda epoch: spec.optim.lr * self.schedule(epoch))
-            opt.inner.set_epoch(opt.local_epoch)
-            opt.tracker.per_server_target = target * avg.inner_steps
-        return opt
 
     # ---- training ----------------------------------------------------------------------------------------
     @property
@@ -288,6 +267,15 @@ class StageOptimizer:
         epoch = self.epoch
         opt._update_global_epoch(None)  # hivemind 1.1.12: exactly what step() calls once the epoch is ready
         return self.epoch != epoch
+
+    @property
+    def synced(self) -> bool:
+        """Whether this server's parameters are the stage's shared ones at :attr:`epoch`. False from an epoch's
+        transition that stepped without the group's aggregate while the stage had other servers (its gradient
+        round failed, or, with ``overlap_rounds``, right after a state load), until a state-averaging round
+        with the group or an accepted load from a donor; stepping alone in the stage keeps it True. Its answers
+        say so in their receipts, and spot checks compare only synced answers (:mod:`swarm.trust.spotcheck`)."""
+        return self._opt.synced
 
     @property
     def lr(self) -> float:
@@ -340,6 +328,7 @@ class StageOptimizer:
         opt = self._opt
         target = max(epoch, opt.local_epoch, opt.tracker.global_epoch)
         if target != opt.local_epoch:
+            opt.synced = False  # the parameters of an older epoch, at the stage's: until the next state round
             opt.state_averager.local_epoch = target
             with schedule_moves_quietly():
                 opt.state_averager._update_scheduler()  # hivemind: steps the schedule up to local_epoch
@@ -361,6 +350,10 @@ class StageOptimizer:
         if self.state_check is None:
             self._opt.load_state_from_peers()
             self.set_lr_scale(self.schedule.scale)  # the optimizer's settings were reloaded: the schedule's lr
+            try:
+                self._opt.synced = self._opt.synced or bool(self._opt.state_averager.last_donor()[0])
+            except Exception as e:  # the averager process is busy: synced again at the next state round
+                logger.debug("could not ask the averager for its last donor: %r", e)
             return self.epoch
         averager = self._opt.state_averager
         for _ in range(MAX_DONORS_TRIED):
@@ -378,6 +371,7 @@ class StageOptimizer:
                     refusal = (f"the check failed ({type(e).__name__}: {e})", False)
                 if refusal is None:
                     self.set_lr_scale(self.schedule.scale)  # the schedule at the new epoch, with this run's scale
+                    self._opt.synced = True
                     return self.epoch
             self._restore(before)
             why, contradicted = refusal
@@ -491,6 +485,48 @@ class StageOptimizer:
         self._opt.drop_accumulated()
         self._opt.discard_pending_round()
         self._opt.shutdown()
+
+
+
+def _start_optimizer(owner: StageOptimizer, spec: RunSpec, run_id: str, dht: hivemind.DHT, identity,
+                     factories: tuple) -> _CollaborativeOptimizer:
+    """hivemind's optimizer for ``owner``'s stage (``factories``: its gradient and state averagers'), with its
+    averager processes and progress tracker started; in ``outer`` mode its optimizer is the outer one, on
+    hivemind's offloaded copies of the parameters, and the inner loop runs on the module
+    (:mod:`swarm.averaging.outer`)."""
+    averager_factory, state_averager_factory = factories
+    avg, rules = spec.averaging, AveragingRules.from_spec(spec.averaging)
+    outer, target = avg.mode == "outer", spec.training.target_batch_size
+    opt = _CollaborativeOptimizer(
+        state_rules=dict(rules=rules, identity=identity, run_id=run_id),
+        state_averager_factory=state_averager_factory, overlap_rounds=avg.overlap_rounds,
+        dht=dht, run_id=f"{run_id}-stage{owner.stage}", params=owner.module.parameters(),
+        optimizer=partial(make_outer_optimizer, spec) if outer else partial(make_stage_torch_optimizer, spec.optim),
+        scheduler=None if outer else partial(make_scheduler, spec.optim, schedule=owner.schedule),
+        target_batch_size=target * (avg.inner_steps if outer else 1),
+        batch_size_per_step=spec.training.micro_batch_size,
+        matchmaking_time=avg.matchmaking_time, averaging_timeout=avg.averaging_timeout,
+        next_chunk_timeout=avg.next_chunk_timeout, average_state_every=avg.average_state_every,
+        average_opt_statistics=("momentum_buffer",) if outer else ("exp_avg", "exp_avg_sq") + (
+            ("step",) if avg.overlap_rounds else ()),  # see swarm.averaging.overlap: a reload lags one step
+        delay_state_averaging=False, offload_optimizer=True,
+        grad_averager_factory=partial(
+            averager_factory, rules=rules, compressor=spec_compressor(avg),
+            identity=identity, run_id=run_id, clip_ratio=avg.microbatch_clip_ratio,
+            trainer_outlier_ratio=avg.trainer_outlier_ratio, request_timeout=request_timeout(avg.matchmaking_time)),
+        # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors
+        # and its restarted successor stop counting it soon
+        tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25,
+                          metadata_expiration=2 * spec.timeouts.record_ttl_s, private_key=progress_signer(dht)),
+        averager_opts=dict(request_timeout=request_timeout(avg.matchmaking_time), min_vector_size=0),
+        verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
+    )
+    if outer:
+        opt.inner = InnerLoop(spec, list(owner.module.parameters()), target,
+                              lr_at=lambda epoch: spec.optim.lr * owner.schedule(epoch))
+        opt.inner.set_epoch(opt.local_epoch)
+        opt.tracker.per_server_target = target * avg.inner_steps
+    return opt
 
 
 @contextmanager

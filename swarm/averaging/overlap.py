@@ -57,6 +57,7 @@ class OverlappedRounds:
     epoch transition of the module docstring when ``overlap_rounds`` is set, hivemind's otherwise."""
 
     overlap_rounds: bool = False
+    synced: bool = True
     _pending: Optional[Pending] = None
     _pending_samples: int = 0
     _pending_started: float = 0.0  # perf_counter s
@@ -135,6 +136,7 @@ class OverlappedRounds:
             except BaseException as e:  # the round's failure, a timeout, or its cancellation (asyncio's)
                 if not pending.done():
                     pending.cancel()
+                self.synced = False  # the stage-mates whose round went through step on their aggregate
                 logger.warning("averaging the previous epoch's gradients failed (%s: %s): stepping on this "
                                "server's own gradient", type(e).__name__, e)
         self._load_averaged_gradients_into_optimizer_()

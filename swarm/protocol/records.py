@@ -341,7 +341,7 @@ class TrainerInfo(AnnouncedRecord):
     val_time: float = Field(0.0, ge=0, description="DHT time of that measurement.")
     spot_checks: dict[str, Count] = Field(
         default_factory=dict, max_length=8, description="Its spot checks (swarm.trust.spotcheck): sampled, agreed, "
-        "convicted, inconclusive, unchecked.")
+        "convicted, inconclusive, unchecked, adopted, unsynced (answers out of sync, not compared).")
     convicted: dict[str, str] = Field(
         default_factory=dict, max_length=32, description="Peer ids of servers its spot checks convicted -> reason.")
 

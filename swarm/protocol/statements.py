@@ -50,6 +50,9 @@ class StageReceipt(Record):
     p2p_id: str = Field(min_length=1, max_length=128, description="libp2p id of the server.")
     stage: int = Field(ge=0)
     epoch: int = Field(ge=0, description="The epoch of the parameters the reply was computed with.")
+    synced: bool = Field(True, description="Whether those parameters are the stage's shared ones: False while "
+                         "the server holds its own after a failed round (StageOptimizer.synced). Only synced "
+                         "answers are compared by spot checks.")
     mb_id: str = Field(min_length=1, max_length=128)
     call: Literal["forward", "backward"]
     request_sha256: str = Field(min_length=64, max_length=64)

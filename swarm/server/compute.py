@@ -264,10 +264,15 @@ class StageCompute:
             self.inputs.check_like("grad_outputs", grad_out, out)
             return self._host(torch.autograd.grad(out, leaf, grad_out.to(self.device))[0])
 
+    @property
+    def synced(self) -> bool:
+        """Whether the parameters are the stage's shared ones (:attr:`~swarm.averaging.StageOptimizer.synced`)."""
+        return self.optimizer.synced if self.optimizer is not None else True
+
     def _at_epoch(self, fn, *args):
-        """(compute thread) ``(epoch of the parameters fn computes with, fn(*args))``."""
-        epoch = self.epoch
-        return epoch, fn(*args)
+        """(compute thread) ``((epoch, synced) of the parameters fn computes with, fn(*args))``."""
+        params = (self.epoch, self.synced)
+        return params, fn(*args)
 
     def _finish(self, key, result) -> None:
         self._done[key] = result

@@ -104,15 +104,16 @@ class StageServer(StageCompute, StageRPC):
         digest = tensors_digest(tensors) if self.identity is not None else ""
         return req, unpack_tensors(tensors, codec), digest
 
-    def _respond(self, tensor: Optional[torch.Tensor], loss: Optional[float] = None, *, epoch: Optional[int] = None,
-                 receipt: Optional[dict] = None):
-        """The reply stream; with ``receipt`` (``mb_id``, ``call``, ``request_sha256``) and an identity, signed."""
+    def _respond(self, tensor: Optional[torch.Tensor], loss: Optional[float] = None, *,
+                 params: Optional[tuple[int, bool]] = None, receipt: Optional[dict] = None):
+        """The reply stream; with ``receipt`` (``mb_id``, ``call``, ``request_sha256``) and an identity, signed.
+        ``params``: ``(epoch, synced)`` of the parameters the reply was computed with (default: now's)."""
         wire = [] if tensor is None else pack_tensors([tensor], self.codec)
-        epoch = self.epoch if epoch is None else epoch
+        epoch, synced = (self.epoch, self.synced) if params is None else params
         sealed = b""
         if receipt is not None and self.identity is not None:
-            sealed = sign_receipt(self.identity, self.run_id, stage=self.stage, epoch=epoch, loss=loss,
-                                  reply_sha256=tensors_digest(wire), time=get_dht_time(), **receipt)
+            sealed = sign_receipt(self.identity, self.run_id, stage=self.stage, epoch=epoch, synced=synced,
+                                  loss=loss, reply_sha256=tensors_digest(wire), time=get_dht_time(), **receipt)
         reply = pack_message(StageResponse(loss=loss, epoch=epoch, codec=self.codec, receipt=sealed))
         return stream_out(runtime_pb2.ExpertResponse, reply, wire)
 
@@ -127,13 +128,13 @@ class StageServer(StageCompute, StageRPC):
                                  f"{'inputs and targets' if self.is_last else 'inputs'}")
             targets = tensors[1] if self.is_last else None
             if req.mode == "check":
-                epoch, (out, loss) = await self.compute(self._at_epoch, self.check_forward, tensors[0], targets)
+                params, (out, loss) = await self.compute(self._at_epoch, self.check_forward, tensors[0], targets)
             else:
                 key = (str(context.remote_id), req.mb_id)
-                epoch, (out, loss) = await self.compute(self._at_epoch, self.forward, key, tensors[0], targets,
+                params, (out, loss) = await self.compute(self._at_epoch, self.forward, key, tensors[0], targets,
                                                          req.mode == "train")
             receipt = dict(mb_id=req.mb_id, call="forward", request_sha256=digest)
-            async for msg in self._respond(out, loss, epoch=epoch, receipt=receipt):
+            async for msg in self._respond(out, loss, params=params, receipt=receipt):
                 yield msg
 
     async def rpc_backward(
@@ -149,13 +150,13 @@ class StageServer(StageCompute, StageRPC):
             if req.check:
                 if not req.with_inputs:
                     raise StageError("a check backward recomputes from the inputs: set with_inputs and send them")
-                epoch, grad = await self.compute(self._at_epoch, self.check_backward, tensors[0], tensors[1])
+                params, grad = await self.compute(self._at_epoch, self.check_backward, tensors[0], tensors[1])
             else:
                 key = (str(context.remote_id), req.mb_id)
-                epoch, grad = await self.compute(self._at_epoch, self.backward, key, tensors[0],
-                                                  tensors[1] if req.with_inputs else None)
+                params, grad = await self.compute(self._at_epoch, self.backward, key, tensors[0],
+                                                   tensors[1] if req.with_inputs else None)
             receipt = dict(mb_id=req.mb_id, call="backward", request_sha256=digest)
-            async for msg in self._respond(grad, epoch=epoch, receipt=receipt):
+            async for msg in self._respond(grad, params=params, receipt=receipt):
                 yield msg
 
     async def rpc_ping(

@@ -109,6 +109,10 @@ def verify_evidence(evidence: SpotEvidence, min_tolerance: float = 0.0) -> str:
     if len({(r.stage, r.call, r.mb_id, r.epoch) for r in receipts}) != 1 or receipts[0].stage != evidence.stage \
             or receipts[0].call != evidence.call or len({r.peer_id for r in receipts}) != 3:
         raise ProtocolError("the receipts are not three servers' answers to one call of one stage at one epoch")
+    unsynced = [r.peer_id for r in receipts if not r.synced]
+    if unsynced:
+        raise ProtocolError(f"{', '.join(unsynced)} signed that its parameters were out of sync with its stage "
+                            "(after a failed round): answers of different parameters prove nothing")
     for i, receipt in enumerate(receipts):
         if receipt.request_sha256 != tensors_digest(evidence.request_wire) and \
                 not (i == evidence.accused and _bound_by_forward(evidence, receipt)):

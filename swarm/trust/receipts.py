@@ -35,10 +35,11 @@ def tensors_digest(tensors: Sequence[torch.Tensor]) -> str:
 
 
 def sign_receipt(identity: Identity, run_id: str, *, stage: int, epoch: int, mb_id: str, call: str,
-                 request_sha256: str, reply_sha256: str, loss: Optional[float], time: float) -> bytes:
+                 request_sha256: str, reply_sha256: str, loss: Optional[float], time: float,
+                 synced: bool = True) -> bytes:
     """The sealed :class:`~swarm.protocol.StageReceipt` of one reply, signed by ``identity`` (bytes, < 1 KB)."""
     receipt = StageReceipt(run_id=run_id, peer_id=identity.peer_id, time=time, p2p_id=identity.p2p_id, stage=stage,
-                           epoch=epoch, mb_id=mb_id, call=call, request_sha256=request_sha256,
+                           epoch=epoch, synced=synced, mb_id=mb_id, call=call, request_sha256=request_sha256,
                            reply_sha256=reply_sha256, loss=loss)
     return seal(receipt, identity)
 

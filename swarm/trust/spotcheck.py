@@ -26,6 +26,15 @@ through the same pipeline (:class:`StageCaller`).
 A sampled reply whose receipt is missing or states another request or reply than the one received convicts
 its server too (an honest server always signs what it sends).
 
+Out of sync: a server whose gradient round failed steps on its own gradient while its stage-mates step on
+their aggregate, and holds other parameters than theirs at the same epoch until the next state-averaging round
+(:attr:`~swarm.averaging.StageOptimizer.synced`). Its receipts say so (``synced = false``); such an answer is
+never compared (its difference is no lie) and evidence holding one is refused by every verifier. So that a liar
+gains nothing by saying so, a trainer that got an out-of-sync answer from a server routes to it, and asks it
+for checks, only when no other server of the stage is left (:meth:`SpotChecker.avoids`) until its record shows
+the epoch of the stage's next state round: a server saying it on every reply gets about one unchecked call per
+trainer per ``average_state_every`` epochs.
+
 Detection: a server lying on a fraction ``f`` of its calls is caught after about ``1 / (rate x f)`` of them
 (200 at rate 5% and f = 10%).
 
@@ -50,7 +59,8 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.config import RunSpec
-from swarm.protocol import BackwardRequest, ForwardRequest, ProtocolError, ServerInfo, StageReceipt
+from swarm.protocol import (BackwardRequest, ForwardRequest, ProtocolError, ServerInfo, StageReceipt,
+                            open_record)
 from swarm.trust.convictions import ConvictionBook, ConvictionFollower, share_evidence
 from swarm.trust.evidence import SpotEvidence, answers_comparable, odd_one_out, relative_difference
 from swarm.trust.receipts import check_receipt, tensors_digest
@@ -114,7 +124,8 @@ class SpotChecker:
         self.log = log if log is not None else logger
         self.convicted: dict[str, str] = {}  # peer id -> reason
         self.evidence: deque[SpotEvidence] = deque(maxlen=EVIDENCE_KEPT)
-        self.counts = dict(sampled=0, agreed=0, convicted=0, inconclusive=0, unchecked=0, adopted=0)
+        self.counts = dict(sampled=0, agreed=0, convicted=0, inconclusive=0, unchecked=0, adopted=0, unsynced=0)
+        self._unsynced: dict[str, int] = {}  # peer id -> the epoch at which it answered out of sync (the latest)
         self._spread: dict[tuple[int, str], deque[float]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._seen: dict[int, list[ServerInfo]] = {}  # stage -> its records last read (who gets evidence)
@@ -128,6 +139,24 @@ class SpotChecker:
         """Never route to a server convicted here (by a check of this trainer or verified evidence of another)."""
         return server.peer_id in self.convicted
 
+    def avoids(self, server: ServerInfo) -> bool:
+        """Route to ``server`` only when nothing else is left: it answered this trainer out of sync with its
+        stage (its receipt said so) at an epoch whose state round its record has not passed yet."""
+        epoch = self._unsynced.get(server.peer_id)
+        every = self.spec.averaging.average_state_every
+        return epoch is not None and server.epoch < (epoch // every + 1) * every
+
+    def _note(self, reply) -> None:
+        """Remember a training reply whose receipt says its server was out of sync (one parse of a small
+        record; an unreadable receipt is left to the checks)."""
+        try:
+            receipt, _ = open_record(reply.msg.receipt, StageReceipt, run_id=self.run_id)
+        except Exception:
+            return
+        peer = reply.server.peer_id
+        if not receipt.synced and receipt.peer_id == peer:
+            self._unsynced[peer] = max(receipt.epoch, self._unsynced.get(peer, 0))
+
     def saw(self, stage: int, servers: list[ServerInfo]) -> None:
         """The records of ``stage``'s servers just read: follow the convictions they list."""
         self._seen[stage] = servers
@@ -136,6 +165,7 @@ class SpotChecker:
     def forwarded(self, caller: StageCaller, stage: int, request: ForwardRequest, tensors: list[torch.Tensor],
                   reply) -> None:
         """A training forward of ``stage`` with ``tensors`` answered ``reply``: check it if sampled."""
+        self._note(reply)
         if self.sample():
             check = request.model_copy(update={"mode": "check"})
             self._start(SampledCall(caller, stage, "forward", check, tensors, reply))
@@ -144,6 +174,7 @@ class SpotChecker:
                    reply, forward) -> None:
         """A backward of ``stage`` answered ``reply`` (``forward``: the reply to the micro-batch's forward there):
         check it if sampled; stage 0's backward returns nothing to check."""
+        self._note(reply)
         if stage > 0 and self.sample():
             check = BackwardRequest(run_id=self.run_id, stage=stage, mb_id=mb_id, with_inputs=True, check=True)
             same = forward.server.peer_id == reply.server.peer_id
@@ -214,6 +245,9 @@ class SpotChecker:
         except ProtocolError as e:
             self._convict(sampled.primary.server.peer_id, stage, f"its signed {call} reply does not verify: {e}")
             return
+        if not first.synced:  # by its own signed word its parameters are not the stage's: nothing to compare
+            self.counts["unsynced"] += 1
+            return
         answers = [(sampled.primary, first)]
         tolerance = self.tolerance(stage, call)
         for server in await self._witnesses(sampled, first.epoch):
@@ -225,7 +259,7 @@ class SpotChecker:
                 self.log.info("spot check: stage %d server %s did not answer a check (%s)", stage, server.peer_id,
                               str(e)[:200])
                 continue
-            if receipt.epoch != first.epoch:
+            if receipt.epoch != first.epoch or not receipt.synced:
                 continue  # other parameters: its answer says nothing about this one
             answers.append((reply, receipt))
             verdict = self._judge(stage, call, answers, tolerance)
@@ -240,7 +274,8 @@ class SpotChecker:
         ``epoch`` first."""
         exclude, caller = sampled.primary.server.peer_id, sampled.caller
         found = [s for s in await caller.servers(sampled.stage) if s.peer_id != exclude]
-        found.sort(key=lambda s: (s.epoch != epoch, caller.is_backed_off(s.peer_id), self.rng.random()))
+        found.sort(key=lambda s: (s.epoch != epoch, self.avoids(s), caller.is_backed_off(s.peer_id),
+                                  self.rng.random()))
         return found[:4]
 
     def _judge(self, stage: int, call: str, answers: list, tolerance: float) -> Optional[int]:
