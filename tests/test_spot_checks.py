@@ -172,7 +172,8 @@ def test_an_unsigned_reply_convicts_and_two_disagreeing_servers_convict_no_one(t
 def test_an_honest_server_out_of_sync_is_not_convicted_and_is_avoided_while_a_synced_one_is_left(tiny_dataset):
     """A server that stepped on its own gradient (parameters 50% off) and says so in its receipts: checks compare
     none of its answers, evidence holding one is refused by every verifier, and the trainer routes to it only
-    when no synced server of the stage is left, until its record shows the stage's next state round."""
+    when no synced server of the stage is left, until the stage (its other servers' records) reaches its next
+    state round."""
     layout = [(0, StageServer), (1, _perturbed(0.5, OutOfSync)), (1, StageServer), (1, liar(("forward",))),
               (2, StageServer)]
 
@@ -188,8 +189,6 @@ def test_an_honest_server_out_of_sync_is_not_convicted_and_is_avoided_while_a_sy
             info = next(s for s in await pipe.servers(1) if s.peer_id == unsynced.peer_id)
             assert checker.avoids(info) and unsynced.samples <= SPEC.training.micro_batch_size * 2
             assert not any(checker.avoids(s) for s in await pipe.servers(1) if s.peer_id != unsynced.peer_id)
-            every = SPEC.averaging.average_state_every
-            assert not checker.avoids(info.model_copy(update={"epoch": every})), "its next state round re-syncs it"
 
             # the only server of its stage left: routed to, as before
             before = unsynced.samples
@@ -197,6 +196,13 @@ def test_an_honest_server_out_of_sync_is_not_convicted_and_is_avoided_while_a_sy
                 pipe.router.report_failure(peer)
             await pipe.forward_loss(_batches(tiny_dataset, 1)[0], train=True)
             assert unsynced.samples > before
+
+            every = SPEC.averaging.average_state_every
+            assert checker.avoids(info.model_copy(update={"epoch": 100})), "its own record does not end it"
+            records = await pipe.servers(1)
+            checker.saw(1, [s.model_copy(update={"epoch": every}) for s in records])  # the stage's next state round
+            assert not checker.avoids(info), "once the stage passed its next state round it is used again"
+            checker.saw(1, records)
 
             # evidence holding an answer its server signed as out of sync convicts no one
             ident = Identity.generate()

@@ -184,7 +184,6 @@ def test_a_server_that_rejoins_in_the_same_process_is_counted_and_still_stops_on
         node.shutdown()
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.timeout(180)
 def test_a_server_whose_gradient_round_failed_says_it_is_out_of_sync():
     """Two servers of a stage, the second counted but never averaging: the first's round finds no group and it
@@ -214,6 +213,7 @@ def test_a_server_whose_gradient_round_failed_says_it_is_out_of_sync():
         first.shutdown()
 
 
+@pytest.mark.timeout(120)
 def test_samples_discarded_before_a_step_are_counted_as_dropped_and_matchmaking_requests_time_out_first():
     """``samples_dropped``: samples accumulated and then discarded by a load of the stage's state or by leaving
     mid-epoch. And both averagers' matchmaking requests time out before matchmaking itself does (hivemind warns

@@ -111,18 +111,26 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
 
     synced: bool = True
     """Whether this server's parameters are the stage's shared ones (:attr:`StageOptimizer.synced`)."""
-    _late: bool = False  # overlap_rounds: a state was loaded, and the next transition has no aggregate to apply
+    _late: bool = False  # overlap_rounds: the next transition has no aggregate of the group to apply
+    _own_step: bool = False  # this transition stepped on this server's own gradient (hivemind's fallbacks)
 
     def _update_global_epoch(self, grad_scaler) -> None:
-        """The epoch's transition (hivemind's, or a mixin's), then :attr:`synced` from how its rounds went."""
-        grads, states = self.grad_averager.rounds_completed, self.state_averager.rounds_completed
-        late, self._late = self._late, False
+        """The epoch's transition (hivemind's, or a mixin's), then :attr:`synced` from how its rounds went: its own
+        gradient is known here (hivemind's fallbacks below), a completed state round from the state averager's
+        count (``rounds_completed``)."""
+        states = self.state_averager.rounds_completed
+        late, self._late, self._own_step = self._late, False, False
         others = self.tracker.global_progress.num_peers > 1
         super()._update_global_epoch(grad_scaler)
         if self.state_averager.rounds_completed > states:
             self.synced = True  # parameters and statistics averaged with the group: equal to theirs again
-        elif others and (late or self.grad_averager.rounds_completed == grads and not self.overlap_rounds):
+        elif others and (late or self._own_step):
             self.synced = False  # it stepped on its own gradient (or, late, on none) while its stage-mates did not
+
+    def _load_local_gradients_into_optimizer(self):
+        """hivemind's fallback when its round failed (or it was alone): this server's own gradient."""
+        self._own_step = True
+        super()._load_local_gradients_into_optimizer()
 
     def drop_accumulated(self) -> None:
         """Count the samples accumulated so far as dropped (their gradients are about to be discarded)."""
@@ -172,7 +180,9 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         stale = self.scheduled_grads
         if stale is not None and (stale.triggered or stale.done()):
             self.scheduled_grads = None
-        return super()._begin_averaging_gradients(grad_scaler)
+        began = super()._begin_averaging_gradients(grad_scaler)
+        self._own_step = self._own_step or not began  # hivemind then steps on the accumulated gradient
+        return began
 
     def _make_state_averager(self, **kwargs) -> RobustStateAverager:
         return self._state_averager_factory(

@@ -58,6 +58,7 @@ class OverlappedRounds:
 
     overlap_rounds: bool = False
     synced: bool = True
+    _late: bool = False
     _pending: Optional[Pending] = None
     _pending_samples: int = 0
     _pending_started: float = 0.0  # perf_counter s
@@ -89,6 +90,7 @@ class OverlappedRounds:
         """Forget the pending round's result (this server's parameters were replaced); its samples count as
         dropped. The round runs on for its group."""
         if self._pending is not None:
+            self._late = True  # the next transition has nothing to apply while its stage-mates step
             self.samples_dropped += self._pending_samples
             self._pending, self._pending_samples = None, 0
             self.grad_averager.notify_used_averaged_gradients()  # hivemind warns of unused results otherwise
@@ -114,6 +116,7 @@ class OverlappedRounds:
             except Exception as e:  # the averager process is gone or refused: step on this server's own gradient
                 logger.warning("could not start a gradient round (%s: %s)", type(e).__name__, e)
                 self.scheduled_grads = None
+                self._late = not alone  # its stage-mates will step on their aggregate
         self.grad_averager.load_accumulators_into_averager_()  # alone: its own gradient is the aggregate
         self.grad_averager.reset_accumulated_grads_()
         return LOCAL

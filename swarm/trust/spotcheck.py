@@ -31,9 +31,9 @@ their aggregate, and holds other parameters than theirs at the same epoch until 
 (:attr:`~swarm.averaging.StageOptimizer.synced`). Its receipts say so (``synced = false``); such an answer is
 never compared (its difference is no lie) and evidence holding one is refused by every verifier. So that a liar
 gains nothing by saying so, a trainer that got an out-of-sync answer from a server routes to it, and asks it
-for checks, only when no other server of the stage is left (:meth:`SpotChecker.avoids`) until its record shows
-the epoch of the stage's next state round: a server saying it on every reply gets about one unchecked call per
-trainer per ``average_state_every`` epochs.
+for checks, only when no other server of the stage is left (:meth:`SpotChecker.avoids`) until the stage (the
+lower median of its other servers' records) reaches the epoch of its next state round: a server saying it on
+every reply gets about one unchecked call per trainer per ``average_state_every`` epochs.
 
 Detection: a server lying on a fraction ``f`` of its calls is caught after about ``1 / (rate x f)`` of them
 (200 at rate 5% and f = 10%).
@@ -73,6 +73,8 @@ MAX_TOLERANCE = 0.5
 wrong)."""
 EVIDENCE_KEPT = 16
 """Convictions whose evidence a trainer keeps."""
+MAX_UNSYNCED = 256
+"""Servers a trainer remembers as out of sync (the oldest are forgotten first)."""
 
 
 class StageCaller(Protocol):
@@ -125,7 +127,7 @@ class SpotChecker:
         self.convicted: dict[str, str] = {}  # peer id -> reason
         self.evidence: deque[SpotEvidence] = deque(maxlen=EVIDENCE_KEPT)
         self.counts = dict(sampled=0, agreed=0, convicted=0, inconclusive=0, unchecked=0, adopted=0, unsynced=0)
-        self._unsynced: dict[str, int] = {}  # peer id -> the epoch at which it answered out of sync (the latest)
+        self._unsynced: dict[str, tuple[int, int]] = {}  # peer id -> (stage, stage epoch it is avoided until)
         self._spread: dict[tuple[int, str], deque[float]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._seen: dict[int, list[ServerInfo]] = {}  # stage -> its records last read (who gets evidence)
@@ -141,21 +143,39 @@ class SpotChecker:
 
     def avoids(self, server: ServerInfo) -> bool:
         """Route to ``server`` only when nothing else is left: it answered this trainer out of sync with its
-        stage (its receipt said so) at an epoch whose state round its record has not passed yet."""
-        epoch = self._unsynced.get(server.peer_id)
-        every = self.spec.averaging.average_state_every
-        return epoch is not None and server.epoch < (epoch // every + 1) * every
+        stage (its receipt said so), and the stage has not reached the epoch of the state round after that yet.
+        The stage's epoch is the lower median of its *other* servers' records, so that neither the server's own
+        record nor the epoch it signs moves the end of its avoidance."""
+        entry = self._unsynced.get(server.peer_id)
+        if entry is None:
+            return False
+        now = self._stage_epoch(entry[0], server.peer_id)
+        if now is not None and now >= entry[1]:
+            del self._unsynced[server.peer_id]
+            return False
+        return True
 
-    def _note(self, reply) -> None:
+    def _stage_epoch(self, stage: int, other_than: str) -> Optional[int]:
+        """The lower median of the epochs in the last records read of ``stage``'s servers but ``other_than``."""
+        epochs = sorted(s.epoch for s in self._seen.get(stage, []) if s.peer_id != other_than)
+        return epochs[(len(epochs) - 1) // 2] if epochs else None
+
+    def _note(self, reply, stage: int) -> None:
         """Remember a training reply whose receipt says its server was out of sync (one parse of a small
-        record; an unreadable receipt is left to the checks)."""
+        record; an unreadable receipt is left to the checks): it is avoided until the stage's next state round.
+        """
         try:
             receipt, _ = open_record(reply.msg.receipt, StageReceipt, run_id=self.run_id)
         except Exception:
             return
         peer = reply.server.peer_id
-        if not receipt.synced and receipt.peer_id == peer:
-            self._unsynced[peer] = max(receipt.epoch, self._unsynced.get(peer, 0))
+        now = self._stage_epoch(stage, peer)
+        if receipt.synced or receipt.peer_id != peer or now is None:  # alone in its stage: nothing else to route to
+            return
+        every = self.spec.averaging.average_state_every
+        self._unsynced[peer] = (stage, (now // every + 1) * every)
+        while len(self._unsynced) > MAX_UNSYNCED:
+            del self._unsynced[next(iter(self._unsynced))]
 
     def saw(self, stage: int, servers: list[ServerInfo]) -> None:
         """The records of ``stage``'s servers just read: follow the convictions they list."""
@@ -165,7 +185,7 @@ class SpotChecker:
     def forwarded(self, caller: StageCaller, stage: int, request: ForwardRequest, tensors: list[torch.Tensor],
                   reply) -> None:
         """A training forward of ``stage`` with ``tensors`` answered ``reply``: check it if sampled."""
-        self._note(reply)
+        self._note(reply, stage)
         if self.sample():
             check = request.model_copy(update={"mode": "check"})
             self._start(SampledCall(caller, stage, "forward", check, tensors, reply))
@@ -174,7 +194,7 @@ class SpotChecker:
                    reply, forward) -> None:
         """A backward of ``stage`` answered ``reply`` (``forward``: the reply to the micro-batch's forward there):
         check it if sampled; stage 0's backward returns nothing to check."""
-        self._note(reply)
+        self._note(reply, stage)
         if stage > 0 and self.sample():
             check = BackwardRequest(run_id=self.run_id, stage=stage, mb_id=mb_id, with_inputs=True, check=True)
             same = forward.server.peer_id == reply.server.peer_id
