@@ -99,6 +99,8 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
     * With ``overlap_rounds`` the epoch's transition does not wait for its gradient round
       (:mod:`swarm.averaging.overlap`); in ``outer`` mode inner steps run between the rounds, which average the
       pseudo-gradient (:mod:`swarm.averaging.outer`).
+    * When its round fails hivemind steps on the server's own gradient, and its parameters leave the stage's
+      until the next state round; ``synced`` says so (set at the transition: ``_update_global_epoch``).
     """
 
     def __init__(self, *, state_rules: dict, state_averager_factory=RobustStateAverager, overlap_rounds=False,

@@ -69,10 +69,6 @@ class PipelineListener:
         """Never route to ``server``."""
         return False
 
-    def avoids(self, server: ServerInfo) -> bool:
-        """Route to ``server`` only if every other server of its stage is avoided too."""
-        return False
-
     def saw(self, stage: int, servers: list[ServerInfo]) -> None:
         """The records of ``stage``'s servers were just read (banned servers already left out)."""
 
@@ -179,8 +175,7 @@ class RemotePipeline:
                 server, prefer = prefer, None
             else:
                 try:
-                    server = self.router.choose(await self.servers(stage, force=attempt > 0), work,
-                                                avoid=self.listener.avoids)
+                    server = self.router.choose(await self.servers(stage, force=attempt > 0), work)
                 except NoServerError as e:
                     last_error = e
                     await asyncio.sleep(min(1.0 * (attempt + 1), 5.0))

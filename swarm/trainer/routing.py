@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from swarm.protocol import ServerInfo, ServerState
 
@@ -60,15 +60,12 @@ class Router:
         found = self.backoffs.get(peer_id)
         return found is not None and found.until > self.clock()
 
-    def choose(self, servers: Sequence[ServerInfo], work: float = 1.0, exclude: Sequence[str] = (),
-               avoid: Optional[Callable[[ServerInfo], bool]] = None) -> ServerInfo:
+    def choose(self, servers: Sequence[ServerInfo], work: float = 1.0, exclude: Sequence[str] = ()) -> ServerInfo:
         """Pick one online server that is neither backed off nor excluded by its stage (least busy time after
         this assignment) and charge it ``work``.
 
         :param work: samples in the micro-batch; the chosen server is charged ``work / throughput`` seconds.
         :param exclude: peer ids not to pick.
-        :param avoid: servers picked only when every candidate is avoided (those out of sync with their stage,
-            :meth:`~swarm.trust.spotcheck.SpotChecker.avoids`).
         :raises NoServerError: no candidate is left.
         """
         excluded = excluded_by_stage(servers)
@@ -80,8 +77,6 @@ class Router:
         if not candidates:
             raise NoServerError(f"no online server available ({len(servers)} known, the others backed off, excluded "
                                 "or not online)")
-        if avoid is not None:
-            candidates = [s for s in candidates if not avoid(s)] or candidates
         known = [self.busy[s.peer_id] for s in candidates if s.peer_id in self.busy]
         floor = min(known) if known else 0.0
         for s in candidates:  # a newcomer starts level with the least busy server, not far behind everyone

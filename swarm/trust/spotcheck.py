@@ -29,19 +29,11 @@ its server too (an honest server always signs what it sends).
 Out of sync: a server whose gradient round failed steps on its own gradient while its stage-mates step on
 their aggregate, and holds other parameters than theirs at the same epoch until the next state-averaging round
 (:attr:`~swarm.averaging.StageOptimizer.synced`). Its receipts say so (``synced = false``); such an answer is
-never compared (its difference is no lie) and evidence holding one is refused by every verifier. So that a liar
-gains nothing by saying so, a trainer that got an out-of-sync answer from a server routes to it, and asks it
-for checks, only when no other server of the stage is left (:meth:`SpotChecker.avoids`) until the stage (the
-lower median of its other servers' records) reaches the epoch of its next state round: a server saying it on
-every reply gets about one unchecked call per trainer per ``average_state_every`` epochs.
-
-Detection: a server lying on a fraction ``f`` of its calls is caught after about ``1 / (rate x f)`` of them
-(200 at rate 5% and f = 10%).
-
-Not with outer steps (``[averaging] mode = "outer"``, :mod:`swarm.averaging.outer`): the servers of a stage then
-hold their own inner parameters between outer steps, so two honest servers' answers differ and prove nothing
-(:func:`~swarm.trust.evidence.answers_comparable`); trainers sample no checks and every peer refuses spot-check
-evidence.
+not compared (its difference is no lie) and evidence holding one is refused by every verifier. So that a liar
+gains little by saying so, the excuse lasts :data:`EXCUSED_STATE_ROUNDS` state rounds of its stage (counted on
+the other servers' epochs) per streak of such answers; after that its answers are compared as any, and a
+disagreement convicts it for this trainer (the evidence is not shared: other peers refuse it). Routing does not
+avoid such a server: one that gets no micro-batches joins no round, and its stage-mates' rounds fail in turn.
 """
 
 from __future__ import annotations
@@ -75,6 +67,9 @@ EVIDENCE_KEPT = 16
 """Convictions whose evidence a trainer keeps."""
 MAX_UNSYNCED = 256
 """Servers a trainer remembers as out of sync (the oldest are forgotten first)."""
+EXCUSED_STATE_ROUNDS = 2
+"""State rounds of its stage for which a server's out-of-sync answers are not compared; an honest server is back
+in sync at the first one that completes."""
 
 
 class StageCaller(Protocol):
@@ -127,7 +122,7 @@ class SpotChecker:
         self.convicted: dict[str, str] = {}  # peer id -> reason
         self.evidence: deque[SpotEvidence] = deque(maxlen=EVIDENCE_KEPT)
         self.counts = dict(sampled=0, agreed=0, convicted=0, inconclusive=0, unchecked=0, adopted=0, unsynced=0)
-        self._unsynced: dict[str, tuple[int, int]] = {}  # peer id -> (stage, stage epoch it is avoided until)
+        self._unsynced: dict[str, int] = {}  # peer id -> its stage's epoch when its out-of-sync answers began
         self._spread: dict[tuple[int, str], deque[float]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._seen: dict[int, list[ServerInfo]] = {}  # stage -> its records last read (who gets evidence)
@@ -141,41 +136,37 @@ class SpotChecker:
         """Never route to a server convicted here (by a check of this trainer or verified evidence of another)."""
         return server.peer_id in self.convicted
 
-    def avoids(self, server: ServerInfo) -> bool:
-        """Route to ``server`` only when nothing else is left: it answered this trainer out of sync with its
-        stage (its receipt said so), and the stage has not reached the epoch of the state round after that yet.
-        The stage's epoch is the lower median of its *other* servers' records, so that neither the server's own
-        record nor the epoch it signs moves the end of its avoidance."""
-        entry = self._unsynced.get(server.peer_id)
-        if entry is None:
-            return False
-        now = self._stage_epoch(entry[0], server.peer_id)
-        if now is not None and now >= entry[1]:
-            del self._unsynced[server.peer_id]
-            return False
-        return True
-
     def _stage_epoch(self, stage: int, other_than: str) -> Optional[int]:
         """The lower median of the epochs in the last records read of ``stage``'s servers but ``other_than``."""
         epochs = sorted(s.epoch for s in self._seen.get(stage, []) if s.peer_id != other_than)
         return epochs[(len(epochs) - 1) // 2] if epochs else None
 
     def _note(self, reply, stage: int) -> None:
-        """Remember a training reply whose receipt says its server was out of sync (one parse of a small
-        record; an unreadable receipt is left to the checks): it is avoided until the stage's next state round.
-        """
+        """Follow a training reply's receipt (one parse of a small record; an unreadable one is left to the
+        checks): an out-of-sync answer starts or continues its server's streak, a synced one ends it."""
         try:
             receipt, _ = open_record(reply.msg.receipt, StageReceipt, run_id=self.run_id)
         except Exception:
             return
         peer = reply.server.peer_id
-        now = self._stage_epoch(stage, peer)
-        if receipt.synced or receipt.peer_id != peer or now is None:  # alone in its stage: nothing else to route to
+        if receipt.peer_id != peer:
             return
-        every = self.spec.averaging.average_state_every
-        self._unsynced[peer] = (stage, (now // every + 1) * every)
+        if receipt.synced:
+            self._unsynced.pop(peer, None)
+            return
+        now = self._stage_epoch(stage, peer)
+        self._unsynced.setdefault(peer, receipt.epoch if now is None else now)
         while len(self._unsynced) > MAX_UNSYNCED:
             del self._unsynced[next(iter(self._unsynced))]
+
+    def _excused(self, peer: str, stage: int) -> bool:
+        """Whether an out-of-sync answer of ``peer`` is left uncompared: while its streak of such answers is
+        younger than :data:`EXCUSED_STATE_ROUNDS` state rounds of its stage (the lower median of the other
+        servers' epochs, which neither its record nor its receipts move)."""
+        start, now = self._unsynced.get(peer), self._stage_epoch(stage, peer)
+        if start is None or now is None:
+            return True
+        return now - start < EXCUSED_STATE_ROUNDS * self.spec.averaging.average_state_every
 
     def saw(self, stage: int, servers: list[ServerInfo]) -> None:
         """The records of ``stage``'s servers just read: follow the convictions they list."""
@@ -265,8 +256,8 @@ class SpotChecker:
         except ProtocolError as e:
             self._convict(sampled.primary.server.peer_id, stage, f"its signed {call} reply does not verify: {e}")
             return
-        if not first.synced:  # by its own signed word its parameters are not the stage's: nothing to compare
-            self.counts["unsynced"] += 1
+        if not first.synced and self._excused(sampled.primary.server.peer_id, stage):
+            self.counts["unsynced"] += 1  # by its own signed word its parameters are not the stage's
             return
         answers = [(sampled.primary, first)]
         tolerance = self.tolerance(stage, call)
@@ -279,7 +270,7 @@ class SpotChecker:
                 self.log.info("spot check: stage %d server %s did not answer a check (%s)", stage, server.peer_id,
                               str(e)[:200])
                 continue
-            if receipt.epoch != first.epoch or not receipt.synced:
+            if receipt.epoch != first.epoch or (not receipt.synced and self._excused(server.peer_id, stage)):
                 continue  # other parameters: its answer says nothing about this one
             answers.append((reply, receipt))
             verdict = self._judge(stage, call, answers, tolerance)
@@ -294,8 +285,7 @@ class SpotChecker:
         ``epoch`` first."""
         exclude, caller = sampled.primary.server.peer_id, sampled.caller
         found = [s for s in await caller.servers(sampled.stage) if s.peer_id != exclude]
-        found.sort(key=lambda s: (s.epoch != epoch, self.avoids(s), caller.is_backed_off(s.peer_id),
-                                  self.rng.random()))
+        found.sort(key=lambda s: (s.epoch != epoch, caller.is_backed_off(s.peer_id), self.rng.random()))
         return found[:4]
 
     def _judge(self, stage: int, call: str, answers: list, tolerance: float) -> Optional[int]:
@@ -327,6 +317,8 @@ class SpotChecker:
         witnesses = ", ".join(o.server.peer_id for o in others)
         self._convict(reply.server.peer_id, stage, f"its {call} answer differs by {far:.3g} (tolerance "
                       f"{tolerance:.3g}) from those of {witnesses}, which agree")
+        if not all(receipt.synced for _, receipt in answers):
+            return  # an out-of-sync answer past its excuse: convicted here; other peers refuse such evidence
         primary, check, forward = answers[0][0], answers[1][0], sampled.forward
         rebound = call == "backward" and accused == 0 and \
             tensors_digest(primary.request_wire) != tensors_digest(check.request_wire)
