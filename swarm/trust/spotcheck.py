@@ -34,6 +34,14 @@ gains little by saying so, the excuse lasts :data:`EXCUSED_STATE_ROUNDS` state r
 the other servers' epochs) per streak of such answers; after that its answers are compared as any, and a
 disagreement convicts it for this trainer (the evidence is not shared: other peers refuse it). Routing does not
 avoid such a server: one that gets no micro-batches joins no round, and its stage-mates' rounds fail in turn.
+
+Detection: a server lying on a fraction ``f`` of its calls is caught after about ``1 / (rate x f)`` of them
+(200 at rate 5% and f = 10%).
+
+Not with outer steps (``[averaging] mode = "outer"``, :mod:`swarm.averaging.outer`): the servers of a stage then
+hold their own inner parameters between outer steps, so two honest servers' answers differ and prove nothing
+(:func:`~swarm.trust.evidence.answers_comparable`); trainers sample no checks and every peer refuses spot-check
+evidence.
 """
 
 from __future__ import annotations
