@@ -113,7 +113,6 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
 
     synced: bool = True
     """Whether this server's parameters are the stage's shared ones (:attr:`StageOptimizer.synced`)."""
-    _late: bool = False  # overlap_rounds: the next transition has no aggregate of the group to apply
     _own_step: bool = False  # this transition stepped on this server's own gradient (hivemind's fallbacks)
 
     def _update_global_epoch(self, grad_scaler) -> None:

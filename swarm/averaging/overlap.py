@@ -58,7 +58,7 @@ class OverlappedRounds:
 
     overlap_rounds: bool = False
     synced: bool = True
-    _late: bool = False
+    _late: bool = False  # the next transition has no aggregate of the group to apply (read by the optimizer)
     _pending: Optional[Pending] = None
     _pending_samples: int = 0
     _pending_started: float = 0.0  # perf_counter s
