@@ -75,6 +75,7 @@ class AveragingRules:
     :param exclusion: scores that turn rejections and flags into exclusions.
     :param phase_timeout: seconds a reducer waits for the parts of a phase (a sender waits twice that).
     :param audit_probability: chance that a partition is audited in a phase (:mod:`swarm.averaging.audit`).
+    :param history_outlier_ratio: the history check's flag radius (:class:`~swarm.averaging.history.PartHistory`).
     """
 
     aggregator: Aggregator = field(default_factory=CenteredClipAggregator)
@@ -82,6 +83,7 @@ class AveragingRules:
     exclusion: ExclusionPolicy = field(default_factory=ExclusionPolicy)
     phase_timeout: float = 10.0
     audit_probability: float = 0.5
+    history_outlier_ratio: float = PartHistory.outlier_ratio
 
     @classmethod
     def from_spec(cls, avg: AveragingSpec) -> "AveragingRules":
@@ -93,7 +95,8 @@ class AveragingRules:
             policy=ReducePolicy(reject_norm_ratio=avg.reject_norm_ratio, outlier_ratio=avg.outlier_ratio,
                                 max_weight_ratio=avg.max_weight_ratio),
             exclusion=ExclusionPolicy(threshold=avg.exclusion_threshold),
-            phase_timeout=avg.next_chunk_timeout, audit_probability=avg.audit_probability)
+            phase_timeout=avg.next_chunk_timeout, audit_probability=avg.audit_probability,
+            history_outlier_ratio=avg.history_outlier_ratio)
 
 
 class RobustAllReduceMixin(Auditor, ProtocolServicer):
@@ -375,7 +378,7 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
 
     def _observe(self, index, phase, fractions, j, reducer):
         a, b = partition_bounds(phase.vector.numel(), fractions, phase.codec.block)[j]
-        history = self.histories.setdefault(index, PartHistory(outlier_ratio=self.rules.policy.outlier_ratio,
+        history = self.histories.setdefault(index, PartHistory(outlier_ratio=self.rules.history_outlier_ratio,
                                                                 copy_ratio=self.rules.policy.copy_ratio,
                                                                 own=str(self.peer_id)))
         for sender in history.observe((phase.codec.name, a, b), reducer.parts, reducer.reduction):

@@ -57,7 +57,7 @@ class PartHistory:
 
     beta: float = 0.9
     warmup: int = 10
-    outlier_ratio: float = 3.0
+    outlier_ratio: float = 2.0
     copy_ratio: float = 0.5
     own: Optional[str] = None
     key: Hashable = None
