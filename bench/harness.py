@@ -376,7 +376,7 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
                 out = red.aggregate
                 if j in histories:
                     histories[j].observe((codec.name, a, b), parts, red)
-                for sender, v in as_scored_by(red.verdicts, str(j)).items():  # reducer j scores its senders only
+                for sender, v in as_scored_by(red, str(j), parts, policy.copy_ratio).items():  # reducer j scores its senders only
                     verdicts.setdefault(j, {}).setdefault(sender, []).append(v)
             except NoValidParts:
                 out = torch.zeros(b - a)

@@ -6,7 +6,7 @@ import torch
 
 from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.history import PartHistory
-from swarm.averaging.reducer import ReducePolicy, copy_blocks, reduce_partition
+from swarm.averaging.reducer import ReducePolicy, as_scored_by, copy_blocks, reduce_partition
 
 D = 4000
 CC = make_aggregator("centered_clip")
@@ -117,3 +117,31 @@ def test_a_new_partition_starts_a_new_history():
     red.verdicts["p0"].accepted = False  # a rejected part adds nothing to its sender's history
     history.observe(("phase", D, 2 * D), parts, red)
     assert history.rounds["p0"] == 1 and history.rounds["p1"] == 2
+
+
+def _scored(rows, own):
+    parts = {f"p{i}": row for i, row in enumerate(rows)}
+    red = _reduce(rows)
+    return {s for s, v in as_scored_by(red, own, parts, 0.5).items() if v.flagged}
+
+
+def test_near_copies_in_a_majority_are_flagged_at_the_scale_of_the_reducers_own_part():
+    gen = torch.Generator().manual_seed(9)
+    honest = _honest(gen)
+    spread = float((honest - honest.mean(0)).norm(dim=1).median())
+    near = honest[0] + 0.05 * spread * torch.randn(3, D, generator=gen) / D ** 0.5  # three copies of p0, moved
+    rows = torch.cat([honest, near])
+    assert len(_reduce(rows).blocks) == 7  # they vote apart: four of seven set the round's scale
+    # reducers whose own part is another honest one flag the whole cluster (the original cannot be told apart)
+    assert _scored(rows, "p1") == _scored(rows, "p3") == {"p0", "p4", "p5", "p6"}
+    # the copied reducer's own part is in the cluster: it sets no scale, and flags none of the copies
+    assert not _scored(rows, "p0") & {"p4", "p5", "p6"}
+    # two copies are a minority, vote once with the original and need no flag
+    minority = torch.cat([_honest(gen, 5, honest.mean(0)), near[:2]])
+    minority[0] = honest[0]
+    assert _scored(minority, "p1") == set()
+    # honest parts alone, and an own part far from everyone (a rare token's row) beside honest ones: no flag
+    assert _scored(_honest(gen, 7), "p2") == set()
+    spiky = _honest(gen, 7, 10 * torch.randn(D, generator=gen))
+    spiky[0] += 50 * torch.randn(D, generator=gen)
+    assert _scored(spiky, "p0") == set()

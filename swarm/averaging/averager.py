@@ -257,7 +257,8 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
                         logger.warning(f"reducer {peer} rejected this peer's part: {reply.reason}")
                 if reducer is not None and reducer.reduction is not None:
                     self._observe(index, phase, fractions, my_index, reducer)
-                    for sender, v in as_scored_by(reducer.reduction.verdicts, me).items():
+                    for sender, v in as_scored_by(reducer.reduction, me, reducer.parts,
+                                                      self.rules.policy.copy_ratio).items():
                         verdicts.setdefault(sender, []).append(v)
                 try:
                     phase = gen.send(outcome.result)

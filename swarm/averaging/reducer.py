@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -74,6 +74,8 @@ class Reduction:
 
     aggregate: torch.Tensor
     verdicts: dict = field(default_factory=dict)
+    blocks: list = field(default_factory=list)
+    """The senders that voted, grouped as the rule saw them: a block of copies votes once (step 5)."""
 
     @property
     def used(self) -> list:
@@ -120,19 +122,66 @@ def reduce_partition(parts: Mapping[object, Union[torch.Tensor, Exception]], wei
     if aggregator.robust and any(flagged) and not all(flagged):  # the rule again, without the flagged parts
         keep = [i for i, f in enumerate(flagged) if not f]
         aggregate, _ = _rule(stacked[keep], w[keep], aggregator, policy)
-    return Reduction(aggregate, verdicts)
+    return Reduction(aggregate, verdicts, [[senders[i] for i in b] for b in blocks])
 
 
-def as_scored_by(verdicts: dict, own) -> dict:
+def as_scored_by(reduction: Reduction, own, parts: Optional[Mapping] = None, copy_ratio: float = 0.0) -> dict:
     """The verdicts a reducer scores (:class:`~swarm.averaging.exclusion.ExclusionBook`), knowing that its own part
-    (sender ``own``) is honest: when its own part is flagged, the round's flags say more about the parts that set
-    the scale than about the senders flagged, and no flag is scored (rejections are). Three of seven sending near
-    copies of one honest part make a majority whose median distance is tiny: every other honest part is then
-    flagged, and the honest reducers excluded one another (4 of 4 honest peers, measured)."""
+    (sender ``own``) is honest. Scoring only: the aggregate stays what any auditor recomputes from the parts.
+
+    * When its own part is flagged, the round's flags say more about the parts that set the scale than about the
+      senders flagged, and no flag is scored (rejections are). Three of seven sending near copies of one honest
+      part make a majority whose median distance is tiny: every other honest part is then flagged, and the honest
+      reducers excluded one another (4 of 4 honest peers, measured).
+    * Given ``parts`` (sender -> float32 ``(numel,)``) and ``copy_ratio`` > 0 (gradient rounds), senders whose parts
+      are near copies that still vote apart are flagged (:func:`near_copies_at_own_scale`)."""
+    verdicts = reduction.verdicts
     mine = verdicts.get(own)
-    if mine is None or not mine.flagged:
-        return verdicts
-    return {s: replace(v, flagged=False) if v.flagged else v for s, v in verdicts.items()}
+    if mine is not None and mine.flagged:
+        verdicts = {s: replace(v, flagged=False) if v.flagged else v for s, v in verdicts.items()}
+    if parts is not None and copy_ratio > 0:
+        copies = near_copies_at_own_scale(parts, reduction.blocks, own, copy_ratio)
+        verdicts = {s: replace(v, flagged=True, reason=copies[s]) if s in copies else v for s, v in verdicts.items()}
+    return verdicts
+
+
+def near_copies_at_own_scale(parts: Mapping, blocks: Sequence[Sequence], own, ratio: float) -> dict:
+    """Senders (-> the reason) whose parts nearly copy another sender's while voting apart (different
+    ``blocks`` of :func:`copy_blocks`), at the scale the reducer's own honest part sets: closer than ``ratio``
+    times the distance from its own part to the nearest other part, and than ``ratio`` times either part's norm.
+
+    Honest servers' parts differ by their own samples' noise, so no two of them lie much closer to each other
+    than the reducer's own part lies to its nearest one. Copies that evade :func:`copy_blocks` do so by shrinking
+    its reference: at ``f + 1 > n / 2`` (three attackers copying one honest part, each moved a little) they are a
+    majority that sets the round's scale, outvote the other honest parts, and the aggregate follows one honest
+    server's gradient (+10.8% at 3 of 7 in ``bench/robustness.py``, ``near_copies``). Nothing in the parts alone
+    tells which member of the cluster is the original, so all of them are flagged; that costs the copied honest
+    server its seat with the three attackers. The reducer's own part is private (no other peer receives it), so
+    attackers can neither copy it nor move the scale it sets. Nothing is flagged when every other part is such
+    a copy (the own part is then the outlier: a rare token's embedding row, say) or when fewer than four blocks
+    voted."""
+    voters = [s for b in blocks for s in b]
+    if ratio <= 0 or own not in voters or len(blocks) < 4 or any(s not in parts for s in voters):
+        return {}
+    rows = torch.stack([parts[s] for s in voters]).double()
+    dist = torch.cdist(rows[None], rows[None])[0]
+    norms = rows.norm(dim=1)
+    me = voters.index(own)
+    others = [i for i in range(len(voters)) if i != me]
+    scale = float(dist[me, others].min())
+    block_of = {s: k for k, b in enumerate(blocks) for s in b}
+    close: dict[int, float] = {}
+    for i in others:
+        for j in others:
+            d = float(dist[i, j])
+            if i < j and block_of[voters[i]] != block_of[voters[j]] and d <= ratio * scale \
+                    and d <= ratio * float(min(norms[i], norms[j])):
+                close[i], close[j] = min(close.get(i, d), d), min(close.get(j, d), d)
+    if not scale > 0 or len(close) >= len(others):
+        return {}
+    return {voters[i]: f"part nearly copies another sender's ({d / scale:.2f}x this reducer's own part's distance "
+                       "to its nearest part; honest parts are never that close) while both vote"
+            for i, d in close.items()}
 
 
 def _rule(stacked: torch.Tensor, w: torch.Tensor, aggregator: Aggregator, policy: ReducePolicy):
