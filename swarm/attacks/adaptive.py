@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from swarm.averaging.history import PartHistory
+from swarm.averaging.reducer import ReducePolicy
 from swarm.attacks.named import ALIE, IPM, Attack, SignFlip
 
 Probe = Callable[[torch.Tensor, torch.Tensor], tuple[float, bool]]
@@ -135,15 +136,16 @@ class Drift(Attack):
 class SlowDrift(Attack):
     """Drift that knows the history check (:class:`~swarm.averaging.history.PartHistory`): it keeps moving averages
     of the honest vectors and of its own parts, as the reducers do, and sends each round the part that brings its
-    own average to ``margin * outlier_ratio`` times the honest averages' median distance from their mean, against
-    the honest mean's direction; each part also stays within ``margin * outlier_ratio`` times the honest parts'
-    median distance of the honest mean, under one round's flags. What is left is the push no check sees."""
+    own average to ``margin * outlier_ratio`` times the honest averages' median distance from the mean of the
+    others (as the reducers measure it), against the honest mean's direction; each part also stays within
+    ``margin * round_ratio`` times the honest parts' median distance of the honest mean, under one round's flags.
+    What is left is the push no check sees."""
 
     name = "slow_drift"
 
     def __init__(self, beta: float = PartHistory.beta, outlier_ratio: float = PartHistory.outlier_ratio,
-                 margin: float = 0.9):
-        self.beta, self.outlier_ratio, self.margin = beta, outlier_ratio, margin
+                 margin: float = 0.9, round_ratio: float = ReducePolicy.model_fields["outlier_ratio"].default):
+        self.beta, self.outlier_ratio, self.margin, self.round_ratio = beta, outlier_ratio, margin, round_ratio
         self.honest_avg: Optional[torch.Tensor] = None
         self.own_avg: Optional[torch.Tensor] = None
         self.rounds = 0
@@ -158,10 +160,12 @@ class SlowDrift(Attack):
         self.honest_avg = honest.clone() if fresh else b * self.honest_avg + (1 - b) * honest
         own = mu if fresh or self.own_avg is None else self.own_avg
         center = self.honest_avg.mean(0)
-        reach = self.margin * self.outlier_ratio * float((self.honest_avg - center).norm(dim=1).median())
+        h = self.honest_avg.shape[0]  # the reducers measure each honest average from the mean of the others
+        loo = h / (h - 1)
+        reach = self.margin * self.outlier_ratio * loo * float((self.honest_avg - center).norm(dim=1).median())
         target = center - reach * center / center.norm().clamp_min(1e-12)
         part = (target - b * own) / (1 - b)
-        limit = self.margin * self.outlier_ratio * float((honest - mu).norm(dim=1).median())
+        limit = self.margin * self.round_ratio * float((honest - mu).norm(dim=1).median())
         step = part - mu
         if float(step.norm()) > limit:
             part = mu + step * (limit / float(step.norm()))
