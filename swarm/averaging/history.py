@@ -27,7 +27,7 @@ round allows), or push in directions that change from round to round, which the 
 out. ``slow_drift`` (:mod:`swarm.attacks.adaptive`) does the first. The radius is its own setting
 (``averaging.history_outlier_ratio``, 2), tighter than one round's flags (``outlier_ratio``, 3): the averages'
 noise is 4.4x smaller and concentrates, so honest averages stay well inside 2 (the clean runs of
-``bench/robustness.py`` were unchanged), and at 3 of 7 ``slow_drift`` cost +11.6% at 3 against +5.9% at 2 (three
+``bench/robustness.py`` were unchanged), and at 3 of 7 ``slow_drift`` cost +11.6% at 3 against +7.8% at 2 (three
 seeds each, docs/averaging.md).
 
 Only gradient rounds keep a history: in state averaging honest servers send identical parameters.
