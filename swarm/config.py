@@ -235,7 +235,7 @@ class AveragingSpec(_Section):
     history_outlier_ratio: float = Field(
         2.0, gt=1, description="Flag a server whose moving average of parts (about its last 10 rounds) lies this "
         "many times farther from the centre of the averages than the median server's: a push that lasts, however "
-        "small each round (swarm.averaging.history). The push held just inside it cost +7.8% over the clean run at 3 "
+        "small each round (swarm.averaging.history). The push held just inside it cost +8.1% over the clean run at 3 "
         "of 7 Byzantine with 2, +11.6% with 3 (docs/averaging.md). Raise it if honest peers get 'pushes the same way' flags in the log.",
     )
     max_weight_ratio: float = Field(

@@ -27,7 +27,7 @@ round allows), or push in directions that change from round to round, which the 
 out. ``slow_drift`` (:mod:`swarm.attacks.adaptive`) does the first. The radius is its own setting
 (``averaging.history_outlier_ratio``, 2), tighter than one round's flags (``outlier_ratio``, 3): the averages'
 noise is 4.4x smaller and concentrates, so honest averages stay well inside 2 (the clean runs of
-``bench/robustness.py`` were unchanged), and at 3 of 7 ``slow_drift`` cost +11.6% at 3 against +7.8% at 2 (three
+``bench/robustness.py`` were unchanged), and at 3 of 7 ``slow_drift`` cost +11.6% at 3 against +8.1% at 2 (three
 seeds each, docs/averaging.md).
 
 Only gradient rounds keep a history: in state averaging honest servers send identical parameters.
@@ -131,7 +131,8 @@ class PartHistory:
 
 def _majority_center(rows: torch.Tensor, steps: int = 3) -> tuple[torch.Tensor, list[int]]:
     """The mean of the majority of ``rows`` ``(n, numel)`` nearest the centre, refined from the coordinate-wise median
-    ``steps`` times, and the indices of that majority. A minority that pushes together sits in one place, and the coordinate-wise median moves towards
+    ``steps`` times, and the indices of that majority. A minority that pushes together sits in one place, and the
+    coordinate-wise median moves towards
     it by about one honest spread in every coordinate (3 of 7: an honest average then looked as far from the median
     as the pushers', measured); the majority's mean does not."""
     center = coordinate_median(rows)
