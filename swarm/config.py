@@ -233,10 +233,9 @@ class AveragingSpec(_Section):
         "repeated flags exclude the sender from averaging. Raise it if honest peers get flagged in the log.",
     )
     history_outlier_ratio: float = Field(
-        2.0, gt=1, description="Flag a server whose moving average of parts (about its last 10 rounds) lies this "
-        "many times farther from the centre of the averages than the median server's: a push that lasts, however "
-        "small each round (swarm.averaging.history). The push held just inside it cost +8.1% over the clean run at 3 "
-        "of 7 Byzantine with 2, +11.6% with 3 (docs/averaging.md). Raise it if honest peers get 'pushes the same way' flags in the log.",
+        2.0, gt=1, description="Flag a server whose moving average of parts (about 10 rounds) lies this many times "
+        "farther from the averages' centre than the median one's: a lasting push (swarm.averaging.history; at 3 of 7 "
+        "it let +8.1% through at 2, +11.6% at 3). Raise it if honest peers get 'pushes the same way' flags in the log.",
     )
     max_weight_ratio: float = Field(
         4.0, ge=1, description="aggregator = 'mean': a sender's reported samples count at most this multiple of the "
