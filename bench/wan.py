@@ -67,7 +67,7 @@ from swarm.data import prepare_dataset  # noqa: E402
 from swarm.net.dht import connect_run  # noqa: E402
 from swarm.net.directory import AsyncRunDirectory  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
-from swarm.trainer.pipeline import RemotePipeline, validation_loss  # noqa: E402
+from swarm.trainer.pipeline import RemotePipeline, validation_loss, validation_samples  # noqa: E402
 from swarm.protocol import ServerState  # noqa: E402
 
 logger = logging.getLogger("swarm.bench.wan")
@@ -75,7 +75,8 @@ logger = logging.getLogger("swarm.bench.wan")
 HOSTS = ["coordinator", "server1", "server2", "server3", "server4", "trainer5", "trainer6", "server7", "dhtprobe"]
 """The lab's hosts, named as :class:`LocalSwarm` names the peers it starts in this order."""
 PROBES = 10
-EVAL_BATCHES = 16
+EVAL_SAMPLES = 128
+"""Validation samples scored at the end (the split's first ones: on the lab's links the whole split costs minutes)."""
 
 
 def parse_profile(text: str) -> tuple[str, Optional[Profile]]:
@@ -193,7 +194,7 @@ class Run:
         async def evaluate() -> float:
             pipeline = RemotePipeline(self.spec, self.directory.run_id, AsyncRunDirectory(self.directory),
                                       await self.dht.replicate_p2p())
-            return await validation_loss(pipeline, dataset, EVAL_BATCHES)
+            return await validation_loss(pipeline, dataset, EVAL_SAMPLES)
 
         return asyncio.run(evaluate())
 
@@ -232,7 +233,7 @@ def run_profile(name: str, profile: Optional[Profile], spec_path: Path, cache_di
                 switch_cpu_s = lab.switch_cpu_s() if profile else 0.0
             finally:
                 run.close()
-    out = summary(snap, spec, val, elapsed)
+    out = summary(snap, spec, val, elapsed, validation_samples(dataset, EVAL_SAMPLES))
     figures = run.figures
     rtt_s, rate = link["rtt_ms"] / 1000, link["mbit"] * 1e6 / 8
     result = {"name": name, "rtt_ms": link["rtt_ms"], "mbit": link["mbit"], "tokens_per_s": out["tokens_per_s"],

@@ -72,9 +72,11 @@ def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
     from coordinator.serve import serve as serve_run
     from swarm.net.dht import RunUnreachable
     from swarm.identity import IdentityInUse
+    from swarm.host import share_tensors_by_descriptor
     from swarm.logs import configure_logging
 
     configure_logging(log_level)
+    share_tensors_by_descriptor()
     spec = _load_spec(spec_path)
     ident = Identity.load_or_create(_key_path(spec_path, key))
     settings = PeerSettings(host=host, port=port, **({"metrics_port": metrics_port} if metrics_port else {}))
@@ -310,13 +312,15 @@ def demo(spec_path: Path = typer.Option(DEFAULT_SPEC, "--spec", help="Run spec (
          log_level: str = typer.Option("INFO")) -> None:
     """Train on the default corpus with a local swarm (separate processes on loopback), then print a summary.
 
-    Summary keys: initial_loss, final_loss (trainers' loss, nats/token), val_loss (held-out split, through the
-    swarm), tokens, epochs (fewest of any stage), servers, trainers, stages, seconds, tokens_per_s, precision.
+    Summary keys: initial_loss, final_loss (trainers' loss, nats/token), val_loss (the whole held-out split, through
+    the swarm), val_samples (how many samples val_loss scored), tokens, epochs (fewest of any stage), servers, trainers, stages, seconds, tokens_per_s, precision.
     """
     from coordinator.demo import run_demo
+    from swarm.host import share_tensors_by_descriptor
     from swarm.logs import configure_logging
 
     configure_logging(log_level)
+    share_tensors_by_descriptor()
     _load_spec(spec_path)  # exit 2 with the field and the fix before starting anything
     if precision not in ("auto", "fp32", "bf16"):
         typer.echo(f"--precision must be auto, fp32 or bf16, not {precision!r}", err=True)

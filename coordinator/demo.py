@@ -13,7 +13,7 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ from swarm.data import prepare_dataset
 from swarm.net.dht import connect_run
 from swarm.net.directory import AsyncRunDirectory
 from swarm.kernels.flops import measure_peak_flops
-from swarm.trainer.pipeline import RemotePipeline, validation_loss
+from swarm.trainer.pipeline import RemotePipeline, validation_loss, validation_samples
 from swarm.protocol import ServerState
 
 logger = logging.getLogger("swarm.demo")
@@ -59,10 +59,10 @@ def pick_precision(spec: RunSpec, precision: str) -> RunSpec:
 
 
 def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, trainers: int = 2,
-             cache_dir: Path, keep: bool = False, eval_batches: int = 16, progress_every: float = 10.0,
+             cache_dir: Path, keep: bool = False, eval_samples: Optional[int] = None, progress_every: float = 10.0,
              precision: str = "auto") -> dict[str, Any]:
     """Run the demo and return its summary (see ``swarm-coordinator demo --help`` for the keys); ``precision``:
-    :func:`pick_precision`."""
+    :func:`pick_precision`; ``eval_samples``: validation samples scored at the end (None: the whole split)."""
     spec = pick_precision(RunSpec.from_toml(spec_path), precision)
     logger.info("preparing the corpus and tokenizer in %s", cache_dir)
     dataset = prepare_dataset(spec, cache_dir)
@@ -77,17 +77,18 @@ def run_demo(spec_path: Path, *, seconds: float, servers_per_stage: int = 2, tra
             start_servers(swarm, directory, spec.model.num_stages, servers_per_stage)
             logger.info("%d servers online; starting %d trainers", spec.model.num_stages * servers_per_stage, trainers)
             snap, elapsed = _train(swarm, directory, spec, trainers, seconds, progress_every)
-            logger.info("measuring the validation loss on %d held-out micro-batches", eval_batches)
+            val_samples = validation_samples(dataset, eval_samples)
+            logger.info("measuring the validation loss on %d held-out samples", val_samples)
 
             async def evaluate() -> float:
                 pipeline = RemotePipeline(spec, directory.run_id, AsyncRunDirectory(directory),
                                           await dht.replicate_p2p())
-                return await validation_loss(pipeline, dataset, eval_batches)
+                return await validation_loss(pipeline, dataset, eval_samples)
 
             val_loss = asyncio.run(evaluate())
         finally:
             dht.shutdown()
-    return summary(snap, spec, val_loss, elapsed)
+    return summary(snap, spec, val_loss, elapsed, val_samples)
 
 
 def start_servers(swarm: LocalSwarm, directory, num_stages: int, per_stage: int) -> None:
@@ -140,7 +141,7 @@ def _log_progress(snap: dict, seconds: float) -> None:
                 sum(p["role"] == "trainer" for p in snap["peers"]))
 
 
-def summary(snap: dict, spec: RunSpec, val_loss: float, elapsed: float) -> dict[str, Any]:
+def summary(snap: dict, spec: RunSpec, val_loss: float, elapsed: float, val_samples: int) -> dict[str, Any]:
     trainers_info = [p for p in snap["peers"] if p["role"] == "trainer"]
     initial = [p["initial_loss"] for p in trainers_info if p["initial_loss"] is not None]
     final = [p["loss"] for p in trainers_info if p["loss"] is not None]
@@ -150,6 +151,7 @@ def summary(snap: dict, spec: RunSpec, val_loss: float, elapsed: float) -> dict[
         "initial_loss": round(sum(initial) / len(initial), 4) if initial else None,
         "final_loss": round(sum(final) / len(final), 4) if final else None,
         "val_loss": round(val_loss, 4),
+        "val_samples": val_samples,
         "tokens": tokens,
         "epochs": min(s["epoch"] for s in snap["stages"]),
         "servers": sum(p["role"] == "server" for p in snap["peers"]),

@@ -11,6 +11,7 @@ itself included, unless ``SWARM_THREADS`` says otherwise, and follows that count
 from __future__ import annotations
 
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -88,4 +89,26 @@ class ThreadShare:
         return threads
 
 
-__all__ = ["DeviceUnavailable", "ThreadShare", "choose_threads", "peers_on_host", "resolve_device", "usable_cores"]
+def share_tensors_by_descriptor() -> None:
+    """Share tensors between this peer's processes (its averagers, hivemind's futures) by file descriptor.
+
+    hivemind 1.1.12 sets torch's sharing strategy to ``file_system`` when it is imported
+    (``hivemind.utils.mpfuture``): each shared tensor is then a named file that a ``torch_shm_manager`` process
+    keeps, and a process whose manager has already exited aborts at its own exit, freeing its tensors, with
+    ``terminate called after throwing an instance of 'std::system_error' what(): No such file or directory``
+    (every log of the demo's servers, trainers and coordinator ended with it). With ``file_descriptor`` no manager
+    exists and an exit frees nothing elsewhere; each shared tensor holds an open descriptor instead, so the soft
+    limit of open files is raised to the hard one. Call it from entry points before any averager or DHT process
+    starts (they inherit the strategy); hivemind imported later reads ``HIVEMIND_MEMORY_SHARING_STRATEGY``."""
+    os.environ["HIVEMIND_MEMORY_SHARING_STRATEGY"] = "file_descriptor"  # for processes that import hivemind anew
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a hard limit above what the kernel allows (RLIM_INFINITY on some systems)
+            pass
+
+
+__all__ = ["DeviceUnavailable", "ThreadShare", "choose_threads", "peers_on_host", "resolve_device",
+           "share_tensors_by_descriptor", "usable_cores"]

@@ -18,6 +18,8 @@ from swarm.protocol import ServerInfo, StorageInfo, TrainerInfo
 _SERVER = {
     "swarm_epoch": ("Epoch of the stage's collaborative optimizer.", lambda s: s.epoch),
     "swarm_samples_total": ("Samples this server processed (forward + backward).", lambda s: s.samples),
+    "swarm_compute_seconds_total": ("CPU seconds spent in the stage's training forward + backward.",
+                                    lambda s: s.compute_s),
     "swarm_throughput_samples_per_second": ("Measured samples/s of forward + backward.", lambda s: s.throughput),
     "swarm_model_flops_per_second": ("Model FLOP/s while computing (throughput x FLOPs per sample; PaLM app. B).",
                                      lambda s: s.achieved_flops),

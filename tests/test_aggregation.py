@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
-from swarm.averaging.aggregation import (CenteredClipAggregator, MeanAggregator, NonFiniteAggregate, assumed_byzantine,
-                                         bound_weights, coordinate_median, kappa_bound, make_aggregator)
+from swarm.averaging.aggregation import (SORTING_NETWORK_ROWS, CenteredClipAggregator, MeanAggregator,
+                                         NonFiniteAggregate, assumed_byzantine, bound_weights, coordinate_median,
+                                         kappa_bound, make_aggregator, sorted_rows)
 from swarm.attacks import make_attack
 
 ROBUST = ["median", "trimmed_mean", "centered_clip"]
@@ -33,6 +34,26 @@ def test_median_and_trimmed_mean_on_known_values():
     assert make_aggregator("median").aggregate(parts, w).item() == 2.0
     assert coordinate_median(torch.tensor([[1.0], [2.0], [4.0], [10.0]])).item() == 3.0
     assert make_aggregator("trimmed_mean", trim=0.2).aggregate(parts, w).item() == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, SORTING_NETWORK_ROWS, SORTING_NETWORK_ROWS + 1])
+def test_sorted_rows_are_torch_sort_bit_for_bit(n):
+    gen = torch.Generator().manual_seed(n)
+    parts = torch.randn(n, 999, generator=gen)
+    parts[:, :300] = parts[:, :300].mul(2).round()  # ties (integer-valued gradients)
+    parts[:, 300:310] = 0.0
+    assert torch.equal(torch.stack(sorted_rows(parts)), parts.sort(dim=0).values)
+    median = torch.median(parts, dim=0).values if n % 2 else None
+    if median is not None:
+        assert torch.equal(coordinate_median(parts), median)
+
+
+def test_centered_clip_of_two_equal_votes_is_their_exact_midpoint_and_unequal_votes_iterate():
+    a, b = torch.randn(2, 500, generator=torch.Generator().manual_seed(1))
+    parts = torch.stack([a, b])
+    assert torch.equal(CenteredClipAggregator().aggregate(parts, torch.ones(2)), a / 2 + b / 2)
+    heavier = CenteredClipAggregator().aggregate(parts, torch.tensor([3.0, 1.0]))
+    assert (heavier - a).norm() < (heavier - b).norm()  # the clipped mean leans to the heavier vote
 
 
 @pytest.mark.parametrize("name", ROBUST + ["mean"])

@@ -70,6 +70,28 @@ def test_record_round_trip_and_unknown_fields_tolerated():
     assert rec.stage == 0
 
 
+def test_a_record_read_again_is_not_verified_again_but_its_placement_and_time_are(monkeypatch):
+    import swarm.protocol.schema as schema
+
+    ident, other = Identity.generate(), Identity.generate()
+    run = "r-aaaaaaaaaaaaaaaa"
+    checked = []
+    monkeypatch.setattr(schema, "verify", lambda *a: checked.append(a) or verify(*a))
+    blob = seal(_info(ident, time=get_dht_time()), ident)
+    for _ in range(3):
+        rec, key = open_record(blob, ServerInfo, run_id=run, subkey=ident.peer_id)
+    assert len(checked) == 1 and key == ident.public_key and rec.throughput == 3.5
+    with pytest.raises(ProtocolError, match="not its own"):  # where it was found is checked at every read
+        open_record(blob, ServerInfo, run_id=run, subkey=other.peer_id)
+    with pytest.raises(ProtocolError, match="expected key"):
+        open_record(blob, ServerInfo, run_id=run, signer=other.public_key)
+    with pytest.raises(ProtocolError, match="not 'r-bbbbbbbbbbbbbbbb'"):  # remembered per run and kind
+        open_record(blob, ServerInfo, run_id="r-bbbbbbbbbbbbbbbb")
+    monkeypatch.setattr(schema, "get_dht_time", lambda: -1000.0)  # the reader's clock: checked at every read
+    with pytest.raises(ProtocolError, match="in the future"):
+        open_record(blob, ServerInfo, run_id=run, subkey=ident.peer_id)
+
+
 def _forge(ident, fields):
     payload = msgpack.packb(fields, use_bin_type=True)
     return msgpack.packb({"p": payload, "k": ident.public_key, "s": ident.sign(payload)}, use_bin_type=True)

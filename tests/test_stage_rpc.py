@@ -282,3 +282,24 @@ class _Exiting:
 
     def __exit__(self, *exc):
         return self.held.__exit__(*exc)
+
+
+def test_compute_seconds_count_training_forward_and_backward_only(exact_spec_path):
+    """``compute_s`` (ServerInfo, bench/efficiency.py's useful work) grows with a training forward and backward, and
+    not with a retried micro-batch, an inference forward or a spot check's recomputation."""
+    spec = RunSpec.from_toml(exact_spec_path)
+    first, last = StageServer(spec, RUN, 0), StageServer(spec, RUN, 1)
+    tokens = torch.randint(0, spec.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    h, _ = first.forward(("t", "mb1"), x, None, train=True)
+    grad, _ = last.forward(("t", "mb1"), h, y, train=True)
+    after_forward = first.compute_s
+    first.backward(("t", "mb1"), grad, None)
+    assert 0 < after_forward < first.compute_s and last.compute_s > 0
+    counted = (first.compute_s, last.compute_s)
+    last.forward(("t", "mb1"), h, y, train=True)  # a retry: the cached reply, no compute
+    first.backward(("t", "mb1"), grad, None)
+    last.forward(("t", "mb2"), h, y, train=False)
+    last.check_forward(h, y)
+    first.check_forward(x, None)
+    assert (first.compute_s, last.compute_s) == counted

@@ -33,6 +33,11 @@ def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
         # such rounds a server that missed a gradient round may differ; the next state round re-syncs it.
         for k in range(sc.num_stages):
             sc.stage_in_sync(k)
+    # every process exits cleanly: with hivemind's file_system tensor sharing each log ended with a C++ abort
+    for peer in [*reversed(swarm.peers), swarm.coordinator]:  # trainers first: a server then drains at once
+        swarm.stop(peer)
+        assert peer.proc.returncode == 0, f"{peer.name} exited with {peer.proc.returncode}:\n{swarm.tail(peer)}"
+        assert "terminate called" not in peer.log.read_text(errors="replace"), swarm.tail(peer)
 
 
 @pytest.mark.scenario  # ~55 s each; the modes' math is checked in the default suite by tests/test_in_process.py

@@ -21,7 +21,8 @@ refused (:class:`NonFiniteAggregate`), never returned.
   and scale; this is our choice, BTARD tunes an absolute tau per model. When half or more of the parts sit
   exactly on the median (an honest majority that agrees exactly, all-zero partitions, copies), that distance
   is 0 and the median itself is returned: any other radius would be chosen by the parts that differ, which
-  may all be the attackers'.
+  may all be the attackers'. One part, or two of equal weight, return the median at once: the midpoint is the
+  fixed point by symmetry, and iterating would only add rounding.
 
 Pre-aggregation (a wrapper around any rule, :func:`make_aggregator` ``pre=``) against attacks that exploit
 heterogeneity between honest parts (ALIE, mimic) or duplicate an attacker's vector:
@@ -112,10 +113,37 @@ class MeanAggregator(Aggregator):
         return (weights / weights.sum()) @ parts
 
 
+SORTING_NETWORK_ROWS = 16
+"""Up to this many rows :func:`sorted_rows` sorts with a comparator network (3-8x faster than ``torch.sort`` along
+the short axis for 2-16 rows of 5e5 values on one core, measured), beyond with ``torch.sort``."""
+
+
+def sorted_rows(parts: torch.Tensor) -> list[torch.Tensor]:
+    """The ``n`` rows of ``parts`` ``(n, numel)`` sorted coordinate-wise: row ``k`` holds the ``k``-th smallest value
+    of every column, exactly ``parts.sort(dim=0).values[k]``.
+
+    Few rows (at most :data:`SORTING_NETWORK_ROWS`) go through odd-even transposition sort (Knuth, TAOCP vol. 3,
+    sec. 5.3.4, exercise 37: ``n`` rounds of compare-exchange of neighbours), each comparator an elementwise
+    ``torch.minimum`` / ``torch.maximum`` of two whole rows: ``n (n - 1) / 2`` passes over the rows, where
+    ``torch.sort`` along a short, strided axis sorts every column on its own. Min and max select values and
+    never compute new ones, so the result is the sort's, bit for bit (parts are finite: NaN would not order)."""
+    n = parts.shape[0]
+    if n > SORTING_NETWORK_ROWS:
+        return list(parts.sort(dim=0).values.unbind(0))
+    rows = list(parts.unbind(0))
+    for round_ in range(n):
+        for i in range(round_ % 2, n - 1, 2):
+            low, high = rows[i], rows[i + 1]
+            rows[i], rows[i + 1] = torch.minimum(low, high), torch.maximum(low, high)
+    return rows
+
+
 def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
     """Coordinate-wise median of ``(n, numel)``; the mean of the two middle values when ``n`` is even."""
     n = parts.shape[0]
-    ordered = parts.sort(dim=0).values
+    if n == 1:
+        return parts[0].clone()
+    ordered = sorted_rows(parts)
     if n % 2:
         return ordered[n // 2].clone()
     return ordered[n // 2 - 1] / 2 + ordered[n // 2] / 2
@@ -141,8 +169,7 @@ class TrimmedMeanAggregator(Aggregator):
     def _combine(self, parts, weights):
         n = parts.shape[0]
         b = assumed_byzantine(n, self.trim)
-        ordered = parts.sort(dim=0).values
-        return ordered[b:n - b].mean(0)
+        return torch.stack(sorted_rows(parts)[b:n - b]).mean(0)
 
 
 class CenteredClipAggregator(Aggregator):
@@ -154,13 +181,17 @@ class CenteredClipAggregator(Aggregator):
         self.tau_ratio, self.iterations = tau_ratio, iterations
 
     def _combine(self, parts, weights):
-        w = weights / weights.sum()
         v = coordinate_median(parts)
-        tau = self.tau_ratio * spread((parts - v).norm(dim=1))
+        if parts.shape[0] <= 2 and bool((weights == weights[0]).all()):
+            return v  # one part, or two of equal weight: the midpoint is the fixed point (symmetry), exactly
+        w = weights / weights.sum()
+        diff = parts - v  # one buffer for every iteration's differences (no n x numel allocation per pass)
+        tau = self.tau_ratio * spread(diff.norm(dim=1))
         if not tau > 0:
             return v  # half or more of the parts are the median: nothing the rest says can be told from an attack
-        for _ in range(self.iterations):
-            diff = parts - v
+        for i in range(self.iterations):
+            if i:
+                torch.sub(parts, v, out=diff)
             dist = diff.norm(dim=1)
             scale = torch.clamp(tau / dist.clamp_min(1e-30), max=1.0)
             step = (w * scale) @ diff

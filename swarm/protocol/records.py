@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from swarm.config import RunSpec
 from swarm.identity import derive_run_id
-from swarm.protocol.schema import (MAX_ENDORSEMENTS, MAX_EPOCH, MAX_FLOPS, MAX_ROUND_S, MAX_SAMPLES_PER_S,
-                                   AnnouncedRecord, Count, Epoch, FiniteOrNone, ProtocolError, Record, open_record)
+from swarm.protocol.schema import (MAX_COUNT, MAX_ENDORSEMENTS, MAX_EPOCH, MAX_FLOPS, MAX_ROUND_S,
+                                   MAX_SAMPLES_PER_S, AnnouncedRecord, Count, Epoch, FiniteOrNone, ProtocolError,
+                                   Record, open_record)
 
 def spec_key(run_id: str) -> str:
     return f"{run_id}/spec"
@@ -98,6 +99,9 @@ class ServerInfo(AnnouncedRecord):
                               "matmul microbenchmark in the run's compute dtype; 0 if unknown.")
     epoch: Epoch = 0
     samples: Count = Field(0, description="Samples processed since the server started.")
+    compute_s: float = Field(0.0, ge=0, le=MAX_COUNT, description="CPU seconds this server spent in the stage's "
+                             "training forward and backward since it started (its compute thread's CPU time): the "
+                             "model's useful work, which bench/efficiency.py sets against the CPU its processes used.")
     samples_dropped: Count = Field(0, description="Of those, samples whose gradients never reached an optimizer "
                                    "step: accumulated, then discarded by a load of the stage's state (out of sync, "
                                    "a restore or rollback) or by leaving the stage (pause, drain, a move).")

@@ -3,7 +3,10 @@ both (the namespace is :mod:`swarm.protocol`, whose docstring explains sealing, 
 
 from __future__ import annotations
 
+import hashlib
 import math
+import threading
+from collections import OrderedDict
 from typing import Annotated, ClassVar, Optional, Type, TypeVar
 
 import msgpack
@@ -131,11 +134,44 @@ def seal(record: Record, identity: Identity) -> bytes:
     return blob
 
 
+VERIFIED_KEPT = 4096
+"""Records whose verification :func:`open_record` remembers (most recently read first; ~1 KiB each)."""
+
+
+class _VerifiedRecords:
+    """The outcome of the checks of a sealed record that depend on nothing but its bytes, its kind and the run
+    (envelope, signature, fields, run id, its signer's ids, contents), by SHA-256 of the bytes: a peer reads the
+    same announcement many times in its life (every roster read), and verifies its Ed25519 signature and parses
+    it once. Only records that passed are kept; the checks that depend on the reader's clock or on where the
+    record was found run at every read. Thread-safe (the DHT's callbacks and the event loop's executor read)."""
+
+    def __init__(self, kept: int = VERIFIED_KEPT):
+        self.kept, self._held = kept, OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple):
+        with self._lock:
+            found = self._held.get(key)
+            if found is not None:
+                self._held.move_to_end(key)
+            return found
+
+    def put(self, key: tuple, value: tuple) -> None:
+        with self._lock:
+            self._held[key] = value
+            while len(self._held) > self.kept:
+                self._held.popitem(last=False)
+
+
+_VERIFIED = _VerifiedRecords()
+
+
 def open_record(
     blob: bytes, cls: Type[R], *, run_id: str, subkey: Optional[str] = None, signer: Optional[bytes] = None,
     expiration: Optional[float] = None,
 ) -> tuple[R, bytes]:
-    """Verify and parse a sealed record; returns ``(record, signer_public_key)``.
+    """Verify and parse a sealed record; returns ``(record, signer_public_key)``. A record read before is not
+    verified again (:class:`_VerifiedRecords`); its time and placement are.
 
     :param subkey: the DHT sub-key it was stored under; must be the record's :meth:`~Record.dht_subkey`.
     :param signer: if given, the only public key allowed to have signed it (e.g. the run's coordinator key).
@@ -148,6 +184,25 @@ def open_record(
         raise ProtocolError(f"record is {type(blob).__name__}, expected bytes")
     if len(blob) > MAX_RECORD_BYTES:
         raise ProtocolError(f"record of {len(blob)} bytes exceeds {MAX_RECORD_BYTES}")
+    memo = (hashlib.sha256(blob).digest(), cls, run_id)
+    verified = _VERIFIED.get(memo)
+    if verified is None:
+        verified = _verify(blob, cls, run_id)
+        _VERIFIED.put(memo, verified)
+    record, key = verified
+    if signer is not None and key != signer:
+        raise ProtocolError("record is not signed by the expected key (the run's coordinator)")
+    ahead = record.time - get_dht_time()
+    if ahead > MAX_CLOCK_SKEW_S:
+        raise ProtocolError(f"record is dated {ahead:.0f} s in the future (more than {MAX_CLOCK_SKEW_S:.0f} s "
+                            "of clock skew): its signer's clock is wrong; sync it with NTP")
+    if cls.names_its_signer:
+        _check_placement(record, subkey, expiration)
+    return record, key
+
+
+def _verify(blob: bytes, cls: Type[R], run_id: str) -> tuple[R, bytes]:
+    """The checks of :func:`open_record` that depend only on ``blob``, ``cls`` and ``run_id``."""
     try:
         env = msgpack.unpackb(blob, raw=False)
         payload, key, sig = env["p"], env["k"], env["s"]
@@ -155,8 +210,6 @@ def open_record(
             raise TypeError("envelope fields must be bytes")
     except Exception as e:
         raise ProtocolError(f"malformed record envelope ({type(e).__name__}: {e})") from None
-    if signer is not None and key != signer:
-        raise ProtocolError("record is not signed by the expected key (the run's coordinator)")
     try:
         verify(key, sig, payload)
     except SignatureError as e:
@@ -164,14 +217,9 @@ def open_record(
     record = parse(payload, cls, "record")
     if record.run_id != run_id:
         raise ProtocolError(f"record is for run {record.run_id!r}, not {run_id!r}")
-    ahead = record.time - get_dht_time()
-    if ahead > MAX_CLOCK_SKEW_S:
-        raise ProtocolError(f"record is dated {ahead:.0f} s in the future (more than {MAX_CLOCK_SKEW_S:.0f} s "
-                            "of clock skew): its signer's clock is wrong; sync it with NTP")
     if cls.names_its_signer:
         if record.peer_id != peer_id_of(key):
             raise ProtocolError("record names a peer id its signer does not own")
-        _check_placement(record, subkey, expiration)
         record.check_contents(run_id)
         if getattr(record, "p2p_id", "") and record.p2p_id != p2p_id_of(key):
             raise ProtocolError("record names a libp2p id its signer does not own (a peer's libp2p id is its "

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -161,6 +162,10 @@ class StageCompute:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         self.throughput = PerformanceEMA(alpha=0.1)
         self.samples = 0
+        self.compute_s = 0.0
+        """CPU seconds (thread CPU time) the compute thread spent in the stage's training forward and backward: the
+        model's useful work, without checks, spot-check answers, recomputed forwards or the optimizer. With torch
+        intra-op threads above 1 (on the CPU) their workers' time is not counted."""
         self.loss_ema: Optional[float] = None
         self.state_digests: dict[int, str] = {}  # epoch -> digest of the full state after its step (recent ones)
         self.meter = EpochMeter()
@@ -195,7 +200,7 @@ class StageCompute:
             return self._done[key]
         start = time.perf_counter()
         leaf = self._leaf(x)
-        with torch.enable_grad():
+        with torch.enable_grad(), self._counted():
             if not self.is_last:
                 out = self.module(leaf)
                 self._remember(key, leaf, out)
@@ -204,7 +209,7 @@ class StageCompute:
             if not torch.isfinite(loss):
                 raise StageError(f"stage {self.stage}: loss is not finite; the inputs are corrupt")
             loss.backward()
-        value = loss.item()
+            value = loss.item()
         self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
         self.meter.losses.append(value)
         grad = self._host(leaf.grad) if leaf.requires_grad else None
@@ -232,8 +237,9 @@ class StageCompute:
         else:
             leaf, out, _ = entry
         self.inputs.check_like("grad_outputs", grad_out, out)
-        out.backward(grad_out.to(self.device))
-        grad = self._host(leaf.grad) if leaf.requires_grad else None
+        with self._counted():
+            out.backward(grad_out.to(self.device))
+            grad = self._host(leaf.grad) if leaf.requires_grad else None
         self._accumulate(key[0], grad_out.shape[0], time.perf_counter() - start)
         self._finish(key, (grad, None))
         return grad
@@ -273,6 +279,15 @@ class StageCompute:
         """(compute thread) ``((epoch, synced) of the parameters fn computes with, fn(*args))``."""
         params = (self.epoch, self.synced)
         return params, fn(*args)
+
+    @contextmanager
+    def _counted(self):
+        """Add the compute thread's CPU time inside the block to :attr:`compute_s`."""
+        start = time.thread_time()
+        try:
+            yield
+        finally:
+            self.compute_s += time.thread_time() - start
 
     def _finish(self, key, result) -> None:
         self._done[key] = result

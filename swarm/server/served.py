@@ -199,7 +199,7 @@ class ServedStage:
         report = self.optimizer.report() if serving else None
         return dict(
             self.plan.record(), throughput=server.throughput.samples_per_second if serving else 0.0,
-            epoch=server.epoch, samples=server.samples, loss=server.loss_ema,
+            epoch=server.epoch, samples=server.samples, compute_s=server.compute_s, loss=server.loss_ema,
             peers_in_last_round=report.peers if report else 0, state_digests=server.recent_digests(8),
             round_s=server.meter.mean_round_s, rounds=server.meter.rounds,
             excluded=report.excluded if report else {}, averaging=report.wire if report else {},

@@ -31,7 +31,7 @@ from hivemind.proto import runtime_pb2
 from swarm.config import RunSpec
 from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.net.directory import AsyncRunDirectory
-from swarm.net.stage_rpc import MAX_WIRE_TENSORS, max_message_bytes, stage_stub
+from swarm.net.stage_rpc import MAX_WIRE_TENSORS, max_batch, max_message_bytes, stage_stub
 from swarm.net.transport import gather, stream_out
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
 from swarm.trainer.routing import NoServerError, Router
@@ -274,18 +274,32 @@ class RemotePipeline:
         return await self.call(s, "rpc_backward", meta, [grad, inputs] if with_inputs else [grad], timeout)
 
 
-async def validation_loss(pipeline: RemotePipeline, dataset, max_batches: int = 16, batch_size: int = 0) -> float:
-    """Mean loss (nats/token) of the swarm's current model over the first validation samples.
+def validation_samples(dataset, max_samples: Optional[int] = None) -> int:
+    """How many validation samples :func:`validation_loss` scores: the whole split, or its first ``max_samples``."""
+    total = dataset.num_samples("val")
+    return total if max_samples is None else min(total, max_samples)
 
-    Uses up to ``max_batches`` micro-batches of ``batch_size`` (default: the spec's micro-batch size) samples.
+
+async def validation_loss(pipeline: RemotePipeline, dataset, max_samples: Optional[int] = None,
+                          batch_size: int = 0) -> float:
+    """Mean loss (nats/token) of the swarm's current model over the validation split: all of it, or its first
+    ``max_samples`` samples (:func:`validation_samples`), in batches of ``batch_size`` samples (default: the most a
+    stage accepts, :func:`~swarm.net.stage_rpc.max_batch`; the last batch may be smaller), each weighted by its
+    samples.
+
+    :raises ValueError: no validation sample to score.
+    :raises PipelineError: a stage's forward failed on every server tried.
     """
-    b = batch_size or pipeline.spec.training.micro_batch_size
-    n = min(dataset.num_samples("val") // b, max_batches)
+    n = validation_samples(dataset, max_samples)
     if n < 1:
-        raise ValueError("the validation split holds fewer samples than one micro-batch")
-    losses = [await pipeline.forward_loss(dataset.batch(list(range(i * b, (i + 1) * b)), "val"), train=False)
-              for i in range(n)]
-    return sum(losses) / len(losses)
+        raise ValueError("the validation split holds no sample; raise data.val_fraction")
+    b = batch_size or max_batch(pipeline.spec)
+    total = 0.0
+    for start in range(0, n, b):
+        rows = list(range(start, min(n, start + b)))
+        total += len(rows) * await pipeline.forward_loss(dataset.batch(rows, "val"), train=False)
+    return total / n
 
 
-__all__ = ["PipelineError", "PipelineListener", "RemotePipeline", "StageReply", "validation_loss"]
+__all__ = ["PipelineError", "PipelineListener", "RemotePipeline", "StageReply", "validation_loss",
+           "validation_samples"]

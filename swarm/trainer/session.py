@@ -292,13 +292,16 @@ class Trainer:
         )
 
     async def _validate(self, batches: int = 4) -> None:
-        """Measure the validation loss through the swarm every ``val_every_s`` seconds (first after one period)."""
+        """Measure the validation loss through the swarm every ``val_every_s`` seconds (first after one period), on
+        the split's first ``batches`` micro-batches (a cheap running estimate; ``swarm-coordinator demo`` scores the
+        whole split at its end)."""
         period = self.settings.val_every_s
         while period > 0 and not await sleep_or_stop(self._stop, period):
             if not self.running.is_set():
                 continue
             try:
-                self.val_loss = await validation_loss(self.pipeline, self.dataset, batches)
+                self.val_loss = await validation_loss(
+                    self.pipeline, self.dataset, batches * self.spec.training.micro_batch_size)
                 self.val_time = get_dht_time()
                 self.log.info("val_loss=%.4f", self.val_loss)
             except (PipelineError, ValueError) as e:

@@ -1,0 +1,150 @@
+"""Where a local swarm's CPU goes: the share in the model's forward and backward, and the rest by process kind.
+
+    python bench/efficiency.py [--spec runs/demo.toml] [--servers-per-stage 2] [--trainers 2] [--idle 30]
+                               [--warmup 30] [--window 60] [--local-samples 512] [--precision auto]
+
+1. **Local**: the same model trained in one process on this machine's cores (:func:`swarm.reference.train_reference`,
+   ``--local-samples`` samples): ``local_tokens_per_s``.
+2. **Idle**: a coordinator and ``servers_per_stage`` servers per stage on loopback, no trainer, for ``--idle``
+   seconds: ``idle_server_cores``, the CPU an idle server uses with its DHT, averager and p2pd processes (cores:
+   CPU seconds per second; the mean over the servers, and the most).
+3. **Training**: ``--trainers`` trainers join; after ``--warmup`` seconds a ``--window`` of seconds is measured.
+   ``cpu_s`` is the CPU seconds of every process of the swarm in the window by kind (:mod:`bench.procstat`);
+   ``useful_fraction`` is the servers' CPU in the stage's training forward and backward
+   (:attr:`~swarm.protocol.ServerInfo.compute_s`, measured in-process, as a rate between the servers' records)
+   over the swarm's CPU rate; ``swarm_tokens_per_s`` is the trainers' tokens between their records, and
+   ``swarm_over_local`` its ratio to the local run's.
+
+Everything shares this machine's cores; the bench's own DHT client (it reads the records) is not counted. Prints
+progress on stderr and one JSON line on stdout (the last line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import procstat  # noqa: E402
+from coordinator.demo import pick_precision, start_servers  # noqa: E402
+from coordinator.launch import LocalSwarm  # noqa: E402
+from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.data import prepare_dataset  # noqa: E402
+from swarm.net.dht import connect_run  # noqa: E402
+from swarm.reference import train_reference  # noqa: E402
+
+logger = logging.getLogger("bench.efficiency")
+
+
+def wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s {what}")
+        time.sleep(0.5)
+
+
+def leaders(swarm: LocalSwarm) -> dict[int, str]:
+    """Main pid (= session id) -> role, for every live peer and the coordinator."""
+    peers = swarm.peers + ([swarm.coordinator] if swarm.coordinator else [])
+    return {p.proc.pid: p.role for p in peers if p.alive()}
+
+
+def measure_cpu(swarm: LocalSwarm, seconds: float) -> tuple[dict, float]:
+    """CPU seconds by (leader pid, kind) over the next ``seconds``, and the seconds actually measured."""
+    watched = leaders(swarm)
+    first = procstat.sample(watched, time.monotonic())
+    time.sleep(seconds)
+    last = procstat.sample(watched, time.monotonic())
+    return procstat.cpu_between(first, last), last.at - first.at
+
+
+def rates(before: dict, after: dict, field: str) -> float:
+    """Sum over the records present in both (key -> record) of ``field``'s growth per second of record time."""
+    total = 0.0
+    for key, old in before.items():
+        new = after.get(key)
+        if new is not None and new.time > old.time:
+            total += max(0.0, getattr(new, field) - getattr(old, field)) / (new.time - old.time)
+    return total
+
+
+def records(directory, stages: int) -> tuple[dict, dict]:
+    servers = {s.peer_id: s for g in directory.all_servers(stages).values() for s in g}
+    return servers, {t.peer_id: t for t in directory.trainers()}
+
+
+def run(args) -> dict:
+    spec = pick_precision(RunSpec.from_toml(args.spec), args.precision)
+    cache_dir = PeerSettings().cache_dir
+    dataset = prepare_dataset(spec, cache_dir)
+    local = train_reference(spec, dataset, max_samples=args.local_samples)
+    local_tps = local.tokens / local.seconds
+    logger.info("local: %.0f tokens/s (%s)", local_tps, spec.training.precision)
+    workdir = Path(tempfile.mkdtemp(prefix="swarm-efficiency-"))
+    spec_path = workdir / "spec.toml"
+    spec_path.write_text(spec.to_toml())
+    stages = spec.model.num_stages
+    with LocalSwarm(spec_path, workdir / "swarm", cache_dir) as swarm:
+        dht, directory, _, _ = connect_run(swarm.start_coordinator(), PeerSettings(host="127.0.0.1"),
+                                           client_mode=True)
+        try:
+            start_servers(swarm, directory, stages, args.servers_per_stage)
+            time.sleep(10.0)  # the servers' start-up work (first records, state downloads) is over
+            idle, idle_s = measure_cpu(swarm, args.idle)
+            servers = [p.proc.pid for p in swarm.peers if p.role == "server"]
+            idle_cores = [sum(procstat.by_kind(idle, [pid]).values()) / idle_s for pid in servers]
+            logger.info("idle servers: %s cores", [round(c, 3) for c in idle_cores])
+            for share in range(args.trainers):
+                swarm.start_peer("trainer", "--share", str(share))
+            wait(lambda: sum(t.tokens for t in directory.trainers()) > 0, 300, "for the trainers' first tokens")
+            time.sleep(args.warmup)
+            before = records(directory, stages)
+            used, window_s = measure_cpu(swarm, args.window)
+            after = records(directory, stages)
+        finally:
+            dht.shutdown()
+    cpu = procstat.by_kind(used)
+    total = sum(cpu.values())
+    compute_rate = rates(before[0], after[0], "compute_s")
+    tokens_rate = rates(before[1], after[1], "tokens")
+    return {
+        "useful_fraction": round(compute_rate / (total / window_s), 3) if total else None,
+        "swarm_over_local": round(tokens_rate / local_tps, 3),
+        "swarm_tokens_per_s": round(tokens_rate, 1),
+        "local_tokens_per_s": round(local_tps, 1),
+        "cores_used": round(total / window_s, 3),
+        "compute_cores": round(compute_rate, 3),
+        "cpu_share": {k: round(v / total, 3) for k, v in cpu.items()} if total else {},
+        "cpu_s": {k: round(v, 1) for k, v in cpu.items()},
+        "idle_server_cores": {"mean": round(sum(idle_cores) / len(idle_cores), 4), "max": round(max(idle_cores), 4)},
+        "window_s": round(window_s, 1), "precision": spec.training.precision,
+        "servers_per_stage": args.servers_per_stage, "trainers": args.trainers, "stages": stages,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--spec", type=Path, default=ROOT / "runs" / "demo.toml")
+    parser.add_argument("--servers-per-stage", type=int, default=2)
+    parser.add_argument("--trainers", type=int, default=2)
+    parser.add_argument("--idle", type=float, default=30.0, help="seconds the idle servers are measured")
+    parser.add_argument("--warmup", type=float, default=30.0, help="seconds of training before the window")
+    parser.add_argument("--window", type=float, default=60.0, help="seconds of training measured")
+    parser.add_argument("--local-samples", type=int, default=512, help="samples the one-process baseline trains")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                        help="as `swarm-coordinator demo --precision`")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    print(json.dumps(run(args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""CPU seconds of a local swarm's processes, by kind, from ``/proc`` (Linux).
+
+Every peer of a :class:`~coordinator.launch.LocalSwarm` runs in its own session, so its processes are those whose
+session id is the peer's main pid. Each is one of these kinds:
+
+* ``server``, ``trainer``, ``coordinator``: the peer's main process (its role);
+* ``p2pd``: a libp2p daemon (hivemind's ``p2pd`` binary);
+* ``dht``: hivemind's DHT process, the Python child that started a ``p2pd``;
+* ``averager``: another Python child of a server (hivemind's gradient and state averagers, each its own process);
+* ``other``: anything else in the session (``torch_shm_manager``, a trainer's or coordinator's other children).
+
+:func:`sample` reads the table once; :func:`cpu_between` turns two samples into CPU seconds per peer and kind.
+A process that exited between the samples is missing from the second one and its last CPU seconds are lost (its
+parent reaps it into ``cutime``, which is not read): the window should hold the processes that live through it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+KINDS = ("server", "trainer", "coordinator", "dht", "averager", "p2pd", "other")
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    sid: int
+    comm: str
+    cpu_s: float
+    """User + system CPU seconds of the process (all its threads) since it started."""
+
+
+def read_table(root: Path = Path("/proc")) -> dict[int, Proc]:
+    """Every process visible in ``root``, by pid (one that exits while it is read is skipped)."""
+    table = {}
+    for entry in root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses, so split at the last ')'
+        head, _, tail = raw.rpartition(")")
+        comm = head.partition("(")[2]
+        fields = tail.split()
+        ppid, sid = int(fields[1]), int(fields[3])
+        utime, stime = int(fields[11]), int(fields[12])
+        table[int(entry.name)] = Proc(int(entry.name), ppid, sid, comm, (utime + stime) * TICK_S)
+    return table
+
+
+def classify(table: dict[int, Proc], leaders: dict[int, str]) -> dict[int, tuple[int, str]]:
+    """pid -> (its peer's leader pid, kind) for the processes of the sessions led by ``leaders`` (leader pid ->
+    role), kinds as the module docstring says."""
+    spawned_p2pd = {p.ppid for p in table.values() if p.comm == "p2pd"}
+    out = {}
+    for p in table.values():
+        role = leaders.get(p.sid)
+        if role is None:
+            continue
+        if p.pid == p.sid:
+            kind = role
+        elif p.comm == "p2pd":
+            kind = "p2pd"
+        elif p.pid in spawned_p2pd:
+            kind = "dht"
+        elif role == "server" and p.comm.startswith("python"):
+            kind = "averager"
+        else:
+            kind = "other"
+        out[p.pid] = (p.sid, kind)
+    return out
+
+
+@dataclass(frozen=True)
+class Sample:
+    """CPU seconds of every process of the watched sessions at monotonic time ``at``."""
+
+    at: float
+    table: dict[int, Proc]
+    kinds: dict[int, tuple[int, str]]
+
+
+def sample(leaders: dict[int, str], at: float) -> Sample:
+    """Read ``/proc`` now (``at``: the caller's ``time.monotonic()``) for the sessions of ``leaders``."""
+    table = read_table()
+    kinds = classify(table, leaders)
+    return Sample(at, {pid: table[pid] for pid in kinds}, kinds)
+
+
+def cpu_between(first: Sample, last: Sample) -> dict[tuple[int, str], float]:
+    """(leader pid, kind) -> CPU seconds its processes used from ``first`` to ``last``; a process born in between
+    counts from 0."""
+    used: dict[tuple[int, str], float] = defaultdict(float)
+    for pid, proc in last.table.items():
+        before = first.table.get(pid)
+        start = before.cpu_s if before is not None and before.comm == proc.comm else 0.0
+        used[last.kinds[pid]] += max(0.0, proc.cpu_s - start)
+    return dict(used)
+
+
+def by_kind(used: dict[tuple[int, str], float], leaders: Iterable[int] | None = None) -> dict[str, float]:
+    """Kind -> CPU seconds, summed over the peers (only those led by ``leaders`` if given)."""
+    chosen = None if leaders is None else set(leaders)
+    totals = {kind: 0.0 for kind in KINDS}
+    for (leader, kind), seconds in used.items():
+        if chosen is None or leader in chosen:
+            totals[kind] += seconds
+    return totals
+
+
+__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "read_table", "sample"]
