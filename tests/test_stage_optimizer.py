@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -277,4 +278,69 @@ def test_outer_mode_state_is_the_outer_parameters_and_momentum_and_a_load_restar
     finally:
         if optimizer is not None:
             optimizer.shutdown()
+        dht.shutdown()
+
+
+def test_matchmaking_lookups_start_a_gap_after_the_last_one_ended():
+    """(swarm.averaging.averager.paced) hivemind's matchmaking looks its group up again as soon as the last lookup
+    answered; paced, the next one waits until ``gap_s`` after the last one ended, and one after a longer pause
+    waits for nothing."""
+    from swarm.averaging.averager import paced
+
+    now, waits, calls = [100.0], [], []
+
+    async def sleep(s):
+        waits.append(round(s, 6))
+        now[0] += s
+
+    async def lookup(key):
+        calls.append((key, now[0]))
+        now[0] += 0.05  # the lookup itself takes 50 ms
+        return key
+
+    async def main():
+        look = paced(lookup, 0.2, clock=lambda: now[0], sleep=sleep)
+        assert await look("a") == "a" and await look("b") == "b"
+        now[0] += 1.0
+        await look("c")
+
+    asyncio.run(main())
+    assert waits == [0.2]
+    assert [k for k, _ in calls] == ["a", "b", "c"] and calls[1][1] - calls[0][1] == pytest.approx(0.25)
+
+
+def _wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.timeout(120)
+def test_progress_is_published_at_most_once_per_refresh_period_and_nothing_is_lost():
+    """(swarm.averaging.progress.SampleCountTracker) Micro-batch counts reported faster than the stage's servers
+    read them are held back and published once the period is over, with the latest count; a new epoch is
+    published without waiting for the period."""
+    from swarm.averaging.progress import SampleCountTracker
+
+    ((key, dht),) = keyed_dhts(1)
+    published = []
+    store = dht.store
+    dht.store = lambda *a, **kw: published.append(kw["value"]) or store(*a, **kw)
+    tracker = SampleCountTracker(dht=dht, prefix="pace", target_batch_size=1000, min_refresh_period=3.0,
+                                 max_refresh_period=6.0, default_refresh_period=3.0, start=True)
+    try:
+        tracker.report_local_progress(0, 8)
+        assert _wait_until(lambda: published, 10)
+        for samples in range(16, 88, 8):  # nine micro-batches over ~1 s, inside one period: held back
+            tracker.report_local_progress(0, samples)
+            time.sleep(0.1)
+        assert _wait_until(lambda: published[-1]["samples_accumulated"] == 80, 10)  # then published, the latest
+        assert [v["samples_accumulated"] for v in published] == [8, 80]
+        before = len(published)
+        tracker.report_local_progress(1, 0)  # a new epoch, right after a publication: not held back 3 s
+        assert _wait_until(lambda: published[-1]["epoch"] == 1, 2.0)
+        assert len(published) == before + 1
+    finally:
+        tracker.shutdown()
         dht.shutdown()

@@ -76,7 +76,8 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
     """SHA-256 (hex) of the raw bytes of encoded tensors: a sender's commitment to a part or an aggregate."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))  # no copy of the bytes
     return h.hexdigest()
 
 
@@ -96,6 +97,7 @@ class PartitionReducer:
     commitments: dict = field(default_factory=dict)
     reduction: Optional[Reduction] = None
     encoded: Optional[list[torch.Tensor]] = None
+    encoded_digest: str = ""  # digest(encoded), once: every sender's reply names it
     receipt: bytes = b""
     error: str = ""
 
@@ -124,7 +126,7 @@ class PartitionReducer:
             return AveragingReply(error=self.error), []
         v = self.reduction.verdicts.get(sender, Verdict(False, "part arrived after the partition was reduced"))
         reply = AveragingReply(accepted=v.accepted, flagged=v.flagged, reason=v.reason[:512],
-                               digest=digest(self.encoded), senders=len(self.reduction.used), receipt=self.receipt)
+                               digest=self.encoded_digest, senders=len(self.reduction.used), receipt=self.receipt)
         return reply, self.encoded
 
     async def _reduce(self) -> None:
@@ -136,9 +138,10 @@ class PartitionReducer:
         try:
             self.reduction = await asyncio.get_running_loop().run_in_executor(None, self._aggregate, parts, weights)
             self.encoded = self.codec.encode(self.reduction.aggregate)
+            self.encoded_digest = digest(self.encoded)
             if self.sign_receipt is not None:
                 listed = [self.commitments[s] for s in parts if s in self.commitments]
-                self.receipt = self.sign_receipt(listed, digest(self.encoded))
+                self.receipt = self.sign_receipt(listed, self.encoded_digest)
         except NoValidParts as e:
             self.error = str(e)
         except Exception as e:  # a bug or a hostile input we did not foresee: fail the partition, not the peer

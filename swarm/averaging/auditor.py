@@ -33,7 +33,9 @@ from swarm.net.transport import gather, stream_out
 logger = logging.getLogger(__name__)
 
 KEEP_PHASES = 8  # phases whose parts and evidence a peer keeps for audits
-POLL_S = 3.0  # seconds between reads of the accusations in the DHT
+POLL_S = (3.0, 24.0)
+"""Seconds between reads of the accusations in the DHT: the first after a new one was found, doubling up to the
+second while none is (accusations are rare; each read is a DHT lookup)."""
 AUDIT_IN_FLIGHT = 4
 """Audit requests (parts, evidence) of one peer served at once."""
 AUDIT_RATE_PER_S = 5.0
@@ -239,7 +241,9 @@ class Auditor:
 
     async def _poll_accusations(self) -> None:
         tries: dict[str, int] = {}
+        wait = POLL_S[0]
         while True:
+            fresh = False
             try:
                 found = await self.dht.get(accusations_key(self.prefix), latest=True, return_future=True)
                 entries = found.value if found is not None and isinstance(found.value, dict) else {}
@@ -247,6 +251,7 @@ class Auditor:
                     seen = hashlib.sha256(item.value if isinstance(item.value, bytes) else b"").hexdigest()
                     if seen in self._seen_accusations:  # (by content: junk under a sub-key hides no later value)
                         continue
+                    fresh = True
                     verdict = await self._verify_accusation(item.value)
                     tries[seen] = tries.get(seen, 0) + 1
                     if verdict is not None or tries[seen] >= 3:
@@ -256,7 +261,8 @@ class Auditor:
                 raise
             except Exception as e:
                 logger.debug(f"reading accusations failed: {e!r}")
-            await asyncio.sleep(POLL_S)
+            wait = POLL_S[0] if fresh else min(2 * wait, POLL_S[1])
+            await asyncio.sleep(wait)
 
     async def _verify_accusation(self, blob) -> Optional[bool]:
         """Check one accusation; True: reducer excluded, False: settled otherwise (accuser excluded, or the

@@ -38,7 +38,7 @@ from swarm.averaging.compression import spec_compressor
 from swarm.averaging.donors import REFUSAL_S, RETRY_S
 from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
 from swarm.averaging.overlap import OverlappedRounds
-from swarm.averaging.progress import Roster, SampleCountTracker
+from swarm.averaging.progress import Roster, SampleCountTracker, refresh_periods
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer, schedule_moves_quietly
 from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
@@ -527,8 +527,8 @@ def _start_optimizer(owner: StageOptimizer, spec: RunSpec, run_id: str, dht: hiv
             trainer_outlier_ratio=avg.trainer_outlier_ratio, request_timeout=request_timeout(avg.matchmaking_time)),
         # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors
         # and its restarted successor stop counting it soon
-        tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.25,
-                          metadata_expiration=2 * spec.timeouts.record_ttl_s, private_key=progress_signer(dht)),
+        tracker_opts=dict(**refresh_periods(avg.matchmaking_time), metadata_expiration=2 * spec.timeouts.record_ttl_s,
+                          private_key=progress_signer(dht)),
         averager_opts=dict(request_timeout=request_timeout(avg.matchmaking_time), min_vector_size=0),
         verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
     )

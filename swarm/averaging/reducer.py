@@ -39,7 +39,8 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from swarm.averaging.aggregation import Aggregator, NonFiniteAggregate, bound_weights, spread
+from swarm.averaging.aggregation import (Aggregator, NonFiniteAggregate, all_finite, bound_weights, row_norms,
+                                         spread)
 
 
 class ReducePolicy(BaseModel):
@@ -105,7 +106,7 @@ def reduce_partition(parts: Mapping[object, Union[torch.Tensor, Exception]], wei
             del good[s]
     senders = list(good)
     stacked = torch.stack([good[s] for s in senders])
-    norms = stacked.double().norm(dim=1)
+    norms = row_norms(stacked)
     if len(senders) > 1:
         keep = _norm_check(senders, norms, policy, verdicts)
         senders, stacked, norms = [senders[i] for i in keep], stacked[keep], norms[keep]
@@ -114,7 +115,7 @@ def reduce_partition(parts: Mapping[object, Union[torch.Tensor, Exception]], wei
     if not w.sum() > 0:
         w = torch.ones(len(senders))
     aggregate, blocks = _rule(stacked, w, aggregator, policy)
-    dist = (stacked.double() - aggregate.double()).norm(dim=1)
+    dist = row_norms(stacked, aggregate)
     med = float(spread(torch.stack([dist[b].mean() for b in blocks])))
     flagged = [len(senders) > 2 and med > 0 and float(d) > policy.outlier_ratio * med for d in dist]
     for i, s in enumerate(senders):
@@ -206,7 +207,7 @@ def _well_formed(parts: Mapping, numel: int, verdicts: dict) -> dict:
             verdicts[sender] = Verdict(False, f"malformed part: {part}")
         elif part.dtype != torch.float32 or part.shape != (numel,):
             verdicts[sender] = Verdict(False, f"part is {part.dtype}{tuple(part.shape)}, expected float32({numel},)")
-        elif not torch.isfinite(part).all():
+        elif not all_finite(part):
             verdicts[sender] = Verdict(False, "part has NaN or Inf values")
         else:
             good[sender] = part

@@ -28,6 +28,7 @@ from swarm.checkpoint.commit import StageCommits
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.restore import Lineage, StageRestore
 from swarm.checkpoint.rollback import Rollbacks
+from swarm.averaging.progress import refresh_periods
 from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
@@ -39,14 +40,24 @@ from swarm.trust.banlist import RunBans
 
 logger = logging.getLogger(__name__)
 
-ORDERS_PERIOD_S = 2.0
-"""Seconds between looks at the run's rollback orders."""
-ROSTER_PERIOD_S = 0.5
-"""Seconds between reads of the stage's server records, whose progress keys say whose progress counts: a server
-that joins or leaves is counted, or no longer waited for, within about this long (one DHT read each)."""
-WITHDRAW_S = 4 * ROSTER_PERIOD_S
-"""Seconds a leaving server stays in the stage's averaging after announcing that it leaves: its stage-mates read
-the stage's records every :data:`ROSTER_PERIOD_S` and then stop counting its progress."""
+def orders_period_s(spec: RunSpec) -> float:
+    """Seconds between looks at the run's rollback orders: a sixth of the record TTL (5 s at the default 30 s; an
+    order is rare, and a server a few epochs late to apply it loses nothing it does not roll back anyway)."""
+    return spec.timeouts.record_ttl_s / 6
+
+
+def roster_period_s(spec: RunSpec) -> float:
+    """Seconds between reads of the stage's server records, whose progress keys say whose progress counts: a
+    fifteenth of the record TTL (2 s at the default 30 s; servers re-announce every third of it, and announce a
+    join or a leave at once). A server that joins or leaves is counted, or no longer waited for, within about
+    this long (one DHT read each)."""
+    return spec.timeouts.record_ttl_s / 15
+
+
+def withdraw_s(spec: RunSpec) -> float:
+    """Seconds a leaving server stays in the stage's averaging after announcing that it leaves: its stage-mates
+    read the stage's records every :func:`roster_period_s` and then stop counting its progress."""
+    return 2 * roster_period_s(spec)
 LEAVE_GRACE_S = 15.0
 """Seconds a leaving server waits, at most, for the backwards of the micro-batches whose forward it ran."""
 COMMIT_GRACE_S = 30.0
@@ -167,11 +178,12 @@ class ServedStage:
     def duties(self, leave: asyncio.Event) -> list[asyncio.Task]:
         """Start what a serving stage does beside its RPCs until ``leave``: the epoch watcher, following rollback
         orders, reading the stage's server records."""
-        return [asyncio.create_task(self.server.watch_epochs(leave)),
-                asyncio.create_task(periodic(leave, ORDERS_PERIOD_S, self.rollbacks.follow,
+        watch_s = refresh_periods(self.spec.averaging.matchmaking_time)["min_refresh_period"]  # as the tracker reads
+        return [asyncio.create_task(self.server.watch_epochs(leave, watch_s)),
+                asyncio.create_task(periodic(leave, orders_period_s(self.spec), self.rollbacks.follow,
                                              "following rollback orders", self.log)),
-                asyncio.create_task(periodic(leave, ROSTER_PERIOD_S, self._read_roster, "reading the stage's servers",
-                                             self.log))]
+                asyncio.create_task(periodic(leave, roster_period_s(self.spec), self._read_roster,
+                                             "reading the stage's servers", self.log))]
 
     async def _read_roster(self) -> None:
         """Keep the progress sub-keys the stage's servers announce, the only progress this server counts
@@ -252,7 +264,7 @@ class ServedStage:
     async def withdraw(self, announce: Callable[[], Awaitable[None]]) -> None:
         """Before leaving the stage: refuse new stage work and ``announce`` that this server leaves (throughput 0,
         no progress key: trainers stop routing here and the stage's servers stop counting this one), then let the
-        backwards of the micro-batches in flight finish and give the stage-mates :data:`WITHDRAW_S` to read that
+        backwards of the micro-batches in flight finish and give the stage-mates :func:`withdraw_s` to read that
         record, while the epoch watcher still joins any round they begin meanwhile (at most :data:`LEAVE_GRACE_S`
         in all).
 
@@ -260,9 +272,9 @@ class ServedStage:
         ``averaging_timeout`` seconds (twice, when the round averages the state too)."""
         self.server.leaving = True
         await announce()
-        started = time.monotonic()
+        started, withdraw = time.monotonic(), withdraw_s(self.spec)
         while time.monotonic() - started < LEAVE_GRACE_S and \
-                (self.server.in_flight or time.monotonic() - started < WITHDRAW_S):
+                (self.server.in_flight or time.monotonic() - started < withdraw):
             await asyncio.sleep(0.1)
 
     async def stop(self, p2p: P2P, handlers: bool) -> None:
@@ -283,5 +295,5 @@ class ServedStage:
                       time.monotonic() - started, commits_s, time.monotonic() - started - commits_s)
 
 
-__all__ = ["LEAVE_GRACE_S", "ORDERS_PERIOD_S", "PeerContext", "ROSTER_PERIOD_S", "ServedStage", "StagePlan",
-           "StageServerFactory", "WITHDRAW_S"]
+__all__ = ["LEAVE_GRACE_S", "PeerContext", "ServedStage", "StagePlan", "StageServerFactory", "orders_period_s",
+           "roster_period_s", "withdraw_s"]

@@ -92,20 +92,23 @@ class RemotePipeline:
     :param bans: the run's ban list (:class:`~swarm.trust.banlist.RunBans`): servers on it are never used.
     :param log: the trainer's log (its retries are logged there).
     :param max_attempts: tries per stage call before the micro-batch fails with :class:`PipelineError`.
-    :param refresh_s: seconds between reads of a stage's server records from the DHT.
+    :param refresh_s: seconds between reads of a stage's server records from the DHT (default: a sixth of the
+        spec's record TTL, 5 s at 30 s; servers re-announce every third of it, and a failed call reads at once).
     :param listener: told of every training call and every read of a stage's records (:class:`PipelineListener`);
         default: spot checks (:class:`~swarm.trust.spotcheck.SpotChecker`), which also keep the pipeline off the
         servers that verified evidence convicted.
     """
 
     def __init__(self, spec: RunSpec, run_id: str, directory: AsyncRunDirectory, p2p: P2P, *, bans=None, log=None,
-                 max_attempts: int = 8, refresh_s: float = 2.0, listener: Optional[PipelineListener] = None):
+                 max_attempts: int = 8, refresh_s: Optional[float] = None,
+                 listener: Optional[PipelineListener] = None):
         self.spec, self.run_id, self.directory, self.p2p = spec, run_id, directory, p2p
         self.bans, self.log = bans, log if log is not None else logger
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
         self.max_reply_bytes = max_message_bytes(spec)
         self.router = Router(backoff_s=spec.timeouts.backoff_s, backoff_max_s=spec.timeouts.backoff_max_s)
-        self.max_attempts, self.refresh_s = max_attempts, refresh_s
+        self.max_attempts = max_attempts
+        self.refresh_s = spec.timeouts.record_ttl_s / 6 if refresh_s is None else refresh_s
         self.num_stages = spec.model.num_stages
         self.listener = listener if listener is not None else SpotChecker(spec, run_id, p2p, log=self.log)
         self._servers: dict[int, tuple[float, list[ServerInfo]]] = {}
