@@ -143,6 +143,8 @@ def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
     n = parts.shape[0]
     if n == 1:
         return parts[0].clone()
+    if n == 2:  # the two middle values are the two values: no sorting (IEEE addition commutes, so bit for bit)
+        return parts[0] / 2 + parts[1] / 2
     ordered = sorted_rows(parts)
     if n % 2:
         return ordered[n // 2].clone()

@@ -524,7 +524,9 @@ def _start_optimizer(owner: StageOptimizer, spec: RunSpec, run_id: str, dht: hiv
         grad_averager_factory=partial(
             averager_factory, rules=rules, compressor=spec_compressor(avg),
             identity=identity, run_id=run_id, clip_ratio=avg.microbatch_clip_ratio,
-            trainer_outlier_ratio=avg.trainer_outlier_ratio, request_timeout=request_timeout(avg.matchmaking_time)),
+            trainer_outlier_ratio=avg.trainer_outlier_ratio, request_timeout=request_timeout(avg.matchmaking_time),
+            allow_state_sharing=False),  # joiners download the state averager's state; hivemind would have the
+        # gradient averager declare itself a donor too, with a DHT store at every epoch
         # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors
         # and its restarted successor stop counting it soon
         tracker_opts=dict(**refresh_periods(avg.matchmaking_time), metadata_expiration=2 * spec.timeouts.record_ttl_s,
