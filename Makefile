@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-scenarios bench bench-averaging bench-chaos bench-wire bench-spot-checks bench-wan bench-kernels container-check clean
+.PHONY: demo test test-scenarios bench bench-efficiency bench-averaging bench-chaos bench-wire bench-spot-checks bench-wan bench-kernels container-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ test-scenarios: $(STAMP)   # long Byzantine, checkpoint, chaos, fault and averag
 
 bench: $(STAMP)   # ~8 min: the swarm synchronous and with overlapped rounds, against one process
 	$(BIN)/python bench/swarm_vs_local.py
+
+bench-efficiency: $(STAMP)   # ~5 min: where the demo swarm's CPU goes (useful fraction, CPU by process kind, an idle server); JSON last line
+	$(BIN)/python bench/efficiency.py
 
 bench-averaging: $(STAMP)   # ~50 min on 2 cores
 	$(BIN)/python bench/compression.py

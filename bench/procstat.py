@@ -34,6 +34,8 @@ class Proc:
     comm: str
     cpu_s: float
     """User + system CPU seconds of the process (all its threads) since it started."""
+    start: int = 0
+    """When it started (clock ticks since boot): a pid reused by a new process is told apart by it."""
 
 
 def read_table(root: Path = Path("/proc")) -> dict[int, Proc]:
@@ -51,8 +53,8 @@ def read_table(root: Path = Path("/proc")) -> dict[int, Proc]:
         comm = head.partition("(")[2]
         fields = tail.split()
         ppid, sid = int(fields[1]), int(fields[3])
-        utime, stime = int(fields[11]), int(fields[12])
-        table[int(entry.name)] = Proc(int(entry.name), ppid, sid, comm, (utime + stime) * TICK_S)
+        utime, stime, start = int(fields[11]), int(fields[12]), int(fields[19])
+        table[int(entry.name)] = Proc(int(entry.name), ppid, sid, comm, (utime + stime) * TICK_S, start)
     return table
 
 
@@ -97,12 +99,12 @@ def sample(leaders: dict[int, str], at: float) -> Sample:
 
 def cpu_between(first: Sample, last: Sample) -> dict[tuple[int, str], float]:
     """(leader pid, kind) -> CPU seconds its processes used from ``first`` to ``last``; a process born in between
-    counts from 0."""
+    (a new pid, or a pid reused: another start time) counts from 0."""
     used: dict[tuple[int, str], float] = defaultdict(float)
-    for pid, proc in last.table.items():
-        before = first.table.get(pid)
-        start = before.cpu_s if before is not None and before.comm == proc.comm else 0.0
-        used[last.kinds[pid]] += max(0.0, proc.cpu_s - start)
+    for pid, kind in last.kinds.items():
+        proc, before = last.table[pid], first.table.get(pid)
+        same = before is not None and before.start == proc.start
+        used[kind] += max(0.0, proc.cpu_s - (before.cpu_s if same else 0.0))
     return dict(used)
 
 
