@@ -136,3 +136,34 @@ def test_a_due_read_of_the_servers_runs_in_the_background_while_micro_batches_ro
         assert directory.reads >= 3
 
     asyncio.run(scenario())
+
+
+def test_validation_loss_scores_the_whole_split_in_batches_weighted_by_their_samples():
+    """(swarm.trainer.pipeline.validation_loss) Every validation sample once, in order, batches of at most
+    ``batch_size``; the last, smaller batch weighs by its samples; ``max_samples`` takes the split's first ones."""
+    import torch
+
+    from swarm.trainer.pipeline import validation_loss, validation_samples
+    from tests.conftest import TINY
+
+    seen = []
+
+    class Split:
+        def num_samples(self, split):
+            return 21 if split == "val" else 1000
+
+        def batch(self, rows, split):
+            seen.append((split, list(rows)))
+            return torch.tensor(rows, dtype=torch.float32)[:, None]
+
+    async def forward_loss(batch, train):
+        assert not train
+        return float(batch.mean())  # the mean sample index of the batch: the whole split's mean is 10
+
+    pipeline = SimpleNamespace(spec=TINY, forward_loss=forward_loss)
+    assert asyncio.run(validation_loss(pipeline, Split(), batch_size=8)) == pytest.approx(10.0)
+    assert [rows for _, rows in seen] == [list(range(0, 8)), list(range(8, 16)), list(range(16, 21))]
+    seen.clear()
+    assert asyncio.run(validation_loss(pipeline, Split(), max_samples=10, batch_size=8)) == pytest.approx(4.5)
+    assert validation_samples(Split()) == 21 and validation_samples(Split(), 10) == 10
+    assert [len(rows) for _, rows in seen] == [8, 2] and {s for s, _ in seen} == {"val"}
