@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import procstat  # noqa: E402
+from bench.swarm_vs_local import wait  # noqa: E402
 from coordinator.demo import pick_precision, start_servers  # noqa: E402
 from coordinator.launch import LocalSwarm  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
@@ -42,14 +43,6 @@ from swarm.net.dht import connect_run  # noqa: E402
 from swarm.reference import train_reference  # noqa: E402
 
 logger = logging.getLogger("bench.efficiency")
-
-
-def wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s {what}")
-        time.sleep(0.5)
 
 
 def leaders(swarm: LocalSwarm) -> dict[int, str]:
@@ -82,6 +75,13 @@ def records(directory, stages: int) -> tuple[dict, dict]:
     return servers, {t.peer_id: t for t in directory.trainers()}
 
 
+def spec_written(spec: RunSpec, folder: Path) -> Path:
+    """``spec`` as a TOML file in ``folder`` (the peers read it)."""
+    path = folder / "spec.toml"
+    path.write_text(spec.to_toml())
+    return path
+
+
 def local_tokens_per_s(spec: RunSpec, dataset, samples: int) -> float:
     """Tokens/s of the model trained in one process on this machine's cores (``samples`` samples)."""
     local = train_reference(spec, dataset, max_samples=samples)
@@ -94,11 +94,9 @@ def run(args) -> dict:
     cache_dir = PeerSettings().cache_dir
     dataset = prepare_dataset(spec, cache_dir)
     local_runs = [local_tokens_per_s(spec, dataset, args.local_samples)]
-    workdir = Path(tempfile.mkdtemp(prefix="swarm-efficiency-"))
-    spec_path = workdir / "spec.toml"
-    spec_path.write_text(spec.to_toml())
     stages = spec.model.num_stages
-    with LocalSwarm(spec_path, workdir / "swarm", cache_dir) as swarm:
+    with tempfile.TemporaryDirectory(prefix="swarm-efficiency-") as workdir, \
+            LocalSwarm(spec_written(spec, Path(workdir)), Path(workdir) / "swarm", cache_dir) as swarm:
         dht, directory, _, _ = connect_run(swarm.start_coordinator(), PeerSettings(host="127.0.0.1"),
                                            client_mode=True)
         try:
@@ -110,7 +108,7 @@ def run(args) -> dict:
             logger.info("idle servers: %s cores", [round(c, 3) for c in idle_cores])
             for share in range(args.trainers):
                 swarm.start_peer("trainer", "--share", str(share))
-            wait(lambda: sum(t.tokens for t in directory.trainers()) > 0, 300, "for the trainers' first tokens")
+            wait(lambda: sum(t.tokens for t in directory.trainers()) > 0, 300, "the trainers' first tokens")
             time.sleep(args.warmup)
             before = records(directory, stages)
             used, window_s = measure_cpu(swarm, args.window)

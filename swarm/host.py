@@ -93,12 +93,11 @@ def share_tensors_by_descriptor() -> None:
     """Share tensors between this peer's processes (its averagers, hivemind's futures) by file descriptor.
 
     hivemind 1.1.12 sets torch's sharing strategy to ``file_system`` when it is imported
-    (``hivemind.utils.mpfuture``): each shared tensor is then a named file that a ``torch_shm_manager`` process
-    keeps, and a process whose manager has already exited aborts at its own exit, freeing its tensors, with
-    ``terminate called after throwing an instance of 'std::system_error' what(): No such file or directory``
-    (every log of the demo's servers, trainers and coordinator ended with it). With ``file_descriptor`` no manager
-    exists and an exit frees nothing elsewhere; each shared tensor holds an open descriptor instead, so the soft
-    limit of open files is raised to the hard one. Call it from entry points before any averager or DHT process
+    (``hivemind.utils.mpfuture``): each shared tensor is then a named file kept by a ``torch_shm_manager``
+    process, and peers' logs ended with ``terminate called after throwing an instance of 'std::system_error'
+    what(): No such file or directory`` as they exited (a process freeing its tensors after the manager, or the
+    files it removed, had gone). With ``file_descriptor`` there is no manager and the line did not appear; each
+    shared tensor holds an open descriptor instead, so the soft limit of open files is raised to the hard one. Call it from entry points before any averager or DHT process
     starts (they inherit the strategy); hivemind imported later reads ``HIVEMIND_MEMORY_SHARING_STRATEGY``."""
     os.environ["HIVEMIND_MEMORY_SHARING_STRATEGY"] = "file_descriptor"  # for processes that import hivemind anew
     torch.multiprocessing.set_sharing_strategy("file_descriptor")

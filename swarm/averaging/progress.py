@@ -36,6 +36,7 @@ from swarm.protocol import MAX_SAMPLES_PER_S
 
 logger = logging.getLogger(__name__)
 
+
 def refresh_periods(matchmaking_time: float) -> dict[str, float]:
     """hivemind's progress-tracker periods (seconds) derived from the spec's ``matchmaking_time``, the window in which
     a stage's servers gather for a round: a server must notice the end of an epoch well inside it. The tracker

@@ -24,11 +24,11 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm.aio import Submissions, periodic
+from swarm.averaging.progress import refresh_periods
 from swarm.checkpoint.commit import StageCommits
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.restore import Lineage, StageRestore
 from swarm.checkpoint.rollback import Rollbacks
-from swarm.averaging.progress import refresh_periods
 from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
@@ -58,6 +58,8 @@ def withdraw_s(spec: RunSpec) -> float:
     """Seconds a leaving server stays in the stage's averaging after announcing that it leaves: its stage-mates
     read the stage's records every :func:`roster_period_s` and then stop counting its progress."""
     return 2 * roster_period_s(spec)
+
+
 LEAVE_GRACE_S = 15.0
 """Seconds a leaving server waits, at most, for the backwards of the micro-batches whose forward it ran."""
 COMMIT_GRACE_S = 30.0
