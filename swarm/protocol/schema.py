@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import threading
 from collections import OrderedDict
 from typing import Annotated, ClassVar, Optional, Type, TypeVar
@@ -147,6 +148,12 @@ class _VerifiedRecords:
 
     def __init__(self, kept: int = VERIFIED_KEPT):
         self.kept, self._held = kept, OrderedDict()
+        self._lock = threading.Lock()
+        # a process forked while another thread held the lock (hivemind forks its averagers from a running peer)
+        # would inherit it held and deadlock at its first read: the child starts with a fresh lock
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
         self._lock = threading.Lock()
 
     def get(self, key: tuple):
