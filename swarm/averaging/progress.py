@@ -39,14 +39,15 @@ logger = logging.getLogger(__name__)
 
 def refresh_periods(matchmaking_time: float) -> dict[str, float]:
     """hivemind's progress-tracker periods (seconds) derived from the spec's ``matchmaking_time``, the window in which
-    a stage's servers gather for a round: a server must notice the end of an epoch well inside it. The tracker
-    reads the stage's progress at an eighth of it near an epoch's end (``min_refresh_period``), at most once per
-    window when the end is far or unknown (``max_refresh_period``; an idle stage), half-window when it finds no
-    other server (``default_refresh_period``); :class:`SampleCountTracker` publishes this server's count at most
-    once per ``min_refresh_period`` too. At the default 2 s: 0.25, 2 and 1 s (hivemind's own defaults are 0.5, 10
-    and 3 s; this project used 0.1, 0.5 and 0.25 s, and published every micro-batch)."""
-    return dict(min_refresh_period=matchmaking_time / 8, max_refresh_period=matchmaking_time,
-                default_refresh_period=matchmaking_time / 2)
+    a stage's servers gather for a round: a server must notice the end of an epoch well inside it, or its
+    stage-mate's window closes without it and the two step apart. The tracker reads the stage's progress at an
+    eighth of it near an epoch's end (``min_refresh_period``) and at least every quarter of it
+    (``max_refresh_period``, also when it finds no other server); :class:`SampleCountTracker` publishes this
+    server's count at most once per ``min_refresh_period``. At the default 2 s: 0.25 and 0.5 s (this project used
+    0.1 and 0.5 s and published every micro-batch; a read at most once per window let a resumed server's
+    stage-mate miss its rounds, measured in tests/test_pause_resume.py)."""
+    return dict(min_refresh_period=matchmaking_time / 8, max_refresh_period=matchmaking_time / 4,
+                default_refresh_period=matchmaking_time / 4)
 
 
 Roster = Callable[[], Optional[frozenset]]
