@@ -2,6 +2,7 @@
 
     python bench/efficiency.py [--spec runs/demo.toml] [--servers-per-stage 2] [--trainers 2] [--idle 30]
                                [--warmup 30] [--window 60] [--local-samples 512] [--precision auto]
+                               [--logs DIR]
 
 1. **Local**: the same model trained in one process on this machine's cores (:func:`swarm.reference.train_reference`,
    ``--local-samples`` samples), before the swarm starts and again after it stopped: ``local_tokens_per_s`` is the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -115,6 +117,8 @@ def run(args) -> dict:
             after = records(directory, stages)
         finally:
             dht.shutdown()
+            if args.logs is not None:  # the peers' logs, for their epoch lines (step_s, round_s)
+                shutil.copytree(swarm.workdir / "logs", args.logs, dirs_exist_ok=True)
     local_runs.append(local_tokens_per_s(spec, dataset, args.local_samples))
     local_tps = max(local_runs)  # the less disturbed of the two (a machine's other load only slows a run down)
     cpu = procstat.by_kind(used)
@@ -145,6 +149,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds of training before the window")
     parser.add_argument("--window", type=float, default=60.0, help="seconds of training measured")
     parser.add_argument("--local-samples", type=int, default=512, help="samples the one-process baseline trains")
+    parser.add_argument("--logs", type=Path, default=None, help="copy the peers' logs into this folder")
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                         help="as `swarm-coordinator demo --precision`")
     args = parser.parse_args()

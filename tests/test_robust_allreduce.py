@@ -21,7 +21,7 @@ SHAPES = [(300, 40), (40,)]
 
 @contextlib.contextmanager
 def averagers(n: int, *, aggregator="mean", compression="none", attack=None, attackers=0, audit=0.25,
-              flag_penalty=0.5, **compressor):
+              flag_penalty=0.5, group_size="all", matchmaking_time=2.0, **compressor):
     nodes, avs = keyed_dhts(n), []
     try:
         rules = AveragingRules(aggregator=make_aggregator(aggregator), phase_timeout=10.0, audit_probability=audit,
@@ -33,7 +33,8 @@ def averagers(n: int, *, aggregator="mean", compression="none", attack=None, att
                 kind, extra = ByzantineGradientAverager, {"attack": make_attack(attack, n=n, f=attackers)}
             avs.append(kind(
                 params, dht=dht, prefix="robust-test", compressor=make_compressor(compression, **compressor), rules=rules,
-                target_group_size=n, min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30,
+                target_group_size=n if group_size == "all" else group_size, min_matchmaking_time=matchmaking_time,
+                request_timeout=1.0, allreduce_timeout=30,
                 identity=ident, start=True, **extra))
         yield avs
     finally:
@@ -72,6 +73,28 @@ def _reports_when(avs, predicate, timeout: float) -> list[dict]:
         if predicate(reports) or time.monotonic() > deadline:
             return reports
         time.sleep(0.5)
+
+
+def test_a_group_holding_every_member_of_the_stage_begins_its_round_before_the_window_ends():
+    """Servers set no ``target_group_size`` (a stage's size changes): told the stage's members, matchmaking
+    assembles the group once all joined, long before a 60 s window ends (otherwise the group forms when it
+    ends)."""
+    with averagers(2, group_size=None, matchmaking_time=60.0) as avs:
+        members = frozenset(str(av.peer_id) for av in avs)
+        for av in avs:
+            av.set_members(members)
+        grads = _grads(2, seed=3)
+        for av, g in zip(avs, grads):
+            for p, t in zip(av.parameters, g):
+                p.grad = t.clone()
+            av.accumulate_grads_(batch_size=1)
+        controls = [av.step(wait=False, timeout=90) for av in avs]
+        assert [len(c.result(timeout=30)) for c in controls] == [2, 2]  # the window closes only after 60 s
+        expected = [(a + b) / 2 for a, b in zip(*grads)]
+        for av in avs:
+            with av.get_tensors() as tensors:
+                for t, e in zip(tensors, expected):
+                    torch.testing.assert_close(t, e)
 
 
 def _grads(n, seed):

@@ -453,6 +453,18 @@ class StageOptimizer:
             logger.debug("could not pass the donor roster to the averager: %s", e)
             return False
 
+    def set_members(self, p2p_ids: frozenset[str]) -> bool:
+        """(blocking, not the event loop's thread) The libp2p ids of the stage's servers whose progress counts: a
+        group holding them all begins its round at once (:meth:`RobustAllReduceMixin.set_members`); False if an
+        averager process did not answer (try again later)."""
+        try:
+            self._opt.grad_averager.set_members(p2p_ids)
+            self._opt.state_averager.set_members(p2p_ids)
+            return True
+        except Exception as e:  # the averager process is busy or gone
+            logger.debug("could not pass the stage's members to the averagers: %s", e)
+            return False
+
     def trainer_exclusion(self, p2p_id: str) -> Optional[str]:
         """Why this server excluded trainer ``p2p_id``'s gradients (:mod:`swarm.averaging.contributions`), or
         None. Safe from any thread."""

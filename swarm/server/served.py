@@ -132,6 +132,7 @@ class ServedStage:
         self._excluded: set[str] = set()  # libp2p ids already excluded from this stage's averaging
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
+        self._members: frozenset[str] = frozenset()  # those of them whose progress counts, as the averagers last heard
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
         self._restored = False  # an epoch that ends before the state is restored starts nothing
         optimizer.set_progress_roster(lambda: self._roster)
@@ -190,12 +191,15 @@ class ServedStage:
     async def _read_roster(self) -> None:
         """Keep the progress sub-keys the stage's servers announce, the only progress this server counts
         (:mod:`swarm.averaging.progress`; None, counting every entry, until a record names one), and tell the
-        optimizer which declared donors are the stage's servers."""
+        optimizer which declared donors are the stage's servers and which servers make a complete group."""
         servers = await self.directory.servers(self.stage)
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
         donors = frozenset(s.p2p_id for s in servers)
         if donors != self._donors and await asyncio.to_thread(self.optimizer.set_donor_roster, donors):
             self._donors = donors
+        members = frozenset(s.p2p_id for s in servers if s.progress_key)
+        if members != self._members and await asyncio.to_thread(self.optimizer.set_members, members):
+            self._members = members
 
     async def exclude(self, excluded: dict[str, str]) -> None:
         """Keep the servers in ``excluded`` (libp2p id -> reason: banned, or convicted by verified evidence) out
