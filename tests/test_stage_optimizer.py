@@ -344,3 +344,33 @@ def test_progress_is_published_at_most_once_per_refresh_period_and_nothing_is_lo
     finally:
         tracker.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_quiet_stage_is_read_half_as_often_until_this_server_counts_a_sample():
+    """(swarm.averaging.progress.SampleCountTracker) A stage where no server holds a sample is read every half
+    window, not every quarter (an idle server's main cost); its own first sample ends that at once."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.averaging.progress import QUIET_SLOWDOWN, SampleCountTracker
+
+    ((key, dht),) = keyed_dhts(1)
+    reads = []
+    get = dht.get
+    dht.get = lambda *a, **kw: reads.append(time.monotonic()) or get(*a, **kw)
+    tracker = SampleCountTracker(dht=dht, prefix="quiet", target_batch_size=1000, min_refresh_period=0.1,
+                                 max_refresh_period=0.2, default_refresh_period=0.2, start=True)
+    try:
+        assert _wait_until(lambda: tracker.reading_slowly, 20)
+        next_in = tracker.global_progress.next_fetch_time - get_dht_time()
+        assert next_in > tracker.max_refresh_period  # scheduled at QUIET_SLOWDOWN x the period
+        assert next_in <= QUIET_SLOWDOWN * tracker.max_refresh_period + 0.05
+        before = len(reads)
+        tracker.report_local_progress(0, 8)
+        assert not tracker.reading_slowly
+        assert _wait_until(lambda: len(reads) > before, 5)  # read again at once, not a slow period later
+        assert _wait_until(lambda: tracker.global_progress.samples_accumulated == 8, 5)
+        assert not tracker.reading_slowly  # this server holds samples: the stage is not quiet
+    finally:
+        tracker.shutdown()
+        dht.shutdown()

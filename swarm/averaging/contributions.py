@@ -29,6 +29,7 @@ micro-batches of equal size).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -80,8 +81,8 @@ class TrainerContributions:
         """
         if self.exclusion.is_excluded(trainer):
             return 0.0
-        norm = float(torch.sqrt(sum((g.detach().float() ** 2).sum() for g in grads)))
-        if not torch.isfinite(torch.tensor(norm)):
+        norm = float(torch.nn.utils.get_total_norm([g.detach().float() for g in grads], norm_type=2.0))
+        if not math.isfinite(norm):
             return 0.0
         scale = 1.0
         if self.clip_ratio > 0 and len(self.norms) >= self.min_history:

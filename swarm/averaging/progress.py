@@ -50,6 +50,15 @@ def refresh_periods(matchmaking_time: float) -> dict[str, float]:
                 default_refresh_period=matchmaking_time / 4)
 
 
+QUIET_READS = 4
+"""Reads in a row that found the stage quiet (no server holds a sample, nothing changed) before
+:class:`SampleCountTracker` reads less often: at ``max_refresh_period`` (a quarter window), one second at the
+demo's spec. Inside a round or between two micro-batches a busy stage is never quiet that long."""
+QUIET_SLOWDOWN = 2.0
+"""A quiet stage's progress is read every ``QUIET_SLOWDOWN x max_refresh_period`` (half a matchmaking window):
+a stage-mate's first samples are then noticed at most half a window late, while the first epoch takes at
+least a whole one; this server's own first sample ends the slow reads at once."""
+
 Roster = Callable[[], Optional[frozenset]]
 """Returns the progress sub-keys (bytes) of the stage's announced servers, or None while they are unknown."""
 
@@ -92,6 +101,8 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
 
     _last_report = 0.0  # time.monotonic() of the last publication let through
     _flush: Optional[threading.Timer] = None
+    _quiet_reads = 0  # reads in a row that found the stage quiet (QUIET_READS)
+    _quiet_state: Optional[tuple] = None  # (epoch, entries' sub-keys) the last quiet read found
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
         """hivemind 1.1.12's, but published at most once per ``min_refresh_period`` (the stage's servers read no
@@ -107,6 +118,9 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         else:
             self.performance_ema.reset_timer()
         self.local_progress = self._get_local_progress(local_epoch, samples_accumulated)
+        if extra_samples > 0 and self.reading_slowly:  # this server's first sample: the stage is busy again
+            self._quiet_reads, self.global_progress.next_fetch_time = 0, get_dht_time()
+            self.global_state_updated.set()  # the fetcher reads at once
         now = time.monotonic()
         due = self._last_report + self.min_refresh_period
         if urgent or now >= due:
@@ -146,7 +160,23 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         others = sorted(v.value["epoch"] for k, v in trusted.items()
                         if k != self._local_public_key and not v.value["client_mode"])
         self.others_epoch = others[(len(others) - 1) // 2] if others else 0
-        return super()._parse_swarm_progress_data(trusted)
+        progress = super()._parse_swarm_progress_data(trusted)
+        self._count_quiet(progress.epoch, trusted)
+        if self.reading_slowly:
+            progress.next_fetch_time = get_dht_time() + QUIET_SLOWDOWN * self.max_refresh_period
+        return progress
+
+    @property
+    def reading_slowly(self) -> bool:
+        """The stage was quiet for :data:`QUIET_READS` reads: its progress is read half as often."""
+        return self._quiet_reads >= QUIET_READS
+
+    def _count_quiet(self, epoch: int, trusted: dict) -> None:
+        quiet = (self.local_progress.samples_accumulated == 0
+                 and all(v.value["samples_accumulated"] == 0 for v in trusted.values()))
+        state = (epoch, frozenset(trusted)) if quiet else None
+        self._quiet_reads = self._quiet_reads + 1 if quiet and state == self._quiet_state else 0
+        self._quiet_state = state
 
     @property
     def ready_to_update_epoch(self) -> bool:
