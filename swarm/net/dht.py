@@ -98,6 +98,11 @@ def start_dht(settings: PeerSettings, initial_peers: Sequence[str] = (), *, clie
         use_relay=relay,
         use_auto_relay=relay and not client_mode,
         record_validators=[RunRecordValidator(run_id)] if run_id else [],
+        # every read here and in hivemind's optimizer is latest=True, which the node's cache never answers: its
+        # caching only added traffic (a store to one more node after a read, and a re-read of every key read
+        # before it expires)
+        cache_nearest=0,
+        cache_refresh_before_expiry=0,
     )
     if loopback:
         kwargs.update(nat_port_map=False, auto_nat=False)
