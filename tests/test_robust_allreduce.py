@@ -75,14 +75,16 @@ def _reports_when(avs, predicate, timeout: float) -> list[dict]:
         time.sleep(0.5)
 
 
-def test_a_group_holding_every_member_of_the_stage_begins_its_round_before_the_window_ends():
+@pytest.mark.parametrize("group_size, told", [(None, True), (2, False)], ids=["told-the-members", "own-group-size"])
+def test_a_complete_group_begins_its_round_before_the_window_ends(group_size, told):
     """Servers set no ``target_group_size`` (a stage's size changes): told the stage's members, matchmaking
     assembles the group once all joined, long before a 60 s window ends (otherwise the group forms when it
-    ends)."""
-    with averagers(2, group_size=None, matchmaking_time=60.0) as avs:
+    ends). An averager told nothing keeps the group size it was built with."""
+    with averagers(2, group_size=group_size, matchmaking_time=60.0) as avs:
         members = frozenset(str(av.peer_id) for av in avs)
         for av in avs:
-            av.set_members(members)
+            if told:
+                av.set_members(members)
         grads = _grads(2, seed=3)
         for av, g in zip(avs, grads):
             for p, t in zip(av.parameters, g):

@@ -197,15 +197,18 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
 
         hivemind 1.1.12 otherwise waits out the whole matchmaking window (it assembles early only at its
         ``target_group_size``, unset here): measured on the demo, an epoch's transition held a server's compute
-        thread 0.5-5 s for an all-reduce of 0.2-0.4 s. A group the roster did not foresee (a server that joined
-        since the last roster read) still forms at the window's end, as before; with no roster, or this server
-        not on it, nothing changes."""
+        thread 0.5-5 s for an all-reduce of 0.2-0.4 s. A peer off the roster that joins this server's group (a
+        server that joined the stage since the last roster read) turns the early start off for the round: the
+        group then forms at the window's end, as before; with no roster, or this server not on it, the averager's
+        own ``target_group_size`` holds. (A newcomer that asks to join after the roster's members are all in misses that round; the
+        next roster read, every ``record_ttl_s / 15``, counts it.)"""
         mm = getattr(self, "_matchmaking", None)
         if mm is None:
             return
         me = str(self.peer_id)
         expected = [p for p in self._members if p == me or not self.exclusions.is_excluded(p)]
-        mm.target_group_size = len(expected) if me in self._members and len(expected) >= 2 else None
+        fixed = self.matchmaking_kwargs["target_group_size"]  # the averager's own (None for a stage's servers)
+        mm.target_group_size = len(expected) if me in self._members and len(expected) >= 2 else fixed
 
     # ---- matchmaking: keep excluded peers out of our groups -------------------------------------------
     def _wrap_matchmaking(self) -> None:
@@ -213,9 +216,13 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
         check, request = mm._check_reasons_to_reject, mm._request_join_group
 
         def check_reasons_to_reject(req, context):
-            if self.exclusions.is_excluded(str(context.remote_id)):
+            peer = str(context.remote_id)
+            if self.exclusions.is_excluded(peer):
                 return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return check(req, context)
+            reason = check(req, context)
+            if reason is None and self._members and peer not in self._members:
+                mm.target_group_size = None  # a server the roster does not know yet: gather until the window ends
+            return reason
 
         async def request_join_group(leader):
             if self.exclusions.is_excluded(str(leader)):
