@@ -191,14 +191,15 @@ class ServedStage:
     async def _read_roster(self) -> None:
         """Keep the progress sub-keys the stage's servers announce, the only progress this server counts
         (:mod:`swarm.averaging.progress`; None, counting every entry, until a record names one), and tell the
-        optimizer which declared donors are the stage's servers and which servers make a complete group."""
+        optimizer which declared donors are the stage's servers and (``[averaging] early_start``) which servers make
+        a complete group."""
         servers = await self.directory.servers(self.stage)
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
         donors = frozenset(s.p2p_id for s in servers)
         if donors != self._donors and await asyncio.to_thread(self.optimizer.set_donor_roster, donors):
             self._donors = donors
-        members = frozenset(s.p2p_id for s in servers if s.progress_key)
-        if members != self._members and await asyncio.to_thread(self.optimizer.set_members, members):
+        members = frozenset(s.p2p_id for s in servers if s.progress_key) if self.spec.averaging.early_start else None
+        if members and members != self._members and await asyncio.to_thread(self.optimizer.set_members, members):
             self._members = members
 
     async def exclude(self, excluded: dict[str, str]) -> None:
