@@ -2,7 +2,7 @@
 
     python bench/efficiency.py [--spec runs/demo.toml] [--servers-per-stage 2] [--trainers 2] [--idle 30]
                                [--warmup 30] [--window 60] [--local-samples 512] [--precision auto]
-                               [--logs DIR] [--early-start]
+                               [--logs DIR] [--no-early-start]
 
 1. **Local**: the same model trained in one process on this machine's cores (:func:`swarm.reference.train_reference`,
    ``--local-samples`` samples), before the swarm starts and again after it stopped: ``local_tokens_per_s`` is the
@@ -93,8 +93,8 @@ def local_tokens_per_s(spec: RunSpec, dataset, samples: int) -> float:
 
 def run(args) -> dict:
     spec = pick_precision(RunSpec.from_toml(args.spec), args.precision)
-    if args.early_start:
-        spec = spec.model_copy(update={"averaging": spec.averaging.model_copy(update={"early_start": True})})
+    if args.no_early_start:
+        spec = spec.model_copy(update={"averaging": spec.averaging.model_copy(update={"early_start": False})})
     cache_dir = PeerSettings().cache_dir
     dataset = prepare_dataset(spec, cache_dir)
     local_runs = [local_tokens_per_s(spec, dataset, args.local_samples)]
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds of training before the window")
     parser.add_argument("--window", type=float, default=60.0, help="seconds of training measured")
     parser.add_argument("--local-samples", type=int, default=512, help="samples the one-process baseline trains")
-    parser.add_argument("--early-start", action="store_true", help="[averaging] early_start = true")
+    parser.add_argument("--no-early-start", action="store_true", help="[averaging] early_start = false")
     parser.add_argument("--logs", type=Path, default=None, help="copy the peers' logs into this folder")
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                         help="as `swarm-coordinator demo --precision`")

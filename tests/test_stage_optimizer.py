@@ -374,3 +374,54 @@ def test_a_quiet_stage_is_read_half_as_often_until_this_server_counts_a_sample()
     finally:
         tracker.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_pushed_count_is_counted_without_a_dht_read_and_slows_the_dht_while_pushes_reach_everyone():
+    """(swarm.averaging.progress, pushed progress) A stage-mate's pushed count is counted at once, without reading
+    the DHT; while every other server's count arrives by push, the DHT is read only every PUSHED_SLOWDOWN x
+    max_refresh_period, and while this server's pushes reach every stage-mate its own count is published no more
+    often. A newer DHT entry of the same server (by its clock) replaces an older push."""
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    from swarm.averaging.progress import PUSHED_SLOWDOWN, SampleCountTracker
+
+    ((key, dht),) = keyed_dhts(1)
+    stores, pushed = [], []
+    store = dht.store
+    dht.store = lambda *a, **kw: stores.append(time.monotonic()) or store(*a, **kw)
+    tracker = SampleCountTracker(dht=dht, prefix="pushed", target_batch_size=1000, min_refresh_period=10.0,
+                                 max_refresh_period=20.0, default_refresh_period=20.0, start=True)
+    mate = b"the stage-mate's progress key"
+
+    def count(samples: int, at: float) -> LocalTrainingProgress:
+        return LocalTrainingProgress(peer_id=b"", epoch=0, samples_accumulated=samples, samples_per_second=1.0,
+                                     time=at, client_mode=False)
+    try:
+        tracker.set_roster(lambda: frozenset({tracker.progress_key, mate}))
+        tracker.push = lambda progress: pushed.append(progress.samples_accumulated) or True
+        reads = tracker.reads  # hivemind's read at start; the next is 10 s away or more
+        tracker.receive(mate, count(5, get_dht_time()))
+        assert _wait_until(lambda: tracker.global_progress.samples_accumulated == 5, 5)
+        assert tracker.reads == reads, "a push was counted through a DHT read"
+        next_read = tracker.global_progress.next_fetch_time - tracker._read_at
+        assert next_read >= PUSHED_SLOWDOWN * tracker.max_refresh_period - 1e-6
+        # a newer DHT entry of the mate (by its own clock) is counted instead of the older push
+        entries = {mate: ValueWithExpiration(count(9, get_dht_time() + 1).dict(), get_dht_time() + 60)}
+        assert tracker._count(entries, read=False).samples_accumulated == 9
+        assert tracker._count(None, read=False).samples_accumulated == 5
+
+        before = len(stores)
+        tracker.report_local_progress(0, 3)  # the first report goes out at once, pushed and to the DHT
+        assert pushed == [3] and _wait_until(lambda: len(stores) > before, 5)
+        tracker.report_local_progress(0, 4)  # pushed at once; the DHT's copy waits the slow period
+        assert pushed == [3, 4]
+        assert tracker._flush is not None and tracker._flush.interval > tracker.min_refresh_period
+        before = len(stores)
+        tracker.push = lambda progress: False  # a stage-mate that does not count this server: the DHT at full rate
+        tracker.report_local_progress(1, 0)  # a new epoch is published at once again
+        assert _wait_until(lambda: len(stores) > before, 5)
+    finally:
+        tracker.shutdown()
+        dht.shutdown()

@@ -303,3 +303,51 @@ def test_compute_seconds_count_training_forward_and_backward_only(exact_spec_pat
     last.check_forward(h, y)
     first.check_forward(x, None)
     assert (first.compute_s, last.compute_s) == counted
+
+
+@pytest.mark.timeout(120)
+def test_a_pushed_progress_reaches_the_sink_only_from_a_sender_it_counts(dhts, exact_spec_path):
+    """``rpc_progress`` (swarm.server.progress_push): a stage-mate's count reaches the server's progress sink with
+    the sender's libp2p id; a sender the sink does not count, a server without a sink and a malformed count
+    (NaN throughput) are refused, naming why."""
+    import msgpack
+
+    from swarm.net.stage_rpc import push_progress
+    from swarm.protocol import ProgressPush
+    from swarm.server.stage import StageError
+
+    server_dht, client_dht = dhts
+    spec = RunSpec.from_toml(exact_spec_path)
+    server = StageServer(spec, RUN, 0)
+    received, counted = [], {str(client_dht.peer_id)}
+
+    def sink(p2p_id: str, push: ProgressPush) -> None:
+        if p2p_id not in counted:
+            raise StageError(f"this server does not count {p2p_id}'s progress")
+        received.append((p2p_id, push))
+
+    async def main():
+        await server.add_p2p_handlers(await server_dht.replicate_p2p(), namespace=RUN)
+        p2p = await client_dht.replicate_p2p()
+        target = info(server_dht, 0)
+        push = ProgressPush(run_id=RUN, stage=0, epoch=3, samples=24, samples_per_s=12.5, time=1.0e9)
+        with pytest.raises(Exception, match="counts no pushed progress"):
+            await push_progress(p2p, target, push, 10)
+        server.progress_sink = sink
+        assert await push_progress(p2p, target, push, 10) == server.epoch
+        assert received == [(str(client_dht.peer_id), push)]
+        counted.clear()
+        with pytest.raises(Exception, match="does not count"):
+            await push_progress(p2p, target, push, 10)
+        counted.add(str(client_dht.peer_id))
+        forged = msgpack.packb(push.model_dump() | {"samples_per_s": float("nan")}, use_bin_type=True)
+        stub = StageServer.get_stub(p2p, PeerID.from_base58(str(server_dht.peer_id)), namespace=RUN)
+        with pytest.raises(Exception, match="invalid ProgressPush"):
+            meta, _ = await gather(await stub.rpc_progress(stream_out(runtime_pb2.ExpertRequest, forged, [])))
+            unpack_message(meta, StageResponse)
+        assert len(received) == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.shutdown()

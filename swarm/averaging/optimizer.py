@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 
 import hivemind
 import torch
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
@@ -38,10 +39,11 @@ from swarm.averaging.compression import spec_compressor
 from swarm.averaging.donors import REFUSAL_S, RETRY_S
 from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
 from swarm.averaging.overlap import OverlappedRounds
-from swarm.averaging.progress import Roster, SampleCountTracker, refresh_periods
+from swarm.averaging.progress import Push, Roster, SampleCountTracker, refresh_periods
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer, schedule_moves_quietly
 from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
+from swarm.protocol import ProgressPush
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +156,23 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         self._maybe_schedule_state_averaging()
         if self.tracker.ready_to_update_epoch:
             self._update_global_epoch(None)
+
+    early_start = False
+    """(``[averaging] early_start``) A complete group begins its round at once, so no round is scheduled ahead of
+    the epoch's end: :meth:`_maybe_schedule_gradient_averaging`."""
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        """hivemind begins a round's matchmaking ahead of the epoch's estimated end, so that the window ends with it.
+        With :attr:`early_start` a round begins when the epoch ends and its group, once complete, at once: a group
+        assembled ahead would wait for every member's epoch to end, and a server that left in the meantime (its
+        stage making no progress) joined that round with zero weight and waited for it (hivemind's shutdown)."""
+        if not self.early_start:
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        """As :meth:`_maybe_schedule_gradient_averaging`, for the rounds that average the state."""
+        if not self.early_start:
+            super()._maybe_schedule_state_averaging()
 
     def _should_load_state_from_peers(self) -> bool:
         """hivemind's rule, and also: this server is behind most of the stage's other servers (the lower median of
@@ -442,6 +461,23 @@ class StageOptimizer:
         """Count progress only from the sub-keys ``roster()`` returns (:mod:`swarm.averaging.progress`)."""
         self._opt.tracker.set_roster(roster)
 
+    def set_progress_push(self, push: Push) -> None:
+        """Push this server's count to the stage's other servers through ``push`` at every change, and publish it to
+        the DHT less often while the pushes reach them all (:mod:`swarm.averaging.progress`)."""
+        self._opt.tracker.push = push
+
+    def receive_progress(self, subkey: bytes, push: ProgressPush, sender: bytes = b"") -> None:
+        """Count a stage-mate's pushed progress (any thread): ``subkey`` is the progress key its server record
+        announces (the caller checked that the sender is that server), ``sender`` its libp2p id (bytes)."""
+        tracker = self._opt.tracker
+        tracker.receive(subkey, LocalTrainingProgress(
+            peer_id=sender, epoch=push.epoch, samples_accumulated=push.samples,
+            samples_per_second=push.samples_per_s, time=push.time, client_mode=push.client_mode))
+
+    def read_progress_soon(self) -> None:
+        """Read the stage's progress from the DHT now (a server joined the roster; its pushes may not count yet)."""
+        self._opt.tracker.read_soon()
+
     def set_donor_roster(self, p2p_ids: frozenset[str]) -> bool:
         """(blocking, not the event loop's thread) Download the stage's state from these libp2p ids (the stage's
         announced servers) before any other declared donor (:mod:`swarm.averaging.donors`); False if the
@@ -546,6 +582,7 @@ def _start_optimizer(owner: StageOptimizer, spec: RunSpec, run_id: str, dht: hiv
         averager_opts=dict(request_timeout=request_timeout(avg.matchmaking_time), min_vector_size=0),
         verbose=logging.getLogger("hivemind").isEnabledFor(logging.INFO),
     )
+    opt.early_start = avg.early_start
     if outer:
         opt.inner = InnerLoop(spec, list(owner.module.parameters()), target,
                               lr_at=lambda epoch: spec.optim.lr * owner.schedule(epoch))

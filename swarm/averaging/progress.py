@@ -19,10 +19,21 @@ sample count ended every epoch at once. :class:`SampleCountTracker` reads the en
 
 An epoch ends only once ``target_batch_size`` samples were counted (hivemind also ends it when its estimated
 time passed).
+
+**Pushed progress.** hivemind publishes every count to the DHT and reads the stage's counts back from it, a
+stored and a fetched record (each visiting several DHT nodes) several times a second per server: the largest
+DHT traffic of a training swarm (docs/efficiency.md). The stage's servers push their counts to each other
+instead (``rpc_progress``, :meth:`SampleCountTracker.receive`, sent through :attr:`SampleCountTracker.push`):
+a pushed count is counted with the entries last read from the DHT at once, without a read, and replaces the
+sender's DHT entry when it is newer (by the sender's own clock). While every other server of the roster's
+count arrived by push, the DHT is read only every :data:`PUSHED_SLOWDOWN` ``x max_refresh_period``, and while
+this server's pushes reach every stage-mate, its count is published to the DHT no more often (the DHT stays
+the fallback, and what a joining server reads before its stage-mates count it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -31,6 +42,7 @@ from typing import Callable, Optional
 import hivemind.optim.progress_tracker
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import ValueWithExpiration, get_dht_time
+from hivemind.utils.asyncio import enter_asynchronously
 
 from swarm.protocol import MAX_SAMPLES_PER_S
 
@@ -59,8 +71,15 @@ QUIET_SLOWDOWN = 2.0
 a stage-mate's first samples are then noticed at most half a window late, while the first epoch takes at
 least a whole one; this server's own first sample ends the slow reads at once."""
 
+PUSHED_SLOWDOWN = 4.0
+"""While pushes carry the stage's progress both ways, the DHT is read and written every ``PUSHED_SLOWDOWN x
+max_refresh_period`` (a whole matchmaking window, 2 s at the demo's spec), not every eighth or quarter of it."""
+
 Roster = Callable[[], Optional[frozenset]]
 """Returns the progress sub-keys (bytes) of the stage's announced servers, or None while they are unknown."""
+Push = Callable[[LocalTrainingProgress], bool]
+"""Sends this server's progress to the stage's other servers (called at every report, from any thread; must not
+block); returns whether the last pushes reached every one of them."""
 
 
 def trusted_progress(entries: dict, own: bytes, own_epoch: int, target: int,
@@ -103,6 +122,17 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
     _flush: Optional[threading.Timer] = None
     _quiet_reads = 0  # reads in a row that found the stage quiet (QUIET_READS)
     _quiet_state: Optional[tuple] = None  # (epoch, entries' sub-keys) the last quiet read found
+    push: Optional[Push] = None
+    """Pushes this server's count to its stage-mates (module docstring); None: the DHT only."""
+    _pushed: Optional[dict] = None  # sub-key -> ValueWithExpiration of a stage-mate's pushed count
+    _recount = False  # a push arrived: count the stage's progress again, without a DHT read
+    _fetched: Optional[dict] = None  # the entries the last DHT read found
+    _read_at = float("-inf")  # DHT time of the last DHT read
+    reads = 0  # DHT reads of the stage's progress (hivemind's one at start included)
+
+    def __init__(self, *args, **kwargs):
+        self._pushed, self._lock_pushed = {}, threading.Lock()
+        super().__init__(*args, **kwargs)
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
         """hivemind 1.1.12's, but published at most once per ``min_refresh_period`` (the stage's servers read no
@@ -121,8 +151,12 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         if extra_samples > 0 and self.reading_slowly:  # this server's first sample: the stage is busy again
             self._quiet_reads, self.global_progress.next_fetch_time = 0, get_dht_time()
             self.global_state_updated.set()  # the fetcher reads at once
+        if self.push is not None and self.push(self.local_progress):  # every stage-mate has it: the DHT can wait
+            urgent, period = False, PUSHED_SLOWDOWN * self.max_refresh_period
+        else:
+            period = self.min_refresh_period
         now = time.monotonic()
-        due = self._last_report + self.min_refresh_period
+        due = self._last_report + period
         if urgent or now >= due:
             self._last_report = now
             self.should_report_progress.set()
@@ -144,8 +178,76 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         """Read entries only from the sub-keys ``roster()`` returns (called at every fetch: keep it cheap)."""
         self.roster = roster
 
+    def read_soon(self) -> None:
+        """Read the stage's progress from the DHT now (the roster gained a server, whose pushes may not count yet)."""
+        self.global_progress.next_fetch_time = get_dht_time()
+        self.global_state_updated.set()
+
+    def receive(self, subkey: bytes, progress: LocalTrainingProgress) -> None:
+        """A stage-mate's count, pushed (any thread): counted at once with the entries the last DHT read found.
+        The caller checked that the sender is the stage's server that announced ``subkey``."""
+        with self._lock_pushed:
+            self._pushed[subkey] = ValueWithExpiration(progress.dict(), get_dht_time() + self.metadata_expiration)
+        self._recount = True
+        self.global_state_updated.set()
+
+    async def _progress_fetcher(self):
+        """hivemind 1.1.12's, but a push (:meth:`receive`) counts the stage's progress again from the entries last
+        read and those pushed since, without a DHT read."""
+        loop = asyncio.get_event_loop()
+        shutdown = asyncio.create_task(asyncio.wait_for(loop.run_in_executor(None, self.shutdown_triggered.wait),
+                                                        None))
+        try:
+            while not self.shutdown_triggered.is_set():
+                wait_s = max(0.0, self.global_progress.next_fetch_time - get_dht_time())
+                if await loop.run_in_executor(None, self.global_state_updated.wait, wait_s):
+                    self.global_state_updated.clear()
+                    if self._recount:
+                        self._recount = False
+                        async with enter_asynchronously(self.lock_global_progress):
+                            self.global_progress = self._count(self._fetched, read=False)
+                    continue
+                async with enter_asynchronously(self.lock_global_progress):
+                    getter = asyncio.create_task(asyncio.wait_for(self.dht.get(
+                        self.training_progress_key, latest=True, return_future=True), None))
+                    await asyncio.wait({getter, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+                    if self.shutdown_triggered.is_set():
+                        getter.cancel()
+                        await asyncio.gather(getter, return_exceptions=True)
+                        break
+                    found = await getter
+                    self.global_progress = self._count(found.value if isinstance(found, ValueWithExpiration)
+                                                       else None, read=True)
+                    self.fetched_global_progress_this_epoch.set()
+        finally:
+            shutdown.cancel()
+            await asyncio.gather(shutdown, return_exceptions=True)  # (a task left pending is destroyed with the loop)
+            logger.log(self.status_loglevel, f"No longer fetching {self.training_progress_key}")
+
     def _parse_swarm_progress_data(self, metadata):
+        return self._count(metadata, read=True)  # (hivemind calls it once, after its first read)
+
+    def _merge_pushed(self, entries: dict) -> None:
+        """Put the pushed counts into ``entries`` (the DHT's), where newer than the sender's DHT entry by its own
+        clock; an entry the DHT holds as None (its server left) stays; expired pushes are forgotten."""
+        now = get_dht_time()
+        with self._lock_pushed:
+            for subkey, pushed in list(self._pushed.items()):
+                if pushed.expiration_time < now:
+                    del self._pushed[subkey]
+                    continue
+                read = entries.get(subkey)
+                if read is None or (isinstance(read.value, dict) and
+                                    read.value.get("time", 0.0) <= pushed.value["time"]):
+                    entries[subkey] = pushed
+
+    def _count(self, metadata, read: bool):
+        """The stage's progress from the DHT's entries (``metadata``, as hivemind reads them; ``read``: just read,
+        else those of the last read) and the pushed counts."""
+        if read:
+            self._fetched, self._read_at, self.reads = metadata, get_dht_time(), self.reads + 1
         entries = dict(metadata) if isinstance(metadata, dict) else {}
+        self._merge_pushed(entries)
         # this server's own entry is its local progress, whether or not the DHT holds it yet: hivemind counts the
         # entries it fetched, so a server whose own entry was not stored yet (just restarted its optimizer, or
         # just loaded the stage's state) counted one peer fewer and, seeing "no other peers", stepped alone
@@ -164,7 +266,19 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         self._count_quiet(progress.epoch, trusted)
         if self.reading_slowly:
             progress.next_fetch_time = get_dht_time() + QUIET_SLOWDOWN * self.max_refresh_period
+        if self._all_pushed(entries):
+            progress.next_fetch_time = max(progress.next_fetch_time,
+                                           self._read_at + PUSHED_SLOWDOWN * self.max_refresh_period)
         return progress
+
+    def _all_pushed(self, entries: dict) -> bool:
+        """Whether the count of every other server of the roster is a pushed one (``entries``: after the merge)."""
+        roster = self.roster()
+        if not roster:
+            return False
+        with self._lock_pushed:
+            return all(key in entries and entries[key] is self._pushed.get(key)
+                       for key in roster if key != self._local_public_key)
 
     @property
     def reading_slowly(self) -> bool:
@@ -187,4 +301,4 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         )
 
 
-__all__ = ["Roster", "SampleCountTracker", "refresh_periods", "trusted_progress"]
+__all__ = ["PUSHED_SLOWDOWN", "Push", "Roster", "SampleCountTracker", "refresh_periods", "trusted_progress"]

@@ -5,7 +5,8 @@ a ping, a state digest are asked here).
 RPCs (streams of ``runtime_pb2.ExpertRequest``, namespace ``<run_id>``, handlers named ``StageServer.<rpc>``;
 :mod:`swarm.net.transport`): ``rpc_forward`` (:class:`~swarm.protocol.ForwardRequest`), ``rpc_backward``
 (:class:`~swarm.protocol.BackwardRequest`), ``rpc_ping`` (:class:`~swarm.protocol.PingRequest`) and
-``rpc_state_digest`` (:class:`~swarm.protocol.StateDigestRequest`), each answered with a
+``rpc_state_digest`` (:class:`~swarm.protocol.StateDigestRequest`) and ``rpc_progress``
+(:class:`~swarm.protocol.ProgressPush`, between the servers of a stage), each answered with a
 :class:`~swarm.protocol.StageResponse`. :class:`swarm.server.stage.StageServer` serves them.
 """
 
@@ -21,7 +22,8 @@ from hivemind.proto import runtime_pb2
 
 from swarm.config import RunSpec
 from swarm.net.transport import ProtocolServicer, gather, stream_out
-from swarm.protocol import PingRequest, StageResponse, StateDigestRequest, pack_message, unpack_message
+from swarm.protocol import (PingRequest, ProgressPush, StageResponse, StateDigestRequest, pack_message,
+                            unpack_message)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,12 @@ class StageRPC(ProtocolServicer):
     async def rpc_state_digest(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The server's state digest at an epoch (:class:`~swarm.protocol.StateDigestRequest`)."""
+        raise NotImplementedError
+        yield
+
+    async def rpc_progress(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                           ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A stage-mate's progress in the epoch (:class:`~swarm.protocol.ProgressPush`)."""
         raise NotImplementedError
         yield
 
@@ -122,5 +130,22 @@ async def ask_state_digest(p2p, server, run_id: str, epoch: int, timeout: float 
     return reply.epoch, reply.state_sha256
 
 
+async def push_progress(p2p, server, push: ProgressPush, timeout: float) -> int:
+    """Push this server's progress to ``server`` (a :class:`~swarm.protocol.ServerInfo` of the same stage); returns
+    the receiver's epoch.
+
+    :raises ProtocolError: a malformed reply, or the receiver refused the push (it does not count this server yet:
+        its roster is older than this server's record). :raises TimeoutError: no reply within ``timeout`` seconds.
+    :raises Exception: hivemind's errors for an unreachable peer (P2PDaemonError, P2PHandlerError).
+    """
+    stub = stage_stub(p2p, server, push.run_id)
+
+    async def call() -> StageResponse:
+        replies = await stub.rpc_progress(stream_out(runtime_pb2.ExpertRequest, pack_message(push), []))
+        return unpack_message((await gather(replies, max_tensors=0))[0], StageResponse)
+
+    return (await asyncio.wait_for(call(), timeout)).epoch
+
+
 __all__ = ["MAX_WIRE_TENSORS", "StageRPC", "ask_state_digest", "is_serving", "max_batch", "max_message_bytes",
-           "ping_seconds", "stage_stub"]
+           "ping_seconds", "push_progress", "stage_stub"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Literal, Optional, Type
 
 import msgpack
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from swarm.protocol.schema import MAX_METADATA_BYTES, ProtocolError, S, Schema, parse
+from swarm.protocol.schema import MAX_METADATA_BYTES, MAX_SAMPLES_PER_S, Count, Epoch, ProtocolError, S, Schema, parse
 
 
 class ForwardRequest(Schema):
@@ -63,6 +63,26 @@ class StateDigestRequest(Schema):
     run_id: str
     stage: int = Field(ge=0)
     epoch: int = Field(ge=0)
+
+
+class ProgressPush(Schema):
+    """A stage server's progress in the current epoch, pushed to the stage's other servers (``rpc_progress``) as it
+    changes, so they need not read it from the DHT (:mod:`swarm.averaging.progress`). The receiver counts it only
+    from a libp2p id that one of the stage's announced servers names, as the progress of the key that record
+    announces, and clips it as it clips the DHT's entries (``trusted_progress``). Answered with a tensor-less
+    StageResponse (the receiver's epoch)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+    run_id: str
+    stage: int = Field(ge=0)
+    epoch: Epoch
+    samples: Count = Field(description="Samples this server accumulated towards the epoch's target batch.")
+    samples_per_s: float = Field(ge=0, le=MAX_SAMPLES_PER_S, description="This server's recent throughput "
+                                 "(samples/s), for the stage's estimate of when the epoch ends.")
+    client_mode: bool = False
+    time: float = Field(ge=0, description="The sender's DHT time (seconds) when it counted ``samples``: its pushed "
+                        "and its published progress are told apart by it, and the stage's estimate of the epoch's "
+                        "end extrapolates from it (as from a DHT entry's).")
 
 
 class StageResponse(Schema):

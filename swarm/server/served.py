@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
 
 import torch
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from swarm.aio import Submissions, periodic
@@ -33,8 +33,9 @@ from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
 from swarm.net.directory import AsyncRunDirectory
-from swarm.protocol import add_history
-from swarm.server.stage import EpochEnd, StageServer
+from swarm.protocol import ProgressPush, add_history
+from swarm.server.progress_push import ProgressPusher
+from swarm.server.stage import EpochEnd, StageError, StageServer
 from swarm.trust.authority import CheckpointAuthority
 from swarm.trust.banlist import RunBans
 
@@ -135,7 +136,12 @@ class ServedStage:
         self._members: frozenset[str] = frozenset()  # those of them whose progress counts, as the averagers last heard
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
         self._restored = False  # an epoch that ends before the state is restored starts nothing
+        self._mates: dict[str, bytes] = {}  # libp2p id -> progress sub-key of the stage's other counted servers
+        self.pushes = ProgressPusher(ctx.p2p, self.directory.run_id, self.stage,
+                                     timeout=refresh_periods(self.spec.averaging.matchmaking_time)["max_refresh_period"])
         optimizer.set_progress_roster(lambda: self._roster)
+        optimizer.set_progress_push(self.pushes.offer)
+        self.server.progress_sink = self._progress_pushed
         ctx.authority.serve_stage(self.stage)  # endorse this stage's checkpoints by state only
 
     @property
@@ -195,12 +201,27 @@ class ServedStage:
         a complete group."""
         servers = await self.directory.servers(self.stage)
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
+        mates = [s for s in servers if s.progress_key and s.peer_id != self.me]
+        known, self._mates = self._mates, {s.p2p_id: bytes.fromhex(s.progress_key) for s in mates}
+        if self._mates != known:
+            self.pushes.set_mates(mates)
+            if set(self._mates.values()) - set(known.values()):  # a new one: its pushes may not count yet
+                self.optimizer.read_progress_soon()
         donors = frozenset(s.p2p_id for s in servers)
         if donors != self._donors and await asyncio.to_thread(self.optimizer.set_donor_roster, donors):
             self._donors = donors
         members = frozenset(s.p2p_id for s in servers if s.progress_key) if self.spec.averaging.early_start else None
         if members and members != self._members and await asyncio.to_thread(self.optimizer.set_members, members):
             self._members = members
+
+    def _progress_pushed(self, p2p_id: str, push: ProgressPush) -> None:
+        """A stage-mate's pushed count (``rpc_progress``): counted as the progress of the key its server record
+        announces. :raises StageError: the sender is not one of the stage's servers this server last read."""
+        subkey = self._mates.get(p2p_id)
+        if subkey is None:
+            raise StageError(f"this server does not count {p2p_id}'s progress: it is not one of the stage {self.stage} "
+                             f"servers it read last (every {roster_period_s(self.spec):.0f} s); the DHT carries it")
+        self.optimizer.receive_progress(subkey, push, PeerID.from_base58(p2p_id).to_bytes())
 
     async def exclude(self, excluded: dict[str, str]) -> None:
         """Keep the servers in ``excluded`` (libp2p id -> reason: banned, or convicted by verified evidence) out
@@ -289,6 +310,7 @@ class ServedStage:
         ``p2p``), let a commit finish, shut the optimizer down, stop the compute thread."""
         started = time.monotonic()
         background, self.background = self.background, None  # an epoch that ends from now on starts no commit
+        self.pushes.close()
         if handlers:
             await self.server.remove_p2p_handlers(p2p, namespace=self.directory.run_id)
         self.ctx.authority.leave_stage(self.stage)  # it no longer endorses the stage's checkpoints

@@ -12,6 +12,8 @@ RPCs (streams of ``runtime_pb2.ExpertRequest``, namespace ``<run_id>``; see :mod
 * ``rpc_ping`` — :class:`~swarm.protocol.PingRequest`: answers with its epoch, so a peer can tell a live
   server from a stale record (:func:`~swarm.net.stage_rpc.is_serving`).
 * ``rpc_state_digest`` — :class:`~swarm.protocol.StateDigestRequest`: its state's digest at a recent epoch.
+* ``rpc_progress`` — :class:`~swarm.protocol.ProgressPush`: a stage-mate's count in the epoch, handed to
+  :attr:`StageServer.progress_sink` (:mod:`swarm.server.progress_push`); refused from a peer the sink does not count.
 
 The protocol's callers (limits, stubs, pings) are :mod:`swarm.net.stage_rpc`.
 
@@ -30,7 +32,7 @@ error naming the cause; they never touch the accumulated gradients. Peers on the
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import torch
 from hivemind.p2p import P2PContext
@@ -43,8 +45,8 @@ from swarm.net.admission import PeerAdmission
 from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.net.stage_rpc import MAX_WIRE_TENSORS, StageRPC, max_message_bytes
 from swarm.net.transport import gather, stream_out
-from swarm.protocol import (BackwardRequest, ForwardRequest, PingRequest, StageResponse, StateDigestRequest,
-                            pack_message, unpack_message)
+from swarm.protocol import (BackwardRequest, ForwardRequest, PingRequest, ProgressPush, StageResponse,
+                            StateDigestRequest, pack_message, unpack_message)
 from swarm.server.compute import EpochEnd, EpochHook, StageCompute, StageError
 from swarm.trust.receipts import sign_receipt, tensors_digest
 
@@ -70,6 +72,9 @@ class StageServer(StageCompute, StageRPC):
         self.max_message_bytes = max_message_bytes(spec)
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
         self.admission = PeerAdmission()  # requests in flight per peer (swarm.net.admission)
+        self.progress_sink: Optional[Callable[[str, ProgressPush], None]] = None
+        """Counts a stage-mate's pushed progress: ``(sender's libp2p id, push)``; raises :class:`StageError` for a
+        sender it does not count. None refuses every push (a server without the stage's optimizer)."""
 
     # ---- RPC handlers ------------------------------------------------------------------------------
     def _admit(self, context: P2PContext, mb_id: Optional[str] = None) -> None:
@@ -175,6 +180,20 @@ class StageServer(StageCompute, StageRPC):
             req, _, _ = await self._receive(requests, StateDigestRequest)
             reply = StageResponse(epoch=self.epoch, state_sha256=self.state_digests.get(req.epoch, ""))
             async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), []):
+                yield msg
+
+    async def rpc_progress(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A stage-mate's count in the epoch (:class:`ProgressPush`), for :attr:`progress_sink`; answers this
+        server's epoch."""
+        with self.admission.admit(str(context.remote_id)):
+            self._admit(context)
+            req, _, _ = await self._receive(requests, ProgressPush)
+            if self.progress_sink is None:
+                raise StageError("this server counts no pushed progress (it serves no optimizer); the DHT has it")
+            self.progress_sink(str(context.remote_id), req)
+            async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(StageResponse(epoch=self.epoch)), []):
                 yield msg
 
     def _check_request(self, run_id: str, stage: int) -> None:
