@@ -301,8 +301,8 @@ class AveragingSpec(_Section):
     early_start: bool = Field(
         True, description="Begin a round when the epoch ends, as soon as every counted server of the stage joined "
         "its group, instead of scheduling its matchmaking ahead and waiting out the window (hivemind's way): on "
-        "the demo a round's stall fell from ~2.3 s to ~0.5 s (docs/efficiency.md). Turn it off only for a stage "
-        "whose servers come and go faster than its epochs end.",
+        "the demo an epoch's transition fell from 1.40 s to 0.39 s on average, and tokens/s rose 93% "
+        "(docs/efficiency.md). Turn it off only for a stage whose servers come and go faster than its epochs end.",
     )
     overlap_rounds: bool = Field(
         False, description="Average an epoch's gradients in the background while the servers serve the next epoch, "
