@@ -411,6 +411,10 @@ def test_a_pushed_count_is_counted_without_a_dht_read_and_slows_the_dht_while_pu
         entries = {mate: ValueWithExpiration(count(9, get_dht_time() + 1).dict(), get_dht_time() + 60)}
         assert tracker._count(entries, read=False).samples_accumulated == 9
         assert tracker._count(None, read=False).samples_accumulated == 5
+        tracker.set_roster(lambda: frozenset({tracker.progress_key}))  # the mate left the roster: its push goes
+        assert tracker._count(None, read=False).samples_accumulated == 0 and mate not in tracker._pushed
+        tracker.set_roster(lambda: frozenset({tracker.progress_key, mate}))
+        tracker.receive(mate, count(5, get_dht_time()))
 
         before = len(stores)
         tracker.report_local_progress(0, 3)  # the first report goes out at once, pushed and to the DHT

@@ -25,8 +25,9 @@ stored and a fetched record (each visiting several DHT nodes) several times a se
 DHT traffic of a training swarm (docs/efficiency.md). The stage's servers push their counts to each other
 instead (``rpc_progress``, :meth:`SampleCountTracker.receive`, sent through :attr:`SampleCountTracker.push`):
 a pushed count is counted with the entries last read from the DHT at once, without a read, and replaces the
-sender's DHT entry when it is newer (by the sender's own clock). While every other server of the roster's
-count arrived by push, the DHT is read only every :data:`PUSHED_SLOWDOWN` ``x max_refresh_period``, and while
+sender's DHT entry when it is newer (by the sender's own clock); it stands until its sender leaves the roster.
+While every other server of the roster's count arrived by push, the DHT is read only every
+:data:`PUSHED_SLOWDOWN` ``x max_refresh_period`` (a quiet stage: every ``metadata_expiration / 4``), and while
 this server's pushes reach every stage-mate, its count is published to the DHT no more often (the DHT stays
 the fallback, and what a joining server reads before its stage-mates count it).
 """
@@ -227,13 +228,15 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
     def _parse_swarm_progress_data(self, metadata):
         return self._count(metadata, read=True)  # (hivemind calls it once, after its first read)
 
-    def _merge_pushed(self, entries: dict) -> None:
+    def _merge_pushed(self, entries: dict, roster: Optional[frozenset]) -> None:
         """Put the pushed counts into ``entries`` (the DHT's), where newer than the sender's DHT entry by its own
-        clock; an entry the DHT holds as None (its server left) stays; expired pushes are forgotten."""
+        clock; an entry the DHT holds as None (its server left) stays. A push is forgotten once its sender left
+        the ``roster`` (its record expired, or it withdrew), or, while the roster is unknown, once it expired: a
+        quiet stage-mate pushes nothing new, and its last count stands."""
         now = get_dht_time()
         with self._lock_pushed:
             for subkey, pushed in list(self._pushed.items()):
-                if pushed.expiration_time < now:
+                if (subkey not in roster) if roster is not None else pushed.expiration_time < now:
                     del self._pushed[subkey]
                     continue
                 read = entries.get(subkey)
@@ -247,7 +250,7 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         if read:
             self._fetched, self._read_at, self.reads = metadata, get_dht_time(), self.reads + 1
         entries = dict(metadata) if isinstance(metadata, dict) else {}
-        self._merge_pushed(entries)
+        self._merge_pushed(entries, self.roster())
         # this server's own entry is its local progress, whether or not the DHT holds it yet: hivemind counts the
         # entries it fetched, so a server whose own entry was not stored yet (just restarted its optimizer, or
         # just loaded the stage's state) counted one peer fewer and, seeing "no other peers", stepped alone
@@ -267,8 +270,8 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         if self.reading_slowly:
             progress.next_fetch_time = get_dht_time() + QUIET_SLOWDOWN * self.max_refresh_period
         if self._all_pushed(entries):
-            progress.next_fetch_time = max(progress.next_fetch_time,
-                                           self._read_at + PUSHED_SLOWDOWN * self.max_refresh_period)
+            period = self.metadata_expiration / 4 if self.reading_slowly else PUSHED_SLOWDOWN * self.max_refresh_period
+            progress.next_fetch_time = max(progress.next_fetch_time, self._read_at + period)
         return progress
 
     def _all_pushed(self, entries: dict) -> bool:

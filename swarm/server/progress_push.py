@@ -51,27 +51,35 @@ class ProgressPusher:
         self.reached = {p: ok for p, ok in self.reached.items() if p in self.mates}
         for p2p_id in set(self._senders) - set(self.mates):
             self._senders.pop(p2p_id).cancel()
+        self.resend()
+
+    def resend(self) -> None:
+        """Send the newest count again to every stage-mate the last push did not reach (one that did not count
+        this server yet may now: the server calls this at every read of the stage's records)."""
         if self._latest is not None:
-            self._send_all(self._latest)
+            self._send_all(self._latest, unreached_only=True)
 
     def offer(self, progress: LocalTrainingProgress) -> bool:
         """Push ``progress`` (hivemind's record of this server's count) to every stage-mate (any thread; returns at
-        once). Returns whether the last pushes reached every stage-mate (False with none: nothing is pushed)."""
+        once; with none yet, the newest count goes to each as it becomes known). Returns whether the last pushes
+        reached every stage-mate (False with none)."""
         mates, reached = self.mates, self.reached
-        if self._closed or not mates:
+        if self._closed:
             return False
         push = ProgressPush(run_id=self.run_id, stage=self.stage, epoch=progress.epoch,
                             samples=max(0, progress.samples_accumulated), client_mode=progress.client_mode,
                             samples_per_s=min(max(progress.samples_per_second, 0.0), MAX_SAMPLES_PER_S),
                             time=max(progress.time, 0.0))
         self.loop.call_soon_threadsafe(self._send_all, push)
-        return all(reached.get(p2p_id, False) for p2p_id in mates)
+        return bool(mates) and all(reached.get(p2p_id, False) for p2p_id in mates)
 
-    def _send_all(self, push: ProgressPush) -> None:
+    def _send_all(self, push: ProgressPush, unreached_only: bool = False) -> None:
         if self._closed:
             return
         self._latest = push
         for p2p_id in self.mates:
+            if unreached_only and self.reached.get(p2p_id, False):
+                continue
             sender = self._senders.get(p2p_id)
             if sender is None or sender.done():
                 self._senders[p2p_id] = asyncio.create_task(self._send(p2p_id))

@@ -207,6 +207,8 @@ class ServedStage:
             self.pushes.set_mates(mates)
             if set(self._mates.values()) - set(known.values()):  # a new one: its pushes may not count yet
                 self.optimizer.read_progress_soon()
+        else:
+            self.pushes.resend()
         donors = frozenset(s.p2p_id for s in servers)
         if donors != self._donors and await asyncio.to_thread(self.optimizer.set_donor_roster, donors):
             self._donors = donors
