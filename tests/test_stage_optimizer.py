@@ -386,6 +386,7 @@ def test_a_pushed_count_is_counted_without_a_dht_read_and_slows_the_dht_while_pu
     from hivemind.utils import ValueWithExpiration, get_dht_time
 
     from swarm.averaging.progress import PUSHED_SLOWDOWN, SampleCountTracker
+    from swarm.protocol import ProgressPush
 
     ((key, dht),) = keyed_dhts(1)
     stores, pushed = [], []
@@ -395,9 +396,8 @@ def test_a_pushed_count_is_counted_without_a_dht_read_and_slows_the_dht_while_pu
                                  max_refresh_period=20.0, default_refresh_period=20.0, start=True)
     mate = b"the stage-mate's progress key"
 
-    def count(samples: int, at: float) -> LocalTrainingProgress:
-        return LocalTrainingProgress(peer_id=b"", epoch=0, samples_accumulated=samples, samples_per_second=1.0,
-                                     time=at, client_mode=False)
+    def count(samples: int, at: float) -> ProgressPush:
+        return ProgressPush(run_id="r", stage=0, epoch=0, samples=samples, samples_per_s=1.0, time=at)
     try:
         tracker.set_roster(lambda: frozenset({tracker.progress_key, mate}))
         tracker.push = lambda progress: pushed.append(progress.samples_accumulated) or True
@@ -408,7 +408,9 @@ def test_a_pushed_count_is_counted_without_a_dht_read_and_slows_the_dht_while_pu
         next_read = tracker.global_progress.next_fetch_time - tracker._read_at
         assert next_read >= PUSHED_SLOWDOWN * tracker.max_refresh_period - 1e-6
         # a newer DHT entry of the mate (by its own clock) is counted instead of the older push
-        entries = {mate: ValueWithExpiration(count(9, get_dht_time() + 1).dict(), get_dht_time() + 60)}
+        newer = LocalTrainingProgress(peer_id=b"", epoch=0, samples_accumulated=9, samples_per_second=1.0,
+                                      time=get_dht_time() + 1, client_mode=False)
+        entries = {mate: ValueWithExpiration(newer.dict(), get_dht_time() + 60)}
         assert tracker._count(entries, read=False).samples_accumulated == 9
         assert tracker._count(None, read=False).samples_accumulated == 5
         tracker.set_roster(lambda: frozenset({tracker.progress_key}))  # the mate left the roster: its push goes

@@ -31,7 +31,6 @@ from typing import Callable, Optional, Sequence
 
 import hivemind
 import torch
-from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
@@ -457,25 +456,18 @@ class StageOptimizer:
         """This server's sub-key in the stage's progress records, hex (announced as ``ServerInfo.progress_key``)."""
         return self._opt.tracker.progress_key.hex()
 
-    def set_progress_roster(self, roster: Roster) -> None:
-        """Count progress only from the sub-keys ``roster()`` returns (:mod:`swarm.averaging.progress`)."""
+    def set_progress_roster(self, roster: Roster, push: Optional[Push] = None) -> None:
+        """Count progress only from the sub-keys ``roster()`` returns, and push this server's count to its
+        stage-mates through ``push`` (None: the DHT only; :mod:`swarm.averaging.progress`)."""
         self._opt.tracker.set_roster(roster)
-
-    def set_progress_push(self, push: Push) -> None:
-        """Push this server's count to the stage's other servers through ``push`` at every change, and publish it to
-        the DHT less often while the pushes reach them all (:mod:`swarm.averaging.progress`)."""
         self._opt.tracker.push = push
 
     def receive_progress(self, subkey: bytes, push: ProgressPush, sender: bytes = b"") -> None:
-        """Count a stage-mate's pushed progress (any thread): ``subkey`` is the progress key its server record
-        announces (the caller checked that the sender is that server), ``sender`` its libp2p id (bytes)."""
-        tracker = self._opt.tracker
-        tracker.receive(subkey, LocalTrainingProgress(
-            peer_id=sender, epoch=push.epoch, samples_accumulated=push.samples,
-            samples_per_second=push.samples_per_s, time=push.time, client_mode=push.client_mode))
+        """Count a stage-mate's pushed count (any thread) as that of ``subkey`` (:meth:`SampleCountTracker.receive`)."""
+        self._opt.tracker.receive(subkey, push, sender)
 
     def read_progress_soon(self) -> None:
-        """Read the stage's progress from the DHT now (a server joined the roster; its pushes may not count yet)."""
+        """Read the stage's progress from the DHT now (a server joined the roster: its pushes may not count yet)."""
         self._opt.tracker.read_soon()
 
     def set_donor_roster(self, p2p_ids: frozenset[str]) -> bool:

@@ -45,7 +45,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
-from swarm.protocol import MAX_SAMPLES_PER_S
+from swarm.protocol import MAX_SAMPLES_PER_S, ProgressPush
 
 logger = logging.getLogger(__name__)
 
@@ -184,9 +184,12 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()
 
-    def receive(self, subkey: bytes, progress: LocalTrainingProgress) -> None:
+    def receive(self, subkey: bytes, push: ProgressPush, sender: bytes = b"") -> None:
         """A stage-mate's count, pushed (any thread): counted at once with the entries the last DHT read found.
-        The caller checked that the sender is the stage's server that announced ``subkey``."""
+        The caller checked that the sender (libp2p id ``sender``) is the stage's server that announced ``subkey``."""
+        progress = LocalTrainingProgress(peer_id=sender, epoch=push.epoch, samples_accumulated=push.samples,
+                                         samples_per_second=push.samples_per_s, time=push.time,
+                                         client_mode=push.client_mode)
         with self._lock_pushed:
             self._pushed[subkey] = ValueWithExpiration(progress.dict(), get_dht_time() + self.metadata_expiration)
         self._recount = True

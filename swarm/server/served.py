@@ -139,8 +139,7 @@ class ServedStage:
         self._mates: dict[str, bytes] = {}  # libp2p id -> progress sub-key of the stage's other counted servers
         self.pushes = ProgressPusher(ctx.p2p, self.directory.run_id, self.stage,
                                      timeout=refresh_periods(self.spec.averaging.matchmaking_time)["max_refresh_period"])
-        optimizer.set_progress_roster(lambda: self._roster)
-        optimizer.set_progress_push(self.pushes.offer)
+        optimizer.set_progress_roster(lambda: self._roster, push=self.pushes.offer)
         self.server.progress_sink = self._progress_pushed
         ctx.authority.serve_stage(self.stage)  # endorse this stage's checkpoints by state only
 
