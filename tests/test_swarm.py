@@ -23,6 +23,8 @@ def swarm(tiny_spec_path, tmp_path, cache_dir, tiny_dataset):
 def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
     with Scenario(swarm) as sc:
         sc.servers(per_stage=2).trainers(1).until_epoch(6)
+        # a trainer announces its loss every record_ttl_s / 3: six epochs can take less than that
+        sc.wait(lambda: all(t.loss is not None for t in sc.directory.trainers()), 60, "the trainer's loss announced")
         trainers = sc.directory.trainers()
         assert len(trainers) == 1
         for t in trainers:
