@@ -136,9 +136,11 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         super().__init__(*args, **kwargs)
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
-        """hivemind 1.1.12's, but published at most once per ``min_refresh_period`` (the stage's servers read no
-        faster): a count held back is published when the period is over, and a new epoch, a reset or a count
-        that reaches the target at once. (hivemind's own version wakes its publisher at every report.)"""
+        """hivemind 1.1.12's, but pushed to the stage-mates at once (:attr:`push`) and published to the DHT at most
+        once per ``min_refresh_period`` (the stage's servers read no faster): a count held back is published when
+        the period is over, and a new epoch, a reset or a count that reaches the target at once. While the pushes
+        reach every stage-mate the period is ``PUSHED_SLOWDOWN x max_refresh_period`` and nothing is urgent.
+        (hivemind's own version wakes its publisher at every report.)"""
         urgent = (local_epoch != self.local_progress.epoch or samples_accumulated <= 0
                   or samples_accumulated >= self.target_batch_size)
         extra_samples = samples_accumulated - self.local_progress.samples_accumulated
