@@ -24,21 +24,19 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional, Sequence
 
 import hivemind
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import spec_compressor
 from swarm.averaging.donors import REFUSAL_S, RETRY_S
 from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
 from swarm.averaging.overlap import OverlappedRounds
-from swarm.averaging.progress import Push, Roster, SampleCountTracker, refresh_periods
+from swarm.averaging.progress import Push, Roster, SampleCountTracker, progress_signer, refresh_periods
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer, schedule_moves_quietly
 from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
@@ -61,25 +59,6 @@ def request_timeout(matchmaking_time: float) -> float:
     """Seconds a matchmaking request may wait for its answer: below ``matchmaking_time``, as hivemind's matchmaking
     requires (else it warns that rounds may deadlock), and at most 1 s."""
     return min(1.0, matchmaking_time / 2)
-
-
-_SIGNERS: "weakref.WeakKeyDictionary[hivemind.DHT, RSAPrivateKey]" = weakref.WeakKeyDictionary()
-
-
-def progress_signer(dht: hivemind.DHT) -> RSAPrivateKey:
-    """The RSA key that signs the progress records of every stage optimizer on DHT node ``dht``.
-
-    A hivemind DHT node keeps the first ``RSASignatureValidator`` it is given and ignores later ones
-    (``RSASignatureValidator.merge_with``), so it signs with that first key whatever key a later tracker
-    brings: the records of a second key on the same node fail their signature check on every peer, and a
-    server that rejoins a stage in the same process (after a pause or a move) would count for nobody. One key
-    per node (not hivemind's one per process: servers of one process on separate DHT nodes, as tests run them,
-    keep separate progress entries).
-    """
-    key = _SIGNERS.get(dht)
-    if key is None:
-        key = _SIGNERS[dht] = RSAPrivateKey()
-    return key
 
 
 class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
@@ -156,21 +135,18 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         if self.tracker.ready_to_update_epoch:
             self._update_global_epoch(None)
 
-    early_start = False
-    """(``[averaging] early_start``) A complete group begins its round at once, so no round is scheduled ahead of
-    the epoch's end: :meth:`_maybe_schedule_gradient_averaging`."""
+    early_start = False  # ``[averaging] early_start``: no round is scheduled ahead of the epoch's end (below)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
-        """hivemind begins a round's matchmaking ahead of the epoch's estimated end, so that the window ends with it.
-        With :attr:`early_start` a round begins when the epoch ends and its group, once complete, at once: a group
-        assembled ahead would wait for every member's epoch to end, and a server that left in the meantime (its
-        stage making no progress) joined that round with zero weight and waited for it (hivemind's shutdown)."""
+        """hivemind starts a round's matchmaking ahead of the epoch's estimated end. With :attr:`early_start` a
+        round starts when the epoch ends (a complete group at once), so a group holds only servers whose epoch
+        ended: one assembled ahead waited for its members' epochs, and held a leaving server in hivemind's
+        shutdown (docs/efficiency.md)."""
         if not self.early_start:
             super()._maybe_schedule_gradient_averaging()
 
     def _maybe_schedule_state_averaging(self) -> None:
-        """As :meth:`_maybe_schedule_gradient_averaging`, for the rounds that average the state."""
-        if not self.early_start:
+        if not self.early_start:  # as _maybe_schedule_gradient_averaging, for the rounds that average the state
             super()._maybe_schedule_state_averaging()
 
     def _should_load_state_from_peers(self) -> bool:

@@ -38,12 +38,15 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
+import hivemind
 import hivemind.optim.progress_tracker
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.protocol import MAX_SAMPLES_PER_S, ProgressPush
 
@@ -81,6 +84,25 @@ Roster = Callable[[], Optional[frozenset]]
 Push = Callable[[LocalTrainingProgress], bool]
 """Sends this server's progress to the stage's other servers (called at every report, from any thread; must not
 block); returns whether the last pushes reached every one of them."""
+
+
+_SIGNERS: "weakref.WeakKeyDictionary[hivemind.DHT, RSAPrivateKey]" = weakref.WeakKeyDictionary()
+
+
+def progress_signer(dht: hivemind.DHT) -> RSAPrivateKey:
+    """The RSA key that signs the progress records of every stage optimizer on DHT node ``dht``.
+
+    A hivemind DHT node keeps the first ``RSASignatureValidator`` it is given and ignores later ones
+    (``RSASignatureValidator.merge_with``), so it signs with that first key whatever key a later tracker
+    brings: the records of a second key on the same node fail their signature check on every peer, and a
+    server that rejoins a stage in the same process (after a pause or a move) would count for nobody. One key
+    per node (not hivemind's one per process: servers of one process on separate DHT nodes, as tests run them,
+    keep separate progress entries).
+    """
+    key = _SIGNERS.get(dht)
+    if key is None:
+        key = _SIGNERS[dht] = RSAPrivateKey()
+    return key
 
 
 def trusted_progress(entries: dict, own: bytes, own_epoch: int, target: int,
@@ -309,4 +331,5 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         )
 
 
-__all__ = ["PUSHED_SLOWDOWN", "Push", "Roster", "SampleCountTracker", "refresh_periods", "trusted_progress"]
+__all__ = ["PUSHED_SLOWDOWN", "Push", "Roster", "SampleCountTracker", "progress_signer", "refresh_periods",
+           "trusted_progress"]
