@@ -134,9 +134,10 @@ async def push_progress(p2p, server, push: ProgressPush, timeout: float) -> int:
     """Push this server's progress to ``server`` (a :class:`~swarm.protocol.ServerInfo` of the same stage); returns
     the receiver's epoch.
 
-    :raises ProtocolError: a malformed reply, or the receiver refused the push (it does not count this server yet:
-        its roster is older than this server's record). :raises TimeoutError: no reply within ``timeout`` seconds.
-    :raises Exception: hivemind's errors for an unreachable peer (P2PDaemonError, P2PHandlerError).
+    :raises ProtocolError: a malformed reply. :raises TimeoutError: no reply within ``timeout`` seconds.
+    :raises Exception: hivemind's errors: the receiver's refusal, naming why (P2PHandlerError; e.g. it does not
+        count this server yet, its roster being older than this server's record), or an unreachable peer
+        (P2PDaemonError).
     """
     stub = stage_stub(p2p, server, push.run_id)
 

@@ -39,7 +39,6 @@ class ProgressPusher:
         self.loop = asyncio.get_running_loop()
         self.mates: dict[str, object] = {}  # libp2p id -> ServerInfo of every other server of the stage (replaced whole)
         self.reached: dict[str, bool] = {}  # libp2p id -> whether the last push to it was accepted
-        self.sent = self.failed = 0  # pushes made, and those that failed
         self._latest: Optional[ProgressPush] = None
         self._senders: dict[str, asyncio.Task] = {}
         self._closed = False
@@ -91,12 +90,10 @@ class ProgressPusher:
             server, sent = self.mates.get(p2p_id), self._latest
             if server is None:
                 return
-            self.sent += 1
             try:
                 await push_progress(self.p2p, server, sent, self.timeout)
                 self.reached[p2p_id] = True
             except Exception as e:  # not counted there yet, gone, or slow: the DHT carries this server's count
-                self.failed += 1
                 self.reached[p2p_id] = False
                 logger.debug("stage %d: progress push to %s failed: %r", self.stage, p2p_id, e)
                 return
