@@ -214,6 +214,61 @@ def test_a_server_whose_gradient_round_failed_says_it_is_out_of_sync():
         first.shutdown()
 
 
+def _fill_epoch(busy: StageOptimizer, other: StageOptimizer, seed: int) -> None:
+    """``busy`` steps micro-batches (on a thread) until its epoch ends, while ``other`` takes none and joins the
+    round through ``finish_epoch_if_ready``, as a server's epoch watcher does."""
+    import threading
+
+    stepped = threading.Event()
+
+    def train() -> None:
+        for i in range(4 * MICRO_BATCHES):
+            if busy.step(_gradients(busy.module, seed + i), TINY.training.micro_batch_size, "trainer0"):
+                break
+        stepped.set()
+
+    epoch, worker = other.epoch, threading.Thread(target=train, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not other.finish_epoch_if_ready():
+        assert time.monotonic() < deadline, f"the other server never joined the round of epoch {epoch}"
+        time.sleep(0.1)
+    assert stepped.wait(60) and other.epoch == epoch + 1
+    worker.join(5)
+
+
+@pytest.mark.timeout(180)
+def test_a_server_that_computed_nothing_joins_its_stage_mates_round_with_weight_0():
+    """Two servers of a stage; in epoch 1 the trainers send every micro-batch to the first. The second, with no
+    sample, still joins the round once the stage reached the target (weight 0: no vote), so the round succeeds
+    and both step to the same state; it used to wait for a micro-batch, and the first's round timed out."""
+    (first_key, first), (second_key, second) = keyed_dhts(2)
+    modules = [build_stage(TINY.model, 0), build_stage(TINY.model, 0)]
+    optimizers = []
+    try:
+        optimizers = [StageOptimizer(TINY, "empty", 0, node, module, identity=key)
+                      for (key, node), module in zip([(first_key, first), (second_key, second)], modules)]
+        busy, empty = optimizers
+        micro = TINY.training.micro_batch_size
+        empty.step(_gradients(modules[1], 99), micro, "trainer1")  # epoch 0: one micro-batch here
+        busy.step(_gradients(modules[0], 0), micro, "trainer0")
+        assert busy.wait_until_counted(2, timeout=30), "the busy server never counted the other one"
+        _fill_epoch(busy, empty, 1)
+        assert busy.synced and empty.synced and empty.samples_dropped == 0
+        assert not empty.finish_epoch_if_ready(), "nothing to join yet"
+        _fill_epoch(busy, empty, 100)  # epoch 1: no micro-batch here
+        assert busy.epoch == empty.epoch == 2
+        assert busy.synced and empty.synced, "the round failed: a server stepped on its own gradient"
+        mine, theirs = busy.state(), empty.state()
+        differ = sorted(k for k in theirs if not torch.equal(mine[k], theirs[k]))
+        assert not differ, f"the two servers stepped to different states: {differ[:6]}"
+    finally:
+        for o in optimizers:
+            o.shutdown()
+        second.shutdown()
+        first.shutdown()
+
+
 @pytest.mark.timeout(120)
 def test_samples_discarded_before_a_step_are_counted_as_dropped_and_matchmaking_requests_time_out_first():
     """``samples_dropped``: samples accumulated and then discarded by a load of the stage's state or by leaving

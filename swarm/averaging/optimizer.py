@@ -263,11 +263,12 @@ class StageOptimizer:
     def finish_epoch_if_ready(self) -> bool:
         """Join the epoch's averaging round if the stage's servers together reached the target, even though no
         micro-batch arrived here to trigger :meth:`step` (its peers' trainers may all be waiting on the round).
-        Returns True if an epoch ended."""
+        One that computed nothing this epoch joins with weight 0 (no vote, :mod:`swarm.averaging.reducer`);
+        waiting for a sample, it let the others' round time out (tests/test_pause_resume.py). True if it ended one."""
         opt = self._opt
-        if not (opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0):
-            return False
-        if opt.local_epoch < opt.tracker.others_epoch:  # behind the stage: its next micro-batch reloads the state;
+        behind = opt.local_epoch < opt.tracker.others_epoch or (
+            opt.grad_averager.local_samples_accumulated == 0 and opt.tracker.global_epoch > opt.local_epoch)
+        if behind or not opt.tracker.ready_to_update_epoch:  # behind: its next micro-batch reloads the state;
             return False  # joining the others' round now would mix this epoch's gradients (or state) into theirs
         epoch = self.epoch
         opt._update_global_epoch(None)  # hivemind 1.1.12: exactly what step() calls once the epoch is ready
@@ -285,9 +286,7 @@ class StageOptimizer:
     @property
     def lr(self) -> float:
         """The learning rate of the current epoch (schedule x rollback scale; in ``outer`` mode the inner one)."""
-        if self._opt.inner is not None:
-            return self._opt.inner.lr
-        return self._opt.opt.param_groups[0]["lr"]
+        return self._opt.inner.lr if self._opt.inner is not None else self._opt.opt.param_groups[0]["lr"]
 
     @property
     def lr_scale(self) -> float:
@@ -411,8 +410,7 @@ class StageOptimizer:
 
     # ---- the stage's view of this server -----------------------------------------------------------------
     def announce_progress(self) -> None:
-        """Publish this server's progress record now (its epoch, no samples yet), so the stage's servers count
-        it before its first epoch ends (otherwise one that reaches the target first steps alone)."""
+        """Publish this server's progress now (its epoch, no sample): counted before the first epoch ends."""
         self._opt.tracker.report_local_progress(self._opt.local_epoch, 0)
 
     @property
@@ -442,32 +440,27 @@ class StageOptimizer:
         """Count a stage-mate's pushed count (any thread) as that of ``subkey`` (:meth:`SampleCountTracker.receive`)."""
         self._opt.tracker.receive(subkey, push, sender)
 
+    @property
+    def stage_quiet(self) -> bool:
+        """No server of the stage counted a sample in the last few progress reads (``tracker.reading_slowly``)."""
+        return self._opt.tracker.reading_slowly
+
     def read_progress_soon(self) -> None:
         """Read the stage's progress from the DHT now (a server joined the roster: its pushes may not count yet)."""
         self._opt.tracker.read_soon()
 
     def set_donor_roster(self, p2p_ids: frozenset[str]) -> bool:
-        """(blocking, not the event loop's thread) Download the stage's state from these libp2p ids (the stage's
-        announced servers) before any other declared donor (:mod:`swarm.averaging.donors`); False if the
-        averager process did not answer (try again later)."""
-        try:
-            self._opt.state_averager.set_roster(p2p_ids)
-            return True
-        except Exception as e:  # the averager process is busy or gone
-            logger.debug("could not pass the donor roster to the averager: %s", e)
-            return False
+        """(blocking, not on the event loop) Download the stage's state from these libp2p ids (its announced servers)
+        before any other donor (:mod:`swarm.averaging.donors`); False if the averager did not answer (retry)."""
+        return self._ask_averagers("pass the donor roster to the averager",
+                                   lambda: self._opt.state_averager.set_roster(p2p_ids))
 
     def set_members(self, p2p_ids: frozenset[str]) -> bool:
-        """(blocking, not the event loop's thread) The libp2p ids of the stage's servers whose progress counts: a
-        group holding them all begins its round at once (:meth:`RobustAllReduceMixin.set_members`); False if an
-        averager process did not answer (try again later)."""
-        try:
-            self._opt.grad_averager.set_members(p2p_ids)
-            self._opt.state_averager.set_members(p2p_ids)
-            return True
-        except Exception as e:  # the averager process is busy or gone
-            logger.debug("could not pass the stage's members to the averagers: %s", e)
-            return False
+        """(blocking, not on the event loop) The libp2p ids of the stage's counted servers: a group holding them all
+        begins its round at once (:meth:`RobustAllReduceMixin.set_members`); False if an averager did not answer."""
+        return self._ask_averagers("pass the stage's members to the averagers",
+                                   lambda: self._opt.grad_averager.set_members(p2p_ids),
+                                   lambda: self._opt.state_averager.set_members(p2p_ids))
 
     def trainer_exclusion(self, p2p_id: str) -> Optional[str]:
         """Why this server excluded trainer ``p2p_id``'s gradients (:mod:`swarm.averaging.contributions`), or
@@ -478,12 +471,19 @@ class StageOptimizer:
     def exclude(self, p2p_id: str, reason: str) -> bool:
         """Keep libp2p peer ``p2p_id`` out of this server's averaging groups; False if the averager process did
         not answer (busy in a round: try again later)."""
+        return self._ask_averagers(f"exclude {p2p_id} in the averager",
+                                   lambda: self._opt.grad_averager.exclude(p2p_id, reason),
+                                   lambda: self._opt.state_averager.exclude(p2p_id, reason))  # state rounds, donors
+
+    @staticmethod
+    def _ask_averagers(what: str, *calls: Callable[[], object]) -> bool:
+        """Make ``calls`` (each asks an averager process, blocking); False if one did not answer (busy or gone)."""
         try:
-            self._opt.grad_averager.exclude(p2p_id, reason)
-            self._opt.state_averager.exclude(p2p_id, reason)  # its state rounds, and as a donor
+            for call in calls:
+                call()
             return True
         except Exception as e:  # the averager process is busy or gone
-            logger.debug("could not exclude %s in the averager: %s", p2p_id, e)
+            logger.debug("could not %s: %s", what, e)
             return False
 
     def counters(self) -> dict[str, int]:

@@ -55,6 +55,15 @@ def roster_period_s(spec: RunSpec) -> float:
     return spec.timeouts.record_ttl_s / 15
 
 
+def quiet_roster_period_s(spec: RunSpec) -> float:
+    """Seconds between reads of the stage's server records while the stage is quiet (no server counted a sample
+    for a few progress reads, :attr:`~swarm.averaging.optimizer.StageOptimizer.stage_quiet`): a third of the
+    record TTL (10 s at the default 30 s), as often as servers re-announce. A server that joins meanwhile is
+    read at the next :func:`roster_period_s` tick, its first pushed progress refused here being the cue; a leaver
+    that is still counted costs the stage's first round at most one matchmaking window (its group waits for it)."""
+    return spec.timeouts.record_ttl_s / 3
+
+
 def withdraw_s(spec: RunSpec) -> float:
     """Seconds a leaving server stays in the stage's averaging after announcing that it leaves: its stage-mates
     read the stage's records every :func:`roster_period_s` and then stop counting its progress."""
@@ -137,6 +146,8 @@ class ServedStage:
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
         self._restored = False  # an epoch that ends before the state is restored starts nothing
         self._mates: dict[str, bytes] = {}  # libp2p id -> progress sub-key of the stage's other counted servers
+        self._roster_read_at = float("-inf")  # time.monotonic() of the last read of the stage's records
+        self._roster_due = False  # read them at the next tick, however quiet the stage (_roster_tick)
         self.pushes = ProgressPusher(ctx.p2p, self.directory.run_id, self.stage,
                                      timeout=refresh_periods(self.spec.averaging.matchmaking_time)["max_refresh_period"])
         optimizer.set_progress_roster(lambda: self._roster, push=self.pushes.offer)
@@ -190,8 +201,18 @@ class ServedStage:
         return [asyncio.create_task(self.server.watch_epochs(leave, watch_s)),
                 asyncio.create_task(periodic(leave, orders_period_s(self.spec), self.rollbacks.follow,
                                              "following rollback orders", self.log)),
-                asyncio.create_task(periodic(leave, roster_period_s(self.spec), self._read_roster,
+                asyncio.create_task(periodic(leave, roster_period_s(self.spec), self._roster_tick,
                                              "reading the stage's servers", self.log))]
+
+    async def _roster_tick(self) -> None:
+        """Read the stage's server records every :func:`roster_period_s`, or every :func:`quiet_roster_period_s`
+        while the stage is quiet and no unknown stage-mate pushed its progress since the last read."""
+        now = time.monotonic()
+        if not self._roster_due and self.optimizer.stage_quiet and \
+                now - self._roster_read_at < quiet_roster_period_s(self.spec):
+            return
+        self._roster_due, self._roster_read_at = False, now
+        await self._read_roster()
 
     async def _read_roster(self) -> None:
         """Keep the progress sub-keys the stage's servers announce, the only progress this server counts
@@ -220,6 +241,7 @@ class ServedStage:
         announces. :raises StageError: the sender is not one of the stage's servers this server last read."""
         subkey = self._mates.get(p2p_id)
         if subkey is None:
+            self._roster_due = True  # perhaps a server that joined since the last read: read the records at once
             raise StageError(f"this server does not count {p2p_id}'s progress: it is not one of the stage {self.stage} "
                              f"servers it read last (every {roster_period_s(self.spec):.0f} s); the DHT carries it")
         self.optimizer.receive_progress(subkey, push, PeerID.from_base58(p2p_id).to_bytes())
@@ -326,4 +348,4 @@ class ServedStage:
 
 
 __all__ = ["LEAVE_GRACE_S", "PeerContext", "ServedStage", "StagePlan", "StageServerFactory", "orders_period_s",
-           "roster_period_s", "withdraw_s"]
+           "quiet_roster_period_s", "roster_period_s", "withdraw_s"]
