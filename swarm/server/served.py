@@ -55,12 +55,13 @@ def roster_period_s(spec: RunSpec) -> float:
     return spec.timeouts.record_ttl_s / 15
 
 
-def quiet_roster_period_s(spec: RunSpec) -> float:
-    """Seconds between reads of the stage's server records while the stage is quiet (no server counted a sample
-    for a few progress reads, :attr:`~swarm.averaging.optimizer.StageOptimizer.stage_quiet`): a third of the
-    record TTL (10 s at the default 30 s), as often as servers re-announce. A server that joins meanwhile is
-    read at the next :func:`roster_period_s` tick, its first pushed progress refused here being the cue; a leaver
-    that is still counted costs the stage's first round at most one matchmaking window (its group waits for it)."""
+def quiet_period_s(spec: RunSpec) -> float:
+    """Seconds between reads of the stage's server records, and of the rollback orders, while the stage is quiet
+    (no server counted a sample for a few progress reads, :attr:`~swarm.averaging.optimizer.StageOptimizer.
+    stage_quiet`): a third of the record TTL (10 s at the default 30 s), as often as servers re-announce. A server
+    that joins meanwhile is read at the next :func:`roster_period_s` tick, its first pushed progress refused here
+    being the cue; a leaver still counted costs the stage's first round at most one matchmaking window (its group
+    waits for it); an order comes after a loss spike, in a stage that trains."""
     return spec.timeouts.record_ttl_s / 3
 
 
@@ -146,8 +147,9 @@ class ServedStage:
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
         self._restored = False  # an epoch that ends before the state is restored starts nothing
         self._mates: dict[str, bytes] = {}  # libp2p id -> progress sub-key of the stage's other counted servers
-        self._roster_read_at = float("-inf")  # time.monotonic() of the last read of the stage's records
-        self._roster_due = False  # read them at the next tick, however quiet the stage (_roster_tick)
+        self._roster_due = False  # read the stage's records at the next tick, however quiet the stage (_roster_tick)
+        self._ran_at: dict[str, float] = {}  # duty -> time.monotonic() it last ran (_quiet_skip)
+        self._servers_read: tuple[float, list] = (float("-inf"), [])  # (time.monotonic(), records) of the last read
         self.pushes = ProgressPusher(ctx.p2p, self.directory.run_id, self.stage,
                                      timeout=refresh_periods(self.spec.averaging.matchmaking_time)["max_refresh_period"])
         optimizer.set_progress_roster(lambda: self._roster, push=self.pushes.offer)
@@ -199,20 +201,37 @@ class ServedStage:
         orders, reading the stage's server records."""
         watch_s = refresh_periods(self.spec.averaging.matchmaking_time)["min_refresh_period"]  # as the tracker reads
         return [asyncio.create_task(self.server.watch_epochs(leave, watch_s)),
-                asyncio.create_task(periodic(leave, orders_period_s(self.spec), self.rollbacks.follow,
+                asyncio.create_task(periodic(leave, orders_period_s(self.spec), self._orders_tick,
                                              "following rollback orders", self.log)),
                 asyncio.create_task(periodic(leave, roster_period_s(self.spec), self._roster_tick,
                                              "reading the stage's servers", self.log))]
 
-    async def _roster_tick(self) -> None:
-        """Read the stage's server records every :func:`roster_period_s`, or every :func:`quiet_roster_period_s`
-        while the stage is quiet and no unknown stage-mate pushed its progress since the last read."""
+    def _quiet_skip(self, duty: str) -> bool:
+        """Whether to skip this tick of ``duty``: the stage is quiet and the duty ran less than
+        :func:`quiet_period_s` ago (else the run is recorded)."""
         now = time.monotonic()
-        if not self._roster_due and self.optimizer.stage_quiet and \
-                now - self._roster_read_at < quiet_roster_period_s(self.spec):
-            return
-        self._roster_due, self._roster_read_at = False, now
-        await self._read_roster()
+        if self.optimizer.stage_quiet and now - self._ran_at.get(duty, float("-inf")) < quiet_period_s(self.spec):
+            return True
+        self._ran_at[duty] = now
+        return False
+
+    async def _orders_tick(self) -> None:
+        if not self._quiet_skip("orders"):
+            await self.rollbacks.follow()
+
+    async def _roster_tick(self) -> None:
+        """Read the stage's server records every :func:`roster_period_s`, or every :func:`quiet_period_s` while the
+        stage is quiet and no unknown stage-mate pushed its progress since the last read."""
+        if self._roster_due or not self._quiet_skip("roster"):
+            self._roster_due = False
+            await self._read_roster()
+
+    async def stage_servers(self) -> list:
+        """The stage's server records as the roster last read them (at most ``record_ttl_s / 3`` old: one read
+        serves the roster and the ban follower), else read now."""
+        if time.monotonic() - self._servers_read[0] > quiet_period_s(self.spec):
+            return await self.directory.servers(self.stage)
+        return self._servers_read[1]
 
     async def _read_roster(self) -> None:
         """Keep the progress sub-keys the stage's servers announce, the only progress this server counts
@@ -220,6 +239,7 @@ class ServedStage:
         optimizer which declared donors are the stage's servers and (``[averaging] early_start``) which servers make
         a complete group."""
         servers = await self.directory.servers(self.stage)
+        self._servers_read = (time.monotonic(), servers)
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
         mates = [s for s in servers if s.progress_key and s.peer_id != self.me]
         known, self._mates = self._mates, {s.p2p_id: bytes.fromhex(s.progress_key) for s in mates}
@@ -348,4 +368,4 @@ class ServedStage:
 
 
 __all__ = ["LEAVE_GRACE_S", "PeerContext", "ServedStage", "StagePlan", "StageServerFactory", "orders_period_s",
-           "quiet_roster_period_s", "roster_period_s", "withdraw_s"]
+           "quiet_period_s", "roster_period_s", "withdraw_s"]

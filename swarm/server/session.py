@@ -367,7 +367,7 @@ class ServerSession:
         self.bans.check(self.me)
         excluded = {p2p: f"banned by the run's coordinator: {reason}"
                     for p2p, reason in self.bans.banned_p2p_ids.items()}
-        self.follower.follow(await self.directory.servers(self.stage))  # convictions this one missed
+        self.follower.follow(await self.served.stage_servers())  # convictions this one missed
         excluded |= self.convictions.of_stage(self.stage)
         await self.served.exclude(excluded)
 
