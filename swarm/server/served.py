@@ -263,7 +263,8 @@ class ServedStage:
         if subkey is None:
             self._roster_due = True  # perhaps a server that joined since the last read: read the records at once
             raise StageError(f"this server does not count {p2p_id}'s progress: it is not one of the stage {self.stage} "
-                             f"servers it read last (every {roster_period_s(self.spec):.0f} s); the DHT carries it")
+                             f"servers it read last (it reads them again within {roster_period_s(self.spec):.0f} s); "
+                             "the DHT carries it")
         self.optimizer.receive_progress(subkey, push, PeerID.from_base58(p2p_id).to_bytes())
 
     async def exclude(self, excluded: dict[str, str]) -> None:
