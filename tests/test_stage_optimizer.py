@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -25,6 +27,28 @@ def _statistics(optimizer: StageOptimizer) -> dict[tuple[int, str], torch.Tensor
     opt = optimizer._opt.opt
     params = [p for group in opt.param_groups for p in group["params"]]
     return {(i, key): t for i, p in enumerate(params) for key, t in opt.state[p].items()}
+
+
+@contextlib.contextmanager
+def _two_servers(run: str) -> Iterator[tuple[StageOptimizer, StageOptimizer]]:
+    """Two servers of stage 0 of run ``run``, each with its DHT node; shut down on exit."""
+    (first_key, first), (second_key, second) = keyed_dhts(2)
+    optimizers = []
+    try:
+        for key, node in ((first_key, first), (second_key, second)):
+            optimizers.append(StageOptimizer(TINY, run, 0, node, build_stage(TINY.model, 0), identity=key))
+        yield optimizers[0], optimizers[1]
+    finally:
+        for o in optimizers:
+            o.shutdown()
+        second.shutdown()
+        first.shutdown()
+
+
+def _differing(a: StageOptimizer, b: StageOptimizer) -> list[str]:
+    """The names of the state tensors (:meth:`StageOptimizer.state`) that differ between ``a`` and ``b``."""
+    mine, theirs = a.state(), b.state()
+    return sorted(k for k in theirs if not torch.equal(mine[k], theirs[k]))
 
 
 @pytest.mark.timeout(180)
@@ -59,8 +83,8 @@ def test_a_server_out_of_sync_loads_the_stages_state_into_the_tensors_that_are_a
             time.sleep(0.2)
         now = _statistics(late)
         assert now.keys() == held.keys() and all(now[k] is held[k] for k in held), "the loaded state replaced them"
-        mine, theirs = late.state(), ahead.state()
-        differ = sorted(k for k in theirs if not torch.equal(mine[k], theirs[k]))
+        mine = late.state()
+        differ = _differing(late, ahead)
         assert not differ, f"the loaded state differs from the donor's: {differ[:6]}"
         assert any(float(t.abs().max()) > 0 for k, t in mine.items() if k.endswith("/exp_avg"))  # a real state
         assert late.synced and ahead.synced, "stepping alone in the stage, or on a loaded state, is in sync"
@@ -190,28 +214,17 @@ def test_a_server_whose_gradient_round_failed_says_it_is_out_of_sync():
     """Two servers of a stage, the second counted but never averaging: the first's round finds no group and it
     steps on its own gradient, so its parameters are no longer the stage's (``synced`` False, which its receipts
     then say: :mod:`swarm.trust.spotcheck`). A jump to the stage's epoch (a restore) is out of sync too."""
-    (first_key, first), (second_key, second) = keyed_dhts(2)
-    modules = [build_stage(TINY.model, 0), build_stage(TINY.model, 0)]
-    optimizers = []
-    try:
-        optimizers = [StageOptimizer(TINY, "failed", 0, node, module, identity=key)
-                      for (key, node), module in zip([(first_key, first), (second_key, second)], modules)]
-        alone, idle = optimizers
+    with _two_servers("failed") as (alone, idle):
         micro = TINY.training.micro_batch_size
-        idle.step(_gradients(modules[1], 99), micro, "trainer1")  # its progress is stored, then it idles
-        alone.step(_gradients(modules[0], 0), micro, "trainer0")
+        idle.step(_gradients(idle.module, 99), micro, "trainer1")  # its progress is stored, then it idles
+        alone.step(_gradients(alone.module, 0), micro, "trainer0")
         assert alone.wait_until_counted(2, timeout=30), "the first server never counted the second"
         assert alone.synced
         for i in range(1, 4 * MICRO_BATCHES):
-            if alone.step(_gradients(modules[0], i), micro, "trainer0"):
+            if alone.step(_gradients(alone.module, i), micro, "trainer0"):
                 break
         assert alone.epoch == 1 and not alone.synced, "it stepped on its own gradient while the stage had two"
         assert idle.synced and idle.jump_to_epoch(5) == 5 and not idle.synced
-    finally:
-        for o in optimizers:
-            o.shutdown()
-        second.shutdown()
-        first.shutdown()
 
 
 def _fill_epoch(busy: StageOptimizer, other: StageOptimizer, seed: int) -> None:
@@ -242,16 +255,10 @@ def test_a_server_that_computed_nothing_joins_its_stage_mates_round_with_weight_
     """Two servers of a stage; in epoch 1 the trainers send every micro-batch to the first. The second, with no
     sample, still joins the round once the stage reached the target (weight 0: no vote), so the round succeeds
     and both step to the same state; it used to wait for a micro-batch, and the first's round timed out."""
-    (first_key, first), (second_key, second) = keyed_dhts(2)
-    modules = [build_stage(TINY.model, 0), build_stage(TINY.model, 0)]
-    optimizers = []
-    try:
-        optimizers = [StageOptimizer(TINY, "empty", 0, node, module, identity=key)
-                      for (key, node), module in zip([(first_key, first), (second_key, second)], modules)]
-        busy, empty = optimizers
+    with _two_servers("empty") as (busy, empty):
         micro = TINY.training.micro_batch_size
-        empty.step(_gradients(modules[1], 99), micro, "trainer1")  # epoch 0: one micro-batch here
-        busy.step(_gradients(modules[0], 0), micro, "trainer0")
+        empty.step(_gradients(empty.module, 99), micro, "trainer1")  # epoch 0: one micro-batch here
+        busy.step(_gradients(busy.module, 0), micro, "trainer0")
         assert busy.wait_until_counted(2, timeout=30), "the busy server never counted the other one"
         _fill_epoch(busy, empty, 1)
         assert busy.synced and empty.synced and empty.samples_dropped == 0
@@ -259,14 +266,8 @@ def test_a_server_that_computed_nothing_joins_its_stage_mates_round_with_weight_
         _fill_epoch(busy, empty, 100)  # epoch 1: no micro-batch here
         assert busy.epoch == empty.epoch == 2
         assert busy.synced and empty.synced, "the round failed: a server stepped on its own gradient"
-        mine, theirs = busy.state(), empty.state()
-        differ = sorted(k for k in theirs if not torch.equal(mine[k], theirs[k]))
+        differ = _differing(busy, empty)
         assert not differ, f"the two servers stepped to different states: {differ[:6]}"
-    finally:
-        for o in optimizers:
-            o.shutdown()
-        second.shutdown()
-        first.shutdown()
 
 
 @pytest.mark.timeout(120)
