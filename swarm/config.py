@@ -296,8 +296,8 @@ class AveragingSpec(_Section):
         "(DiLoCo: 0.7). 1.0 with no momentum is plain parameter averaging.",
     )
     outer_momentum: float = Field(
-        0.9, ge=0, lt=1, description="outer: Nesterov momentum of the outer step (DiLoCo: 0.9; 0 turns it off). With few inner_steps "
-        "lower it: at inner_steps = 2 momentum 0.9 makes the loss spike after a few outer steps, 0.5 does not.",
+        0.9, ge=0, lt=1, description="outer: Nesterov momentum of the outer step (DiLoCo: 0.9; 0 turns it off). "
+        "With few inner_steps lower it: at 2, 0.9 makes the loss spike after a few outer steps and 0.5 does not.",
     )
     early_start: bool = Field(
         True, description="Begin a round when the epoch ends, as soon as every counted server of the stage joined "
