@@ -50,9 +50,10 @@ class WireStats:
     """Counters shared with the process that owns the averager (int64 shared memory, so the averager process
     can count while the main process reads): bytes sent/received, phases completed/failed, parts rejected and
     flagged by this peer as a reducer, rounds completed and their milliseconds in all (from the group's forming
-    to this peer's averaged result: the all-reduce, not the matchmaking before it)."""
+    to this peer's averaged result: the all-reduce, not the matchmaking before it), and how many of those rounds
+    found the group holding one state already (:mod:`swarm.averaging.agreement`: no phases ran)."""
 
-    FIELDS = ("sent", "received", "phases", "failed", "rejected", "flagged", "rounds", "round_ms")
+    FIELDS = ("sent", "received", "phases", "failed", "rejected", "flagged", "rounds", "round_ms", "agreed")
 
     def __init__(self):
         self.values = torch.zeros(len(self.FIELDS), dtype=torch.int64).share_memory_()

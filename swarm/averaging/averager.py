@@ -35,6 +35,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.net.admission import Busy, PeerAdmission, TooFast
+from swarm.averaging.agreement import AgreedRounds
 from swarm.averaging.aggregation import Aggregator, CenteredClipAggregator, make_aggregator
 from swarm.averaging.allreduce import PartitionReducer, RoundFailed, WireStats, decode_part, run_phase, send_part
 from swarm.averaging.auditor import Auditor
@@ -266,10 +267,11 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
             if running is not None and not running.done():
                 running.set_result(None)  # hivemind's bookkeeping: the round runs here, not in its AllReduceRunner
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                averaged = await self._run_phases(list(local_tensors), group_info.group_id.hex(), peers,
-                                                  fractions, senders, weight, seed)
-                for t, a in zip(local_tensors, averaged):
-                    t.copy_(a)
+                if not await self._agreed(list(local_tensors), group_info.group_id.hex(), peers):
+                    averaged = await self._run_phases(list(local_tensors), group_info.group_id.hex(), peers,
+                                                      fractions, senders, weight, seed)
+                    for t, a in zip(local_tensors, averaged):
+                        t.copy_(a)
             self.wire.rounds += 1
             self._completed.value += 1
             self.wire.round_ms += round((time.perf_counter() - began) * 1000)
@@ -278,6 +280,11 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
             self.wire.failed += 1
             self._log_failure(e, peers, time.perf_counter() - began)
             raise AllreduceException(f"robust all-reduce failed: {e}") from e
+
+    async def _agreed(self, tensors: Sequence[torch.Tensor], group: str, peers: Sequence[str]) -> bool:
+        """Whether the round may skip its phases, every member holding these ``tensors`` already: never here (a
+        gradient round's parts differ); state rounds ask the group (:mod:`swarm.averaging.agreement`)."""
+        return False
 
     def _log_failure(self, e: BaseException, peers: list[str], seconds: float) -> None:
         """One line for a failed round: why, after how long, and, when it ran out of time (hivemind cancels it at
@@ -499,10 +506,11 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
         self.contributions.reset()
 
 
-class RobustStateAverager(DonorChoice, RobustAllReduceMixin, TrainingStateAverager):
+class RobustStateAverager(AgreedRounds, DonorChoice, RobustAllReduceMixin, TrainingStateAverager):
     """hivemind's TrainingStateAverager (parameters and optimizer statistics) with our all-reduce, uncompressed
-    (fp32 without error feedback: parameters are not gradients), and our choice of donor when it loads the state
-    from a live server (:mod:`swarm.averaging.donors`)."""
+    (fp32 without error feedback: parameters are not gradients), skipped when the group holds one state already
+    (:mod:`swarm.averaging.agreement`), and our choice of donor when it loads the state from a live server
+    (:mod:`swarm.averaging.donors`)."""
 
     wire_name = "RobustStateAverager"
 
@@ -510,6 +518,7 @@ class RobustStateAverager(DonorChoice, RobustAllReduceMixin, TrainingStateAverag
         # honest servers' parameters agree bit for bit: here copies are the honest majority, each keeps its vote
         rules = replace(rules, policy=rules.policy.model_copy(update={"copy_ratio": 0.0}))
         self._init_robust(rules, make_compressor("none"), identity, run_id, kwargs.get("dht"))
+        self._init_agreement()
         self._init_donors()
         super().__init__(**kwargs)
 

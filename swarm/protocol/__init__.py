@@ -45,6 +45,6 @@ from swarm.protocol.statements import (  # noqa: F401
 
 from swarm.protocol.wire import (  # noqa: F401
     ForwardRequest, BackwardRequest, PingRequest, StateDigestRequest, ProgressPush, StageResponse, EvidenceMessage,
-    EvidenceRequest, AveragingPart, AveragingReply, AuditRequest, AuditReply, pack_message, unpack_message,
-    FragmentPut, FragmentGet, ManifestPut, EndorseRequest, FragmentReply,
+    EvidenceRequest, AveragingPart, AveragingReply, StateAgreement, AuditRequest, AuditReply, pack_message,
+    unpack_message, FragmentPut, FragmentGet, ManifestPut, EndorseRequest, FragmentReply,
 )

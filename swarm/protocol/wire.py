@@ -156,6 +156,16 @@ class AveragingReply(Schema):
     receipt: bytes = Field(b"", max_length=32 * 1024, description="The reducer's sealed ReductionReceipt.")
 
 
+class StateAgreement(Schema):
+    """A state round's member's SHA-256 of the tensors it is about to average (``rpc_state_agreement``), sent to
+    every other member of the group before any part; the reply is the receiver's own, or ``error``. A group
+    whose members all hold one state skips the round's phases (:mod:`swarm.averaging.agreement`)."""
+
+    group: str = Field(min_length=1, max_length=128)  # hex group id of the round
+    state_sha256: str = Field("", max_length=64)
+    error: str = Field("", max_length=512)
+
+
 class AuditRequest(Schema):
     """Ask a sender for its part of an audited partition (``rpc_audit_part``) or an auditor for the evidence
     behind an accusation (``rpc_audit_evidence``)."""
