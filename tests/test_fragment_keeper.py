@@ -391,3 +391,47 @@ def test_a_keeper_stops_quietly_when_its_p2p_daemon_is_already_gone(tmp_path, ti
         asyncio.run(main())
     finally:
         dht.shutdown()
+
+
+def test_holders_republish_a_manifest_only_when_its_copy_is_missing_or_about_to_expire(swarm_of_keepers, monkeypatch):
+    """Every holder re-published every held manifest at every tick (5 holders, 2 stages, 2 checkpoints kept: 20
+    DHT stores per tick in the demo). Now a tick re-publishes only the manifests its own read of the DHT found
+    missing or expiring before the next tick: with the keepers' clock well before the copy's expiration nobody
+    stores it; with the clock past it every holder does."""
+    import swarm.checkpoint.keeper as keeper_module
+
+    spec, nodes = swarm_of_keepers
+    writer = nodes[0]
+    stored: list[str] = []
+
+    def counting(node):
+        publish = node.directory.publish_manifest
+
+        async def publish_manifest(manifest, sealed):
+            stored.append(node.me)
+            return await publish(manifest, sealed)
+        return publish_manifest
+
+    async def ticks_at(offset_s: float) -> list[str]:
+        monkeypatch.setattr(keeper_module, "get_dht_time", lambda: get_dht_time() + offset_s)
+        stored.clear()
+        for node in nodes:
+            await node.tick(repair=False)
+        return sorted(stored)
+
+    async def main():
+        async with serving(nodes):
+            for node in nodes:
+                await node.tick(repair=False)
+            manifest, _ = await write_checkpoint(writer, _shard(spec), parent=("f" * 64, 5), loss=4.2)
+            holders = sorted({n.me for n in nodes if n.store.manifest(RUN, 1, 10) is not None})
+            assert len(holders) >= 2
+            for node in nodes:
+                node.directory.publish_manifest = counting(node)
+            assert await ticks_at(-60.0) == [], "a fresh copy was stored again"
+            assert await ticks_at(+60.0) == holders, "a copy about to expire was not stored again by its holders"
+            assert [m.shard_sha256 for m, _ in await writer.directory.manifests(1)] == [manifest.shard_sha256]
+            for node in nodes:
+                await node.stop()
+
+    asyncio.run(main())

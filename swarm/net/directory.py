@@ -80,6 +80,7 @@ class RunDirectory:
         self._roster_read: dict[int, float] = {}  # stage -> time.monotonic() of its last read
         self._roster_reads: dict[int, int] = {}  # stage -> reads of its records so far
         self._refused_manifests: set[str] = set()  # (logged once each)
+        self._manifest_expiry: dict[int, dict[str, float]] = {}  # stage -> manifest sub-key -> DHT expiration
 
     # ---- bounded DHT calls -----------------------------------------------------------------------------
     def _get(self, key: str) -> Any:
@@ -171,9 +172,11 @@ class RunDirectory:
     def announce_trainer(self, info: TrainerInfo, identity: Identity) -> bool:
         return self.announce(trainers_key(self.run_id), info, identity)
 
-    def read_sealed(self, key: str, cls: Type[R]) -> list[tuple[R, bytes]]:
+    def read_sealed(self, key: str, cls: Type[R], expiry: Optional[dict[str, float]] = None
+                    ) -> list[tuple[R, bytes]]:
         """Verified records under ``key`` with their sealed bytes (to re-publish verbatim); bad ones are logged
-        with their cause and skipped."""
+        with their cause and skipped. ``expiry``, if given, gets each verified record's sub-key -> DHT expiration
+        time."""
         found = self._get(key)
         if found is None or not isinstance(found.value, dict):
             return []
@@ -186,6 +189,8 @@ class RunDirectory:
                 logger.warning("dropped a record under %s/%s: %s", key, subkey, e)
                 continue
             out.append((rec, item.value))
+            if expiry is not None:
+                expiry[subkey] = item.expiration_time
         return out
 
     def _read(self, key: str, cls: Type[R]) -> list[R]:
@@ -234,8 +239,8 @@ class RunDirectory:
     def manifests(self, stage: int) -> list[tuple[CheckpointManifest, bytes]]:
         """Verified manifests of ``stage`` (newest epoch first) with their sealed bytes, from writers entitled to
         commit it (:meth:`entitled`; a refused one is logged once)."""
-        found = []
-        for m, b in self.read_sealed(checkpoints_key(self.run_id, stage), CheckpointManifest):
+        found, expiry = [], {}
+        for m, b in self.read_sealed(checkpoints_key(self.run_id, stage), CheckpointManifest, expiry):
             refusal = self.entitled(m) if m.stage == stage else "stored under another stage"
             if refusal is None:
                 found.append((m, b))
@@ -243,7 +248,13 @@ class RunDirectory:
                 self._refused_manifests.add(m.dht_subkey())
                 logger.warning("ignored the manifest of stage %d epoch %d by %s: %s", m.stage, m.epoch, m.peer_id,
                                refusal)
+        self._manifest_expiry[stage] = expiry
         return sorted(found, key=lambda mb: (-mb[0].epoch, mb[0].peer_id))
+
+    def manifest_expires(self, manifest: CheckpointManifest) -> float:
+        """DHT time when the DHT's copy of ``manifest`` expires, as of this directory's last read of its stage's
+        manifests (:meth:`manifests`); 0 if that read did not find it."""
+        return self._manifest_expiry.get(manifest.stage, {}).get(manifest.dht_subkey(), 0.0)
 
     def entitled(self, manifest: CheckpointManifest) -> Optional[str]:
         """(blocking: may read the stage records) None if the manifest's writer and an endorser may commit it,
@@ -360,6 +371,10 @@ class AsyncRunDirectory:
     async def manifests(self, stage: int) -> list[tuple[CheckpointManifest, bytes]]:
         """:meth:`RunDirectory.manifests`: verified manifests of ``stage`` from entitled writers, newest first."""
         return await self._call(self.blocking.manifests, stage)
+
+    def manifest_expires(self, manifest: CheckpointManifest) -> float:
+        """:meth:`RunDirectory.manifest_expires` (no DHT call)."""
+        return self.blocking.manifest_expires(manifest)
 
     async def rollback_orders(self) -> list[tuple[RollbackOrder, bytes]]:
         return await self._call(self.blocking.rollback_orders)
