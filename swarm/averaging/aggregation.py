@@ -49,6 +49,8 @@ from typing import Optional
 
 import torch
 
+from swarm.kernels.reference import all_finite
+
 
 class NonFiniteAggregate(ValueError):
     """The rule's result overflowed float32 (parts near 3.4e38 sum or subtract to Inf): refused, not returned."""
@@ -91,7 +93,7 @@ class Aggregator(ABC):
         """
         parts, weights = _voters(parts, weights)
         out = self._combine(parts, weights)
-        if not bool(torch.isfinite(out).all()):
+        if not all_finite(out):
             raise NonFiniteAggregate(
                 f"{self.name} of {parts.shape[0]} parts is not finite: the parts (largest |value| "
                 f"{float(parts.abs().max()):.3g}) overflow float32 arithmetic; such parts are refused")
@@ -215,12 +217,6 @@ def row_norms(rows: torch.Tensor, center: Optional[torch.Tensor] = None) -> torc
         exact = rows[overflow].double()
         norms[overflow] = (exact if center is None else exact - center.double()).norm(dim=1)
     return norms
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every value of ``t`` is finite: a finite sum says so in one pass without a mask (35x faster on 6e5
-    values, measured); a sum that overflows is checked value by value."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def spread(distances: torch.Tensor) -> torch.Tensor:

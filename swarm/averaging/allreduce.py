@@ -34,6 +34,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.averaging.aggregation import Aggregator
 from swarm.averaging.compression import Phase, PhaseResult
+from swarm.kernels.reference import all_finite
 from swarm.averaging.reducer import NoValidParts, ReducePolicy, Reduction, Verdict, partition_bounds, reduce_partition
 from swarm.net.codecs import WireCodec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
@@ -226,7 +227,7 @@ async def run_phase(phase: Phase, *, group: str, me: str, peers: Sequence[str], 
             part = codec.decode(out, b - a)
         except ValueError as e:
             raise RoundFailed(f"reducer {peers[j]} sent a malformed aggregate: {e}") from None
-        if not torch.isfinite(part).all():
+        if not all_finite(part):
             raise RoundFailed(f"reducer {peers[j]} sent a non-finite aggregate")
         if digest(out) != reply.digest:
             raise RoundFailed(f"reducer {peers[j]}'s aggregate does not match the digest it signed off")

@@ -43,9 +43,22 @@ from swarm.averaging.reducer import Verdict
 
 @dataclass
 class _Account:
+    """One trainer's accumulated gradient: ``flat`` float32 ``(numel,)``, and ``sums``, one view of it per
+    parameter (shaped like it), so the epoch's combine needs no concatenation."""
+
+    flat: torch.Tensor
     sums: list[torch.Tensor]
     samples: int = 0
     micro_batches: int = 0
+
+    @classmethod
+    def like(cls, grads: Sequence[torch.Tensor]) -> "_Account":
+        flat = torch.zeros(sum(g.numel() for g in grads), dtype=torch.float32)
+        sums, offset = [], 0
+        for g in grads:
+            sums.append(flat[offset:offset + g.numel()].view(g.shape))
+            offset += g.numel()
+        return cls(flat, sums)
 
 
 @dataclass
@@ -92,7 +105,7 @@ class TrainerContributions:
         self.norms.append(norm)
         acc = self.accounts.get(trainer)
         if acc is None:
-            acc = self.accounts[trainer] = _Account([torch.zeros_like(g, dtype=torch.float32) for g in grads])
+            acc = self.accounts[trainer] = _Account.like(grads)
         for s, g in zip(acc.sums, grads):
             s.add_(g.detach().float(), alpha=scale)
         acc.samples += samples
@@ -110,7 +123,9 @@ class TrainerContributions:
         accounts = {k: a for k, a in self.accounts.items() if a.micro_batches and not self.exclusion.is_excluded(k)}
         if not accounts:
             return [torch.zeros_like(t) for t in like]
-        means = torch.stack([torch.cat([s.flatten() for s in a.sums]) / a.micro_batches for a in accounts.values()])
+        means = torch.empty(len(accounts), next(iter(accounts.values())).flat.numel())
+        for row, a in zip(means, accounts.values()):
+            torch.div(a.flat, a.micro_batches, out=row)
         weights = torch.tensor([float(a.samples) for a in accounts.values()])
         flat = self._aggregate(means, weights)
         if len(accounts) >= self.min_trainers_for_robust and self.outlier_ratio > 0:

@@ -23,6 +23,7 @@ from torch import nn
 
 from swarm.config import ModelSpec
 from swarm.kernels import REFERENCE, KernelBackend
+from swarm.kernels.reference import all_finite
 
 
 def _seed_of(init_seed: int, component: str) -> int:
@@ -142,7 +143,7 @@ class StageModule(nn.Module):
         else:
             if x.dtype != torch.float32 or x.dim() != 3 or x.shape[-1] != s.d_model:
                 raise ValueError(f"stage input must be float32 (B, T, {s.d_model}), got {x.dtype} {tuple(x.shape)}")
-            if not torch.isfinite(x).all():
+            if not all_finite(x):
                 raise ValueError("stage input holds NaN or Inf values")
         if not 0 < x.shape[1] <= s.max_seq_len or x.shape[0] == 0:
             raise ValueError(f"stage input must have 1..{s.max_seq_len} tokens and >= 1 sample, got {tuple(x.shape)}")

@@ -25,6 +25,7 @@ from hivemind.utils.performance_ema import PerformanceEMA
 from swarm.aio import periodic
 from swarm.config import RunSpec
 from swarm.identity import Identity
+from swarm.kernels.reference import all_finite
 from swarm.model import build_stage
 from swarm.net.stage_rpc import max_batch
 from swarm.protocol import Refusal
@@ -105,7 +106,7 @@ class StageInputs:
         if t.shape != ref.shape or t.dtype != ref.dtype:
             raise StageError(f"stage {self.stage}: {name} must be {ref.dtype} {tuple(ref.shape)}, got {t.dtype} "
                              f"{tuple(t.shape)}")
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        if t.is_floating_point() and not all_finite(t):
             raise StageError(f"stage {self.stage}: {name} holds NaN or Inf values")
 
     def check_forward(self, module: torch.nn.Module, x: torch.Tensor, targets: Optional[torch.Tensor]) -> None:
