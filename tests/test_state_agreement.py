@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
@@ -74,3 +75,36 @@ def test_a_question_about_a_round_the_peer_is_not_in_is_refused_after_a_bounded_
 
         reply = asyncio.run(asyncio.wait_for(ask(), ANSWER_WAIT_S + 30))
         assert not reply.state_sha256 and "no state round" in reply.error, reply
+
+
+def test_the_decision_skips_on_one_digest_averages_on_two_and_fails_at_once_without_a_member():
+    """The decision alone (the members' answers given): all equal skips the phases, one that differs runs them, a
+    member that did not reach the round fails it at once (its reducer would not be there for the phases), and one
+    that could not be asked at all (an older peer) leaves it to the phases."""
+    from types import SimpleNamespace
+
+    from swarm.averaging.agreement import LATE, AgreedRounds
+    from swarm.averaging.allreduce import RoundFailed, WireStats, digest
+
+    tensors = [torch.arange(6, dtype=torch.float32).view(2, 3), torch.ones(4)]
+    mine = digest(tensors)
+
+    class Member(AgreedRounds):
+        def __init__(self, answers: dict):
+            self.peer_id, self.wire, self.answers = "me", WireStats(), answers
+            self.rules = SimpleNamespace(phase_timeout=1.0)
+            self._init_agreement()
+
+        async def _ask(self, peer, group, digest_):
+            assert digest_ == mine
+            return self.answers[peer]
+
+    def decide(answers: dict):
+        member = Member(answers)
+        return asyncio.run(member._agreed(tensors, "g1", ["me", *answers])), member.wire.agreed
+
+    assert decide({"a": mine, "b": mine}) == (True, 1)
+    assert decide({"a": mine, "b": "0" * 64}) == (False, 0)
+    assert decide({"a": mine, "b": ""}) == (False, 0)
+    with pytest.raises(RoundFailed, match=r"\['b'\] did not reach the state round"):
+        decide({"a": mine, "b": LATE})

@@ -14,8 +14,10 @@ have returned (each partition's parts are ``n`` identical copies, and the run's 
 that every part holds as is), and the round counts as completed. Otherwise (a digest differs, a member did not
 answer in time or speaks an older protocol) the phases run as before.
 
-Every honest member sees the same ``n`` digests, so they decide alike; the one exception is a reply lost on the
-way, after which the member that missed it runs phases alone and its round fails as it would on any lost part.
+Every honest member sees the same ``n`` digests, so they decide alike. A member that has not reached the round
+within :data:`ANSWER_WAIT_S` fails the asker's round at once (its partition's reducer would not be there for the
+phases either); when it arrives it may still agree with the members that answered it and skip, keeping the state
+they hold, which is what the round would have left it with.
 A Byzantine member gains nothing new: telling one member "equal" and another "different" splits the group's
 decision, which fails the round, as withholding its part already does; and telling every member "equal" only
 keeps its own state out of the honest members' average, which robust aggregation was there to do.
@@ -32,7 +34,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm.averaging.allreduce import digest
+from swarm.averaging.allreduce import RoundFailed, digest
 from swarm.net.admission import Busy, TooFast
 from swarm.net.transport import gather, stream_out
 from swarm.protocol import ProtocolError, StateAgreement, pack_message, unpack_message
@@ -42,7 +44,10 @@ logger = logging.getLogger(__name__)
 AGREEMENTS_KEPT = 16
 """Rounds whose digest a member keeps answering for (a member that decided may still be asked by slower ones)."""
 ANSWER_WAIT_S = 5.0
-"""Seconds a question may wait for this member to reach the round (members reach it unevenly)."""
+"""Seconds a question may wait for this member to reach the round (members reach it unevenly; a part waits as
+long for its phase, :data:`~swarm.averaging.averager.REGISTRATION_WAIT_S`)."""
+LATE = "late"
+"""What :meth:`AgreedRounds._ask` returns for a member that did not reach the round in time (or refused)."""
 
 
 class AgreedRounds:
@@ -65,8 +70,11 @@ class AgreedRounds:
             future = self._answer(group)
         future.set_result((mine, frozenset(peers)))
         others = [p for p in peers if p != me]
-        theirs = await asyncio.gather(*(self._ask(p, group, mine) for p in others))
-        agreed = all(d == mine for d in theirs)
+        theirs = dict(zip(others, await asyncio.gather(*(self._ask(p, group, mine) for p in others))))
+        late = sorted(p for p, answer in theirs.items() if answer is LATE)
+        if late:  # its partition's reducer would not be there either: fail now rather than after the phase's wait
+            raise RoundFailed(f"members {late} did not reach the state round within {ANSWER_WAIT_S:.0f} s")
+        agreed = all(d == mine for d in theirs.values())
         if agreed:
             self.wire.agreed += 1
         return agreed
@@ -82,7 +90,8 @@ class AgreedRounds:
         return future
 
     async def _ask(self, peer: str, group: str, mine: str) -> str:
-        """``peer``'s digest for round ``group`` ("" if it did not give one in time)."""
+        """``peer``'s digest for round ``group``: :data:`LATE` if it did not reach the round in time or refused,
+        "" if it could not be asked (an older peer without the RPC, a broken connection: the phases decide)."""
         try:
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
 
@@ -93,12 +102,15 @@ class AgreedRounds:
                 metadata, _ = await gather(stream, max_bytes=0, max_tensors=0, counter=self.wire)
                 return unpack_message(metadata, StateAgreement)
             reply = await asyncio.wait_for(call(), ANSWER_WAIT_S + self.rules.phase_timeout)
+        except asyncio.TimeoutError:
+            return LATE
         except Exception as e:
             logger.debug(f"no state digest from {peer} for round {group[:16]}: {e!r}")
             return ""
-        if reply.error:
+        if reply.error or reply.group != group:
             logger.debug(f"no state digest from {peer} for round {group[:16]}: {reply.error}")
-        return reply.state_sha256 if not reply.error and reply.group == group else ""
+            return LATE
+        return reply.state_sha256
 
     async def rpc_state_agreement(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                   ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -132,4 +144,4 @@ class AgreedRounds:
         return StateAgreement(group=group, state_sha256=mine)
 
 
-__all__ = ["AGREEMENTS_KEPT", "ANSWER_WAIT_S", "AgreedRounds"]
+__all__ = ["AGREEMENTS_KEPT", "ANSWER_WAIT_S", "LATE", "AgreedRounds"]
