@@ -7,7 +7,7 @@ Every ``record_ttl_s / 3`` seconds (:meth:`FragmentKeeper.tick`):
    writer), so manifests outlive their writers and reappear in a fresh DHT after every peer restarted: each
    one this tick's read of the DHT did not find, or found expiring before this peer's next tick (with half a
    tick to spare). One holder's store keeps a manifest alive, so the holders take turns instead of each storing
-   every manifest every tick (5 holders, 2 stages and 2 checkpoints kept: 20 stores per tick before).
+   every manifest every tick (the demo's peers stored 110 manifests in 40 s of training that way, 43 now).
 3. **Adopt** manifests that name fragments held here but were not handed over (the writer died in between).
 4. **Collect** old epochs (:class:`~swarm.checkpoint.store.FragmentStore` retention).
 5. **Repair**: for each of the newest ``keep`` checkpoints of every stage that is restorable but misses
