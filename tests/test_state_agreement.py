@@ -83,7 +83,7 @@ def test_the_decision_skips_on_one_digest_averages_on_two_and_fails_at_once_with
     that could not be asked at all (an older peer) leaves it to the phases."""
     from types import SimpleNamespace
 
-    from swarm.averaging.agreement import LATE, AgreedRounds
+    from swarm.averaging.agreement import AgreedRounds
     from swarm.averaging.allreduce import RoundFailed, WireStats, digest
 
     tensors = [torch.arange(6, dtype=torch.float32).view(2, 3), torch.ones(4)]
@@ -107,4 +107,4 @@ def test_the_decision_skips_on_one_digest_averages_on_two_and_fails_at_once_with
     assert decide({"a": mine, "b": "0" * 64}) == (False, 0)
     assert decide({"a": mine, "b": ""}) == (False, 0)
     with pytest.raises(RoundFailed, match=r"\['b'\] did not reach the state round"):
-        decide({"a": mine, "b": LATE})
+        decide({"a": mine, "b": None})

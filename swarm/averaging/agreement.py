@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 import torch
 from hivemind.p2p import P2PContext, PeerID
@@ -46,8 +46,6 @@ AGREEMENTS_KEPT = 16
 ANSWER_WAIT_S = 5.0
 """Seconds a question may wait for this member to reach the round (members reach it unevenly; a part waits as
 long for its phase, :data:`~swarm.averaging.averager.REGISTRATION_WAIT_S`)."""
-LATE = "late"
-"""What :meth:`AgreedRounds._ask` returns for a member that did not reach the round in time (or refused)."""
 
 
 class AgreedRounds:
@@ -71,7 +69,7 @@ class AgreedRounds:
         future.set_result((mine, frozenset(peers)))
         others = [p for p in peers if p != me]
         theirs = dict(zip(others, await asyncio.gather(*(self._ask(p, group, mine) for p in others))))
-        late = sorted(p for p, answer in theirs.items() if answer is LATE)
+        late = sorted(p for p, answer in theirs.items() if answer is None)
         if late:  # its partition's reducer would not be there either: fail now rather than after the phase's wait
             raise RoundFailed(f"members {late} did not reach the state round within {ANSWER_WAIT_S:.0f} s")
         agreed = all(d == mine for d in theirs.values())
@@ -89,9 +87,9 @@ class AgreedRounds:
                 old.cancel()
         return future
 
-    async def _ask(self, peer: str, group: str, mine: str) -> str:
-        """``peer``'s digest for round ``group``: :data:`LATE` if it did not reach the round in time or refused,
-        "" if it could not be asked (an older peer without the RPC, a broken connection: the phases decide)."""
+    async def _ask(self, peer: str, group: str, mine: str) -> Optional[str]:
+        """``peer``'s digest for round ``group``: None if it did not reach the round in time or refused, "" if it
+        could not be asked (an older peer without the RPC, a broken connection: the phases decide)."""
         try:
             stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
 
@@ -103,13 +101,13 @@ class AgreedRounds:
                 return unpack_message(metadata, StateAgreement)
             reply = await asyncio.wait_for(call(), ANSWER_WAIT_S + self.rules.phase_timeout)
         except asyncio.TimeoutError:
-            return LATE
+            return None
         except Exception as e:
             logger.debug(f"no state digest from {peer} for round {group[:16]}: {e!r}")
             return ""
         if reply.error or reply.group != group:
             logger.debug(f"no state digest from {peer} for round {group[:16]}: {reply.error}")
-            return LATE
+            return None
         return reply.state_sha256
 
     async def rpc_state_agreement(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -134,14 +132,18 @@ class AgreedRounds:
         future = self._answer(group)
         try:
             mine, members = await asyncio.wait_for(asyncio.shield(future), ANSWER_WAIT_S)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
+        except asyncio.TimeoutError:
             if not future.done() and self._agreements.get(group) is future:
                 del self._agreements[group]  # a round this member never reached (or an outsider's made-up id)
                 future.cancel()
             return StateAgreement(group=group, error=f"no state round {group[:16]} here")
+        except asyncio.CancelledError:
+            if not future.cancelled():
+                raise  # this handler was cancelled (the asker went away), not the round's answer
+            return StateAgreement(group=group, error=f"no state round {group[:16]} here")  # evicted unanswered
         if sender not in members:
             return StateAgreement(group=group, error="you are not a member of this round")
         return StateAgreement(group=group, state_sha256=mine)
 
 
-__all__ = ["AGREEMENTS_KEPT", "ANSWER_WAIT_S", "LATE", "AgreedRounds"]
+__all__ = ["AGREEMENTS_KEPT", "ANSWER_WAIT_S", "AgreedRounds"]
