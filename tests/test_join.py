@@ -10,11 +10,12 @@ import time
 
 import hivemind
 import pytest
+from hivemind.p2p import P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from coordinator.launch import free_port
 from swarm.config import PeerSettings
-from swarm.net.dht import RunUnreachable, join_dht
+from swarm.net.dht import RunUnreachable, join_dht, run_peers_unanswered
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -65,3 +66,17 @@ def test_a_peer_gives_up_after_its_join_timeout_naming_the_fix(tmp_path):
         join_dht(PeerSettings(host="127.0.0.1"), maddrs, client_mode=True, join_timeout_s=3)
     message = str(err.value)
     assert maddrs[0] in message and "SWARM_JOIN_TIMEOUT_S" in message and "swarm-coordinator status" in message
+
+
+@pytest.mark.parametrize("last_line, retried", [
+    ("2026/11/28 04:11:44 failed to connect to bootstrap peers", True),
+    # a routine record of p2pd's DHT printed after the fatal line (seen in CI): names no cause, so try again
+    ('{"level":"info","ts":"2026-11-28T03:59:14.236Z","logger":"dht/RtRefreshManager","caller":"rtrefresh/'
+     'rt_refresh_manager.go:322","msg":"starting refreshing cpl 0 (routing table size was 0)"}', True),
+    ("2026/11/28 04:11:58 failed to listen on any addresses: [listen tcp4 127.0.0.1:51045: bind: address already "
+     "in use]", False),
+    ('{"level":"fatal","logger":"p2pd","msg":"cannot open the key file"}', False),
+    ("{not json", False),
+])
+def test_only_a_failure_to_reach_the_run_s_peers_is_tried_again(last_line, retried):
+    assert run_peers_unanswered(P2PDaemonError(f"Daemon failed to start: {last_line}")) is retried

@@ -9,6 +9,7 @@ verified spec.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -149,6 +150,30 @@ JOIN_RETRY_S = (1.0, 2.0, 4.0, 8.0)
 """Seconds between attempts to reach a run's peers (the last one repeats)."""
 
 
+_ROUTINE_LEVELS = ("debug", "info", "warn")
+
+
+def run_peers_unanswered(error: P2PDaemonError) -> bool:
+    """Whether p2pd exited at start because none of its bootstrap peers answered, worth another try.
+
+    hivemind reports the daemon's last output line. p2pd's fatal line (``log.Fatal``: ``<date> <time> <cause>``)
+    is usually last, but a goroutine of its DHT can print a routine JSON log record after it and before the exit.
+    Such a line names no cause, so it counts as worth another try: a local fault (a taken port) shows again as
+    the last line of the next attempt, which then raises.
+    """
+    text = str(error)
+    if "bootstrap" in text:
+        return True
+    last = text.removeprefix("Daemon failed to start: ")
+    if not last.startswith("{"):
+        return False
+    try:
+        record = json.loads(last)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "logger" in record and record.get("level") in _ROUTINE_LEVELS
+
+
 def join_dht(settings: PeerSettings, maddrs: Sequence[str], *, client_mode: bool, join_timeout_s: float = 0.0,
              run_id: Optional[str] = None, identity: Optional[Identity] = None) -> hivemind.DHT:
     """:func:`start_dht` bootstrapped from ``maddrs``, trying again (:data:`JOIN_RETRY_S` apart) until one of
@@ -161,7 +186,7 @@ def join_dht(settings: PeerSettings, maddrs: Sequence[str], *, client_mode: bool
         try:
             return start_dht(settings, maddrs, client_mode=client_mode, run_id=run_id, identity=identity)
         except P2PDaemonError as e:
-            if "bootstrap" not in str(e):  # not about the run's peers (a taken port, a broken daemon): say so
+            if not run_peers_unanswered(e):  # a taken port, a broken daemon: say so
                 raise
             wait = JOIN_RETRY_S[min(attempt, len(JOIN_RETRY_S) - 1)]
             if time.monotonic() + wait > deadline:
