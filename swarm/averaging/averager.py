@@ -44,10 +44,11 @@ from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.donors import DonorChoice
 from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.history import PartHistory
+from swarm.averaging.matchmaking import DeliveredJoinAnswers
 from swarm.averaging.reducer import ReducePolicy, as_scored_by, partition_bounds
 from swarm.config import AveragingSpec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
-from swarm.net.transport import LINGER_S, ProtocolServicer, gather, stream_out
+from swarm.net.transport import ProtocolServicer, gather, stream_out
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def paced(lookup: Callable[..., Awaitable], gap_s: float, *, clock: Callable[[],
     return call
 
 
-class RobustAllReduceMixin(Auditor, ProtocolServicer):
+class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
     """Replaces a hivemind ``DecentralizedAverager``'s all-reduce with ours; call :meth:`_init_robust` before the
     averager's ``__init__`` (which forks the averager process).
 
@@ -389,21 +390,6 @@ class RobustAllReduceMixin(Auditor, ProtocolServicer):
             reply, out = AveragingReply(error=f"bad request: {e}"), []
         async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), out, self.wire):
             yield msg
-
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
-                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """hivemind's matchmaking answer to a peer that asks this one to lead its group, whose stream then stays
-        open until the asker closes it (at most :data:`~swarm.net.transport.LINGER_S`; the asker closes it as
-        soon as it read the acceptance and the group, or the refusal).
-
-        hivemind closes the stream right after its last answer, and p2pd then sometimes resets it with the
-        answers still unread (:func:`~swarm.net.transport.delivering_refusals`). The asker sees the stream end
-        with no answer and looks for another leader, while this leader has counted it into the group: the
-        group's round then waits :data:`REGISTRATION_WAIT_S` for the asker's phase, fails, and is tried again
-        (2 of 260 matchmakings in one run of ``bench/efficiency.py``, each costing both servers 5 s)."""
-        async for message in super().rpc_join_group(request, context):
-            yield message
-        await asyncio.sleep(LINGER_S)
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
