@@ -1,6 +1,6 @@
 """Small asyncio helpers shared by the library and the apps: waiting on events, sleeping until stopped, running a
-periodic task that logs its failures instead of dying of them, and coroutines handed to a loop from another
-thread."""
+periodic task that logs its failures instead of dying of them, coroutines handed to a loop from another thread,
+and tasks kept from the garbage collector."""
 
 from __future__ import annotations
 
@@ -66,3 +66,22 @@ class Submissions:
             for f in late:
                 f.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+
+
+_HELD: set[asyncio.Task] = set()
+
+
+def hold_current_task() -> None:
+    """Keep the running task referenced until it ends, so the garbage collector cannot destroy it mid-wait.
+
+    asyncio references tasks only weakly ("save a reference to the result of this function, to avoid a task
+    disappearing mid-execution", ``asyncio.create_task``'s documentation), and hivemind 1.1.12's averager process
+    starts every call that reaches it through its pipe as a task it keeps no reference to. A call that waits on
+    an ``MPFuture`` made inside it (a round waiting for its trigger) is then a cycle nothing outside references,
+    and a collection destroys it ("Task was destroyed but it is pending!"): its round never ran. Call this first
+    thing in such a coroutine.
+    """
+    task = asyncio.current_task()
+    if task is not None and task not in _HELD:
+        _HELD.add(task)
+        task.add_done_callback(_HELD.discard)

@@ -56,6 +56,33 @@ def test_centered_clip_of_two_equal_votes_is_their_exact_midpoint_and_unequal_vo
     assert (heavier - a).norm() < (heavier - b).norm()  # the clipped mean leans to the heavier vote
 
 
+def _centered_clip_over_the_parts(parts, weights, tau_ratio=0.5, iterations=20):
+    """CenteredClip iterated over the parts themselves (the module docstring's update), in float64."""
+    x, w = parts.double(), (weights / weights.sum()).double()
+    v = coordinate_median(parts).double()
+    tau = tau_ratio * (x - v).norm(dim=1).median()
+    for _ in range(iterations):
+        diff = x - v
+        step = (w * torch.clamp(tau / diff.norm(dim=1), max=1.0)) @ diff
+        v = v + step
+        if step.norm() <= 1e-6 * v.norm():
+            break
+    return v
+
+
+@pytest.mark.parametrize("n,weights,attackers", [(2, [3.0, 1.0], 0), (4, None, 0), (5, [1, 2, 3, 4, 5], 1),
+                                                 (7, None, 3), (9, None, 0)])
+def test_centered_clip_on_the_gram_matrix_equals_iterating_over_the_parts(n, weights, attackers):
+    """The iterations run on coefficients over the parts' Gram matrix; the aggregate is the one iterating over
+    the parts gives, within the stopping rule's 1e-6 (unequal votes and far-off attackers included)."""
+    _, parts = _honest(n, d=20000, seed=n)
+    parts[:attackers] = 30 * torch.randn(attackers, parts.shape[1], generator=torch.Generator().manual_seed(9))
+    w = torch.ones(n) if weights is None else torch.tensor(weights, dtype=torch.float32)
+    ours = CenteredClipAggregator().aggregate(parts, w)
+    reference = _centered_clip_over_the_parts(parts, w)
+    assert float((ours.double() - reference).norm() / reference.norm()) < 1e-5
+
+
 @pytest.mark.parametrize("name", ROBUST + ["mean"])
 def test_every_rule_returns_the_common_value_when_all_agree(name):
     x = torch.randn(1000)

@@ -1,11 +1,15 @@
 """The small shared helpers: periodic duties, the log prefix, validated spec variants."""
 
 import asyncio
+import gc
 import logging
+import weakref
 
 import pytest
 
-from swarm.aio import periodic, sleep_or_stop
+from hivemind.utils.mpfuture import MPFuture
+
+from swarm.aio import hold_current_task, periodic, sleep_or_stop
 from swarm.config import RunSpec, SpecError
 from swarm.logs import PeerLog
 from tests.conftest import TINY
@@ -42,6 +46,32 @@ def test_sleep_or_stop_wakes_on_stop_and_on_a_wake_event():
         assert await sleep_or_stop(asyncio.Event(), 0.01) is False
 
     asyncio.run(main())
+
+
+def test_a_held_task_waiting_on_its_own_mpfuture_survives_a_collection():
+    """As hivemind's averager process starts a round: a task nobody references, waiting on an MPFuture made inside
+    it. Unheld, a collection destroys it mid-wait (what lost rounds); held, it waits on and then finishes."""
+    async def waits(hold: bool, made: list):
+        if hold:
+            hold_current_task()
+        made.append(MPFuture())
+        return await made[-1]
+
+    async def run(hold: bool):
+        made = []
+        task = weakref.ref(asyncio.get_running_loop().create_task(waits(hold, made)))
+        await asyncio.sleep(0.05)
+        made = [weakref.ref(f) for f in made]  # from here on only the task's own frame holds the future
+        gc.collect()
+        if task() is None:
+            return "destroyed"
+        made[0]().set_result("done")
+        return await task()
+
+    async def both():
+        return await run(hold=False), await run(hold=True)
+
+    assert asyncio.run(both()) == ("destroyed", "done")
 
 
 def test_peer_log_prefixes_peer_role_stage_and_the_current_epoch(caplog):

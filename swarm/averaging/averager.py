@@ -34,6 +34,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
+from swarm.aio import hold_current_task
 from swarm.net.admission import Busy, PeerAdmission, TooFast
 from swarm.averaging.agreement import AgreedRounds
 from swarm.averaging.aggregation import Aggregator, CenteredClipAggregator, make_aggregator
@@ -237,6 +238,7 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
         self._mm_wrapped = True
 
     async def _step(self, *, step, future_for_init):
+        hold_current_task()  # hivemind keeps no reference to it; collected while it waited, its round never ran
         if not self._mm_wrapped:
             self._wrap_matchmaking()
             self.start_accusation_poller()

@@ -38,6 +38,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from swarm.aio import hold_current_task
 from swarm.protocol import MAX_EPOCH, ProtocolError
 from swarm.net.transport import gather
 
@@ -152,6 +153,7 @@ class DonorChoice:
         return dict(epoch=epoch, group_bits="", optimizer_metadata=own), tensors
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None) -> None:
+        hold_current_task()  # (swarm.aio.hold_current_task: hivemind keeps no reference to this task)
         timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         self._donor = ("", -1)
         try:
