@@ -87,7 +87,8 @@ class ReplicaLookupDHT(hivemind.DHT):
 def spawn_dht(identity: Optional[Identity], **kwargs) -> hivemind.DHT:
     """:class:`ReplicaLookupDHT` (``hivemind.DHT(**kwargs)``) whose p2pd speaks as ``identity`` (its libp2p id is
     ``identity.p2p_id``; see :mod:`swarm.identity`), or a random libp2p key when ``identity`` is None (a monitoring
-    client that signs nothing). The key reaches p2pd through a file readable by this user only, deleted once the daemon runs.
+    client that signs nothing). The key reaches p2pd through a file readable by this user only, deleted once the
+    daemon runs.
 
     :raises IdentityInUse: another process on this machine runs as ``identity`` (:func:`claim_identity`).
     :raises RuntimeError: the daemon came up under another libp2p id (it did not take the key).
