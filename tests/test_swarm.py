@@ -9,7 +9,7 @@ import torch
 from swarm.config import RunSpec
 from swarm.data import prepare_dataset
 from swarm.reference import train_reference
-from tests.scenario import Scenario, make_swarm
+from tests.scenario import Scenario, leaked_socket_files, make_swarm, socket_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -21,6 +21,7 @@ def swarm(tiny_spec_path, tmp_path, cache_dir, tiny_dataset):
 
 
 def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
+    sockets = socket_files()
     with Scenario(swarm) as sc:
         sc.servers(per_stage=2).trainers(1).until_epoch(6)
         # a trainer announces its loss every record_ttl_s / 3: six epochs can take less than that
@@ -40,6 +41,8 @@ def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
         swarm.stop(peer)
         assert peer.proc.returncode == 0, f"{peer.name} exited with {peer.proc.returncode}:\n{swarm.tail(peer)}"
         assert "terminate called" not in peer.log.read_text(errors="replace"), swarm.tail(peer)
+    # ... and closes its libp2p clients: hivemind leaves a replica's Unix socket file in /tmp unless it is shut down
+    assert leaked_socket_files(sockets) == []
 
 
 @pytest.mark.scenario  # ~55 s each; the modes' math is checked in the default suite by tests/test_in_process.py

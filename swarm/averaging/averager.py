@@ -180,6 +180,16 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
         self._outer_pipe.send(("_set_members", [], dict(p2p_ids=frozenset(p2p_ids), future=future)))
         future.result(timeout)
 
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        """(averager process) hivemind's shutdown, then this process's replica of the DHT's libp2p client, which
+        hivemind leaves open: closing it removes its Unix socket file (``/tmp/hivemind-p2pclient-*.sock``)."""
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            p2p = getattr(self, "_p2p", None)
+            if p2p is not None:
+                await p2p.shutdown()
+
     async def _report(self, future: MPFuture) -> None:
         book = self.exclusions
         future.set_result({"excluded": {p: book.exclusions[p].reason for p in book.excluded()},

@@ -8,6 +8,7 @@ verified spec.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -18,7 +19,7 @@ import time
 from typing import Optional, Sequence
 
 import hivemind
-from hivemind.p2p import P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError
 
 from swarm.config import PeerSettings, RunSpec
 from swarm.identity import Identity, claim_identity
@@ -82,6 +83,19 @@ class ReplicaLookupDHT(hivemind.DHT):
     def store(self, key, value, expiration_time, subkey=None, return_future: bool = False, **kwargs):
         kwargs.setdefault("beam_size", self.lookup_beam)
         return super().store(key, value, expiration_time, subkey, return_future, **kwargs)
+
+
+async def close_dht(dht: hivemind.DHT, p2p: Optional[P2P] = None) -> None:
+    """Shut down ``p2p``, this process's replica of ``dht``'s libp2p client (``await dht.replicate_p2p()``), then
+    ``dht`` (its process and p2pd).
+
+    hivemind 1.1.12's ``DHT.shutdown`` leaves the replicas that other processes made of its client open, and a
+    replica removes its Unix socket (``/tmp/hivemind-p2pclient-*.sock``) only when shut down: every stopped server
+    left one such file behind per process (its own, its averagers'), and a trainer one."""
+    if p2p is not None:
+        with contextlib.suppress(Exception):  # already closed, or its daemon gone: the file is what matters
+            await p2p.shutdown()
+    dht.shutdown()
 
 
 def spawn_dht(identity: Optional[Identity], **kwargs) -> hivemind.DHT:

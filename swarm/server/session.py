@@ -46,6 +46,7 @@ import time
 from functools import partial
 from typing import Callable, Optional
 
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm import __version__
@@ -60,7 +61,7 @@ from swarm.kernels import select_backend
 from swarm.kernels.flops import PeakCache, compute_dtype, stage_flops_per_token
 from swarm.logs import PeerLog
 from swarm.model import build_stage
-from swarm.net.dht import connect_run, reachability, relay_enabled, visible_maddrs
+from swarm.net.dht import close_dht, connect_run, reachability, relay_enabled, visible_maddrs
 from swarm.net.directory import AsyncRunDirectory
 from swarm.protocol import ServerInfo, ServerState, StorageInfo
 from swarm.server.compute import measure_throughput
@@ -118,6 +119,7 @@ class ServerSession:
         self.me = self.identity.peer_id
         self.log = PeerLog(logger, self.me)
         self.spec: Optional[RunSpec] = None  # the run's, once joined
+        self.p2p: Optional[P2P] = None  # this process's replica of the DHT's libp2p client, once joined
         self._stop, self._pause, self._changed = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self.state = ServerState.JOINING
         self.stage: Optional[int] = None
@@ -189,7 +191,7 @@ class ServerSession:
                 watchdog = _drain_watchdog(self.log)
                 await self._leave(keeping, drained)
         finally:
-            self.dht.shutdown()
+            await close_dht(self.dht, self.p2p)
             if watchdog is not None:
                 watchdog.cancel()
             self.log.info("stopped")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm import __version__
@@ -38,7 +39,7 @@ from swarm.data import TokenDataset, prepare_dataset, share_order
 from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
-from swarm.net.dht import connect_run
+from swarm.net.dht import close_dht, connect_run
 from swarm.net.directory import AsyncRunDirectory
 from swarm.net.transport import GLOBAL_COUNTER
 from swarm.protocol import TrainerInfo
@@ -121,6 +122,7 @@ class Trainer:
         self.identity = Identity.load_or_create(settings.identity_path())
         self.log = PeerLog(logger, self.identity.peer_id, role="trainer")
         self.spec: Optional[RunSpec] = None
+        self.p2p: Optional[P2P] = None  # this process's replica of the DHT's libp2p client, once joined
         self.samples = self.tokens = self.steps = 0
         self.start_position = 0
         self.first_losses: list[float] = []  # the first few, for initial_loss
@@ -177,7 +179,7 @@ class Trainer:
             await self._join()
             await self._train(grace_s)
         finally:
-            self.dht.shutdown()
+            await close_dht(self.dht, self.p2p)
         if self.error is not None:
             raise self.error
 
