@@ -353,6 +353,7 @@ def socket_files() -> set[str]:
 def leaked_socket_files(before: set[str]) -> list[str]:
     """Socket files that appeared since ``before`` (:func:`socket_files`) and that no live socket is bound to any
     more (absent from ``/proc/net/unix``): left behind by a process that exited without closing them."""
+    new = socket_files() - before  # listed before the table is read: a file bound meanwhile is in the table
     bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
              if len(line.split()) > 7}
-    return sorted(p for p in socket_files() - before if p not in bound)
+    return sorted(new - bound)
