@@ -29,7 +29,7 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
@@ -181,14 +181,12 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
         future.result(timeout)
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
-        """(averager process) hivemind's shutdown, then this process's replica of the DHT's libp2p client, which
-        hivemind leaves open: closing it removes its Unix socket file (``/tmp/hivemind-p2pclient-*.sock``)."""
+        """(averager process) hivemind's shutdown, then its replica of the DHT's client, which hivemind leaves open."""
         try:
             await super()._shutdown(timeout)
         finally:
-            p2p = getattr(self, "_p2p", None)
-            if p2p is not None:
-                await p2p.shutdown()
+            if getattr(self, "_p2p", None) is not None:
+                await self._p2p.shutdown()  # removes its Unix socket file, /tmp/hivemind-p2pclient-*.sock
 
     async def _report(self, future: MPFuture) -> None:
         book = self.exclusions
@@ -376,12 +374,9 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
             logger.warning(f"excluded {new.peer} from averaging: {new.reason}")
 
     def _future_for(self, key: str) -> asyncio.Future:
-        if key not in self._reducers:
-            self._reducers[key] = asyncio.get_running_loop().create_future()
-        return self._reducers[key]
+        return self._reducers.setdefault(key, asyncio.get_running_loop().create_future())
 
     async def _send(self, peer: str, meta: AveragingPart, encoded):
-        from hivemind.p2p import PeerID
         stub = type(self).get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
         return await send_part(stub, meta, encoded, self.wire, timeout=2 * self.rules.phase_timeout)
 
