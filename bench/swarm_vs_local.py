@@ -111,10 +111,10 @@ def main() -> None:
     dataset = prepare_dataset(spec, cache_dir)
     local = train_reference(spec, dataset, max_samples=args.samples)
     local_tps = local.tokens / local.seconds
-    workdir = Path(tempfile.mkdtemp(prefix="swarm-bench-specs-"))
     for mode in modes:
-        path, moded = spec_for_mode(spec, mode, workdir)
-        swarm = run_swarm(path, moded, cache_dir, args.samples, args.servers_per_stage, args.trainers)
+        with tempfile.TemporaryDirectory(prefix="swarm-bench-specs-") as workdir:
+            path, moded = spec_for_mode(spec, mode, Path(workdir))
+            swarm = run_swarm(path, moded, cache_dir, args.samples, args.servers_per_stage, args.trainers)
         swarm_tps = swarm["tokens"] / swarm["seconds"]
         print(json.dumps({
             "mode": mode,

@@ -89,7 +89,8 @@ def _namespaces() -> list[str]:
 
 
 def leftovers() -> list[str]:
-    """Everything of any lab still on this machine: its namespaces, its observer devices, its switches."""
+    """Everything of any lab still on this machine: its namespaces, its observer devices, its switches, its
+    folders."""
     found = [f"namespace {n}" for n in _namespaces() if n.startswith(PREFIX)]
     try:
         links = _run("ip", "-o", "link", "show")
@@ -98,11 +99,17 @@ def leftovers() -> list[str]:
     found += [f"device {m}" for m in re.findall(r"^\d+: (swl\d+)[:@]", links, re.M)]
     out = subprocess.run(["pgrep", "-f", "bench.wanlab.switch"], capture_output=True, text=True).stdout.split()
     found += [f"switch process {p}" for p in out if int(p) != os.getpid()]
-    return found
+    return found + [f"folder {d}" for d in _folders()]
+
+
+def _folders() -> list[Path]:
+    """The labs' folders (switch configuration, stats, log): ``<tmp>/swarmwan-<pid of the lab's owner>-*``."""
+    return [d for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*") if re.match(rf"{PREFIX}\d+-", d.name)]
 
 
 def sweep() -> list[str]:
-    """Delete the namespaces of labs whose process is gone (a lab killed with SIGKILL); returns their names."""
+    """Delete the namespaces and folders of labs whose process is gone (a lab killed with SIGKILL), ending the
+    switch that still writes there; returns their names."""
     removed = []
     for name in _namespaces():
         m = re.fullmatch(rf"{PREFIX}(\d+)-\d+", name)
@@ -110,6 +117,11 @@ def sweep() -> list[str]:
             _kill_namespace_processes(name)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=15)
             removed.append(name)
+    for folder in _folders():
+        if not _pid_alive(int(folder.name[len(PREFIX):].split("-")[0])):
+            subprocess.run(["pkill", "-KILL", "-f", f"bench.wanlab.switch {folder}/"], capture_output=True, timeout=15)
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
     return removed
 
 
@@ -175,7 +187,7 @@ class Lab:
         routes = _run("ip", "route", "show")
         if re.search(rf"^{re.escape(SUBNET)}\.", routes, re.M):
             raise LabError(f"the subnet {SUBNET}.0.0/16 is already routed here (another lab?):\n{routes}")
-        self._dir = Path(tempfile.mkdtemp(prefix="swarmwan-"))
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))  # its owner's pid, for sweep()
         for i, host in enumerate(self.hosts):
             ns = self._ns[host] = f"{PREFIX}{os.getpid()}-{i}"
             _run("ip", "netns", "add", ns)
