@@ -10,6 +10,7 @@ stops everything (SIGTERM, then SIGKILL after a grace period) and reaps it, also
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -68,6 +69,21 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def socket_files() -> set[str]:
+    """hivemind's Unix socket files present now (``/tmp/hivemind-p2pd-*.sock``, ``hivemind-p2pclient-*.sock``:
+    hivemind puts them in /tmp whatever ``TMPDIR`` says)."""
+    return {str(p) for p in Path("/tmp").glob("hivemind-p2p*.sock")}
+
+
+def leaked_socket_files(before: set[str]) -> list[str]:
+    """Socket files that appeared since ``before`` (:func:`socket_files`) and that no live socket is bound to any
+    more (absent from ``/proc/net/unix``): left behind by a process that exited without closing them (killed)."""
+    new = socket_files() - before  # listed before the table is read: a file bound meanwhile is in the table
+    bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+             if len(line.split()) > 7}
+    return sorted(new - bound)
+
+
 class LocalSwarm:
     """Start and stop a run's processes under ``workdir`` (created; removed on close unless ``keep``).
 
@@ -85,6 +101,7 @@ class LocalSwarm:
         self.placement = placement
         # unix socket paths (p2pd, torch_shm_manager) must stay short: keep the peers' temp folders in /tmp
         self._tmp = Path(tempfile.mkdtemp(prefix="swarm-"))
+        self._sockets = socket_files()  # those of other processes, before any peer of this swarm made its own
         self.peers: list[Peer] = []
         self.coordinator: Optional[Peer] = None
         self.address: Optional[str] = None
@@ -195,6 +212,9 @@ class LocalSwarm:
             _signal_group(p.proc, signal.SIGKILL)
             p.proc.wait()
         shutil.rmtree(self._tmp, ignore_errors=True)
+        for path in leaked_socket_files(self._sockets):  # those of peers killed with SIGKILL (no chance to clean up)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
         if not self.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from hivemind.utils import get_dht_time
@@ -343,17 +342,3 @@ def make_swarm(spec, tmp_path, cache_dir, keep: bool = False, extra_env: Optiona
     if isinstance(spec, RunSpec):
         spec = write_spec(spec, tmp_path / f"{spec.name}.toml")
     return LocalSwarm(spec, tmp_path / "swarm", cache_dir, keep=keep, extra_env=extra_env, placement=placement)
-
-
-def socket_files() -> set[str]:
-    """hivemind's Unix socket files (``/tmp/hivemind-p2pd-*.sock``, ``hivemind-p2pclient-*.sock``) present now."""
-    return {str(p) for p in Path("/tmp").glob("hivemind-p2p*.sock")}
-
-
-def leaked_socket_files(before: set[str]) -> list[str]:
-    """Socket files that appeared since ``before`` (:func:`socket_files`) and that no live socket is bound to any
-    more (absent from ``/proc/net/unix``): left behind by a process that exited without closing them."""
-    new = socket_files() - before  # listed before the table is read: a file bound meanwhile is in the table
-    bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
-             if len(line.split()) > 7}
-    return sorted(new - bound)

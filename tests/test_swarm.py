@@ -6,10 +6,11 @@ import os
 import pytest
 import torch
 
+from coordinator.launch import leaked_socket_files, socket_files
 from swarm.config import RunSpec
 from swarm.data import prepare_dataset
 from swarm.reference import train_reference
-from tests.scenario import Scenario, leaked_socket_files, make_swarm, socket_files
+from tests.scenario import Scenario, make_swarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
