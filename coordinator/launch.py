@@ -77,10 +77,14 @@ def socket_files() -> set[str]:
 
 def leaked_socket_files(before: set[str]) -> list[str]:
     """Socket files that appeared since ``before`` (:func:`socket_files`) and that no live socket is bound to any
-    more (absent from ``/proc/net/unix``): left behind by a process that exited without closing them (killed)."""
+    more (absent from ``/proc/net/unix``): left behind by a process that exited without closing them (killed).
+    Empty where that table cannot be read (not Linux): nothing then tells a dead file from a live one."""
     new = socket_files() - before  # listed before the table is read: a file bound meanwhile is in the table
-    bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
-             if len(line.split()) > 7}
+    try:
+        table = Path("/proc/net/unix").read_text()
+    except OSError:
+        return []
+    bound = {line.split()[-1] for line in table.splitlines()[1:] if len(line.split()) > 7}
     return sorted(new - bound)
 
 
