@@ -95,6 +95,29 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, share: int = 0, max
     return result
 
 
+def reference_validation_loss(stages: list[torch.nn.Module], dataset: TokenDataset,
+                              max_samples: Optional[int] = None, batch_size: int = 32) -> float:
+    """Mean loss (nats/token) of the chained ``stages`` (e.g. :attr:`ReferenceResult.stages`) over the validation
+    split: all of it, or its first ``max_samples`` samples, in batches of ``batch_size`` samples, each weighted by
+    its samples; the in-process counterpart of :func:`swarm.trainer.pipeline.validation_loss`.
+
+    :raises ValueError: no validation sample to score.
+    """
+    n = dataset.num_samples("val") if max_samples is None else min(dataset.num_samples("val"), max_samples)
+    if n < 1:
+        raise ValueError("the validation split holds no sample; raise data.val_fraction")
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, n, batch_size):
+            rows = list(range(start, min(n, start + batch_size)))
+            batch = dataset.batch(rows, "val")
+            h = batch[:, :-1]
+            for m in stages:
+                h = m.loss(h, batch[:, 1:]) if m.last else m(h)
+            total += len(rows) * float(h)
+    return total / n
+
+
 class _OuterLoop:
     """DiLoCo's outer loop over the reference's AdamW (its inner optimizer), as one server per stage runs it."""
 
