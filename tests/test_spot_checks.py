@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -343,3 +344,29 @@ def _answer(evidence, i: int):
     sealed, wire = evidence.answers[i]
     receipt, _ = open_record(sealed, StageReceipt, run_id=evidence.run_id)
     return unpack_tensors(wire, evidence.codec), receipt.loss
+
+
+def test_evidence_reaches_the_servers_of_stages_the_trainer_reads_after_the_conviction(monkeypatch):
+    """A check of a trainer's first micro-batch can convict before its pipeline read the next stages' records: the
+    evidence then goes to the servers seen so far, and to each server of a stage read later, once."""
+    handed = []
+
+    async def recorded(p2p, servers, evidence, accused, log):
+        handed.append((accused, sorted(servers)))
+    monkeypatch.setattr("swarm.trust.spotcheck.share_evidence", recorded)
+
+    def records(*peers):
+        return [SimpleNamespace(peer_id=p, convicted={}) for p in peers]
+
+    async def main():
+        checker = SpotChecker(SPEC, RUN, None)
+        monkeypatch.setattr(checker.book, "add", lambda evidence: (SimpleNamespace(peer_id="liar"), True))
+        checker.saw(0, records("liar", "a", "b"))
+        checker._share(object())
+        checker.saw(1, records("c", "d"))
+        checker.saw(0, records("liar", "a", "b"))  # read again: nobody new
+        checker.saw(1, records("c", "d", "e"))  # a server that joined stage 1
+        await checker.drain()
+        assert handed == [("liar", ["a", "b"]), ("liar", ["c", "d"]), ("liar", ["e"])]
+
+    asyncio.run(main())

@@ -51,7 +51,7 @@ import logging
 import math
 import random
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -134,6 +134,8 @@ class SpotChecker:
         self._spread: dict[tuple[int, str], deque[float]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._seen: dict[int, list[ServerInfo]] = {}  # stage -> its records last read (who gets evidence)
+        self._handed: OrderedDict[str, tuple[SpotEvidence, set[str]]] = OrderedDict()  # accused -> (its evidence,
+        # the servers it was handed to): servers first seen later get it then (_hand)
         self.book = ConvictionBook(run_id, me="", min_tolerance=spec.spot_checks.rtol,
                                    accepts=answers_comparable(spec))
         self.follower = ConvictionFollower(self.book, p2p, spec, run_id, spawn=self.spawn, on_adopted=self.adopt,
@@ -177,9 +179,12 @@ class SpotChecker:
         return now - start < EXCUSED_STATE_ROUNDS * self.spec.averaging.average_state_every
 
     def saw(self, stage: int, servers: list[ServerInfo]) -> None:
-        """The records of ``stage``'s servers just read: follow the convictions they list."""
+        """The records of ``stage``'s servers just read: follow the convictions they list, and hand this trainer's
+        evidence to those of them it has not reached yet."""
         self._seen[stage] = servers
         self.follower.follow(servers)
+        for accused in list(self._handed):
+            self._hand(accused)
 
     def forwarded(self, caller: StageCaller, stage: int, request: ForwardRequest, tensors: list[torch.Tensor],
                   reply) -> None:
@@ -341,10 +346,21 @@ class SpotChecker:
 
     def _share(self, evidence: SpotEvidence) -> None:
         """Keep this trainer's evidence and hand it to every server it knows
-        (:func:`~swarm.trust.convictions.share_evidence`)."""
+        (:func:`~swarm.trust.convictions.share_evidence`), and to those of stages it reads later: a check of the
+        first micro-batch can convict before the pipeline read the next stages' records."""
         accused = self.book.add(evidence)[0].peer_id
-        servers = {s.peer_id: s for found in self._seen.values() for s in found}
-        self.spawn(share_evidence(self.p2p, servers, evidence, accused, self.log))
+        self._handed[accused] = (evidence, set())
+        while len(self._handed) > EVIDENCE_KEPT:
+            self._handed.popitem(last=False)
+        self._hand(accused)
+
+    def _hand(self, accused: str) -> None:
+        evidence, handed = self._handed[accused]
+        servers = {s.peer_id: s for found in self._seen.values() for s in found
+                   if s.peer_id not in handed and s.peer_id != accused}
+        if servers:
+            handed.update(servers)
+            self.spawn(share_evidence(self.p2p, servers, evidence, accused, self.log))
 
     def _convict(self, peer_id: str, stage: int, reason: str) -> None:
         if peer_id in self.convicted:
