@@ -19,6 +19,7 @@ from swarm.config import RunSpec
 from swarm.data import TokenDataset
 from swarm.kernels import REFERENCE, KernelBackend
 from swarm.model import build_stage
+from swarm.trainer.pipeline import validation_samples
 from swarm.trainer.session import micro_batches
 
 
@@ -103,7 +104,7 @@ def reference_validation_loss(stages: list[torch.nn.Module], dataset: TokenDatas
 
     :raises ValueError: no validation sample to score.
     """
-    n = dataset.num_samples("val") if max_samples is None else min(dataset.num_samples("val"), max_samples)
+    n = validation_samples(dataset, max_samples)
     if n < 1:
         raise ValueError("the validation split holds no sample; raise data.val_fraction")
     total = 0.0
