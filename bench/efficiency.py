@@ -41,6 +41,7 @@ from coordinator.demo import pick_precision, start_servers  # noqa: E402
 from coordinator.launch import LocalSwarm  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
+from swarm.host import keep_freed_memory  # noqa: E402
 from swarm.net.dht import connect_run  # noqa: E402
 from swarm.reference import train_reference  # noqa: E402
 
@@ -156,6 +157,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                         help="as `swarm-coordinator demo --precision`")
     args = parser.parse_args()
+    keep_freed_memory()  # as every peer does: the one-process baseline allocates the same way
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     print(json.dumps(run(args)), flush=True)
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from coordinator.launch import LocalSwarm  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
+from swarm.host import keep_freed_memory  # noqa: E402
 from swarm.net.dht import connect_run  # noqa: E402
 from swarm.protocol import ServerState  # noqa: E402
 from swarm.reference import train_reference  # noqa: E402
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--modes", default="synchronous,overlapped",
                         help=f"comma-separated, of {list(MODES)}")
     args = parser.parse_args()
+    keep_freed_memory()  # as every peer does: the one-process baseline allocates the same way
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
         parser.error(f"--modes: unknown {sorted(set(modes) - set(MODES))}; choose from {list(MODES)}")

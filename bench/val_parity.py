@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from coordinator.demo import pick_precision, run_demo  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
+from swarm.host import keep_freed_memory  # noqa: E402
 from swarm.reference import reference_validation_loss, train_reference  # noqa: E402
 
 
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="bf16",
                         help="both sides' precision (pinned: 'auto' measures the machine, which a load can sway)")
     args = parser.parse_args()
+    keep_freed_memory()  # as every peer does: the one-process baseline allocates the same way
     if args.runs < 1 or args.ref_shares < 1:
         parser.error("--runs and --ref-shares must be at least 1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -72,10 +72,11 @@ def serve(spec_path: Path = typer.Argument(..., help="Run spec (TOML)."),
     from coordinator.serve import serve as serve_run
     from swarm.net.dht import RunUnreachable
     from swarm.identity import IdentityInUse
-    from swarm.host import share_tensors_by_descriptor
+    from swarm.host import keep_freed_memory, share_tensors_by_descriptor
     from swarm.logs import configure_logging
 
     configure_logging(log_level)
+    keep_freed_memory()
     share_tensors_by_descriptor()
     spec = _load_spec(spec_path)
     ident = Identity.load_or_create(_key_path(spec_path, key))
@@ -316,10 +317,11 @@ def demo(spec_path: Path = typer.Option(DEFAULT_SPEC, "--spec", help="Run spec (
     the swarm), val_samples (how many samples val_loss scored), tokens, epochs (fewest of any stage), servers, trainers, stages, seconds, tokens_per_s, precision.
     """
     from coordinator.demo import run_demo
-    from swarm.host import share_tensors_by_descriptor
+    from swarm.host import keep_freed_memory, share_tensors_by_descriptor
     from swarm.logs import configure_logging
 
     configure_logging(log_level)
+    keep_freed_memory()
     share_tensors_by_descriptor()
     _load_spec(spec_path)  # exit 2 with the field and the fix before starting anything
     if precision not in ("auto", "fp32", "bf16"):

@@ -51,10 +51,11 @@ def join(
     log_level: str = typer.Option("INFO", help="Log level."),
 ) -> None:
     """Join the run at ADDRESS and serve or train until SIGTERM/Ctrl-C. Settings: SWARM_* env vars, .env."""
-    from swarm.host import share_tensors_by_descriptor
+    from swarm.host import keep_freed_memory, share_tensors_by_descriptor
     from swarm.logs import configure_logging
 
     configure_logging(log_level)
+    keep_freed_memory()
     share_tensors_by_descriptor()
     if shard is not None:
         typer.echo("--shard is deprecated: the trainer's data share is --share (a checkpoint's shard is another "

@@ -18,7 +18,7 @@ from peer.server import run_server
 from peer.trainer import run_trainer
 from swarm.attacks import ATTACKS, SERVER_LIES, TRAINER_ATTACKS, byzantine_optimizer, byzantine_pipeline, lying_server
 from swarm.config import PeerSettings
-from swarm.host import share_tensors_by_descriptor
+from swarm.host import keep_freed_memory, share_tensors_by_descriptor
 from swarm.logs import configure_logging
 from swarm.trainer.session import TrainerOptions
 
@@ -35,6 +35,7 @@ def main() -> None:
     if (args.role == "trainer") != (args.attack in TRAINER_ATTACKS):
         parser.error(f"{args.attack!r} is not a {args.role} attack")
     configure_logging("INFO")
+    keep_freed_memory()
     share_tensors_by_descriptor()
     settings = PeerSettings()
     if args.attack in SERVER_LIES:  # answers half of its training calls wrongly (caught by spot checks)

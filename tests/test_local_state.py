@@ -127,3 +127,43 @@ def test_the_compute_device_is_the_gpu_if_torch_sees_one_and_a_missing_one_is_re
     missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a CPU-only machine)
     with pytest.raises(DeviceUnavailable, match="sees .* CUDA GPUs.*SWARM_DEVICE=auto"):
         resolve_device(missing)
+
+
+FAULTS_OF_FREED_TENSORS = """
+import json, resource, sys, torch
+from swarm.host import keep_freed_memory
+took = keep_freed_memory() if sys.argv[1] == "keep" else None
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def step():  # a micro-batch's head at the demo's size: bf16 logits (8 MB), in float32 (16 MB), log-softmax (16 MB)
+    logits = torch.ones(1024, 4096, dtype=torch.bfloat16)
+    return torch.log_softmax(logits.float(), -1).sum()
+for _ in range(3):  # glibc's own threshold moves up as it sees large blocks freed: let it settle first
+    step()
+before = faults()
+for _ in range(20):
+    step()
+import os
+print(json.dumps({"took": took, "faults": faults() - before, "trim": os.environ.get("MALLOC_TRIM_THRESHOLD_")}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_tensor_memory_is_kept_for_reuse_unless_the_user_set_glibcs_variables():
+    """A peer's step allocates and frees the same large tensors each micro-batch; glibc gave them back to the kernel
+    and faulted every page in again (``swarm.host.keep_freed_memory``)."""
+    import json
+
+    def run(mode, **env):
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        out = subprocess.run([sys.executable, "-c", FAULTS_OF_FREED_TENSORS, mode], env={**clean, **env},
+                             capture_output=True, text=True, timeout=60, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    default, kept = run("default"), run("keep")
+    assert kept["took"] is True and kept["trim"] == str(256 << 20)
+    assert default["faults"] > 20 * 2000, default  # 4096 pages per tensor: each one faulted in anew
+    assert kept["faults"] < default["faults"] / 20, (default, kept)
+    user = run("keep", MALLOC_TRIM_THRESHOLD_="131072", MALLOC_MMAP_THRESHOLD_="131072")
+    assert user["trim"] == "131072"  # the user's setting stands, in this process too
+    assert user["faults"] > 20 * 2000, user
