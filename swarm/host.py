@@ -132,7 +132,7 @@ def keep_freed_memory() -> bool:
     forked from it inherit, and the ``MALLOC_*_`` environment variables for processes spawned from it. A variable
     the user set already is left as it is (also in this process). Call it from entry points, early.
 
-    :returns: ``False`` where glibc refused a setting or is not the C library (musl, macOS): nothing changed.
+    :returns: ``False`` where glibc refused a setting, or is not the C library (musl, macOS: nothing is changed).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

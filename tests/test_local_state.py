@@ -130,7 +130,7 @@ def test_the_compute_device_is_the_gpu_if_torch_sees_one_and_a_missing_one_is_re
 
 
 FAULTS_OF_FREED_TENSORS = """
-import json, resource, sys, torch
+import json, os, resource, sys, torch
 from swarm.host import keep_freed_memory
 took = keep_freed_memory() if sys.argv[1] == "keep" else None
 def faults():
@@ -143,7 +143,6 @@ for _ in range(3):  # glibc's own threshold moves up as it sees large blocks fre
 before = faults()
 for _ in range(20):
     step()
-import os
 print(json.dumps({"took": took, "faults": faults() - before, "trim": os.environ.get("MALLOC_TRIM_THRESHOLD_")}))
 """
 
