@@ -261,6 +261,14 @@ class AveragingSpec(_Section):
         "exclude the trainer's gradients (as exclusion_threshold for servers). Needs 3+ trainers per server; 0 "
         "disables, else it must be above 1. Raise it if honest trainers get excluded in the log.",
     )
+    group_size: int = Field(
+        8, ge=0, le=256, description="Servers per averaging group (0, or at least 3). A stage with more servers averages in hops over "
+        "a seeded grid (Moshpit All-Reduce: ceil(log_group_size(servers)) hops, each a group of at most this many "
+        "voters) and every server still ends with the same tensors; each hop costs one group's round. 0: one "
+        "group of the whole stage. Larger groups need fewer hops and tolerate a larger Byzantine fraction per "
+        "group, smaller ones bound each round's wire bytes and fail less often (docs/scaling.md). Every server of a "
+        "run must agree on it.",
+    )
     matchmaking_time: float = Field(
         2.0, gt=0, description="Seconds to gather a group. Raise it if the log shows fewer peers than servers. "
         "Forming a group takes a few DHT lookups and requests, about 10 round trips: keep it above 10x the "
@@ -323,6 +331,14 @@ class AveragingSpec(_Section):
                              "own coordinates, so a coordinate-wise rule zeroes those fewer than half of the peers "
                              "chose (and they were not kept for later); use 'centered_clip' or 'mean', or 'topk'")
         return self
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size(cls, v: int) -> int:
+        if v in (1, 2):
+            raise ValueError(f"group_size={v}: use 0 (one group of the whole stage) or at least 3 (4 or 8 usually; "
+                             "groups of 2 leave a lone server to meet half the stage in one lane)")
+        return v
 
     @field_validator("trainer_outlier_ratio")
     @classmethod

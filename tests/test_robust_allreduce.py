@@ -21,11 +21,12 @@ SHAPES = [(300, 40), (40,)]
 
 @contextlib.contextmanager
 def averagers(n: int, *, aggregator="mean", compression="none", attack=None, attackers=0, audit=0.25,
-              flag_penalty=0.5, group_size="all", matchmaking_time=2.0, **compressor):
+              flag_penalty=0.5, group_size="all", matchmaking_time=2.0, rules_group_size=0, **compressor):
     nodes, avs = keyed_dhts(n), []
     try:
         rules = AveragingRules(aggregator=make_aggregator(aggregator), phase_timeout=10.0, audit_probability=audit,
-                               exclusion=ExclusionPolicy(threshold=3.0, flag_penalty=flag_penalty))
+                               exclusion=ExclusionPolicy(threshold=3.0, flag_penalty=flag_penalty),
+                               group_size=rules_group_size)
         for i, (ident, dht) in enumerate(nodes):
             params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
             kind, extra = RobustGradientAverager, {}

@@ -338,10 +338,10 @@ def test_outer_mode_state_is_the_outer_parameters_and_momentum_and_a_load_restar
 
 
 def test_matchmaking_lookups_start_a_gap_after_the_last_one_ended():
-    """(swarm.averaging.averager.paced) hivemind's matchmaking looks its group up again as soon as the last lookup
+    """(swarm.averaging.matchmaking.paced) hivemind's matchmaking looks its group up again as soon as the last lookup
     answered; paced, the next one waits until ``gap_s`` after the last one ended, and one after a longer pause
     waits for nothing."""
-    from swarm.averaging.averager import paced
+    from swarm.averaging.matchmaking import paced
 
     now, waits, calls = [100.0], [], []
 

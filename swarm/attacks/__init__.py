@@ -126,6 +126,9 @@ class CorruptingCompressor(Compressor):
     def reset(self) -> None:
         self.inner.reset()
 
+    def stateless(self) -> Compressor:
+        return CorruptingCompressor(self.inner.stateless(), self.attack)
+
 
 class LyingPartitionReducer(PartitionReducer):
     """A reducer that returns :meth:`Attack.corrupt_aggregate` of the true aggregate of its partition (and signs

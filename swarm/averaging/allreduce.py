@@ -27,7 +27,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Optional, Sequence
+from typing import Awaitable, Callable, Mapping, Optional, Sequence
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -94,6 +94,7 @@ class PartitionReducer:
     policy: ReducePolicy
     timeout: float
     sign_receipt: Optional[Callable[[list[bytes], str], bytes]] = None
+    rank: Optional[Mapping[str, int]] = None  # sender -> aggregation order (bounded groups' later hops), else arrival
     parts: dict = field(default_factory=dict)
     weights: dict = field(default_factory=dict)
     commitments: dict = field(default_factory=dict)
@@ -137,6 +138,8 @@ class PartitionReducer:
         except asyncio.TimeoutError:
             pass
         parts, weights = dict(self.parts), dict(self.weights)
+        if self.rank is not None:  # every lane of a group aggregates its blocks in one order: the same bits
+            parts = dict(sorted(parts.items(), key=lambda kv: self.rank.get(kv[0], len(self.rank))))
         try:
             self.reduction = await asyncio.get_running_loop().run_in_executor(None, self._aggregate, parts, weights)
             self.encoded = self.codec.encode(self.reduction.aggregate)

@@ -20,12 +20,11 @@ import time
 from concurrent import futures
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 import torch
-from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
@@ -45,7 +44,8 @@ from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.donors import DonorChoice
 from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.history import PartHistory
-from swarm.averaging.matchmaking import DeliveredJoinAnswers
+from swarm.averaging.hops import GroupRules, HopRounds
+from swarm.averaging.matchmaking import LOOKUP_GAP, DeliveredJoinAnswers, paced
 from swarm.averaging.reducer import ReducePolicy, as_scored_by, partition_bounds
 from swarm.config import AveragingSpec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
@@ -66,11 +66,6 @@ MAX_PART_TENSORS = 8
 SNAPSHOT_WAIT_S = 30.0
 """Longest a donor waits for an epoch transition in flight before it copies its state for a download (seconds;
 also at most half of ``next_chunk_timeout``, the joiner's wait for the download's first message)."""
-LOOKUP_GAP = 0.1
-"""Least time between two of matchmaking's lookups of the group's averagers in the DHT, as a fraction of
-``matchmaking_time``. hivemind 1.1.12 looks again as soon as the last lookup answered while it waits for its
-group (``PotentialLeaders``): 5341 of the demo swarm's 8000 DHT calls in 150 s were these lookups, measured. A
-peer now learns of a group-mate at most a tenth of the window later."""
 REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start here (peers run phases unevenly)
 
 
@@ -84,6 +79,8 @@ class AveragingRules:
     :param phase_timeout: seconds a reducer waits for the parts of a phase (a sender waits twice that).
     :param audit_probability: chance that a partition is audited in a phase (:mod:`swarm.averaging.audit`).
     :param history_outlier_ratio: the history check's flag radius (:class:`~swarm.averaging.history.PartHistory`).
+    :param group_size: servers per averaging group; a larger stage averages in hops (:mod:`swarm.averaging.groups`;
+        0: one group of the whole stage).
     """
 
     aggregator: Aggregator = field(default_factory=CenteredClipAggregator)
@@ -92,6 +89,7 @@ class AveragingRules:
     phase_timeout: float = 10.0
     audit_probability: float = 0.5
     history_outlier_ratio: float = PartHistory.outlier_ratio
+    group_size: int = 0
 
     @classmethod
     def from_spec(cls, avg: AveragingSpec) -> "AveragingRules":
@@ -104,27 +102,10 @@ class AveragingRules:
                                 max_weight_ratio=avg.max_weight_ratio),
             exclusion=ExclusionPolicy(threshold=avg.exclusion_threshold),
             phase_timeout=avg.next_chunk_timeout, audit_probability=avg.audit_probability,
-            history_outlier_ratio=avg.history_outlier_ratio)
+            history_outlier_ratio=avg.history_outlier_ratio, group_size=avg.group_size)
 
 
-def paced(lookup: Callable[..., Awaitable], gap_s: float, *, clock: Callable[[], float] = time.monotonic,
-          sleep: Callable[[float], Awaitable] = asyncio.sleep) -> Callable[..., Awaitable]:
-    """``lookup`` (an async function) started at least ``gap_s`` seconds after its previous call ended."""
-    ended = [float("-inf")]
-
-    async def call(*args, **kwargs):
-        wait = ended[0] + gap_s - clock()
-        if wait > 0:
-            await sleep(wait)
-        try:
-            return await lookup(*args, **kwargs)
-        finally:
-            ended[0] = clock()
-
-    return call
-
-
-class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
+class RobustAllReduceMixin(HopRounds, DeliveredJoinAnswers, Auditor, ProtocolServicer):
     """Replaces a hivemind ``DecentralizedAverager``'s all-reduce with ours; call :meth:`_init_robust` before the
     averager's ``__init__`` (which forks the averager process).
 
@@ -139,6 +120,7 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
         self.rules = rules
         self._init_audit(identity, run_id, rules.audit_probability, dht)
         self.compressor = compressor or make_compressor("none")
+        self._init_hops(rules.group_size, self.compressor)
         self.exclusions = ExclusionBook(rules.exclusion)
         self.wire = WireStats()
         self._completed = mp.RawValue("q", 0)  # shared with the averager's process (forked after this)
@@ -217,6 +199,9 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
         if mm is None:
             return
         me = str(self.peer_id)
+        if self._lane is not None:  # bounded groups: this hop's lane (swarm.averaging.hops)
+            mm.target_group_size = len(self._lane.members)
+            return
         expected = [p for p in self._members if p == me or not self.exclusions.is_excluded(p)]
         fixed = self.matchmaking_kwargs["target_group_size"]  # the averager's own (None for a stage's servers)
         mm.target_group_size = len(expected) if me in self._members and len(expected) >= 2 else fixed
@@ -231,7 +216,8 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
             if self.exclusions.is_excluded(peer):
                 return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             reason = check(req, context)
-            if reason is None and self._members and peer not in self._members:
+            known = self._lane.members if self._lane is not None else self._members
+            if reason is None and known and peer not in known:
                 mm.target_group_size = None  # a server the roster does not know yet: gather until the window ends
             return reason
 
@@ -240,7 +226,11 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
                 return None
             return await request(leader)
 
+        async def keep_key(group_info):  # hivemind moves the key after a group; _plan_step sets every hop's
+            return None
+
         mm._check_reasons_to_reject, mm._request_join_group = check_reasons_to_reject, request_join_group
+        mm.group_key_manager.update_key_on_group_assembled = keep_key
         mm.group_key_manager.get_averagers = paced(mm.group_key_manager.get_averagers,
                                                    mm.min_matchmaking_time * LOOKUP_GAP)
         self._mm_wrapped = True
@@ -250,7 +240,7 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
         if not self._mm_wrapped:
             self._wrap_matchmaking()
             self.start_accusation_poller()
-        self._expect_members()  # exclusions may have changed since the last round
+        self._plan_step(step)  # this step's lanes; and exclusions may have changed since the last round
         try:
             return await super()._step(step=step, future_for_init=future_for_init)
         except InvalidStateError:
@@ -260,29 +250,27 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
 
     # ---- the round --------------------------------------------------------------------------------------
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        """The round: the group hivemind assembled, then each later hop's lane (:mod:`swarm.averaging.hops`); the
+        averaged tensors are written back only once every hop succeeded."""
         began, peers = time.perf_counter(), [str(p) for p in group_info.peer_ids]
         try:
-            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
-            user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
-            modes = [AveragingMode(m) for m in mode_ids]
-            excluded = [p for p in peers if self.exclusions.is_excluded(p)]
-            if excluded:
-                raise RoundFailed(f"group holds excluded peers {excluded}; looking for another group")
-            bandwidths = [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)]
-            fractions = await asyncio.get_running_loop().run_in_executor(
-                None, load_balance_peers, self.total_size, bandwidths, min_vector_size)
-            senders = frozenset(p for p, m in zip(peers, modes) if m != AveragingMode.AUX)
-            weight = float(kwargs.get("weight", 1.0))
-            seed = int.from_bytes(group_info.group_id[:4], "big")
+            user_gathered = {p: self.serializer.loads(g[2]) for p, g in
+                             zip(group_info.peer_ids, map(self.serializer.loads, group_info.gathered))}
             running = self._running_groups.get(group_info.group_id)
             if running is not None and not running.done():
                 running.set_result(None)  # hivemind's bookkeeping: the round runs here, not in its AllReduceRunner
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                if not await self._agreed(list(local_tensors), group_info.group_id.hex(), peers):
-                    averaged = await self._run_phases(list(local_tensors), group_info.group_id.hex(), peers,
-                                                      fractions, senders, weight, seed)
-                    for t, a in zip(local_tensors, averaged):
-                        t.copy_(a)
+                values = list(local_tensors)
+                while True:
+                    values = await self._average_in(group_info, values, float(kwargs.get("weight", 1.0)),
+                                                    min_vector_size)
+                    lane = self._next_lane()
+                    if lane is None:
+                        break
+                    group_info = await self._assemble_lane(lane)
+                    peers = [str(p) for p in group_info.peer_ids]
+                for t, a in zip(local_tensors, values):
+                    t.copy_(a)
             self.wire.rounds += 1
             self._completed.value += 1
             self.wire.round_ms += round((time.perf_counter() - began) * 1000)
@@ -291,6 +279,19 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
             self.wire.failed += 1
             self._log_failure(e, peers, time.perf_counter() - began)
             raise AllreduceException(f"robust all-reduce failed: {e}") from e
+        finally:
+            self._enter_lane(self._lanes[0] if self._lanes else None)  # hivemind's retry starts at the first hop
+
+    async def _average_in(self, group_info: GroupInfo, values: list[torch.Tensor], weight: float,
+                          min_vector_size: int) -> list[torch.Tensor]:
+        """``values`` averaged with one group (one hop): new tensors, ``values`` left as they are."""
+        rules = await self._group_rules(group_info, weight, min_vector_size)
+        excluded = [p for p in rules.peers if self.exclusions.is_excluded(p)]
+        if excluded:
+            raise RoundFailed(f"group holds excluded peers {excluded}; looking for another group")
+        if await self._agreed(values, group_info.group_id.hex(), rules.peers):
+            return values
+        return await self._run_phases(values, group_info.group_id.hex(), rules)
 
     async def _agreed(self, tensors: Sequence[torch.Tensor], group: str, peers: Sequence[str]) -> bool:
         """Whether the round may skip its phases, every member holding these ``tensors`` already: never here (a
@@ -308,9 +309,9 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
                            f"averaging_timeout={self._allreduce_timeout:.0f} s): a link of the group is slow or down; "
                            "on slow links raise averaging_timeout")
 
-    async def _run_phases(self, tensors, group: str, peers, fractions, senders, weight, seed):
-        me = str(self.peer_id)
-        gen = self.compressor.phases(tensors, seed)
+    async def _run_phases(self, tensors, group: str, rules: GroupRules):
+        me, peers, fractions = str(self.peer_id), rules.peers, rules.fractions
+        gen = rules.compressor.phases(tensors, rules.seed)
         phase, index, verdicts = next(gen), 0, {}
         try:
             while True:
@@ -322,19 +323,20 @@ class RobustAllReduceMixin(DeliveredJoinAnswers, Auditor, ProtocolServicer):
                     mine = AveragingPart(group=key, partition=my_index, weight=0.0, numel=numel,
                                          codec=phase.codec.name, digest="")
                     reducer = self._new_reducer(
-                        numel=numel, senders=senders, codec=phase.codec, aggregator=self.rules.aggregator,
+                        numel=numel, senders=rules.senders, codec=phase.codec, aggregator=self.rules.aggregator,
+                        rank=rules.rank,
                         policy=self.rules.policy, timeout=self.rules.phase_timeout,
                         sign_receipt=lambda commitments, out, m=mine: self.accountant.sign_receipt(m, commitments, out))
                     self._future_for(key).set_result(reducer)
                 outcome = self.begin_phase(key)
-                await run_phase(phase, group=key, me=me, peers=peers, fractions=fractions, weight=weight,
+                await run_phase(phase, group=key, me=me, peers=peers, fractions=fractions, weight=rules.weight,
                                 reducer=reducer, send=self._send, accountant=self.accountant, outcome=outcome)
                 self.wire.phases += 1
-                self.after_phase(key, outcome, peers, senders, phase.codec)
+                self.after_phase(key, outcome, peers, rules.senders, phase.codec)
                 for peer, reply in outcome.replies.items():
                     if not reply.accepted:
                         logger.warning(f"reducer {peer} rejected this peer's part: {reply.reason}")
-                if reducer is not None and reducer.reduction is not None:
+                if reducer is not None and reducer.reduction is not None and rules.scored:
                     self._observe(index, phase, fractions, my_index, reducer)
                     for sender, v in as_scored_by(reducer.reduction, me, reducer.parts,
                                                       self.rules.policy.copy_ratio).items():
@@ -452,6 +454,16 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
         self._last_local: Optional[list[torch.Tensor]] = None
         self.histories: dict[int, PartHistory] = {}  # phase index -> the senders' history of my partition
         super().__init__(parameters, **kwargs)
+
+    round_epoch: Optional[int] = None
+    """The epoch of the next round (set by the optimizer in the main process): gathered with the round, it seeds
+    the grid of bounded groups (:mod:`swarm.averaging.groups`)."""
+
+    def schedule_step(self, scheduled_time=None, **kwargs):
+        """hivemind's ``schedule_step``, gathering :attr:`round_epoch` unless the caller gathers something."""
+        if kwargs.get("gather") is None:
+            kwargs["gather"] = self.round_epoch
+        return super().schedule_step(scheduled_time, **kwargs)
 
     def _observe(self, index, phase, fractions, j, reducer):
         a, b = partition_bounds(phase.vector.numel(), fractions, phase.codec.block)[j]

@@ -77,6 +77,12 @@ class Compressor(ABC):
     def reset(self) -> None:
         """Forget error-feedback state (after this peer's parameters were replaced, e.g. by a state download)."""
 
+    def stateless(self) -> "Compressor":
+        """A compressor for the later hops of bounded groups (:mod:`swarm.averaging.groups`), whose input, a block's
+        aggregate, is the same on every member of the block: it must encode equal inputs to equal bytes, so it
+        keeps no error feedback. Here fp16, one phase; an elementwise compressor keeps its own codec."""
+        return ElementwiseCompressor("float16", Float16Codec(), error_feedback=False)
+
 
 class ElementwiseCompressor(Compressor):
     """One phase through ``codec``; with ``error_feedback`` the codec's error is carried to the next round."""
@@ -96,6 +102,9 @@ class ElementwiseCompressor(Compressor):
 
     def reset(self):
         self.residual = None
+
+    def stateless(self) -> "Compressor":
+        return ElementwiseCompressor(self.name, self.codec, error_feedback=False)
 
 
 class PowerSGD(Compressor):

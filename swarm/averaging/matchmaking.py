@@ -1,14 +1,38 @@
-"""hivemind's matchmaking answers, delivered: a group leader's answer to a peer that asks to join its group."""
+"""hivemind's matchmaking, fixed: a group leader's answers delivered, and its lookups of the group paced."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Awaitable, Callable
 
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
 from swarm.net.transport import LINGER_S
+
+LOOKUP_GAP = 0.1
+"""Least time between two of matchmaking's lookups of the group's averagers in the DHT, as a fraction of
+``matchmaking_time``. hivemind 1.1.12 looks again as soon as the last lookup answered while it waits for its
+group (``PotentialLeaders``): 5341 of the demo swarm's 8000 DHT calls in 150 s were these lookups, measured. A
+peer now learns of a group-mate at most a tenth of the window later."""
+
+
+def paced(lookup: Callable[..., Awaitable], gap_s: float, *, clock: Callable[[], float] = time.monotonic,
+          sleep: Callable[[float], Awaitable] = asyncio.sleep) -> Callable[..., Awaitable]:
+    """``lookup`` (an async function) started at least ``gap_s`` seconds after its previous call ended."""
+    ended = [float("-inf")]
+
+    async def call(*args, **kwargs):
+        wait = ended[0] + gap_s - clock()
+        if wait > 0:
+            await sleep(wait)
+        try:
+            return await lookup(*args, **kwargs)
+        finally:
+            ended[0] = clock()
+
+    return call
 
 
 class DeliveredJoinAnswers:

@@ -100,6 +100,7 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         gradient is known here (hivemind's fallbacks below), a completed state round from the state averager's
         count (``rounds_completed``)."""
         states = self.state_averager.rounds_completed
+        self.grad_averager.round_epoch = self.local_epoch
         late, self._late, self._own_step = self._late, False, False
         others = self.tracker.global_progress.num_peers > 1
         super()._update_global_epoch(grad_scaler)
@@ -127,6 +128,7 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
             self.reload()
             return
         counted = self.grad_averager.local_samples_accumulated
+        self.grad_averager.round_epoch = self.local_epoch  # seeds the round's grid (bounded groups)
         self.grad_averager.accumulate(contributor, gradients, samples)
         self.take_inner_step_if_due(self.grad_averager.local_samples_accumulated - counted)
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
