@@ -118,4 +118,21 @@ def by_kind(used: dict[tuple[int, str], float], leaders: Iterable[int] | None = 
     return totals
 
 
-__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "read_table", "sample"]
+def rss_by_session(leaders: Iterable[int], root: Path = Path("/proc")) -> dict[int, int]:
+    """Leader pid -> resident bytes of all the processes of its session now (``VmRSS``; shared pages count in
+    every process that maps them, so this overstates a peer that shares memory with its children)."""
+    chosen, out = set(leaders), {}
+    for proc in read_table(root).values():
+        if proc.sid not in chosen:
+            continue
+        try:
+            status = (root / str(proc.pid) / "status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                out[proc.sid] = out.get(proc.sid, 0) + int(line.split()[1]) * 1024
+    return out
+
+
+__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "read_table", "rss_by_session", "sample"]

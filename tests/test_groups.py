@@ -110,3 +110,21 @@ def test_five_averagers_in_groups_of_four_average_in_two_hops_and_end_equal():
         assert not torch.allclose(outs[0], torch.stack(list(flat.values())).mean(0))  # not one group of five
         assert [av.wire.snapshot()["phases"] for av in avs] == [2] * 5
         assert all(av.wire.snapshot()["failed"] == 0 for av in avs)
+
+
+def test_a_lane_averages_only_when_no_two_groups_could_leave_it_with_different_values():
+    from swarm.averaging.allreduce import RoundFailed
+    from swarm.averaging.groups import Lane
+    from swarm.averaging.hops import whole_enough
+
+    first = Lane(0, "0" * 32, ("a", "b", "c", "d"))
+    whole_enough(first, {"a", "b", "c"})  # a late member: the three average, it fails its round
+    for split in ({"a", "b"}, {"c"}):  # two groups formed apart under one key: neither is a majority
+        with pytest.raises(RoundFailed, match="not a majority"):
+            whole_enough(first, split)
+    later = Lane(1, "1" * 32, ("a", "e"), ("b",))
+    whole_enough(later, {"a", "e"})  # a listener may be missing: its block's voter carries the value
+    with pytest.raises(RoundFailed, match="voters did not join"):
+        whole_enough(later, {"a", "b"})
+    with pytest.raises(RoundFailed, match="outside this server's lane"):
+        whole_enough(later, {"a", "e", "z"})

@@ -52,9 +52,12 @@ class WireStats:
     can count while the main process reads): bytes sent/received, phases completed/failed, parts rejected and
     flagged by this peer as a reducer, rounds completed and their milliseconds in all (from the group's forming
     to this peer's averaged result: the all-reduce, not the matchmaking before it), and how many of those rounds
-    found the group holding one state already (:mod:`swarm.averaging.agreement`: no phases ran)."""
+    found the group holding one state already (:mod:`swarm.averaging.agreement`: no phases ran); and the groups
+    (one per hop of bounded groups, :mod:`swarm.averaging.groups`) this peer averaged in and their members in all
+    (``group_members / groups``: the mean group size)."""
 
-    FIELDS = ("sent", "received", "phases", "failed", "rejected", "flagged", "rounds", "round_ms", "agreed")
+    FIELDS = ("sent", "received", "phases", "failed", "rejected", "flagged", "rounds", "round_ms", "agreed", "groups",
+              "group_members")
 
     def __init__(self):
         self.values = torch.zeros(len(self.FIELDS), dtype=torch.int64).share_memory_()

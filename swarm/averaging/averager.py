@@ -289,6 +289,8 @@ class RobustAllReduceMixin(HopRounds, DeliveredJoinAnswers, Auditor, ProtocolSer
         excluded = [p for p in rules.peers if self.exclusions.is_excluded(p)]
         if excluded:
             raise RoundFailed(f"group holds excluded peers {excluded}; looking for another group")
+        self.wire.groups += 1
+        self.wire.group_members += len(rules.peers)
         if await self._agreed(values, group_info.group_id.hex(), rules.peers):
             return values
         return await self._run_phases(values, group_info.group_id.hex(), rules)

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 KEY_BITS = 32
-"""Bits of a lane's group key (hivemind's ``<prefix>.0b<bits>``; ``2^-32`` chance that two lanes share a key)."""
+"""Bits of a lane's group key (hivemind's ``<prefix>.0b<bits>``; ``2^-32`` chance that two lanes share a key):
+a hash of the seed, the hop and the lane's members (:func:`_key_bits`)."""
 
 
 def round_seed(prefix: str, epoch: int) -> bytes:
@@ -84,8 +85,11 @@ def _split(items: list, group_size: int) -> list[list]:
     return out
 
 
-def _key_bits(seed: bytes, hop: int, group: int, lane: int) -> str:
-    digest = hashlib.blake2b(seed + f"|{hop}|{group}|{lane}".encode(), digest_size=KEY_BITS // 8).digest()
+def _key_bits(seed: bytes, hop: int, voters: tuple[str, ...], listeners: tuple[str, ...]) -> str:
+    """The lane's key: its hop and members under the seed, so that two servers whose rosters differ never meet
+    under one key with different ideas of who votes (they fail to form the lane instead)."""
+    text = f"|{hop}|" + ",".join(voters) + "|" + ",".join(sorted(listeners))
+    digest = hashlib.blake2b(seed + text.encode(), digest_size=KEY_BITS // 8).digest()
     return format(int.from_bytes(digest, "big"), f"0{KEY_BITS}b")
 
 
@@ -109,20 +113,22 @@ class GroupPlan:
         blocks = [[p] for p in self.order]
         while len(blocks) > 1:
             hop, lanes, merged = len(self.hops), [], []
-            for g, group in enumerate(_split(blocks, group_size)):
+            for group in _split(blocks, group_size):
                 merged.append([p for block in group for p in block])
                 if len(group) > 1:
-                    lanes += self._lanes(seed, hop, g, group)
+                    lanes += self._lanes(seed, hop, group)
             self.hops.append(lanes)
             blocks = merged
         self._lane_of = {(lane.hop, p): lane for lanes in self.hops for lane in lanes for p in lane.members}
 
     @staticmethod
-    def _lanes(seed: bytes, hop: int, g: int, group: list[list[str]]) -> list[Lane]:
-        c = min(len(block) for block in group)
-        return [Lane(hop, _key_bits(seed, hop, g, j), tuple(block[j] for block in group),
-                     tuple(p for block in group for k, p in enumerate(block) if k >= c and k % c == j))
-                for j in range(c)]
+    def _lanes(seed: bytes, hop: int, group: list[list[str]]) -> list[Lane]:
+        c, lanes = min(len(block) for block in group), []
+        for j in range(c):
+            voters = tuple(block[j] for block in group)
+            listeners = tuple(p for block in group for k, p in enumerate(block) if k >= c and k % c == j)
+            lanes.append(Lane(hop, _key_bits(seed, hop, voters, listeners), voters, listeners))
+        return lanes
 
     @property
     def depth(self) -> int:

@@ -55,6 +55,8 @@ class HopRounds:
 
     A step runs in one group of the stage, as before, when ``group_size`` is 0, when the stage has at most
     ``group_size`` members, when the round names no epoch, or when this server is not on the roster it was given.
+    The grid leaves out the members this server excluded (convicted or banned peers, which every honest server
+    excludes alike; a lane holding one could never form).
     """
 
     def _init_hops(self, group_size: int, compressor: Compressor) -> None:
@@ -70,8 +72,9 @@ class HopRounds:
         self._step_control, me = step, str(self.peer_id)
         epoch = self._round_epoch(step)
         self._lanes = []
-        if self.group_size >= 3 and epoch is not None and me in self._members and len(self._members) > self.group_size:
-            plan = GroupPlan(self._members, round_seed(self.prefix, epoch), self.group_size)
+        members = frozenset(p for p in self._members if p == me or not self.exclusions.is_excluded(p))
+        if self.group_size >= 3 and epoch is not None and me in members and len(members) > self.group_size:
+            plan = GroupPlan(members, round_seed(self.prefix, epoch), self.group_size)
             self._lanes = plan.lanes_of(me)
         self._enter_lane(self._lanes[0] if self._lanes else None)
 
@@ -112,6 +115,8 @@ class HopRounds:
         modes = [AveragingMode(m) for m in mode_ids]
         senders = frozenset(p for p, m in zip(peers, modes) if m != AveragingMode.AUX)
         lane = self._lane
+        if lane is not None:
+            whole_enough(lane, set(peers))
         if lane is None or lane.hop == 0:
             bandwidths = [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)]
             fractions = await asyncio.get_running_loop().run_in_executor(
@@ -119,8 +124,26 @@ class HopRounds:
             seed = int.from_bytes(group_info.group_id[:4], "big")
             return GroupRules(peers, list(fractions), senders, weight, seed, self.compressor)
         voters = set(lane.voters)
-        if not voters & set(peers):
-            raise RoundFailed(f"hop {lane.hop}: the group holds none of the lane's voters")
         fractions = [1.0 if p in voters else 0.0 for p in peers]
         mine = 1.0 if str(self.peer_id) in voters else 0.0
         return GroupRules(peers, fractions, frozenset(peers), mine, 0, self._hop_compressor, lane.rank, False)
+
+
+def whole_enough(lane: Lane, present: set[str]) -> None:
+    """Check that a group formed under ``lane``'s key may average, so that no two servers leave a hop with different
+    values for one block. At the first hop a strict majority of the lane (two groups under one key, formed apart
+    when some members came late, cannot both hold one; the members of the smaller one fail the round); at later
+    hops every voter (a lane without one block's voter would aggregate other inputs than its sister lanes).
+
+    :raises RoundFailed: the group is not whole enough, or holds a server outside the lane (a 2^-32 key collision).
+    """
+    strangers = present - lane.members
+    if strangers:
+        raise RoundFailed(f"hop {lane.hop}: the group holds {len(strangers)} servers outside this server's lane")
+    if lane.hop == 0 and 2 * len(present) <= len(lane.members):
+        raise RoundFailed(f"hop 0: the group holds {len(present)} of the lane's {len(lane.members)} members, not a "
+                          "majority (its other members may have formed a group of their own)")
+    missing = set(lane.voters) - present
+    if lane.hop > 0 and missing:
+        raise RoundFailed(f"hop {lane.hop}: {len(missing)} of the lane's {len(lane.voters)} voters did not join "
+                          "(they left, or their previous hop failed)")

@@ -33,7 +33,7 @@ from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
 from swarm.net.directory import AsyncRunDirectory
-from swarm.protocol import ProgressPush, add_history
+from swarm.protocol import ProgressPush, ServerInfo, ServerState, add_history
 from swarm.server.progress_push import ProgressPusher
 from swarm.server.stage import EpochEnd, StageError, StageServer
 from swarm.trust.authority import CheckpointAuthority
@@ -144,6 +144,7 @@ class ServedStage:
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self._members: frozenset[str] = frozenset()  # those of them whose progress counts, as the averagers last heard
+        self._member_seen: dict[str, float] = {}  # libp2p id -> time.monotonic() its record was last read
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
         self._restored = False  # an epoch that ends before the state is restored starts nothing
         self._mates: dict[str, bytes] = {}  # libp2p id -> progress sub-key of the stage's other counted servers
@@ -172,22 +173,26 @@ class ServedStage:
         sure the stage's other servers count this one before its first epoch ends."""
         restore = self.restore
         await self.rollbacks.adopt_in_force()
-        source = await restore.source()
+        source, placed = await restore.source(), True
         if source == "peers":
             self.log.info("loading state from live servers of the stage")
             if await restore.load_from_peers():
                 self.rollbacks.reapply()
             else:
+                placed = False
                 # the checkpoint, or (none yet) stay behind at the old epoch, with no catch-up: the optimizer
                 # then downloads the state from the stage's servers when it steps
                 await self.rollbacks.adopt_in_force()
                 if await restore.source(ask_peers=False) == "checkpoint":
                     await self.server.compute(self.rollbacks.resume, restore.restored_meta)
+                    placed = True
         elif source == "checkpoint":
             await self.server.compute(self.rollbacks.resume, restore.restored_meta)
         elif source == "fresh":
             self.log.info("no live server and no checkpoint: starting from the initial parameters")
             await self.server.compute(restore.catch_up)
+        if placed:  # the stage's state (or the initial one): stage-mates may now vouch for it with this server
+            await self.server.compute(self.server.note_state_digest)
         # publish our progress now, so the stage's servers count us before the first epoch ends (otherwise a
         # server that reaches the target first sees a group of one and steps alone)
         self.optimizer.announce_progress()
@@ -252,9 +257,23 @@ class ServedStage:
         donors = frozenset(s.p2p_id for s in servers)
         if donors != self._donors and await asyncio.to_thread(self.optimizer.set_donor_roster, donors):
             self._donors = donors
-        members = frozenset(s.p2p_id for s in servers if s.progress_key) if self.spec.averaging.early_start else None
+        members = self._sticky_members(servers) if self.spec.averaging.early_start else None
         if members and members != self._members and await asyncio.to_thread(self.optimizer.set_members, members):
             self._members = members
+
+    def _sticky_members(self, servers: list[ServerInfo]) -> frozenset[str]:
+        """The stage's averaging members: servers with a progress key seen in any read of the last ``record_ttl_s``
+        seconds, less those whose newest record says they pause or drain. One DHT read may miss a record that is
+        there, and servers whose member lists differ compute different grids of bounded groups
+        (:mod:`swarm.averaging.groups`): measured, 7 servers of the tiny spec's last stage failed most rounds."""
+        now, ttl = time.monotonic(), self.spec.timeouts.record_ttl_s
+        for s in servers:
+            if s.progress_key and s.state in (ServerState.JOINING, ServerState.ONLINE):
+                self._member_seen[s.p2p_id] = now
+            elif s.p2p_id in self._member_seen:
+                del self._member_seen[s.p2p_id]  # it pauses or drains: out at once
+        self._member_seen = {p: t for p, t in self._member_seen.items() if now - t < ttl}
+        return frozenset(self._member_seen)
 
     def _progress_pushed(self, p2p_id: str, push: ProgressPush) -> None:
         """A stage-mate's pushed count (``rpc_progress``): counted as the progress of the key its server record

@@ -1,0 +1,39 @@
+"""A swarm larger than one averaging group: 16 real peers (2 stages x 7 servers, 2 trainers), each its own process
+with its own p2pd, averaging in bounded groups (swarm.averaging.groups), through the kill of a quarter of a stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.scenario import Scenario, make_swarm
+
+PER_STAGE = 7
+GROUP_SIZE = 4  # 7 servers of a stage: two hops, groups of at most 4 voters
+
+
+@pytest.mark.scenario
+@pytest.mark.timeout(900)
+def test_sixteen_peers_average_in_bounded_groups_and_survive_losing_a_quarter_of_a_stage(tiny_spec, tmp_path,
+                                                                                         cache_dir):
+    spec = tiny_spec.updated(averaging={"group_size": GROUP_SIZE}, training={"target_batch_size": 64})
+    with make_swarm(spec, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+        sc.servers(per_stage=PER_STAGE, timeout=180).trainers(2).until_epoch(4, timeout=300)
+        for k in range(sc.num_stages):
+            epoch, _ = sc.stage_in_sync(k, min_epoch=2)
+            servers = sc.directory.servers(k)
+            assert len(servers) == PER_STAGE
+            assert sum(s.averaging.get("rounds", 0) >= 1 for s in servers) >= PER_STAGE - 1, \
+                [(s.peer_id, s.averaging) for s in servers]
+            hops = [s.averaging.get("groups", 0) / max(1, s.averaging.get("rounds", 0)) for s in servers]
+            sizes = [s.averaging.get("group_members", 0) / max(1, s.averaging.get("groups", 0)) for s in servers]
+            assert sum(h >= 1.5 for h in hops) >= PER_STAGE - 1, hops  # two groups per round: bounded, not one of 7
+            assert all(size <= GROUP_SIZE for size in sizes), sizes
+        reached = max(sc.epochs())
+        victims = [p for p in sw.peers if p.role == "server" and sc.stage_of.get(p.name) == 0][:2]
+        for peer in victims:  # a quarter of stage 0 (2 of 7), killed at once
+            sc.kill(peer)
+        sc.until_epoch(reached + 3, timeout=300)
+        for k in range(sc.num_stages):
+            sc.stage_in_sync(k, min_epoch=reached + 1)
+        for t in sc.directory.trainers():
+            assert t.loss is not None and t.loss < t.initial_loss - 0.25, (t.initial_loss, t.loss)
