@@ -44,6 +44,7 @@ from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.donors import DonorChoice
 from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.history import PartHistory
+from swarm.averaging.groups import Lane
 from swarm.averaging.hops import GroupRules, HopRounds
 from swarm.averaging.matchmaking import LOOKUP_GAP, DeliveredJoinAnswers, paced
 from swarm.averaging.reducer import ReducePolicy, as_scored_by, partition_bounds
@@ -199,8 +200,9 @@ class RobustAllReduceMixin(HopRounds, DeliveredJoinAnswers, Auditor, ProtocolSer
         if mm is None:
             return
         me = str(self.peer_id)
+        mm.min_group_size = self.matchmaking_kwargs["min_group_size"]
         if self._lane is not None:  # bounded groups: this hop's lane (swarm.averaging.hops)
-            mm.target_group_size = len(self._lane.members)
+            mm.target_group_size, mm.min_group_size = len(self._lane.members), self._lane.quorum
             return
         expected = [p for p in self._members if p == me or not self.exclusions.is_excluded(p)]
         fixed = self.matchmaking_kwargs["target_group_size"]  # the averager's own (None for a stage's servers)
@@ -231,6 +233,7 @@ class RobustAllReduceMixin(HopRounds, DeliveredJoinAnswers, Auditor, ProtocolSer
 
         mm._check_reasons_to_reject, mm._request_join_group = check_reasons_to_reject, request_join_group
         mm.group_key_manager.update_key_on_group_assembled = keep_key
+        mm.looking_for_group = self._keyed_search(mm.looking_for_group)
         mm.group_key_manager.get_averagers = paced(mm.group_key_manager.get_averagers,
                                                    mm.min_matchmaking_time * LOOKUP_GAP)
         self._mm_wrapped = True
@@ -247,6 +250,8 @@ class RobustAllReduceMixin(HopRounds, DeliveredJoinAnswers, Auditor, ProtocolSer
             if step.cancelled():  # the optimizer dropped this round meanwhile; hivemind 1.1.12 still sets its result
                 return None
             raise
+        finally:
+            self._end_step(step)
 
     # ---- the round --------------------------------------------------------------------------------------
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
@@ -259,12 +264,14 @@ class RobustAllReduceMixin(HopRounds, DeliveredJoinAnswers, Auditor, ProtocolSer
             running = self._running_groups.get(group_info.group_id)
             if running is not None and not running.done():
                 running.set_result(None)  # hivemind's bookkeeping: the round runs here, not in its AllReduceRunner
+            plan = self._step_lanes()
+            lane = plan.first()
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 values = list(local_tensors)
                 while True:
-                    values = await self._average_in(group_info, values, float(kwargs.get("weight", 1.0)),
+                    values = await self._average_in(group_info, lane, values, float(kwargs.get("weight", 1.0)),
                                                     min_vector_size)
-                    lane = self._next_lane()
+                    lane = plan.after(lane)
                     if lane is None:
                         break
                     group_info = await self._assemble_lane(lane)
@@ -280,12 +287,13 @@ class RobustAllReduceMixin(HopRounds, DeliveredJoinAnswers, Auditor, ProtocolSer
             self._log_failure(e, peers, time.perf_counter() - began)
             raise AllreduceException(f"robust all-reduce failed: {e}") from e
         finally:
-            self._enter_lane(self._lanes[0] if self._lanes else None)  # hivemind's retry starts at the first hop
+            self._back_to_first_lane()  # hivemind's retry starts at the first hop
 
-    async def _average_in(self, group_info: GroupInfo, values: list[torch.Tensor], weight: float,
-                          min_vector_size: int) -> list[torch.Tensor]:
-        """``values`` averaged with one group (one hop): new tensors, ``values`` left as they are."""
-        rules = await self._group_rules(group_info, weight, min_vector_size)
+    async def _average_in(self, group_info: GroupInfo, lane: Optional[Lane], values: list[torch.Tensor],
+                          weight: float, min_vector_size: int) -> list[torch.Tensor]:
+        """``values`` averaged with one group (one hop, ``lane``; None: one group of the stage): new tensors,
+        ``values`` left as they are."""
+        rules = await self._group_rules(group_info, lane, weight, min_vector_size)
         excluded = [p for p in rules.peers if self.exclusions.is_excluded(p)]
         if excluded:
             raise RoundFailed(f"group holds excluded peers {excluded}; looking for another group")

@@ -68,6 +68,13 @@ class Lane:
         return frozenset(self.voters + self.listeners)
 
     @property
+    def quorum(self) -> int:
+        """Members the lane's group needs before it may average: a strict majority at hop 0 (two groups formed
+        apart under one key cannot both hold one), every voter after (:func:`swarm.averaging.hops.whole_enough`).
+        Matchmaking that has fewer when its window ends disbands and gathers again, until the round's deadline."""
+        return len(self.voters) // 2 + 1 if self.hop == 0 else len(self.voters)
+
+    @property
     def rank(self) -> dict[str, int]:
         """libp2p id -> the order its part is aggregated in (its block's index): the same in every lane."""
         return {p: i for i, p in enumerate(self.voters)}

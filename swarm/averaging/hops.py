@@ -9,7 +9,9 @@ robust one of :class:`~swarm.averaging.averager.RobustAllReduceMixin`, under :cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Optional
 
@@ -50,6 +52,25 @@ class GroupRules:
     scored: bool = True
 
 
+@dataclass(frozen=True)
+class StepLanes:
+    """One step's hivemind ``StepControl`` and this server's lanes for it, hop by hop (empty: one group)."""
+
+    step: object = None
+    lanes: tuple[Lane, ...] = ()
+
+    def first(self) -> Optional[Lane]:
+        return self.lanes[0] if self.lanes else None
+
+    def after(self, lane: Optional[Lane]) -> Optional[Lane]:
+        """The lane of the next hop this server takes part in after ``lane``, or None."""
+        later = [x for x in self.lanes if lane is not None and x.hop > lane.hop]
+        return later[0] if later else None
+
+
+_STEP: ContextVar[StepLanes] = ContextVar("swarm_step_lanes", default=StepLanes())
+
+
 class HopRounds:
     """Mixin of :class:`~swarm.averaging.averager.RobustAllReduceMixin`: plans each step's lanes and assembles them.
 
@@ -62,21 +83,25 @@ class HopRounds:
     def _init_hops(self, group_size: int, compressor: Compressor) -> None:
         self.group_size = group_size
         self._hop_compressor = compressor.stateless()
-        self._lanes: list[Lane] = []  # this step's lanes, hop by hop
-        self._lane: Optional[Lane] = None  # the lane being assembled or averaged
-        self._step_control = None
+        self._lane: Optional[Lane] = None  # the lane matchmaking assembles now (its key and expected members)
+        self._current_step = None  # the step planned last
+        self._next_lane: dict[int, Optional[Lane]] = {}  # id(step) -> the lane its next matchmaking assembles
 
     def _plan_step(self, step) -> None:
-        """(averager process) This step's lanes, from the members set last and the epoch in the step's gather
-        data; sets hivemind's group key to the first lane's (or to the stage's one key: no lanes)."""
-        self._step_control, me = step, str(self.peer_id)
-        epoch = self._round_epoch(step)
-        self._lanes = []
+        """(averager process, in the step's task) This step's lanes, from the members set last and the epoch in
+        the step's gather data, kept in the task's context (hivemind starts a step while a round cancelled at its
+        timeout may still run). The key moves to a step's lane only once that step holds matchmaking
+        (:meth:`_keyed_search`): moved earlier, a search in progress would take in another lane's servers."""
+        me, epoch, lanes = str(self.peer_id), self._round_epoch(step), []
         members = frozenset(p for p in self._members if p == me or not self.exclusions.is_excluded(p))
         if self.group_size >= 3 and epoch is not None and me in members and len(members) > self.group_size:
-            plan = GroupPlan(members, round_seed(self.prefix, epoch), self.group_size)
-            self._lanes = plan.lanes_of(me)
-        self._enter_lane(self._lanes[0] if self._lanes else None)
+            lanes = GroupPlan(members, round_seed(self.prefix, epoch), self.group_size).lanes_of(me)
+        _STEP.set(StepLanes(step, tuple(lanes)))
+        self._current_step = step
+        self._next_lane[id(step)] = lanes[0] if lanes else None
+
+    def _end_step(self, step) -> None:
+        self._next_lane.pop(id(step), None)
 
     def _round_epoch(self, step) -> Optional[int]:
         try:
@@ -86,6 +111,18 @@ class HopRounds:
             return None
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
+    def _keyed_search(self, looking_for_group):
+        """hivemind's ``Matchmaking.looking_for_group`` (the lock a search holds), then the key of the searching
+        step's lane (the stage's one key when it has none), for as long as the search lasts."""
+
+        @contextlib.asynccontextmanager
+        async def search(step_control):
+            async with looking_for_group(step_control):
+                self._enter_lane(self._next_lane.get(id(step_control)))
+                yield
+
+        return search
+
     def _enter_lane(self, lane: Optional[Lane]) -> None:
         self._lane = lane
         mm = getattr(self, "_matchmaking", None)
@@ -93,28 +130,39 @@ class HopRounds:
             mm.group_key_manager.group_bits = lane.key_bits if lane is not None else ""
         self._expect_members()
 
-    def _next_lane(self) -> Optional[Lane]:
-        later = [lane for lane in self._lanes if self._lane is not None and lane.hop > self._lane.hop]
-        return later[0] if later else None
+    @staticmethod
+    def _step_lanes() -> "StepLanes":
+        """The lanes of the step whose task this is (none outside a planned step)."""
+        return _STEP.get()
+
+    def _back_to_first_lane(self) -> None:
+        """After a round of this task's step ended: its next search (hivemind's retry) starts at the first hop."""
+        plan = self._step_lanes()
+        if plan.step is not None:
+            self._next_lane[id(plan.step)] = plan.first()
 
     async def _assemble_lane(self, lane: Lane) -> GroupInfo:
         """(averager process) hivemind's matchmaking under ``lane``'s key, within the step's deadline.
 
-        :raises RoundFailed: no group formed (a lane-mate is down, or sees other members)."""
-        self._enter_lane(lane)
-        group = await self._matchmaking.look_for_group(self._step_control)
+        :raises RoundFailed: no group formed (a lane-mate is down, or sees other members), or a newer step began
+            (this one timed out: its result would not be used)."""
+        plan = self._step_lanes()
+        if plan.step is not self._current_step:
+            raise RoundFailed(f"hop {lane.hop}: a newer round began")
+        self._next_lane[id(plan.step)] = lane
+        group = await self._matchmaking.look_for_group(plan.step)
         if group is None:
             raise RoundFailed(f"hop {lane.hop}: no group formed with {len(lane.members) - 1} lane-mates")
         return group
 
-    async def _group_rules(self, group_info: GroupInfo, weight: float, min_vector_size: int) -> GroupRules:
+    async def _group_rules(self, group_info: GroupInfo, lane: Optional[Lane], weight: float,
+                           min_vector_size: int) -> GroupRules:
         """The rules of the group hivemind assembled: the first hop balances partitions by bandwidth (hivemind's
         ``load_balance_peers``); later hops split them evenly among voters, in every lane alike."""
         peers = [str(p) for p in group_info.peer_ids]
         bandwidths, mode_ids, _ = zip(*map(self.serializer.loads, group_info.gathered))
         modes = [AveragingMode(m) for m in mode_ids]
         senders = frozenset(p for p, m in zip(peers, modes) if m != AveragingMode.AUX)
-        lane = self._lane
         if lane is not None:
             whole_enough(lane, set(peers))
         if lane is None or lane.hop == 0:
@@ -139,8 +187,9 @@ def whole_enough(lane: Lane, present: set[str]) -> None:
     """
     strangers = present - lane.members
     if strangers:
-        raise RoundFailed(f"hop {lane.hop}: the group holds {len(strangers)} servers outside this server's lane")
-    if lane.hop == 0 and 2 * len(present) <= len(lane.members):
+        raise RoundFailed(f"hop {lane.hop}: the group holds {len(strangers)} servers outside this server's lane "
+                          f"({', '.join(sorted(strangers)[:3])})")
+    if lane.hop == 0 and len(present) < lane.quorum:
         raise RoundFailed(f"hop 0: the group holds {len(present)} of the lane's {len(lane.members)} members, not a "
                           "majority (its other members may have formed a group of their own)")
     missing = set(lane.voters) - present
