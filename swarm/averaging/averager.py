@@ -46,7 +46,7 @@ from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.history import PartHistory
 from swarm.averaging.groups import Lane
 from swarm.averaging.hops import GroupRules, HopRounds
-from swarm.averaging.matchmaking import LOOKUP_GAP, DeliveredJoinAnswers, paced
+from swarm.averaging.matchmaking import GroupMatchmaking
 from swarm.averaging.reducer import ReducePolicy, as_scored_by, partition_bounds
 from swarm.config import AveragingSpec
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
@@ -106,7 +106,7 @@ class AveragingRules:
             history_outlier_ratio=avg.history_outlier_ratio, group_size=avg.group_size)
 
 
-class RobustAllReduceMixin(HopRounds, DeliveredJoinAnswers, Auditor, ProtocolServicer):
+class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolServicer):
     """Replaces a hivemind ``DecentralizedAverager``'s all-reduce with ours; call :meth:`_init_robust` before the
     averager's ``__init__`` (which forks the averager process).
 
@@ -185,58 +185,6 @@ class RobustAllReduceMixin(HopRounds, DeliveredJoinAnswers, Auditor, ProtocolSer
         self._members = p2p_ids
         self._expect_members()
         future.set_result(None)
-
-    def _expect_members(self) -> None:
-        """Let matchmaking assemble the group as soon as every member of the stage not excluded joined it.
-
-        hivemind 1.1.12 otherwise waits out the whole matchmaking window (it assembles early only at its
-        ``target_group_size``, unset here): measured on the demo, an epoch's transition held a server's compute
-        thread 0.5-5 s for an all-reduce of 0.2-0.4 s. A peer off the roster that joins this server's group (a
-        server that joined the stage since the last roster read) turns the early start off for the round: the
-        group then forms at the window's end, as before; with no roster, or this server not on it, the averager's
-        own ``target_group_size`` holds. (A newcomer that asks to join after the roster's members are all in misses that round; the
-        next roster read, every ``record_ttl_s / 15``, counts it.)"""
-        mm = getattr(self, "_matchmaking", None)
-        if mm is None:
-            return
-        me = str(self.peer_id)
-        mm.min_group_size = self.matchmaking_kwargs["min_group_size"]
-        if self._lane is not None:  # bounded groups: this hop's lane (swarm.averaging.hops)
-            mm.target_group_size, mm.min_group_size = len(self._lane.members), self._lane.quorum
-            return
-        expected = [p for p in self._members if p == me or not self.exclusions.is_excluded(p)]
-        fixed = self.matchmaking_kwargs["target_group_size"]  # the averager's own (None for a stage's servers)
-        mm.target_group_size = len(expected) if me in self._members and len(expected) >= 2 else fixed
-
-    # ---- matchmaking: keep excluded peers out of our groups -------------------------------------------
-    def _wrap_matchmaking(self) -> None:
-        mm = self._matchmaking
-        check, request = mm._check_reasons_to_reject, mm._request_join_group
-
-        def check_reasons_to_reject(req, context):
-            peer = str(context.remote_id)
-            if self.exclusions.is_excluded(peer):
-                return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            reason = check(req, context)
-            known = self._lane.members if self._lane is not None else self._members
-            if reason is None and known and peer not in known:
-                mm.target_group_size = None  # a server the roster does not know yet: gather until the window ends
-            return reason
-
-        async def request_join_group(leader):
-            if self.exclusions.is_excluded(str(leader)):
-                return None
-            return await request(leader)
-
-        async def keep_key(group_info):  # hivemind moves the key after a group; _plan_step sets every hop's
-            return None
-
-        mm._check_reasons_to_reject, mm._request_join_group = check_reasons_to_reject, request_join_group
-        mm.group_key_manager.update_key_on_group_assembled = keep_key
-        mm.looking_for_group = self._keyed_search(mm.looking_for_group)
-        mm.group_key_manager.get_averagers = paced(mm.group_key_manager.get_averagers,
-                                                   mm.min_matchmaking_time * LOOKUP_GAP)
-        self._mm_wrapped = True
 
     async def _step(self, *, step, future_for_init):
         hold_current_task()  # hivemind keeps no reference to it; collected while it waited, its round never ran
