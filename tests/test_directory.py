@@ -4,6 +4,7 @@ peer's exit) forever."""
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 from hivemind import DHT
@@ -42,7 +43,7 @@ def node():
 
 def _info(ident: Identity) -> ServerInfo:
     return ServerInfo(run_id=RUN, peer_id=ident.peer_id, time=time.time(), stage=0, state=ServerState.ONLINE,
-                      p2p_id="12D3KooWAAAA", throughput=1.0, epoch=0)
+                      p2p_id=ident.p2p_id, throughput=1.0, epoch=0)
 
 
 @pytest.mark.timeout(60)
@@ -74,3 +75,35 @@ def test_a_call_the_live_dht_never_answers_gives_up_after_its_timeout(node, capl
     assert "no answer within 2 s" in caplog.text and "call_timeout_s" in caplog.text
     # the real node answers as before
     assert RunDirectory(node, RUN).trainers() == []
+
+
+@pytest.mark.timeout(60)
+def test_the_roster_forgets_servers_not_seen_for_an_hour_and_keeps_at_most_its_cap(node, monkeypatch):
+    """The roster entitles manifest writers: it keeps each server a read of the real DHT found for ROSTER_KEEP_S
+    after the last read that found it, and at most ROSTER_CAP per stage (those seen longest ago go first)."""
+    import swarm.net.directory as directory_module
+
+    directory, old, new = RunDirectory(node, RUN, ttl=3.0), Identity.generate(), Identity.generate()
+    clock = [1000.0]
+    monkeypatch.setattr(directory_module, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=time.sleep))
+    assert directory.announce_server(_info(old), old)  # (its record expires in 3 s: it leaves)
+    assert [s.peer_id for s in directory.servers(0)] == [old.peer_id]
+    directory.ttl = 30.0
+    assert directory.announce_server(_info(new), new)
+    deadline = time.time() + 20
+    while old.peer_id in {s.peer_id for s in directory.servers(0)} and time.time() < deadline:
+        time.sleep(0.2)
+    clock[0] += directory_module.ROSTER_KEEP_S - 1
+    assert [s.peer_id for s in directory.servers(0)] == [new.peer_id]
+    assert set(directory.roster[0]) == {old.peer_id, new.peer_id}  # an hour, less a second: still entitled
+    clock[0] += 2
+    directory.servers(0)
+    assert set(directory.roster[0]) == {new.peer_id}
+    monkeypatch.setattr(directory_module, "ROSTER_CAP", 3)
+    for name in "abcd":
+        clock[0] += 1
+        directory._remember(0, [name])
+    assert set(directory.roster[0]) == {"b", "c", "d"}
+    clock[0] += 1
+    directory.servers(0)  # found again: seen last now, and the longest unseen goes
+    assert set(directory.roster[0]) == {"c", "d", new.peer_id}

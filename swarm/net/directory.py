@@ -58,6 +58,13 @@ ROSTER_FIRST_READS = 3
 serving it: one DHT read may miss a record that is there (the records of a stage's servers are spread over the
 nodes nearest the key), and a one-shot observer (``checkpoints``, ``export``) must not ignore every checkpoint
 of a server its first read missed."""
+ROSTER_KEEP_S = 3600.0
+"""Seconds a peer stays in :attr:`RunDirectory.roster` after the last read that found its server record: long
+enough to entitle the manifests it wrote (checkpoints are written every few epochs), short enough that a
+long-lived peer's roster holds the servers of the last hour, not of the whole run."""
+ROSTER_CAP = 4096
+"""Most peers :attr:`RunDirectory.roster` keeps per stage (those seen longest ago go first): a stage flooded with
+announcements by throwaway keys cannot grow a peer's memory without bound."""
 
 
 class RunDirectory:
@@ -76,7 +83,8 @@ class RunDirectory:
         self.dht, self.run_id, self.ttl = dht, run_id, ttl
         self.run_key: Optional[bytes] = None  # the coordinator's public key, once a spec verified
         self.num_stages: Optional[int] = None  # the spec's, once verified
-        self.roster: dict[int, set[str]] = {}  # stage -> peer ids this directory saw announced as its servers
+        self.roster: dict[int, dict[str, float]] = {}  # stage -> peer ids seen announced as its servers -> when
+        # (time.monotonic() of the last read that found them; kept ROSTER_KEEP_S, at most ROSTER_CAP per stage)
         self._roster_read: dict[int, float] = {}  # stage -> time.monotonic() of its last read
         self._roster_reads: dict[int, int] = {}  # stage -> reads of its records so far
         self._refused_manifests: set[str] = set()  # (logged once each)
@@ -203,10 +211,22 @@ class RunDirectory:
     def servers(self, stage: int) -> list[ServerInfo]:
         """Verified, unexpired ServerInfo records of ``stage``, any state (their signers join :attr:`roster`)."""
         found = [s for s in self._read(stage_key(self.run_id, stage), ServerInfo) if s.stage == stage]
-        self.roster.setdefault(stage, set()).update(s.peer_id for s in found)
+        self._remember(stage, [s.peer_id for s in found])
         self._roster_read[stage] = time.monotonic()
         self._roster_reads[stage] = self._roster_reads.get(stage, 0) + 1
         return found
+
+    def _remember(self, stage: int, peer_ids: list[str]) -> None:
+        """Note ``peer_ids`` as servers of ``stage`` seen now; forget those not seen for :data:`ROSTER_KEEP_S` and,
+        past :data:`ROSTER_CAP`, those seen longest ago."""
+        now = time.monotonic()
+        seen = self.roster.setdefault(stage, {})
+        seen.update(dict.fromkeys(peer_ids, now))
+        for p in [p for p, when in seen.items() if now - when > ROSTER_KEEP_S]:
+            del seen[p]
+        if len(seen) > ROSTER_CAP:
+            for p in sorted(seen, key=seen.__getitem__)[:len(seen) - ROSTER_CAP]:
+                del seen[p]
 
     def _seen_serving(self, peer_id: str, stage: int) -> bool:
         """Was ``peer_id`` seen announced as a server of ``stage``? (Reads the stage's records again if it was
