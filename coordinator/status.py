@@ -41,6 +41,7 @@ left is listed with role ``unknown`` and state ``gone`` (``last_seen_s`` None).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from hivemind.utils import get_dht_time
@@ -113,10 +114,16 @@ def _gone_row(peer_id: str, reason: str) -> dict[str, Any]:
 
 
 def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
-    """Read every stage's servers, the trainers and the ban list once and summarise them (shape above)."""
-    servers = directory.all_servers(spec.model.num_stages)
-    trainers = directory.trainers()
-    ban_list, _ = directory.bans()
+    """Read every stage's servers and their histories, the trainers and the ban list once and summarise them
+    (shape above)."""
+    stage_ids = range(spec.model.num_stages)
+    with ThreadPoolExecutor(2 * len(stage_ids) + 2) as pool:  # (one DHT lookup each, all in flight at once)
+        reading = {k: pool.submit(directory.servers, k) for k in stage_ids}
+        reading_histories = {k: pool.submit(directory.histories, k) for k in stage_ids}
+        reading_trainers, reading_bans = pool.submit(directory.trainers), pool.submit(directory.bans)
+        servers = {k: f.result() for k, f in reading.items()}
+        histories = {k: f.result() for k, f in reading_histories.items()}
+        trainers, (ban_list, _) = reading_trainers.result(), reading_bans.result()
     banned = dict(ban_list.banned) if ban_list is not None else {}
     now = get_dht_time()
     demand = stage_demand(spec.model)
@@ -129,7 +136,7 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         rows = [_server_row(s, k, online, excluded_by_most, stage_samples, epoch, banned, now, directory)
                 for s in group]
         peers += rows
-        stage_rates = [r for r in (_epoch_rate(s.history) for s in online) if r]
+        stage_rates = [r for r in (_epoch_rate(histories[k].get(s.peer_id, [])) for s in online) if r]
         rates.append(max(stage_rates) if stage_rates else None)
         stages.append({
             "stage": k, "servers_online": len(online), "servers": len(group),
@@ -147,35 +154,43 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
             row["convicted_by"] = sum(row["peer_id"] in c for c in listing)
     listed = {p["peer_id"] for p in peers}
     peers += [_gone_row(peer, reason) for peer, reason in sorted(banned.items()) if peer not in listed]
-    return {"run": _run_summary(directory, spec, servers, trainers, stages, peers, rates, banned),
-            "stages": stages, "peers": peers, "healthy": all(s["servers_online"] > 0 for s in stages)}
+    last = [s for s in servers.get(spec.model.num_stages - 1, []) if s.state == ServerState.ONLINE]
+    run = _run_summary(directory, spec, trainers, stages, peers, rates, banned)
+    run.update(_losses(last, histories[spec.model.num_stages - 1], trainers))
+    return {"run": run, "stages": stages, "peers": peers, "healthy": all(s["servers_online"] > 0 for s in stages)}
 
 
-def _run_summary(directory: RunDirectory, spec: RunSpec, servers: dict[int, list[ServerInfo]],
-                 trainers: list[TrainerInfo], stages: list[dict], peers: list[dict], rates: list,
-                 banned: dict[str, str]) -> dict[str, Any]:
+def _losses(last: list[ServerInfo], histories: dict[str, list], trainers: list[TrainerInfo]) -> dict[str, Any]:
+    """The run's losses: the trainers' mean, the last stage's online servers' lowest EMA (``last``), the newest
+    validation loss and the loss curve their histories (peer id -> history) draw, nats/token."""
+    losses = [t.loss for t in trainers if t.loss is not None]
+    vals = sorted((t.val_time, t.val_loss) for t in trainers if t.val_loss is not None)
+    curve: dict[int, float] = {}
+    for s in last:
+        for e, _, loss in histories.get(s.peer_id, []):
+            if loss is not None:
+                curve.setdefault(e, loss)
+    return {
+        "loss": sum(losses) / len(losses) if losses else None,
+        "train_loss": min((s.loss for s in last if s.loss is not None), default=None),
+        "val_loss": vals[-1][1] if vals else None,
+        "loss_history": [[e, round(v, 5)] for e, v in sorted(curve.items())],
+    }
+
+
+def _run_summary(directory: RunDirectory, spec: RunSpec, trainers: list[TrainerInfo], stages: list[dict],
+                 peers: list[dict], rates: list, banned: dict[str, str]) -> dict[str, Any]:
+    """The ``run`` part of a snapshot but its losses (:func:`_losses`)."""
     epoch = min((s["epoch"] for s in stages), default=0)
     total = spec.optim.total_epochs
     known = [r for r in rates if r]
     eta = max(0.0, (total - epoch) / min(known)) if known and len(known) == len(rates) else None
-    losses = [t.loss for t in trainers if t.loss is not None]
-    last = [s for s in servers.get(spec.model.num_stages - 1, []) if s.state == ServerState.ONLINE]
-    vals = sorted((t.val_time, t.val_loss) for t in trainers if t.val_loss is not None)
-    curve: dict[int, float] = {}
-    for s in last:
-        for e, _, loss in s.history:
-            if loss is not None:
-                curve.setdefault(e, loss)
     count = lambda pred: sum(1 for p in peers if pred(p))  # noqa: E731
     return {
         "run_id": directory.run_id, "name": spec.name, "spec_hash": spec.spec_hash(),
         "num_stages": spec.model.num_stages, "epoch": epoch, "total_epochs": total,
         "progress": round(min(1.0, epoch / total), 4), "eta_s": round(eta, 1) if eta is not None else None,
         "tokens": sum(t.tokens for t in trainers), "samples_per_s": round(sum(t.samples_per_s for t in trainers), 3),
-        "loss": sum(losses) / len(losses) if losses else None,
-        "train_loss": min((s.loss for s in last if s.loss is not None), default=None),
-        "val_loss": vals[-1][1] if vals else None,
-        "loss_history": [[e, round(v, 5)] for e, v in sorted(curve.items())],
         "peers": {
             "online": count(lambda p: p["state"] in ("online", "training") and not p["lagging"]),
             "joining": count(lambda p: p["state"] == "joining"),

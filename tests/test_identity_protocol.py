@@ -11,6 +11,7 @@ from swarm.protocol import (
     CheckpointManifest,
     ForwardRequest,
     ProtocolError,
+    ServerHistory,
     ServerInfo,
     ServerState,
     TrainerInfo,
@@ -136,10 +137,15 @@ def test_records_with_absurd_numbers_are_refused_or_read_as_unknown():
             open_record(_forge(ident, {**info, field: value}), ServerInfo, run_id=run)
     rec, _ = open_record(_forge(ident, {**info, "time": now + 5.0}), ServerInfo, run_id=run)  # a little skew is fine
     assert rec.time == now + 5.0
-    rec, _ = open_record(_forge(ident, {**info, "loss": float("nan"), "history": [[3, now, float("inf")]]}),
-                         ServerInfo, run_id=run)
-    assert rec.loss is None and rec.history == [(3, now, None)]
+    rec, _ = open_record(_forge(ident, {**info, "loss": float("nan")}), ServerInfo, run_id=run)
+    assert rec.loss is None
     json.dumps(rec.model_dump(mode="json"), allow_nan=False)  # what `status --json` prints stays JSON
+    curve = ServerHistory(run_id=run, peer_id=ident.peer_id, time=now, stage=0).model_dump(mode="json")
+    rec, _ = open_record(_forge(ident, {**curve, "history": [[3, now, float("inf")]]}), ServerHistory, run_id=run)
+    assert rec.history == [(3, now, None)]
+    json.dumps(rec.model_dump(mode="json"), allow_nan=False)
+    with pytest.raises(ProtocolError, match="history"):  # a point's time or epoch is no unknown loss
+        open_record(_forge(ident, {**curve, "history": [[3, float("nan"), 1.0]]}), ServerHistory, run_id=run)
     honest = seal(_info(ident, time=now, loss=float("nan")), ident)  # a diverged server still announces itself
     assert open_record(honest, ServerInfo, run_id=run)[0].loss is None
 

@@ -30,6 +30,7 @@ from swarm.protocol import (
     ProtocolError,
     Record,
     RollbackOrder,
+    ServerHistory,
     ServerInfo,
     ServerState,
     SpecRecord,
@@ -37,6 +38,7 @@ from swarm.protocol import (
     TrainerInfo,
     bans_key,
     checkpoints_key,
+    history_key,
     open_record,
     open_spec,
     rollback_key,
@@ -180,6 +182,9 @@ class RunDirectory:
     def announce_trainer(self, info: TrainerInfo, identity: Identity) -> bool:
         return self.announce(trainers_key(self.run_id), info, identity)
 
+    def announce_history(self, history: ServerHistory, identity: Identity) -> bool:
+        return self.announce(history_key(self.run_id, history.stage), history, identity)
+
     def read_sealed(self, key: str, cls: Type[R], expiry: Optional[dict[str, float]] = None
                     ) -> list[tuple[R, bytes]]:
         """Verified records under ``key`` with their sealed bytes (to re-publish verbatim); bad ones are logged
@@ -251,6 +256,12 @@ class RunDirectory:
 
     def trainers(self) -> list[TrainerInfo]:
         return self._read(trainers_key(self.run_id), TrainerInfo)
+
+    def histories(self, stage: int) -> dict[str, list[tuple[int, float, Optional[float]]]]:
+        """Peer id -> :attr:`~swarm.protocol.ServerHistory.history` of the servers of ``stage`` that announce one
+        (monitors only: nothing a peer decides reads it)."""
+        return {h.peer_id: h.history for h in self._read(history_key(self.run_id, stage), ServerHistory)
+                if h.stage == stage}
 
     def storage(self) -> list[StorageInfo]:
         """Verified StorageInfo records: the fragment holders alive now."""
@@ -415,6 +426,9 @@ class AsyncRunDirectory:
 
     async def announce_trainer(self, info: TrainerInfo, identity: Identity) -> bool:
         return await self._call(self.blocking.announce_trainer, info, identity)
+
+    async def announce_history(self, history: ServerHistory, identity: Identity) -> bool:
+        return await self._call(self.blocking.announce_history, history, identity)
 
     async def publish_spec(self, sealed: bytes) -> bool:
         return await self._call(self.blocking.publish_spec, sealed)

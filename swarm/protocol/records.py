@@ -26,6 +26,11 @@ def trainers_key(run_id: str) -> str:
     return f"{run_id}/trainers"
 
 
+def history_key(run_id: str, stage: int) -> str:
+    """Where the servers of ``stage`` announce their :class:`ServerHistory` (read by monitors only)."""
+    return f"{run_id}/history/{stage}"
+
+
 class ServerState(StrEnum):
     JOINING = "joining"  # announced, loading state; not routed to
     ONLINE = "online"  # serving forward/backward
@@ -37,7 +42,7 @@ Reachability = Literal["direct", "relayed", "client"]
 """How other peers reach a peer: at its own address, through a libp2p circuit relay, or not at all (a
 client-mode trainer, which only dials out)."""
 HISTORY_POINTS = 64
-"""Most points a server keeps in :attr:`ServerInfo.history` (older ones are thinned, see :func:`add_history`)."""
+"""Most points a server keeps in :attr:`ServerHistory.history` (older ones are thinned, see :func:`add_history`)."""
 
 
 def add_history(history: list, point: tuple, cap: int = HISTORY_POINTS) -> list:
@@ -145,6 +150,17 @@ class ServerInfo(AnnouncedRecord):
     progress_key: str = Field("", max_length=2048, pattern=r"^([0-9a-f]{2})*$", description="Hex of its sub-key "
                               "in the stage's hivemind progress records: the stage's servers count only the progress "
                               "of sub-keys their records name (swarm.averaging.progress).")
+
+
+class ServerHistory(AnnouncedRecord):
+    """A stage server's epochs and losses under :func:`history_key`, announced with its :class:`ServerInfo`.
+
+    Apart from the server records because only monitors read it (``status``, ``monitor``): every server and
+    trainer reads its stages' :class:`ServerInfo` records every few seconds to route and average, and the history
+    was half of each (~1.3 of ~3 KB of msgpack at 64 points)."""
+
+    kind: Literal["history"] = "history"
+    stage: int = Field(ge=0)
     history: list[tuple[Epoch, float, FiniteOrNone]] = Field(
         default_factory=list, max_length=HISTORY_POINTS,
         description="(epoch, DHT time it began, mean training loss of the epoch before or None) per epoch "

@@ -139,7 +139,7 @@ class ServedStage:
         self.rollbacks = Rollbacks(self.restore, optimizer, self.server.compute, ctx.identity,
                                    is_last=self.server.is_last, log=self.log)
         self.background = Submissions(asyncio.get_running_loop())
-        self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before), see ServerInfo.history
+        self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before): ServerHistory.history
         self._excluded: set[str] = set()  # libp2p ids already excluded from this stage's averaging
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
@@ -307,7 +307,7 @@ class ServedStage:
             round_s=server.meter.mean_round_s, rounds=server.meter.rounds,
             excluded=report.excluded if report else {}, averaging=report.wire if report else {},
             lineage=self.lineage.current[0], restored=self.restore.restored, lr_scale=self.optimizer.lr_scale,
-            rollback_generation=rollbacks.generation, rollback_issuer=rollbacks.order_issuer, history=self.history,
+            rollback_generation=rollbacks.generation, rollback_issuer=rollbacks.order_issuer,
             progress_key=self.optimizer.progress_key if serving else "",
             donors_refused=dict(self.optimizer.donors_refused) if serving else {},
         )

@@ -63,7 +63,7 @@ from swarm.logs import PeerLog
 from swarm.model import build_stage
 from swarm.net.dht import close_dht, connect_run, reachability, relay_enabled, visible_maddrs
 from swarm.net.directory import AsyncRunDirectory
-from swarm.protocol import ServerInfo, ServerState, StorageInfo
+from swarm.protocol import ServerHistory, ServerInfo, ServerState, StorageInfo
 from swarm.server.compute import measure_throughput
 from swarm.server.rebalance import MovePlanner, choose_stage
 from swarm.server.served import PeerContext, ServedStage, StagePlan, StageServerFactory
@@ -390,7 +390,10 @@ class ServerSession:
         self.state = state
         self.threads.update(self.log)
         record = await asyncio.to_thread(self._record, state)
-        await self.directory.announce_server(record, self.identity)
+        history = ServerHistory(run_id=record.run_id, peer_id=self.me, time=record.time, stage=record.stage,
+                                history=self.served.history if self.served is not None else [])
+        await asyncio.gather(self.directory.announce_server(record, self.identity),
+                             self.directory.announce_history(history, self.identity))
         if self.on_announce is not None:
             self.on_announce(record, self.keeper.storage_info())
 
