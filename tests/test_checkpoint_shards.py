@@ -149,3 +149,21 @@ def test_a_loaded_state_is_written_into_the_tensors_the_optimizer_already_holds(
     assert all(a is b for a, b in zip(held, now)) and len(held) == len(now)
     loaded = named_state(target, opt_target)
     assert all(torch.equal(v, loaded[k]) for k, v in named_state(source, opt_source).items())
+
+
+def test_the_servers_of_a_stage_take_turns_writing_its_checkpoints():
+    """Whoever reads the same servers names the same writer of an epoch; over epochs the turn spreads over all of
+    them (no one server encodes every checkpoint, and a key ground to sort first is no more often the writer)."""
+    from collections import Counter
+
+    from swarm.checkpoint.commit import writer_of
+
+    servers = [Identity.generate().peer_id for _ in range(8)]
+    turns = Counter(writer_of("run-x", 1, epoch, servers) for epoch in range(800))
+    assert set(turns) == set(servers) and max(turns.values()) < 3 * 800 / 8
+    assert all(writer_of("run-x", 1, e, servers) == writer_of("run-x", 1, e, reversed(servers)) for e in range(50))
+    assert sum(writer_of("run-x", 0, e, servers) != writer_of("run-x", 1, e, servers) for e in range(50)) > 25
+    lowest = ["0" * 16, *servers]  # the lowest id writes only its share
+    assert sum(writer_of("run-x", 1, e, lowest) == "0" * 16 for e in range(900)) < 3 * 900 / 9
+    with pytest.raises(ValueError):
+        writer_of("run-x", 1, 7, [])

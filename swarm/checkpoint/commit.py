@@ -3,7 +3,9 @@ its state.
 
 Where an epoch ends (on the compute thread) the server checks :meth:`StageCommits.due`, captures a consistent
 copy of the state between micro-batches (:meth:`StageCommits.capture`) and commits it in the background
-(:meth:`StageCommits.commit`) if it is the stage's writer: the online server with the lowest peer id. The commit
+(:meth:`StageCommits.commit`) if it is the stage's writer of that epoch (:func:`writer_of`: the online servers take
+turns, so no one server encodes every checkpoint of a stage of hundreds, and no key ground to sort first writes
+them all). The commit
 itself (endorsements, erasure coding, placement, the manifest) is :func:`~swarm.checkpoint.writer.write_checkpoint`,
 with ``parent`` = the checkpoint the state descends from (:class:`~swarm.checkpoint.restore.Lineage`). Every
 server of the stage records its state's digest at each captured epoch, so it can endorse the writer's checkpoint
@@ -12,8 +14,9 @@ server of the stage records its state's digest at each captured epoch, so it can
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.restore import Lineage
@@ -21,6 +24,19 @@ from swarm.checkpoint.shard import StageShard
 from swarm.checkpoint.state import StateHolder, state_digest
 from swarm.checkpoint.writer import CheckpointError, write_checkpoint
 from swarm.trust.authority import CheckpointAuthority
+
+
+def writer_of(run_id: str, stage: int, epoch: int, peer_ids: Iterable[str]) -> str:
+    """The writer of stage ``stage``'s checkpoint of ``epoch`` among ``peer_ids`` (its online servers): the one
+    whose BLAKE2b of (run, stage, epoch, peer id) is lowest. Servers that see the same servers agree; the turn moves
+    with every epoch, uniformly over the servers, whatever their ids.
+
+    :raises ValueError: ``peer_ids`` is empty.
+    """
+    def rank(peer_id: str) -> bytes:
+        return hashlib.blake2b(f"{run_id}/{stage}/{epoch}/{peer_id}".encode(), digest_size=16).digest()
+
+    return min(peer_ids, key=rank)
 
 
 class StageCommits:
@@ -56,7 +72,7 @@ class StageCommits:
         """Commit ``shard`` to the swarm if this server is the stage's writer (``loss()``: its training loss EMA when
         the manifest is written); a failure is logged, not raised."""
         try:
-            if not await self._is_writer():
+            if not await self._is_writer(shard.epoch):
                 return
             parent = self.lineage.parent(await self.keeper.known_manifests(self.stage), shard.epoch)
             position = {t.share: t.position for t in await self.directory.trainers()}
@@ -70,10 +86,12 @@ class StageCommits:
         finally:
             self._writing = False
 
-    async def _is_writer(self) -> bool:
-        """The stage's writer is its live server with the lowest peer id (stale records of dead servers do
-        not count, or a killed writer would block checkpoints until its record expired)."""
-        return min([s.peer_id for s in await self.directory.fresh_servers(self.stage)] + [self.me]) == self.me
+    async def _is_writer(self, epoch: int) -> bool:
+        """Whether this server writes the checkpoint of ``epoch``: :func:`writer_of` its stage's live servers
+        (stale records of dead servers do not count, or a killed writer would block checkpoints until its record
+        expired)."""
+        online = {s.peer_id for s in await self.directory.fresh_servers(self.stage)} | {self.me}
+        return writer_of(self.keeper.run_id, self.stage, epoch, online) == self.me
 
 
-__all__ = ["StageCommits"]
+__all__ = ["StageCommits", "writer_of"]
