@@ -118,21 +118,35 @@ def by_kind(used: dict[tuple[int, str], float], leaders: Iterable[int] | None = 
     return totals
 
 
-def rss_by_session(leaders: Iterable[int], root: Path = Path("/proc")) -> dict[int, int]:
-    """Leader pid -> resident bytes of all the processes of its session now (``VmRSS``; shared pages count in
-    every process that maps them, so this overstates a peer that shares memory with its children)."""
+def memory_by_session(leaders: Iterable[int], root: Path = Path("/proc")) -> dict[int, tuple[int, int]]:
+    """Leader pid -> (resident bytes, proportional bytes) of all the processes of its session now.
+
+    Resident (``VmRSS``) counts a shared page in every process that maps it, so it overstates a peer that shares
+    memory with its children or other peers (torch's and hivemind's code, forked children's pages);
+    proportional (``Pss`` of ``smaps_rollup``: each shared page divided among its mappers) sums to what the
+    machine holds, so peers times their PSS is the memory a swarm needs. PSS is 0 where ``smaps_rollup`` cannot
+    be read (kernels before 4.14, another user's process)."""
     chosen, out = set(leaders), {}
     for proc in read_table(root).values():
         if proc.sid not in chosen:
             continue
-        try:
-            status = (root / str(proc.pid) / "status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                out[proc.sid] = out.get(proc.sid, 0) + int(line.split()[1]) * 1024
+        rss, pss = _field_kb(root / str(proc.pid) / "status", "VmRSS:"), _field_kb(
+            root / str(proc.pid) / "smaps_rollup", "Pss:")
+        had = out.get(proc.sid, (0, 0))
+        out[proc.sid] = (had[0] + rss * 1024, had[1] + pss * 1024)
     return out
 
 
-__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "read_table", "rss_by_session", "sample"]
+def _field_kb(path: Path, name: str) -> int:
+    """The kB figure of the line starting with ``name`` in a /proc file (0 if unreadable or absent)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith(name):
+            return int(line.split()[1])
+    return 0
+
+
+__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "read_table", "memory_by_session", "sample"]

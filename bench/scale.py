@@ -16,12 +16,17 @@ alike, so the last line compares the two (``growth``: large over baseline). Repo
 * ``round_s_p50``/``p99`` (the epoch lines' ``round_s``: the mean of a server's rounds since its last line);
 * ``dht_get_ms_p50``/``p99`` and ``dht_store_ms_p50``/``p99``: this bench's own DHT client reading a stage's
   records and storing a sub-key every ``--probe-every`` seconds through the window;
+* ``stage_read_kb``: the sealed server records one read of a stage returns (what every server and trainer reads
+  every few seconds), mean;
 * ``bytes_per_server_round``: averaging bytes sent and received over rounds, the servers' mean;
-* ``status_s``: seconds of ``swarm-coordinator status --json`` at the window's end;
-* ``peak_rss_mb``: by peer kind, the most any peer's processes held at once (sampled every 5 s).
+* ``status_s``: seconds of ``swarm-coordinator status --json`` at the window's end, a fresh process (most of it is
+  importing torch and hivemind and joining the DHT, the same at any size); ``status_read_s``: of that, the reads and
+  the summary (:func:`coordinator.status.snapshot`, timed in this process), which grow with the records;
+* ``peak_rss_mb``, ``peak_pss_mb``: by peer kind, the most any peer's processes held at once (sampled every 5 s),
+  resident and proportional (shared pages divided among the processes that map them: what the peer count needs).
 
 Prints progress on stderr and one JSON line on stdout (the last line). What limits the peer count on a host is
-its memory (``peak_rss_mb``) and cores: every peer runs a main process, a DHT process, a p2pd and (servers) two
+its memory (``peak_pss_mb``) and cores: every peer runs a main process, a DHT process, a p2pd and (servers) two
 averager processes.
 """
 
@@ -48,6 +53,7 @@ from bench.efficiency import records, spec_written  # noqa: E402
 from bench.swarm_vs_local import wait  # noqa: E402
 from coordinator.demo import start_servers  # noqa: E402
 from coordinator.launch import LocalSwarm  # noqa: E402
+from coordinator.status import snapshot  # noqa: E402
 from hivemind.utils import get_dht_time  # noqa: E402
 from swarm.config import PeerSettings, RunSpec  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
@@ -75,39 +81,45 @@ class Probe(threading.Thread):
         self.dht, self.key, self.every_s = dht, stage_key(run_id, 0), every_s
         self.gets: list[float] = []
         self.stores: list[float] = []
+        self.read_bytes: list[int] = []  # the sealed records one read of the stage returned, bytes
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(self.every_s):
             began = time.perf_counter()
-            self.dht.get(self.key, latest=True)
+            found = self.dht.get(self.key, latest=True)
             self.gets.append(1000 * (time.perf_counter() - began))
+            if found is not None and isinstance(found.value, dict):
+                self.read_bytes.append(sum(len(item.value) for item in found.value.values()))
             began = time.perf_counter()
             self.dht.store(f"{self.key}/bench-probe", b"x", get_dht_time() + 30, subkey=b"probe")
             self.stores.append(1000 * (time.perf_counter() - began))
 
 
 class Memory(threading.Thread):
-    """The peak resident bytes of each peer's processes, sampled every ``every_s`` seconds until stopped."""
+    """The peak resident and proportional bytes of each peer's processes (:func:`bench.procstat.memory_by_session`),
+    sampled every ``every_s`` seconds until stopped."""
 
     def __init__(self, swarm: LocalSwarm, every_s: float = 5.0):
         super().__init__(daemon=True)
         self.swarm, self.every_s = swarm, every_s
-        self.peak: dict[int, int] = {}
+        self.peak: dict[int, tuple[int, int]] = {}  # leader pid -> (peak RSS, peak PSS), bytes
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(self.every_s):
             roles = {p.proc.pid: p.role for p in self.swarm.peers if p.alive()}
-            for pid, rss in procstat.rss_by_session(roles).items():
-                self.peak[pid] = max(self.peak.get(pid, 0), rss)
+            for pid, (rss, pss) in procstat.memory_by_session(roles).items():
+                had = self.peak.get(pid, (0, 0))
+                self.peak[pid] = (max(had[0], rss), max(had[1], pss))
 
-    def by_role(self) -> dict[str, float]:
+    def by_role(self, which: int) -> dict[str, float]:
+        """Peer kind -> the most MiB one peer of that kind held (``which``: 0 RSS, 1 PSS)."""
         roles = {p.proc.pid: p.role for p in self.swarm.peers}
         out: dict[str, float] = {}
-        for pid, rss in self.peak.items():
+        for pid, peak in self.peak.items():
             role = roles.get(pid, "other")
-            out[role] = max(out.get(role, 0.0), round(rss / 2**20, 1))
+            out[role] = max(out.get(role, 0.0), round(peak[which] / 2**20, 1))
         return out
 
 
@@ -177,6 +189,9 @@ def measure(spec_path: Path, spec: RunSpec, per_stage: int, trainers: int, args)
             probe.join()
             after = records(directory, stages)
             status_s = status_seconds(address)
+            began = time.monotonic()
+            snapshot(directory, spec)
+            status_s = (status_s, round(time.monotonic() - began, 2))
             times = round_times(swarm.workdir / "logs", since)
         finally:
             memory.stop.set()
@@ -209,8 +224,10 @@ def summarize(before, after, stages, per_stage, trainers, probe, times, status_s
         "dht_get_ms_p50": _ms(percentile(probe.gets, 0.5)), "dht_get_ms_p99": _ms(percentile(probe.gets, 0.99)),
         "dht_store_ms_p50": _ms(percentile(probe.stores, 0.5)),
         "dht_store_ms_p99": _ms(percentile(probe.stores, 0.99)),
-        "bytes_per_server_round": avg["bytes_per_server_round"], "status_s": status_s,
-        "peak_rss_mb": memory.by_role(),
+        "stage_read_kb": round(statistics.mean(probe.read_bytes) / 1024, 1) if probe.read_bytes else None,
+        "bytes_per_server_round": avg["bytes_per_server_round"], "status_s": status_s[0],
+        "status_read_s": status_s[1],
+        "peak_rss_mb": memory.by_role(0), "peak_pss_mb": memory.by_role(1),
     }
 
 
@@ -249,7 +266,7 @@ def main() -> None:
     if len(runs) == 2:
         base, large = runs
         result["growth"] = {k: round(large[k] / base[k], 2) for k in (
-            "tokens_per_s", "round_s_p50", "dht_get_ms_p99", "bytes_per_server_round", "status_s")
+            "tokens_per_s", "round_s_p50", "dht_get_ms_p99", "bytes_per_server_round", "status_s", "status_read_s")
             if isinstance(base.get(k), (int, float)) and base[k] and isinstance(large.get(k), (int, float))}
     print(json.dumps(result), flush=True)
 
