@@ -11,7 +11,8 @@ from hivemind.utils import get_dht_time
 from swarm.net.dht_validation import RunRecordValidator
 from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
-from swarm.protocol import RollbackOrder, ServerInfo, ServerState, rollback_key, seal, spec_key, stage_key
+from swarm.protocol import (RollbackOrder, ServerHistory, ServerInfo, ServerState, history_key, rollback_key, seal,
+                            spec_key, stage_key)
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,6 +93,13 @@ def test_the_validator_leaves_other_keys_alone_and_refuses_plain_values_under_th
     assert validator.validate(record(stage_key(run_id, 3), seal(info, server), subkey=server.peer_id))
     replay = seal(info.model_copy(update={"time": get_dht_time() - 60}), server)  # stored to expire 70 s after it
     assert not validator.validate(record(stage_key(run_id, 3), replay, subkey=server.peer_id))
+    # a server's history: its own sealed ServerHistory only (not its ServerInfo, not junk, not another's)
+    curve = ServerHistory(run_id=run_id, peer_id=server.peer_id, time=get_dht_time(), stage=3, ttl_s=10.0,
+                          history=[(1, get_dht_time(), 4.0)])
+    assert validator.validate(record(history_key(run_id, 3), seal(curve, server), subkey=server.peer_id))
+    assert not validator.validate(record(history_key(run_id, 3), seal(info, server), subkey=server.peer_id))
+    assert not validator.validate(record(history_key(run_id, 3), b"junk"))
+    assert not validator.validate(record(history_key(run_id, 3), seal(curve, server), subkey=Identity.generate().peer_id))
 
 
 def test_a_replayed_record_kept_alive_longer_hides_no_newer_one():

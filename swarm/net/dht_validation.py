@@ -6,8 +6,8 @@ keep new peers out. Every node of the run (servers, trainers, the coordinator) r
 :class:`RunRecordValidator`, which hivemind calls on every value another node asks it to store and on every
 value a lookup brings back (``hivemind.dht.validation``, the mechanism of its own ``RSASignatureValidator``):
 
-* under the run's dictionary keys (servers, trainers, storage, checkpoints, rollback orders, bans, the
-  stages' averagers' accusations) only
+* under the run's dictionary keys (servers, their histories, trainers, storage, checkpoints, rollback orders,
+  bans, the stages' averagers' accusations) only
   sub-key values that are sealed records of the key's kind, signed by the owner of their sub-key, stored under
   their own sub-key and (announcements) to expire within the lifetime their signer gave them, are valid
   (:func:`~swarm.protocol.open_record`, its *Shadowing* rules); a plain value is not;
@@ -38,6 +38,7 @@ from swarm.protocol import (
     ProtocolError,
     Record,
     RollbackOrder,
+    ServerHistory,
     ServerInfo,
     SpecRecord,
     StorageInfo,
@@ -45,6 +46,7 @@ from swarm.protocol import (
     accusations_key,
     bans_key,
     checkpoints_key,
+    history_key,
     open_record,
     open_spec,
     rollback_key,
@@ -67,6 +69,7 @@ def run_keys(run_id: str, max_stages: int = MAX_STAGES) -> dict[str, Type[Record
                                      bans_key(run_id): BanList}
     for k in range(max_stages):
         keys[stage_key(run_id, k)] = ServerInfo
+        keys[history_key(run_id, k)] = ServerHistory
         keys[checkpoints_key(run_id, k)] = CheckpointManifest
         for averager in AVERAGERS:
             keys[accusations_key(f"{run_id}-stage{k}_{averager}")] = Accusation
