@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -96,23 +97,40 @@ _WATCH = typer.Option(0.0, "--watch", min=0, help="Refresh every this many secon
 _TIMEOUT = typer.Option(30.0, help="Seconds to find the run.")
 
 
-def _show(what: str, address: str, as_json: bool, every_s: float, timeout: float, plot: Optional[Path] = None) -> None:
+_TOP = typer.Option(40, "--top", min=0, help="Peers the table shows, those that need attention first (banned, "
+                   "excluded, convicted, lagging), then by stage and contribution; 0: all. --json lists all.")
+
+
+@dataclass(frozen=True)
+class _View:
+    """What ``status``, ``stages`` and ``peers`` print: ``what``, as one JSON object or tables, every ``every_s``
+    seconds (0: once), at most ``top`` peer rows (0: all), and the loss curve to ``plot``."""
+
+    what: str
+    as_json: bool
+    every_s: float
+    top: int = 0
+    plot: Optional[Path] = None
+
+
+def _show(view: _View, address: str, timeout: float) -> None:
     """Take a snapshot (or keep taking them) and print it; exit 0 if healthy, 1 if not."""
     from coordinator.monitor import watch
     from coordinator.status import snapshot
     from coordinator.views import make_console, render, write_loss_png
 
+    what, every_s, plot = view.what, view.every_s, view.plot
     dht, directory, spec, _ = _connect(address, timeout)
     console = make_console()
     shape = (lambda s: s) if what == "status" else (lambda s: {what: s[what], "healthy": s["healthy"]})  # noqa: E731
 
     def show(snap):
-        if as_json:
+        if view.as_json:
             print(json.dumps(shape(snap)), flush=True)
         else:
             if every_s > 0:
                 console.clear()
-            render(snap, what, console)
+            render(snap, what, console, view.top)
 
     try:
         take = lambda: snapshot(directory, spec)  # noqa: E731
@@ -136,10 +154,10 @@ def _show(what: str, address: str, as_json: bool, every_s: float, timeout: float
 @app.command()
 def status(address: str = typer.Argument(..., help="Run address."), as_json: bool = _JSON, watch: float = _WATCH,
            plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the loss curve to this PNG file."),
-           timeout: float = _TIMEOUT) -> None:
+           top: int = _TOP, timeout: float = _TIMEOUT) -> None:
     """Run summary (epoch, loss, validation loss, tokens, samples/s, ETA, peers), loss plot, stages, peers.
     Exit code 1 if a stage has no online server. JSON keys: run, stages, peers, healthy (docs/monitoring.md)."""
-    _show("status", address, as_json, watch, timeout, plot)
+    _show(_View("status", as_json, watch, top, plot), address, timeout)
 
 
 @app.command()
@@ -147,15 +165,15 @@ def stages(address: str = typer.Argument(..., help="Run address."), as_json: boo
            timeout: float = _TIMEOUT) -> None:
     """Per stage: servers (online, lagging), throughput, demand, epoch, last averaging round. Exit 1 if a
     stage has no online server. JSON: {stages, healthy}."""
-    _show("stages", address, as_json, watch, timeout)
+    _show(_View("stages", as_json, watch), address, timeout)
 
 
 @app.command()
 def peers(address: str = typer.Argument(..., help="Run address."), as_json: bool = _JSON, watch: float = _WATCH,
-          timeout: float = _TIMEOUT) -> None:
+          top: int = _TOP, timeout: float = _TIMEOUT) -> None:
     """Per peer: id, name, version, role, stage, state, direct or relayed, samples/s, contribution, last seen,
     flagged/rejected parts, bans. Exit 1 if a stage has no online server. JSON: {peers, healthy}."""
-    _show("peers", address, as_json, watch, timeout)
+    _show(_View("peers", as_json, watch, top), address, timeout)
 
 
 def _ban_list(address: str, key: Path, timeout: float, peer: str, lift: bool, reason: str = "") -> None:

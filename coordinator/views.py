@@ -46,11 +46,25 @@ def stages_table(snap: dict[str, Any]) -> Table:
     return table
 
 
-def peers_table(snap: dict[str, Any]) -> Table:
+def _attention(p: dict[str, Any]) -> tuple:
+    """Sort key of a peer row: banned, excluded, convicted, then lagging peers first; then servers by stage before
+    trainers, each by contribution, largest first."""
+    return (not p["banned"], not p["excluded"], not p.get("convicted_by"), not p["lagging"],
+            p["stage"] is None, p["stage"] or 0, -p["contribution"], p["peer_id"])
+
+
+def peers_table(snap: dict[str, Any], top: int = 0) -> Table:
+    """The peers table; with ``top`` > 0 only that many rows, those that need attention first (:func:`_attention`),
+    and a caption that counts the rest (``--json`` always lists every peer)."""
+    rows = snap["peers"]
+    if 0 < top < len(rows):
+        rows = sorted(rows, key=_attention)[:top]
+    caption = (f"{len(rows)} of {len(snap['peers'])} peers, those that need attention first: --top 0 lists all, "
+               "--json prints every field" if len(rows) < len(snap["peers"]) else None)
     table = Table("peer", "name", "version", "role", "stage", "state", "link", "samples/s", "MFU", "contribution",
                   "seen",
-                  "loss", "flagged/rejected", "banned/excluded", title="peers")
-    for p in snap["peers"]:
+                  "loss", "flagged/rejected", "banned/excluded", title="peers", caption=caption)
+    for p in rows:
         if p["banned"]:
             refused = f"[red]BANNED[/] ({p['ban_reason']})"
         elif p["excluded"]:
@@ -118,8 +132,8 @@ def make_console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
-def render(snap: dict[str, Any], what: str = "status", console: Optional[Console] = None) -> None:
-    """Print ``status`` (summary, loss plot, stages, peers), ``stages`` or ``peers``."""
+def render(snap: dict[str, Any], what: str = "status", console: Optional[Console] = None, top: int = 0) -> None:
+    """Print ``status`` (summary, loss plot, stages, peers), ``stages`` or ``peers`` (``top``: :func:`peers_table`)."""
     console = console or make_console()
     if what in ("status", "stages"):
         console.print(summary_line(snap))
@@ -130,4 +144,4 @@ def render(snap: dict[str, Any], what: str = "status", console: Optional[Console
     if what in ("status", "stages"):
         console.print(stages_table(snap))
     if what in ("status", "peers"):
-        console.print(peers_table(snap))
+        console.print(peers_table(snap, top))

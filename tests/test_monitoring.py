@@ -99,3 +99,56 @@ def test_a_server_row_counts_the_stage_mates_that_refused_its_state():
     online = [info(liar, {}), info(keys[1], {liar.p2p_id: "digest matches no other server"}), info(keys[2], {})]
     rows = [_server_row(s, 0, online, set(), 1, 0, {}, get_dht_time(), SimpleNamespace(ttl=30.0)) for s in online]
     assert [r["refused_as_donor_by"] for r in rows] == [1, 0, 0]
+
+
+class _Records:
+    """A run directory's reads (the interface :func:`coordinator.status.snapshot` uses) over records in memory."""
+
+    def __init__(self, servers: dict, histories: dict, trainers: list, bans=None):
+        self.run_id, self.ttl = "tiny-aaaaaaaaaaaaaaaa", 30.0
+        self._servers, self._histories, self._trainers, self._bans = servers, histories, trainers, bans
+
+    def servers(self, stage):
+        return self._servers[stage]
+
+    def histories(self, stage):
+        return self._histories[stage]
+
+    def trainers(self):
+        return self._trainers
+
+    def bans(self):
+        return self._bans, None
+
+
+def test_a_run_of_hundreds_of_peers_is_summarised_whole_and_its_table_shows_the_peers_that_need_attention():
+    """``status --json`` lists every peer of a run of 2 x 300 servers and 100 trainers; the table shows ``--top``
+    rows, the banned and lagging peers first, and says how many it left out."""
+    from hivemind.utils import get_dht_time
+    from rich.console import Console
+
+    from coordinator.status import snapshot
+    from coordinator.views import peers_table
+    from swarm.config import RunSpec
+    from swarm.protocol import BanList, ServerInfo, ServerState, TrainerInfo
+
+    spec = RunSpec.from_toml("runs/tiny.toml")
+    now, run = get_dht_time(), "tiny-aaaaaaaaaaaaaaaa"
+    servers = {k: [ServerInfo(run_id=run, peer_id=f"s{k}-{i:03d}", time=now - (100 if i == 7 else 1), stage=k,
+                              state=ServerState.ONLINE, throughput=1.0 + i, p2p_id=f"p{k}-{i}", epoch=5, samples=10 + i)
+                   for i in range(300)] for k in range(2)}
+    histories = {k: {s.peer_id: [(e, now - 10 + e, 5.0 - e / 10) for e in range(6)] for s in servers[k]}
+                 for k in range(2)}
+    trainers = [TrainerInfo(run_id=run, peer_id=f"t{i:03d}", time=now, samples_per_s=2.0, samples=100, tokens=3200,
+                            share=i % 4, loss=4.0) for i in range(100)]
+    bans = BanList(run_id=run, peer_id="coordinator", time=now, banned={"s1-150": "spam"})
+    snap = snapshot(_Records(servers, histories, trainers, bans), spec)
+    assert len(snap["peers"]) == 700 and [s["servers_online"] for s in snap["stages"]] == [300, 300]
+    assert snap["run"]["loss_history"] == [[e, round(5.0 - e / 10, 5)] for e in range(6)]
+    table = peers_table(snap, top=40)
+    assert table.row_count == 40 and "40 of 700 peers" in table.caption
+    console = Console(width=400, record=True)
+    console.print(table)
+    lines = [line for line in console.export_text().splitlines() if line.startswith(("│ s", "│ t", "| s"))]
+    assert lines[0].startswith("│ s1-150") and lines[1].split()[1] in ("s0-007", "s1-007")  # banned, then lagging
+    assert peers_table(snap, top=0).row_count == 700 and peers_table(snap, top=0).caption is None
