@@ -107,3 +107,18 @@ def test_the_roster_forgets_servers_not_seen_for_an_hour_and_keeps_at_most_its_c
     clock[0] += 1
     directory.servers(0)  # found again: seen last now, and the longest unseen goes
     assert set(directory.roster[0]) == {"c", "d", new.peer_id}
+
+
+def test_a_stage_of_many_servers_is_read_less_often_up_to_its_re_announce_period():
+    """A peer reads a small stage at its own cadence, a large one so that it reads about RECORDS_READ_PER_S records a
+    second, and any stage at least as often as its servers re-announce."""
+    from swarm.net.directory import RECORDS_READ_PER_S, read_period_s
+
+    assert read_period_s(0, 2.0, 10.0) == read_period_s(32, 2.0, 10.0) == 2.0
+    assert read_period_s(32, 0.0, 10.0) == 0.0 and read_period_s(33, 0.0, 10.0) > 0  # (a caller's 0: every call)
+    assert read_period_s(100, 2.0, 10.0) == pytest.approx(100 / RECORDS_READ_PER_S)
+    assert read_period_s(10_000, 2.0, 10.0) == 10.0
+    periods = [read_period_s(n, 2.0, 10.0) for n in range(0, 400, 8)]
+    assert periods == sorted(periods)
+    with pytest.raises(ValueError, match="exceeds"):
+        read_period_s(5, 11.0, 10.0)

@@ -84,3 +84,28 @@ def test_the_ban_follower_reuses_the_records_the_roster_read_within_a_quiet_peri
     assert asyncio.run(stage.stage_servers()) == ["the roster's"] and stage.directory.reads == 1
     stage._servers_read = (time.monotonic() - quiet_period_s(TINY) - 1, ["stale"])
     assert asyncio.run(stage.stage_servers()) == ["record 2"]
+
+
+def test_a_training_stage_of_many_servers_is_read_less_often_and_a_push_still_makes_it_read_at_once():
+    """A stage of 100 servers (tiny spec: ticks every 1 s, re-announcements every 5 s) is read every 100 /
+    RECORDS_READ_PER_S seconds, capped at the re-announce period; an unknown stage-mate's push still reads at the
+    next tick."""
+    from swarm.net.directory import read_period_s
+
+    stage = _stage(quiet=False)
+
+    async def read_roster() -> None:
+        stage.reads.append(1)
+        stage._servers_read = (time.monotonic(), ["a record"] * 100)
+
+    stage._read_roster = read_roster
+    period = read_period_s(100, roster_period_s(TINY), quiet_period_s(TINY))
+    assert roster_period_s(TINY) < period <= quiet_period_s(TINY)
+    _ticks(stage, 3)
+    assert len(stage.reads) == 1, "a large stage was read again before its read period"
+    stage._servers_read = (time.monotonic() - period, stage._servers_read[1])
+    _ticks(stage, 1)
+    assert len(stage.reads) == 2
+    stage._roster_due = True  # (what a refused push sets)
+    _ticks(stage, 1)
+    assert len(stage.reads) == 3

@@ -60,6 +60,32 @@ ROSTER_FIRST_READS = 3
 serving it: one DHT read may miss a record that is there (the records of a stage's servers are spread over the
 nodes nearest the key), and a one-shot observer (``checkpoints``, ``export``) must not ignore every checkpoint
 of a server its first read missed."""
+RECORDS_READ_PER_S = 16.0
+"""Server records a peer reads per second, on average, to follow a stage of many servers (:func:`read_period_s`):
+~35 KB/s at ~2.2 KB a record, whatever the stage's size, until the stage is read only as often as its servers
+re-announce."""
+
+
+SMALL_STAGE = 32
+"""Servers up to which a stage is read at its peer's own cadence (:func:`read_period_s`)."""
+
+
+def read_period_s(records: int, shortest_s: float, longest_s: float) -> float:
+    """Seconds between two reads of a stage whose last read returned ``records`` server records: its peer's own
+    cadence (``shortest_s``) up to :data:`SMALL_STAGE` records, then ``records /`` :data:`RECORDS_READ_PER_S` if
+    longer (a peer of a stage of n servers otherwise reads n records per period, and the stage's DHT nodes answer
+    n readers: n² records per period), at most ``longest_s`` (the servers' re-announce period: reading less often
+    would miss whole announcements).
+
+    :raises ValueError: ``shortest_s`` exceeds ``longest_s``.
+    """
+    if shortest_s > longest_s:
+        raise ValueError(f"shortest_s={shortest_s} exceeds longest_s={longest_s}")
+    if records <= SMALL_STAGE:
+        return shortest_s
+    return min(longest_s, max(shortest_s, records / RECORDS_READ_PER_S))
+
+
 ROSTER_KEEP_S = 3600.0
 """Seconds a peer stays in :attr:`RunDirectory.roster` after the last read that found its server record: long
 enough to entitle the manifests it wrote (checkpoints are written every few epochs), short enough that a

@@ -32,7 +32,7 @@ from swarm.checkpoint.rollback import Rollbacks
 from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
-from swarm.net.directory import AsyncRunDirectory
+from swarm.net.directory import AsyncRunDirectory, read_period_s
 from swarm.protocol import ProgressPush, ServerInfo, ServerState, add_history
 from swarm.server.progress_push import ProgressPusher
 from swarm.server.stage import EpochEnd, StageError, StageServer
@@ -225,9 +225,12 @@ class ServedStage:
             await self.rollbacks.follow()
 
     async def _roster_tick(self) -> None:
-        """Read the stage's server records every :func:`roster_period_s`, or every :func:`quiet_period_s` while the
-        stage is quiet and no unknown stage-mate pushed its progress since the last read."""
-        if self._roster_due or not self._quiet_skip("roster"):
+        """Read the stage's server records every :func:`roster_period_s` (less often in a stage of many servers,
+        :func:`~swarm.net.directory.read_period_s`), or every :func:`quiet_period_s` while the stage is quiet, and at
+        once when an unknown stage-mate pushed its progress since the last read."""
+        period = read_period_s(len(self._servers_read[1]), roster_period_s(self.spec), quiet_period_s(self.spec))
+        if self._roster_due or (time.monotonic() - self._servers_read[0] >= period - 0.1 and
+                                not self._quiet_skip("roster")):
             self._roster_due = False
             await self._read_roster()
 

@@ -30,7 +30,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.config import RunSpec
 from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
-from swarm.net.directory import AsyncRunDirectory
+from swarm.net.directory import AsyncRunDirectory, read_period_s
 from swarm.net.stage_rpc import MAX_WIRE_TENSORS, max_batch, max_message_bytes, stage_stub
 from swarm.net.transport import gather, stream_out
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
@@ -92,8 +92,10 @@ class RemotePipeline:
     :param bans: the run's ban list (:class:`~swarm.trust.banlist.RunBans`): servers on it are never used.
     :param log: the trainer's log (its retries are logged there).
     :param max_attempts: tries per stage call before the micro-batch fails with :class:`PipelineError`.
-    :param refresh_s: seconds between reads of a stage's server records from the DHT (default: a sixth of the
-        spec's record TTL, 5 s at 30 s; servers re-announce every third of it, and a failed call reads at once).
+    :param refresh_s: seconds between reads of a stage's server records from the DHT while the stage is small
+        (default: a sixth of the spec's record TTL, 5 s at 30 s; servers re-announce every third of it, and a failed
+        call reads at once); a stage of many servers is read less often, up to every third of the TTL
+        (:func:`~swarm.net.directory.read_period_s`).
     :param listener: told of every training call and every read of a stage's records (:class:`PipelineListener`);
         default: spot checks (:class:`~swarm.trust.spotcheck.SpotChecker`), which also keep the pipeline off the
         servers that verified evidence convicted.
@@ -109,6 +111,7 @@ class RemotePipeline:
         self.router = Router(backoff_s=spec.timeouts.backoff_s, backoff_max_s=spec.timeouts.backoff_max_s)
         self.max_attempts = max_attempts
         self.refresh_s = spec.timeouts.record_ttl_s / 6 if refresh_s is None else refresh_s
+        self._announce_s = spec.timeouts.record_ttl_s / 3  # (servers re-announce this often)
         self.num_stages = spec.model.num_stages
         self.listener = listener if listener is not None else SpotChecker(spec, run_id, p2p, log=self.log)
         self._servers: dict[int, tuple[float, list[ServerInfo]]] = {}
@@ -124,7 +127,8 @@ class RemotePipeline:
             found = await self._read_servers(stage)
         else:
             found = cached[1]
-            if time.monotonic() - cached[0] > self.refresh_s and stage not in self._reading:
+            period = read_period_s(len(cached[1]), self.refresh_s, max(self.refresh_s, self._announce_s))
+            if time.monotonic() - cached[0] > period and stage not in self._reading:
                 task = self._reading[stage] = asyncio.create_task(self._read_servers(stage))
                 task.add_done_callback(functools.partial(self._read_done, stage))
         return [s for s in found if not self.listener.refuses(s)]
