@@ -118,6 +118,18 @@ def by_kind(used: dict[tuple[int, str], float], leaders: Iterable[int] | None = 
     return totals
 
 
+def io_bytes(pids: Iterable[int], root: Path = Path("/proc")) -> dict[int, int]:
+    """pid -> bytes it read and wrote through ``read``/``write`` system calls so far (``rchar + wchar`` of
+    ``/proc/<pid>/io``: sockets and pipes included, disk reads served from the page cache too); a process whose
+    file cannot be read is left out."""
+    out = {}
+    for pid in pids:
+        path = root / str(pid) / "io"
+        if path.exists():
+            out[pid] = _field(path, "rchar:") + _field(path, "wchar:")
+    return out
+
+
 def memory_by_session(leaders: Iterable[int], root: Path = Path("/proc")) -> dict[int, tuple[int, int]]:
     """Leader pid -> (resident bytes, proportional bytes) of all the processes of its session now.
 
@@ -130,15 +142,15 @@ def memory_by_session(leaders: Iterable[int], root: Path = Path("/proc")) -> dic
     for proc in read_table(root).values():
         if proc.sid not in chosen:
             continue
-        rss, pss = _field_kb(root / str(proc.pid) / "status", "VmRSS:"), _field_kb(
+        rss, pss = _field(root / str(proc.pid) / "status", "VmRSS:"), _field(
             root / str(proc.pid) / "smaps_rollup", "Pss:")
         had = out.get(proc.sid, (0, 0))
         out[proc.sid] = (had[0] + rss * 1024, had[1] + pss * 1024)
     return out
 
 
-def _field_kb(path: Path, name: str) -> int:
-    """The kB figure of the line starting with ``name`` in a /proc file (0 if unreadable or absent)."""
+def _field(path: Path, name: str) -> int:
+    """The number after ``name`` on the line starting with it in a /proc file (0 if unreadable or absent)."""
     try:
         text = path.read_text()
     except OSError:
@@ -149,4 +161,4 @@ def _field_kb(path: Path, name: str) -> int:
     return 0
 
 
-__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "read_table", "memory_by_session", "sample"]
+__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "read_table", "io_bytes", "memory_by_session", "sample"]

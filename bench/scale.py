@@ -18,6 +18,12 @@ alike, so the last line compares the two (``growth``: large over baseline). Repo
   records and storing a sub-key every ``--probe-every`` seconds through the window;
 * ``stage_read_kb``: the sealed server records one read of a stage returns (what every server and trainer reads
   every few seconds), mean;
+* ``dht_kb_per_peer_min``: by peer kind, the bytes one peer's DHT process read and wrote per minute through the
+  window (``rchar + wchar``: its p2pd socket and the pipe to its peer's main process, so about twice its DHT
+  traffic), the peers' mean;
+* ``cores``: by process kind (:mod:`bench.procstat`: main processes by role, ``dht``, ``averager``, ``p2pd``), the
+  cores all peers' processes of that kind kept busy through the window, and their ``total``: at the machine's
+  core count, the bench measures the host's CPU, not the protocol;
 * ``bytes_per_server_round``: averaging bytes sent and received over rounds, the servers' mean;
 * ``status_s``: seconds of ``swarm-coordinator status --json`` at the window's end, a fresh process (most of it is
   importing torch and hivemind and joining the DHT, the same at any size); ``status_read_s``: of that, the reads and
@@ -123,6 +129,33 @@ class Memory(threading.Thread):
         return out
 
 
+def dht_io(swarm: LocalSwarm) -> tuple[dict[int, tuple[str, int]], procstat.Sample]:
+    """Peer (leader pid) -> (role, bytes its DHT process read and wrote so far: :func:`bench.procstat.io_bytes`),
+    and the CPU sample of the same read of ``/proc``."""
+    leaders = {p.proc.pid: p.role for p in swarm.peers if p.alive()}
+    cpu = procstat.sample(leaders, time.monotonic())
+    dht = {pid: leader for pid, (leader, kind) in cpu.kinds.items() if kind == "dht"}
+    return {dht[pid]: (leaders[dht[pid]], n) for pid, n in procstat.io_bytes(dht).items()}, cpu
+
+
+def cores_by_kind(first: procstat.Sample, last: procstat.Sample) -> dict[str, float]:
+    """Process kind -> cores its processes kept busy between the samples, all peers together (``total``: every
+    kind; the machine has ``os.cpu_count()``)."""
+    used = procstat.by_kind(procstat.cpu_between(first, last))
+    seconds = max(1e-9, last.at - first.at)
+    out = {kind: round(cpu / seconds, 2) for kind, cpu in used.items() if cpu}
+    return dict(out, total=round(sum(used.values()) / seconds, 2))
+
+
+def dht_kb_per_min(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Role -> KiB per minute one peer's DHT process moved in the window, the mean over the peers of that role."""
+    rates: dict[str, list[float]] = {}
+    for leader, (role, n) in after.items():
+        if leader in before and seconds > 0:
+            rates.setdefault(role, []).append((n - before[leader][1]) / 1024 / (seconds / 60))
+    return {role: round(statistics.mean(r), 1) for role, r in rates.items()}
+
+
 def round_times(logs: Path, since: str) -> list[float]:
     """Every ``round_s`` of the servers' epoch lines at or after wall-clock ``since`` (``HH:MM:SS``)."""
     out = []
@@ -183,10 +216,14 @@ def measure(spec_path: Path, spec: RunSpec, per_stage: int, trainers: int, args)
             probe = Probe(dht, directory.run_id, args.probe_every)
             since = time.strftime("%H:%M:%S")
             before = records(directory, stages)
+            io_before, cpu_before = dht_io(swarm)
             probe.start()
             time.sleep(args.window)
             probe.stop.set()
             probe.join()
+            io_after, cpu_after = dht_io(swarm)
+            dht_kb = dht_kb_per_min(io_before, io_after, cpu_after.at - cpu_before.at)
+            cores = cores_by_kind(cpu_before, cpu_after)
             after = records(directory, stages)
             status_s = status_seconds(address)
             began = time.monotonic()
@@ -198,7 +235,8 @@ def measure(spec_path: Path, spec: RunSpec, per_stage: int, trainers: int, args)
             dht.shutdown()
             if args.logs is not None:
                 shutil.copytree(swarm.workdir / "logs", args.logs / f"{per_stage}x{stages}", dirs_exist_ok=True)
-    return summarize(before, after, stages, per_stage, trainers, probe, times, status_s, memory, joined_s)
+    return dict(summarize(before, after, stages, per_stage, trainers, probe, times, status_s, memory, joined_s),
+                dht_kb_per_peer_min=dht_kb, cores=cores)
 
 
 def summarize(before, after, stages, per_stage, trainers, probe, times, status_s, memory, joined_s) -> dict:

@@ -34,3 +34,19 @@ def test_cpu_over_a_window_counts_newborn_processes_from_zero_and_a_reused_pid_a
 def test_the_table_reads_this_process():
     me = read_table()[os.getpid()]
     assert me.cpu_s >= 0 and me.ppid == os.getppid() and me.sid == os.getsid(0)
+
+
+def test_memory_and_io_of_this_process_are_read_from_proc():
+    """This process's session: resident bytes at least its proportional share, both above zero; its I/O counters grow
+    when it writes (a pipe)."""
+    from bench.procstat import io_bytes, memory_by_session
+
+    rss, pss = memory_by_session([os.getsid(0)])[os.getsid(0)]
+    assert rss >= pss > 0
+    before = io_bytes([os.getpid()])[os.getpid()]
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"x" * 4096)
+    os.read(read_end, 4096)
+    os.close(read_end), os.close(write_end)
+    assert io_bytes([os.getpid()])[os.getpid()] >= before + 8192
+    assert io_bytes([2**22 + 1]) == {}  # no such process
