@@ -161,4 +161,5 @@ def _field(path: Path, name: str) -> int:
     return 0
 
 
-__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "read_table", "io_bytes", "memory_by_session", "sample"]
+__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "io_bytes", "memory_by_session",
+           "read_table", "sample"]

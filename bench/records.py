@@ -41,8 +41,8 @@ from coordinator.views import render  # noqa: E402
 from swarm.config import RunSpec  # noqa: E402
 from swarm.identity import Identity  # noqa: E402
 from swarm.net.directory import RunDirectory  # noqa: E402
-from swarm.protocol import (HISTORY_POINTS, ServerHistory, ServerInfo, ServerState, TrainerInfo, history_key,  # noqa: E402
-                            stage_key)
+from swarm.protocol import (  # noqa: E402
+    HISTORY_POINTS, ServerHistory, ServerInfo, ServerState, TrainerInfo, history_key, stage_key)
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
 TTL_S = 600.0
@@ -113,7 +113,8 @@ def measure(per_stage: int, trainers: int, nodes: int) -> dict:
         return {
             "servers_per_stage": per_stage, "trainers": trainers, "servers_read": len(found),
             "peers_listed": len(snap["peers"]),
-            "stage_read_kb": _sealed_kb(client, stage_key(RUN, 0)), "history_kb": _sealed_kb(client, history_key(RUN, 0)),
+            "stage_read_kb": _sealed_kb(client, stage_key(RUN, 0)),
+            "history_kb": _sealed_kb(client, history_key(RUN, 0)),
             "stage_first_read_s": round(first_read_s, 3), "stage_read_s": round(statistics.median(reads), 3),
             "snapshot_s": round(snapshot_s, 3), "table_s": round(table_s, 3),
         }

@@ -99,7 +99,8 @@ def test_the_validator_leaves_other_keys_alone_and_refuses_plain_values_under_th
     assert validator.validate(record(history_key(run_id, 3), seal(curve, server), subkey=server.peer_id))
     assert not validator.validate(record(history_key(run_id, 3), seal(info, server), subkey=server.peer_id))
     assert not validator.validate(record(history_key(run_id, 3), b"junk"))
-    assert not validator.validate(record(history_key(run_id, 3), seal(curve, server), subkey=Identity.generate().peer_id))
+    stranger = Identity.generate().peer_id
+    assert not validator.validate(record(history_key(run_id, 3), seal(curve, server), subkey=stranger))
 
 
 def test_a_replayed_record_kept_alive_longer_hides_no_newer_one():
