@@ -1,7 +1,7 @@
 """A local swarm at the scale this machine holds: many real peers, each its own process with its own p2pd.
 
     python bench/scale.py [--spec runs/tiny.toml] [--servers-per-stage 20] [--trainers 8] [--group-size 8]
-                          [--warmup 60] [--window 120] [--baseline 2] [--logs DIR]
+                          [--target-batch-size N] [--warmup 60] [--window 120] [--baseline 2] [--logs DIR]
 
 Starts a coordinator, ``--servers-per-stage`` servers per stage (one after another, as volunteers join) and
 ``--trainers`` trainers on loopback, trains for ``--warmup`` seconds, then measures a ``--window``; with
@@ -279,6 +279,9 @@ def main() -> None:
     parser.add_argument("--servers-per-stage", type=int, default=20)
     parser.add_argument("--trainers", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=None, help="[averaging] group_size (default: the spec's)")
+    parser.add_argument("--target-batch-size", type=int, default=None, help="[training] target_batch_size (default: "
+                        "the spec's; the tiny spec's 32 makes an epoch, hence an averaging round and its matchmaking, "
+                        "every second at 2 x 2 servers, far more often than a real run)")
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds of training before the window")
     parser.add_argument("--window", type=float, default=120.0, help="seconds measured")
     parser.add_argument("--probe-every", type=float, default=1.0, help="seconds between the bench's DHT probes")
@@ -290,6 +293,8 @@ def main() -> None:
     spec = RunSpec.from_toml(args.spec)
     if args.group_size is not None:
         spec = spec.updated(averaging={"group_size": args.group_size})
+    if args.target_batch_size is not None:
+        spec = spec.updated(training={"target_batch_size": args.target_batch_size})
     prepare_dataset(spec, PeerSettings().cache_dir)
     with tempfile.TemporaryDirectory(prefix="swarm-scale-spec-") as folder:
         path = spec_written(spec, Path(folder))
@@ -300,7 +305,8 @@ def main() -> None:
             logger.info("baseline: %s", json.dumps(runs[-1]))
         runs.append(measure(path, spec, args.servers_per_stage, args.trainers, args))
         logger.info("large: %s", json.dumps(runs[-1]))
-    result = dict(runs[-1], group_size=spec.averaging.group_size, runs=runs)
+    result = dict(runs[-1], group_size=spec.averaging.group_size,
+                  target_batch_size=spec.training.target_batch_size, runs=runs)
     if len(runs) == 2:
         base, large = runs
         result["growth"] = {k: round(large[k] / base[k], 2) for k in (
