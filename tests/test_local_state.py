@@ -167,7 +167,9 @@ def test_freed_tensor_memory_is_kept_for_reuse_unless_the_user_set_glibcs_variab
                              capture_output=True, text=True, timeout=60, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    default, kept = run("default"), run("keep")
+    # glibc's own threshold moves with what it saw freed, so left alone it gives the tensors back in some runs and
+    # not in others (no fault at all in 1 run of 3 here): the baseline holds glibc's starting threshold (128 KiB)
+    default, kept = run("default", MALLOC_MMAP_THRESHOLD_="131072"), run("keep")
     assert kept["took"] is True and kept["trim"] == str(256 << 20)
     assert default["faults"] > 20 * 2000, default  # 4096 pages per tensor: each one faulted in anew
     assert kept["faults"] < default["faults"] / 20, (default, kept)
