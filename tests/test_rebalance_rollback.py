@@ -5,7 +5,7 @@ import math
 from swarm.checkpoint.rollback import LossSpikeDetector
 from swarm.config import RollbackSpec
 from swarm.protocol import ServerInfo, ServerState
-from swarm.server.rebalance import MovePlanner, plan_move
+from swarm.server.rebalance import MovePlanner, choose_mover, plan_move
 
 
 def _server(peer: str, stage: int, throughput: float, state=ServerState.ONLINE) -> ServerInfo:
@@ -22,6 +22,8 @@ def test_the_best_mover_of_a_crowded_stage_moves_to_the_bottleneck():
     assert plan_move("a", 0, servers, min_gain=0.25) == 1
     assert plan_move("b", 0, servers, min_gain=0.25) is None
     assert plan_move("d", 1, servers, min_gain=0.25) is None  # it serves its stage alone
+    assert choose_mover(0, servers, min_gain=0.25) == ("a", 1)  # what every server of the stage computes once
+    assert choose_mover(1, servers, min_gain=0.25) is None
 
 
 def test_hysteresis_blocks_small_gains_and_the_move_back():

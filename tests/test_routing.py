@@ -9,7 +9,7 @@ import pytest
 from swarm.config import ModelSpec
 from swarm.protocol import ServerInfo, ServerState
 from swarm.server.rebalance import choose_stage
-from swarm.trainer.routing import NoServerError, Router
+from swarm.trainer.routing import NoServerError, Router, excluded_by_stage
 
 
 def server(pid, throughput=1.0, stage=0, state=ServerState.ONLINE):
@@ -167,3 +167,21 @@ def test_validation_loss_scores_the_whole_split_in_batches_weighted_by_their_sam
     assert asyncio.run(validation_loss(pipeline, Split(), max_samples=10, batch_size=8)) == pytest.approx(4.5)
     assert validation_samples(Split()) == 21 and validation_samples(Split(), 10) == 10
     assert [len(rows) for _, rows in seen] == [8, 2] and {s for s, _ in seen} == {"val"}
+
+
+def test_excluded_by_stage_counts_the_votes_of_the_other_online_records_as_the_quadratic_rule_does():
+    def quadratic(servers):  # the rule as first written: every online server against every other
+        online = [s for s in servers if s.state == ServerState.ONLINE]
+        return {s.p2p_id for s in online
+                if (others := [o for o in online if o.p2p_id != s.p2p_id])
+                and 2 * sum(s.p2p_id in o.excluded for o in others) > len(others)}
+
+    rng = random.Random(0)
+    for _ in range(2000):  # duplicate libp2p ids, self-exclusions and joining servers included
+        ids = [f"p{i}" for i in range(rng.randint(1, 6))]
+        servers = [ServerInfo(run_id="r", peer_id=f"k{j}", time=0, stage=0, throughput=1.0, p2p_id=rng.choice(ids),
+                              state=rng.choice([ServerState.ONLINE] * 3 + [ServerState.JOINING]),
+                              excluded={p: "bad parts" for p in ids if rng.random() < 0.5})
+                   for j in range(rng.randint(0, 9))]
+        assert excluded_by_stage(servers) == quadratic(servers)
+    assert excluded_by_stage([]) == set()

@@ -86,6 +86,13 @@ def read_period_s(records: int, shortest_s: float, longest_s: float) -> float:
     return min(longest_s, max(shortest_s, records / RECORDS_READ_PER_S))
 
 
+def is_fresh(record: AnnouncedRecord, now: float, ttl: float, slack_s: float = 1.5) -> bool:
+    """Was ``record`` announced within the last re-announce period (``ttl / 3``) plus ``slack_s`` seconds of
+    ``now`` (DHT time, seconds)? An older record may be left by a peer that died: it stays listed until it
+    expires, ``ttl`` seconds after its last announcement."""
+    return record.time >= now - ttl / 3 - slack_s
+
+
 ROSTER_KEEP_S = 3600.0
 """Seconds a peer stays in :attr:`RunDirectory.roster` after the last read that found its server record: long
 enough to entitle the manifests it wrote (checkpoints are written every few epochs), short enough that a
@@ -274,8 +281,8 @@ class RunDirectory:
         """Servers of ``stage`` in one of ``states`` announced within the last re-announce period
         (``ttl / 3``) plus ``slack_s`` seconds: an older record may be left by a server that died (it stays
         listed until it expires, ``ttl`` seconds after its last announcement)."""
-        oldest = get_dht_time() - self.ttl / 3 - slack_s
-        return [s for s in self.servers(stage) if s.state in states and s.time >= oldest]
+        now = get_dht_time()
+        return [s for s in self.servers(stage) if s.state in states and is_fresh(s, now, self.ttl, slack_s)]
 
     def all_servers(self, num_stages: int) -> dict[int, list[ServerInfo]]:
         return {k: self.servers(k) for k in range(num_stages)}
@@ -469,4 +476,4 @@ class AsyncRunDirectory:
         return await self._call(self.blocking.store_sealed, key, subkey, sealed)
 
 
-__all__ = ["AsyncRunDirectory", "RunDirectory"]
+__all__ = ["AsyncRunDirectory", "RunDirectory", "is_fresh", "read_period_s"]

@@ -68,13 +68,16 @@ def stage_supply(servers: dict[int, list[ServerInfo]]) -> dict[int, float]:
     return {k: sum(s.throughput for s in group if s.state != ServerState.DRAINING) for k, group in servers.items()}
 
 
-def plan_move(me: str, stage: int, servers: dict[int, list[ServerInfo]], min_gain: float) -> Optional[int]:
-    """The stage server ``me`` (serving ``stage``) should move to now, or None (see the module docstring)."""
+def choose_mover(stage: int, servers: dict[int, list[ServerInfo]], min_gain: float) -> Optional[tuple[str, int]]:
+    """``(peer id, stage to move to)`` of the one server of ``stage`` whose move helps the pipeline most now, or
+    None (see the module docstring). Every server of the stage computes the same answer from the same records;
+    O(n) in the stage's servers.
+    """
     supply = stage_supply(servers)
     if not supply or stage not in supply:
         return None
     live = [s for s in servers[stage] if s.state != ServerState.DRAINING]
-    if len(live) < 2 or all(s.peer_id != me for s in live):
+    if len(live) < 2:
         return None
     bottleneck = min((k for k in supply if k != stage), key=lambda k: (supply[k], k), default=None)
     if bottleneck is None:
@@ -90,9 +93,15 @@ def plan_move(me: str, stage: int, servers: dict[int, list[ServerInfo]], min_gai
     gains = {s.peer_id: after(s) for s in live}
     top = max(gains.values())
     chosen = min(pid for pid, g in gains.items() if g >= top * (1 - 1e-9))
-    if chosen != me or top <= current or top < (1 + min_gain) * current:
+    if top <= current or top < (1 + min_gain) * current:
         return None
-    return bottleneck
+    return chosen, bottleneck
+
+
+def plan_move(me: str, stage: int, servers: dict[int, list[ServerInfo]], min_gain: float) -> Optional[int]:
+    """The stage server ``me`` (serving ``stage``) should move to now, or None (see the module docstring)."""
+    mover = choose_mover(stage, servers, min_gain)
+    return mover[1] if mover is not None and mover[0] == me else None
 
 
 class MovePlanner:
@@ -121,4 +130,4 @@ class MovePlanner:
         return planned
 
 
-__all__ = ["MovePlanner", "choose_stage", "plan_move", "stage_demand", "stage_supply"]
+__all__ = ["MovePlanner", "choose_mover", "choose_stage", "plan_move", "stage_demand", "stage_supply"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -114,10 +115,17 @@ def excluded_by_stage(servers: Sequence[ServerInfo]) -> set[str]:
     minority (possibly the Byzantine servers themselves) cannot exclude an honest server this way.
     """
     online = [s for s in servers if s.state == ServerState.ONLINE]
+    records = Counter(o.p2p_id for o in online)
+    votes: Counter[str] = Counter()  # libp2p id -> online records that exclude it: O(n + exclusions), not O(n^2)
+    own: Counter[str] = Counter()  # libp2p id -> its own records' votes against it (they do not count)
+    for o in online:
+        for p in set(o.excluded):
+            votes[p] += 1
+            own[p] += p == o.p2p_id
     out = set()
     for s in online:
-        others = [o for o in online if o.p2p_id != s.p2p_id]
-        if others and 2 * sum(s.p2p_id in o.excluded for o in others) > len(others):
+        others = len(online) - records[s.p2p_id]
+        if others and 2 * (votes[s.p2p_id] - own[s.p2p_id]) > others:
             out.add(s.p2p_id)
     return out
 
