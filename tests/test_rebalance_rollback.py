@@ -36,6 +36,16 @@ def test_hysteresis_blocks_small_gains_and_the_move_back():
     assert plan_move("a", 1, after, min_gain=0.05) is None, "the reverse move never passes the same test"
 
 
+def test_a_large_stage_refills_the_bottleneck_one_server_at_a_time():
+    # 40 servers against 24: one move lifts the pipeline by 4% only, under min_gain, but the stage it leaves stays
+    # far ahead of the bottleneck (39 >= 1.25 x 25), so it moves; near balance (26 vs 24) nobody moves
+    servers = _swarm([(f"a{i:02d}", 1) for i in range(40)], [(f"b{i:02d}", 1) for i in range(24)])
+    assert choose_mover(0, servers, min_gain=0.25) == ("a00", 1)
+    servers = _swarm([(f"a{i:02d}", 1) for i in range(26)], [(f"b{i:02d}", 1) for i in range(24)])
+    assert choose_mover(0, servers, min_gain=0.25) is None
+    assert choose_mover(1, servers, min_gain=0.25) is None
+
+
 def test_draining_servers_do_not_count_and_strangers_do_not_move():
     servers = _swarm([("a", 10), ("b", 10)], [])
     servers[1] = [_server("z", 1, 50, ServerState.DRAINING)]

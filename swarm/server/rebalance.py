@@ -15,12 +15,15 @@ and a busy live server's announcement may come a little late):
 * the pipeline's throughput is its slowest stage's, ``min_k T_k`` with ``T_k`` the sum over stage ``k``'s
   servers;
 * moving server ``i`` (throughput ``t_i``) from stage ``s`` to the bottleneck ``b`` gives
-  ``T_s - t_i`` and ``T_b + t_i``; the move is made only if the new minimum is at least
-  ``(1 + min_gain)`` times the old one, and a server never leaves a stage it serves alone;
+  ``T_s - t_i`` and ``T_b + t_i``; the move is made only if it raises the minimum and either the new minimum is
+  at least ``(1 + min_gain)`` times the old one (a small stage, where one server is much of it) or the stage it
+  leaves still has at least ``(1 + min_gain)`` times the bottleneck's throughput after it (a large stage: there
+  one server's move never lifts the pipeline by ``min_gain``, and without this test a stage of 40 servers that
+  lost 16 was never refilled, ``bench/simulate.py``); a server never leaves a stage it serves alone;
 * only the stage's server whose move helps most (ties: lowest peer id) moves in a period, so a crowd does
   not stampede to the bottleneck and back.
 
-The reverse move cannot also pass the gain test on the same figures. Throughputs are re-measured on every
+The reverse move cannot also pass either test on the same figures. Throughputs are re-measured on every
 join and a view of the DHT can be momentarily partial (a late announcement, a record just appeared, a dead
 server's record not expired yet), so a server moves only when consecutive checks keep planning the same move
 for at least the two re-announce periods a record counts (:class:`MovePlanner`), and ``min_dwell_s`` between
@@ -93,7 +96,10 @@ def choose_mover(stage: int, servers: dict[int, list[ServerInfo]], min_gain: flo
     gains = {s.peer_id: after(s) for s in live}
     top = max(gains.values())
     chosen = min(pid for pid, g in gains.items() if g >= top * (1 - 1e-9))
-    if top <= current or top < (1 + min_gain) * current:
+    moved = next(s.throughput for s in live if s.peer_id == chosen)
+    gains_enough = top >= (1 + min_gain) * current  # one move lifts the pipeline by min_gain (a small stage)
+    stays_ahead = supply[stage] - moved >= (1 + min_gain) * (supply[bottleneck] + moved)  # a large stage
+    if top <= current or not (gains_enough or stays_ahead):
         return None
     return chosen, bottleneck
 

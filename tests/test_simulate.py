@@ -1,0 +1,59 @@
+"""bench/simulate.py drives the project's own decisions on a simulated clock: small runs whose outcome is known."""
+
+import math
+
+import pytest
+
+from bench.sim.run import Options, Simulation, rebalance_s
+from bench.simulate import sizes, summarize
+from swarm.config import RunSpec
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def spec(tiny_spec: RunSpec) -> RunSpec:
+    return tiny_spec.updated(averaging={"group_size": 4})
+
+
+def _run(spec: RunSpec, **options) -> dict:
+    opts = Options(**{"servers": 24, "trainers": 6, "hours": 0.1, "tick_s": 30.0, **options})
+    sim = Simulation(spec, opts, **sizes(spec))
+    sim.run()
+    return summarize(sim, opts, 0.0) | {"_sim": sim}
+
+
+def test_a_steady_swarm_completes_every_round_in_bounded_groups_and_keeps_its_checkpoints(spec):
+    out = _run(spec, churn_per_h=0.0, byzantine=0.0)
+    assert out["round_success"] == 1.0, out["round_failures"]  # every server plans the same grid: every lane forms
+    assert set(out["hops"]) == {2}, out["hops"]  # 12 servers a stage at g = 4: two hops
+    assert out["lane_size_mean"] <= 2.5 * 4
+    assert out["rounds_corrupted"] == 0.0
+    assert out["restorable"] == 1.0 and out["checkpoint_writers"] > 1  # writers take turns
+    assert 0.0 < out["throughput_vs_ideal"] <= 1.0 and out["epochs"] > 0
+    assert out["failed_picks"] == 0.0
+
+
+def test_churn_and_byzantine_servers_cost_rounds_the_sim_names(spec):
+    out = _run(spec, churn_per_h=3.0, byzantine=0.3, seed=1)  # a third of the swarm leaves every 6 minutes
+    assert out["round_success"] < 1.0 and out["round_failures"], out
+    assert out["restorable"] > 0.0
+    sim = out["_sim"]
+    assert sim.tally.rounds_ok > 0
+    assert out["failed_picks"] > 0.0  # trainers picked servers that had left, and retried
+
+
+def test_a_stage_that_loses_servers_is_refilled_by_rebalancing(spec):
+    # 10% of all servers leave at once, all from stage 0; the others move there one per stage and period
+    out = _run(spec, churn_per_h=0.0, byzantine=0.0, hours=0.3, servers=40, leave_at_s=600.0)
+    assert out["moves"] >= 1
+    assert out["balance_after_leave"] < out["balance_before"]
+    assert out["balance_settled"] > out["balance_after_leave"]  # the moves lifted the bottleneck
+    assert 0 < out["rebalance_s"] < 0.3 * 3600 - 600
+
+
+def test_rebalance_s_reads_the_balance_curve():
+    curve = [(t, 1.0) for t in range(0, 100, 10)] + [(100, 0.5), (110, 0.7), (120, 0.96), (130, 1.0)]
+    assert rebalance_s(curve, 100) == {"balance_before": 1.0, "balance_after_leave": 0.5, "balance_settled": 1.0,
+                                       "rebalance_s": 30}
+    assert rebalance_s(curve, math.inf) == {}
