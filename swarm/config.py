@@ -24,14 +24,15 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Wire and record protocol version; peers refuse records, messages and specs of another version (2: records
 name exclusions and distrust apart from bans, servers publish state digests; 3: a peer's libp2p id is its
 signing key's, and records naming another libp2p id are refused; 4: announcements carry their lifetime, and
 rollback orders and ban lists live one version per DHT sub-key; 5: signed stage receipts, spot checks and shared
 convictions; 6: servers answer ``rpc_state_digest`` and a state loaded from a live server is verified; 7: a
 trainer's data share is ``share``; 8: a server's history lives in its own ServerHistory record, which only monitors
-read)."""
+read; 9: a server record says since when its server serves its stage, and averaging members are decided from it,
+swarm.averaging.membership)."""
 MAX_RECORD_TTL_S = 3600.0
 """Longest lifetime of a DHT record (seconds)."""
 

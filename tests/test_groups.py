@@ -4,12 +4,14 @@ a real round in hops between hivemind averager processes."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
 from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.groups import GroupPlan, round_seed
+from swarm.averaging.membership import MemberTable
 from swarm.averaging.reducer import ReducePolicy, reduce_partition
 from tests.test_robust_allreduce import _grads, averagers
 
@@ -85,7 +87,7 @@ def test_five_averagers_in_groups_of_four_average_in_two_hops_and_end_equal():
     block-wise mean that the plan computes."""
     grads = _grads(5, seed=11)
     with averagers(5, aggregator="mean", audit=0.0, group_size=None, rules_group_size=4) as avs:
-        members = frozenset(str(av.peer_id) for av in avs)
+        members = MemberTable(30.0, {str(av.peer_id): (0.0, time.time()) for av in avs})  # settled, live
         for av in avs:
             av.set_members(members)
             av.round_epoch = 3
@@ -102,7 +104,7 @@ def test_five_averagers_in_groups_of_four_average_in_two_hops_and_end_equal():
                 outs.append(torch.cat([t.flatten().clone() for t in tensors]))
         for out in outs[1:]:
             assert torch.equal(out, outs[0])
-        plan = GroupPlan(members, round_seed("robust-test", 3), 4)
+        plan = GroupPlan(members.entries, round_seed("robust-test", 3), 4)
         assert plan.depth == 2
         flat = {str(av.peer_id): torch.cat([t.flatten() for t in g]) for av, g in zip(avs, grads)}
         expected = _simulate(plan, flat, make_aggregator("mean"))[str(avs[0].peer_id)]

@@ -14,6 +14,7 @@ from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager
 from swarm.averaging.compression import make_compressor
 from swarm.averaging.exclusion import ExclusionPolicy
+from swarm.averaging.membership import MemberTable
 from tests.conftest import keyed_dhts
 
 SHAPES = [(300, 40), (40,)]
@@ -82,7 +83,7 @@ def test_a_complete_group_begins_its_round_before_the_window_ends(group_size, to
     assembles the group once all joined, long before a 60 s window ends (otherwise the group forms when it
     ends). An averager told nothing keeps the group size it was built with."""
     with averagers(2, group_size=group_size, matchmaking_time=60.0) as avs:
-        members = frozenset(str(av.peer_id) for av in avs)
+        members = MemberTable(30.0, {str(av.peer_id): (0.0, time.time()) for av in avs})  # settled, live
         for av in avs:
             if told:
                 av.set_members(members)

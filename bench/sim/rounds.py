@@ -1,9 +1,10 @@
 """One averaging round of one stage, as the servers' own code plans and checks it.
 
 Every server of the stage plans the round's hops from *its* members (:class:`swarm.averaging.groups.GroupPlan`
-over the servers it read within the last ``record_ttl_s``, the rule of ``ServedStage._sticky_members``), and its
-last read is a uniformly random time within its read period (:func:`swarm.net.directory.read_period_s` at the
-roster's cadence): servers whose reads straddle a join plan different grids. At each hop the servers that
+over :meth:`swarm.averaging.membership.MemberTable.at` the round's start, the table holding the records it read),
+its last read being a uniformly random time within its read period (:func:`swarm.net.directory.read_period_s` at
+the roster's cadence) and its round's start up to ``START_SPREAD_S`` after the stage's first: servers whose
+tables differ plan different grids. At each hop the servers that
 computed the same lane key meet (matchmaking under that key), and each checks the group it got with the servers'
 own :func:`swarm.averaging.hops.whole_enough`; a server that fails a hop fails the round and takes no part in
 later hops, so its block's voters are missing there. A server that left before the round ended is absent.
@@ -26,6 +27,7 @@ window apart: measured on real peers, ``docs/scaling.md``), CPU contention, and 
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -33,7 +35,10 @@ from dataclasses import dataclass, field
 from bench.sim.world import Peer, World
 from swarm.averaging.groups import GroupPlan, Lane
 from swarm.averaging.hops import RoundFailed, whole_enough
+from swarm.averaging.membership import QUANTUM, MemberTable
 
+START_SPREAD_S = 0.5
+"""Seconds between the first and the last server of a stage beginning one round (their epoch ends and clocks)."""
 GATHER_RTTS = 10
 """Round trips a lane's matchmaking takes (DHT lookups and requests: the ``matchmaking_time`` field's doc)."""
 
@@ -55,14 +60,27 @@ class RoundResult:
 
 
 def _views(world: World, stage: int, t: float, period: float, rng: random.Random, servers: list[Peer]):
-    """Each server's members: the servers it saw listed in a read of the last ``ttl`` seconds, its last read
-    being ``t`` minus a uniform draw from its read period. Returns (server -> view id, view id -> members)."""
+    """Each server's members at its round's start: its :class:`MemberTable` holds the records it read (listed
+    within the last ``2 ttl``, as of its last read, ``t`` minus a uniform draw from its read period). Servers whose
+    last reads fall between the same record events (a first announcement, a last one) and whose starts round
+    alike share a view. Returns (server -> view id, view id -> members)."""
+    ttl = world.ttl
     seen = [p for p in world.by_stage.get(stage, {}).values()
-            if p.online_s <= t and max(p.left_s, p.expires_s(world.ttl)) > t - world.ttl]
-    seen.sort(key=lambda p: p.online_s)
-    starts = [p.online_s for p in seen]
-    view_of = {p.peer_id: bisect.bisect_right(starts, t - rng.uniform(0.0, period)) for p in servers}
-    members = {v: [p.peer_id for p in seen[:v]] for v in set(view_of.values())}
+            if p.online_s <= t and max(p.left_s, p.expires_s(ttl)) > t - 2 * ttl]
+    events = sorted({p.online_s for p in seen} | {p.last_announce(p.left_s, ttl / 3) for p in seen
+                                                   if math.isfinite(p.left_s)})
+    q = QUANTUM * ttl
+    view_of, first_read = {}, {}
+    for p in servers:
+        read, start = t - rng.uniform(0.0, period), t + rng.uniform(0.0, START_SPREAD_S)
+        view = (bisect.bisect_right(events, read), math.floor(start / q))
+        view_of[p.peer_id] = view
+        first_read.setdefault(view, (read, start))
+    members = {}
+    for view, (read, start) in first_read.items():
+        table = MemberTable(ttl)
+        table.observe([world.record(p, read) for p in seen if p.online_s <= read], read)
+        members[view] = sorted(table.at(start))
     return view_of, members
 
 

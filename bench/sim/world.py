@@ -147,7 +147,7 @@ class World:
             peer.record = ServerInfo.model_construct(
                 run_id=self.run_id, peer_id=peer.peer_id, time=when, stage=peer.stage, state=ServerState.ONLINE,
                 throughput=self.throughput(peer, peer.stage), p2p_id=peer.peer_id, excluded={}, progress_key="k",
-                kind="server", ttl_s=self.ttl)
+                kind="server", ttl_s=self.ttl, online_since=peer.online_s)
         elif peer.record.time != when:
             peer.record = peer.record.model_copy(update={"time": when})
         return peer.record

@@ -30,6 +30,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
@@ -44,6 +45,7 @@ from swarm.averaging.contributions import TrainerContributions
 from swarm.averaging.donors import DonorChoice
 from swarm.averaging.exclusion import ExclusionBook, ExclusionPolicy, worst
 from swarm.averaging.history import PartHistory
+from swarm.averaging.membership import MemberTable
 from swarm.averaging.groups import Lane
 from swarm.averaging.hops import GroupRules, HopRounds
 from swarm.averaging.matchmaking import GroupMatchmaking
@@ -127,7 +129,7 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
         self._completed = mp.RawValue("q", 0)  # shared with the averager's process (forked after this)
         self._reducers: dict[str, asyncio.Future] = {}
         self._mm_wrapped = False
-        self._members: frozenset[str] = frozenset()  # libp2p ids of the stage's counted servers (set_members)
+        self._member_table = MemberTable()  # the stage's counted servers (set_members): members at a time
         self.part_admission = PeerAdmission(PART_IN_FLIGHT, rate_per_s=PART_RATE_PER_S)
         self.download_admission = PeerAdmission(1, rate_per_s=DOWNLOAD_RATE_PER_S, burst=DOWNLOAD_BURST)
 
@@ -156,12 +158,18 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
         self._outer_pipe.send(("_exclude", [], dict(peer=peer, reason=reason, future=future)))
         future.result(timeout)
 
-    def set_members(self, p2p_ids: frozenset[str], timeout: float = 5.0) -> None:
-        """The libp2p ids of the stage's servers whose progress counts (this one among them): a group that holds
-        every one of them not excluded is complete, and its round begins at once (:meth:`_expect_members`)."""
+    def set_members(self, table: MemberTable, timeout: float = 5.0) -> None:
+        """The stage's servers whose progress counts (this one among them), as this server read them: a round's
+        members are ``table.at(its start)`` (:mod:`swarm.averaging.membership`), a group that holds every one of
+        them not excluded is complete, and its round begins at once (:meth:`_expect_members`)."""
         future = MPFuture()
-        self._outer_pipe.send(("_set_members", [], dict(p2p_ids=frozenset(p2p_ids), future=future)))
+        self._outer_pipe.send(("_set_members", [], dict(table=table, future=future)))
         future.result(timeout)
+
+    @property
+    def _members(self) -> frozenset[str]:
+        """libp2p ids of the stage's averaging members now (DHT time)."""
+        return self._member_table.at(get_dht_time())
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
         """(averager process) hivemind's shutdown, then its replica of the DHT's client, which hivemind leaves open."""
@@ -181,8 +189,8 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
         self._expect_members()
         future.set_result(None)
 
-    async def _set_members(self, p2p_ids: frozenset[str], future: MPFuture) -> None:
-        self._members = p2p_ids
+    async def _set_members(self, table: MemberTable, future: MPFuture) -> None:
+        self._member_table = table
         self._expect_members()
         future.set_result(None)
 

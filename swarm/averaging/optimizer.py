@@ -34,6 +34,7 @@ import torch
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import spec_compressor
 from swarm.averaging.donors import REFUSAL_S, RETRY_S
+from swarm.averaging.membership import MemberTable
 from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
 from swarm.averaging.overlap import OverlappedRounds
 from swarm.averaging.progress import Push, Roster, SampleCountTracker, progress_signer, refresh_periods
@@ -457,12 +458,13 @@ class StageOptimizer:
         return self._ask_averagers("pass the donor roster to the averager",
                                    lambda: self._opt.state_averager.set_roster(p2p_ids))
 
-    def set_members(self, p2p_ids: frozenset[str]) -> bool:
-        """(blocking, not on the event loop) The libp2p ids of the stage's counted servers: a group holding them all
-        begins its round at once (:meth:`RobustAllReduceMixin.set_members`); False if an averager did not answer."""
+    def set_members(self, table: MemberTable) -> bool:
+        """(blocking, not on the event loop) The stage's counted servers as read (a round's members are
+        ``table.at(its start)``, :mod:`swarm.averaging.membership`): a group holding them all begins its round at
+        once (:meth:`RobustAllReduceMixin.set_members`); False if an averager did not answer."""
         return self._ask_averagers("pass the stage's members to the averagers",
-                                   lambda: self._opt.grad_averager.set_members(p2p_ids),
-                                   lambda: self._opt.state_averager.set_members(p2p_ids))
+                                   lambda: self._opt.grad_averager.set_members(table),
+                                   lambda: self._opt.state_averager.set_members(table))
 
     def trainer_exclusion(self, p2p_id: str) -> Optional[str]:
         """Why this server excluded trainer ``p2p_id``'s gradients (:mod:`swarm.averaging.contributions`), or

@@ -103,6 +103,9 @@ class ServerInfo(AnnouncedRecord):
     peak_flops: float = Field(0.0, ge=0, le=MAX_FLOPS, description="FLOP/s of this server's device measured by a "
                               "matmul microbenchmark in the run's compute dtype; 0 if unknown.")
     epoch: Epoch = 0
+    online_since: float = Field(0.0, ge=0, description="DHT time of this server's first announcement on this stage "
+                                "(seconds): when it becomes an averaging member for everyone alike "
+                                "(swarm.averaging.membership); 0 if unknown.")
     samples: Count = Field(0, description="Samples processed since the server started.")
     compute_s: float = Field(0.0, ge=0, le=MAX_COUNT, description="CPU seconds this server spent in the stage's "
                              "training forward and backward since it started (its compute thread's CPU time): the "

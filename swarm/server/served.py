@@ -24,6 +24,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from swarm.aio import Submissions, periodic
+from swarm.averaging.membership import MemberTable
 from swarm.averaging.progress import refresh_periods
 from swarm.checkpoint.commit import StageCommits
 from swarm.checkpoint.keeper import FragmentKeeper
@@ -33,7 +34,7 @@ from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
 from swarm.net.directory import AsyncRunDirectory, read_period_s
-from swarm.protocol import ProgressPush, ServerInfo, ServerState, add_history
+from swarm.protocol import ProgressPush, add_history
 from swarm.server.progress_push import ProgressPusher
 from swarm.server.stage import EpochEnd, StageError, StageServer
 from swarm.trust.authority import CheckpointAuthority
@@ -143,8 +144,9 @@ class ServedStage:
         self._excluded: set[str] = set()  # libp2p ids already excluded from this stage's averaging
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
-        self._members: frozenset[str] = frozenset()  # those of them whose progress counts, as the averagers last heard
-        self._member_seen: dict[str, float] = {}  # libp2p id -> time.monotonic() its record was last read
+        self.members = MemberTable(self.spec.timeouts.record_ttl_s)  # the stage's averaging members, as read
+        self._members_sent: Optional[dict] = None  # the table the averagers last took
+        self.online_since: Optional[float] = None  # DHT time of this placement's first announcement
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
         self._restored = False  # an epoch that ends before the state is restored starts nothing
         self._mates: dict[str, bytes] = {}  # libp2p id -> progress sub-key of the stage's other counted servers
@@ -260,23 +262,12 @@ class ServedStage:
         donors = frozenset(s.p2p_id for s in servers)
         if donors != self._donors and await asyncio.to_thread(self.optimizer.set_donor_roster, donors):
             self._donors = donors
-        members = self._sticky_members(servers) if self.spec.averaging.early_start else None
-        if members and members != self._members and await asyncio.to_thread(self.optimizer.set_members, members):
-            self._members = members
-
-    def _sticky_members(self, servers: list[ServerInfo]) -> frozenset[str]:
-        """The stage's averaging members: servers with a progress key seen in any read of the last ``record_ttl_s``
-        seconds, less those whose newest record says they pause or drain. One DHT read may miss a record that is
-        there, and servers whose member lists differ compute different grids of bounded groups
-        (:mod:`swarm.averaging.groups`): measured, 7 servers of the tiny spec's last stage failed most rounds."""
-        now, ttl = time.monotonic(), self.spec.timeouts.record_ttl_s
-        for s in servers:
-            if s.progress_key and s.state in (ServerState.JOINING, ServerState.ONLINE):
-                self._member_seen[s.p2p_id] = now
-            elif s.p2p_id in self._member_seen:
-                del self._member_seen[s.p2p_id]  # it pauses or drains: out at once
-        self._member_seen = {p: t for p, t in self._member_seen.items() if now - t < ttl}
-        return frozenset(self._member_seen)
+        if not self.spec.averaging.early_start:
+            return
+        self.members.observe(servers, get_dht_time())
+        snapshot = MemberTable(self.members.ttl_s, dict(self.members.entries))
+        if snapshot.entries != self._members_sent and await asyncio.to_thread(self.optimizer.set_members, snapshot):
+            self._members_sent = snapshot.entries
 
     def _progress_pushed(self, p2p_id: str, push: ProgressPush) -> None:
         """A stage-mate's pushed count (``rpc_progress``): counted as the progress of the key its server record
@@ -303,8 +294,11 @@ class ServedStage:
         joining (else leaving or left: no work, no progress, nothing asked of the optimizer)."""
         server, rollbacks = self.server, self.rollbacks
         report = self.optimizer.report() if serving else None
+        if self.online_since is None:
+            self.online_since = get_dht_time()
         return dict(
-            self.plan.record(), throughput=server.throughput.samples_per_second if serving else 0.0,
+            self.plan.record(), online_since=self.online_since,
+            throughput=server.throughput.samples_per_second if serving else 0.0,
             epoch=server.epoch, samples=server.samples, compute_s=server.compute_s, loss=server.loss_ema,
             peers_in_last_round=report.peers if report else 0, state_digests=server.recent_digests(8),
             round_s=server.meter.mean_round_s, rounds=server.meter.rounds,
