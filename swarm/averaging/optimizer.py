@@ -459,9 +459,8 @@ class StageOptimizer:
                                    lambda: self._opt.state_averager.set_roster(p2p_ids))
 
     def set_members(self, table: MemberTable) -> bool:
-        """(blocking, not on the event loop) The stage's counted servers as read (a round's members are
-        ``table.at(its start)``, :mod:`swarm.averaging.membership`): a group holding them all begins its round at
-        once (:meth:`RobustAllReduceMixin.set_members`); False if an averager did not answer."""
+        """(blocking, not on the event loop) The stage's counted servers as read (:mod:`~swarm.averaging.membership`):
+        a group holding them all begins its round at once; False if an averager did not answer."""
         return self._ask_averagers("pass the stage's members to the averagers",
                                    lambda: self._opt.grad_averager.set_members(table),
                                    lambda: self._opt.state_averager.set_members(table))
