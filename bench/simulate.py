@@ -103,7 +103,7 @@ def summarize(sim: Simulation, opts: Options, wall_s: float) -> dict:
         "averaging_mb_per_server_epoch": round(t.averaging_bytes / max(t.rounds, 1e-9) / 1e6, 3),
         "activation_mb_per_epoch": round(sim.batch * 2 * (sim.spec.model.num_stages - 1) * sim.activation_bytes / 1e6, 1),
         "failed_picks": round(t.failed_picks / max(1, t.picks), 4),
-        "restorable": round(t.restorable_ticks / max(1, t.stage_ticks), 4),
+        "restorable": round(t.restorable_ticks / t.stage_ticks, 4) if t.stage_ticks else None,  # None: none written
         "lag_epochs_p99": _q(lag, 0.99),
         "checkpoint_writers": len(sim.shards.writers), "fragments_repaired": sim.shards.repaired,
         "moves": t.moves, **rebalance_s(t.balance, opts.leave_at_s), "sim_wall_s": round(wall_s, 1),
