@@ -17,7 +17,8 @@ servers, 20% trainers unless given.
 Last stdout line: one JSON object with ``peers`` and the figures: ``throughput_vs_ideal`` (samples/s over what
 the same servers would compute perfectly balanced with free links), ``tokens_per_s``, ``epochs``,
 ``round_success`` (server-rounds that completed every hop), ``rounds_corrupted`` (of the honest servers' completed
-rounds, those whose aggregate came from a lane with half or more Byzantine votes, a corrupted block counting as one), ``hops``, ``lane_size_mean``, ``dht_msgs_per_peer_epoch``
+rounds, those whose aggregate came from a lane with half or more Byzantine votes, a corrupted block counting as one) and, with
+``--grind K``, ``rounds_corrupted_targeted`` (the same in the round of the epoch the attackers ground keys for), ``hops``, ``lane_size_mean``, ``dht_msgs_per_peer_epoch``
 and ``dht_kb_per_peer_epoch`` by role, ``hot_node_mb_per_min`` (what each of the nodes holding the busiest stage key serves),
 ``averaging_mb_per_server_epoch``, ``activation_mb_per_epoch`` (the whole swarm's), ``restorable`` (fraction of
 stage-ticks with a restorable checkpoint), ``lag_epochs_p99``, ``rebalance_s`` after 10% of the servers leave at
@@ -89,6 +90,8 @@ def summarize(sim: Simulation, opts: Options, wall_s: float) -> dict:
         "epochs": round(t.epochs, 1),
         "round_success": round(t.rounds_ok / t.rounds, 4) if t.rounds else None,
         "rounds_corrupted": round(t.rounds_corrupted / t.rounds_honest, 4) if t.rounds_honest else None,
+        "rounds_corrupted_targeted": round(t.targeted_corrupted / t.targeted_honest, 4) if t.targeted_honest
+        else None,
         "round_failures": {c: round(n / max(t.rounds, 1e-9), 4) for c, n in t.causes.most_common(4)},
         "round_s_p50": _q(t.round_s, 0.5), "round_s_p99": _q(t.round_s, 0.99),
         "epoch_s_p50": _q([e for e in t.epoch_s if math.isfinite(e)], 0.5),
@@ -125,6 +128,8 @@ def main() -> None:
     ap.add_argument("--byzantine", type=float, default=0.2, help="fraction of the servers that are Byzantine")
     ap.add_argument("--leave-at-h", type=float, default=None, help="when 10%% of the servers leave (default: mid-run)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grind", type=int, default=0, help="keys each Byzantine server tries to sort first in the grid "
+                    "of one chosen epoch (its seed is known in advance); adds rounds_corrupted_targeted")
     ap.add_argument("--server-flops", type=float, default=None,
                     help="every server's FLOP/s instead of the GPU mix (1.3e9: a tiny-spec server on this 2-core host "
                          "at 2 x 2 + 2, from bench/scale.py's 5024 tokens/s)")
@@ -148,7 +153,7 @@ def main() -> None:
     leave = args.hours / 2 if args.leave_at_h is None else args.leave_at_h
     opts = Options(servers=servers, trainers=trainers, hours=args.hours, tick_s=args.tick_s, churn_per_h=args.churn,
                    byzantine=args.byzantine, leave_at_s=leave * 3600 if leave > 0 else math.inf, seed=args.seed,
-                   links=args.links, server_flops=args.server_flops)
+                   links=args.links, server_flops=args.server_flops, grind=args.grind)
     started = time.monotonic()
     sim = Simulation(spec, opts, **sizes(spec))
     sim.run()

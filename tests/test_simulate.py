@@ -57,3 +57,9 @@ def test_rebalance_s_reads_the_balance_curve():
     assert rebalance_s(curve, 100) == {"balance_before": 1.0, "balance_after_leave": 0.5, "balance_settled": 1.0,
                                        "rebalance_s": 30}
     assert rebalance_s(curve, math.inf) == {}
+
+
+def test_attackers_who_grind_keys_for_a_known_epoch_corrupt_more_of_its_rounds(spec):
+    # 15% Byzantine servers, each trying 5,000 keys to sit where it corrupts the targeted round's aggregate
+    out = _run(spec, churn_per_h=0.0, byzantine=0.15, servers=64, trainers=4, grind=5000, seed=1)
+    assert out["rounds_corrupted_targeted"] > 2 * out["rounds_corrupted"], out

@@ -12,6 +12,7 @@ real server record.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import statistics
@@ -24,12 +25,14 @@ from bench.sim.dht import Traffic
 from bench.sim.rounds import RoundResult, run_round
 from bench.sim.route import flow, link_rate
 from bench.sim.world import LINKS, LOOPBACK, World
-from swarm.averaging.groups import round_seed
+from swarm.averaging.groups import fan_out, round_seed
 from swarm.config import RunSpec
 from swarm.net.directory import is_fresh, read_period_s
 from swarm.server.rebalance import MovePlanner, choose_mover, choose_stage
 from swarm.trainer.routing import Router
 
+TARGET_EPOCH = 1000
+"""The epoch grinding attackers aim at (``Options.grind``): its seed is known in advance (docs/scaling.md)."""
 JOIN_S = 10.0
 """Seconds from a server's start to its first announcement besides downloading the stage's state (measured on
 real peers: joins took 5-11 s, docs/scaling.md)."""
@@ -48,6 +51,7 @@ class Options:
     seed: int = 0
     links: str = "mix"  # or "loopback"
     server_flops: Optional[float] = None  # every server's FLOP/s, instead of the GPU mix
+    grind: int = 0  # keys each Byzantine server tries, keeping the one that sorts first in TARGET_EPOCH's grid
 
 
 @dataclass
@@ -58,6 +62,8 @@ class Tally:
     rounds_ok: float = 0.0
     rounds_corrupted: float = 0.0
     rounds_honest: float = 0.0
+    targeted_honest: int = 0  # honest servers that completed a round of TARGET_EPOCH (Options.grind)
+    targeted_corrupted: int = 0
     epochs: float = 0.0
     samples: float = 0.0
     ideal_samples: float = 0.0
@@ -91,6 +97,7 @@ class Simulation:
         self.tally = Tally()
         self.routers: dict[str, Router] = {}
         self.planners: dict[int, tuple[str, MovePlanner]] = {}
+        self._ground: dict[int, int] = {}  # stage -> attackers that ground a key for it so far
         self.epoch, self.t = 0.0, 0.0
         avg = spec.averaging
         self.batch = spec.training.target_batch_size * (avg.inner_steps if avg.mode == "outer" else 1)  # samples
@@ -99,10 +106,39 @@ class Simulation:
     def join_s(self, peer, stage: int) -> float:
         return JOIN_S + self.state_bytes[stage] / link_rate(peer)
 
+    def seed(self, stage: int, epoch: int) -> bytes:
+        return round_seed(f"{self.world.run_id}_stage{stage}_grad_averager", epoch)
+
+    def ground_key(self, peer, stage: int) -> str:
+        """The key, of ``grind`` tried, that puts this attacker where the attackers of the stage corrupt the targeted
+        round's aggregate with the fewest of them: ``f / 2`` of them side by side fill half of a hop-0 group (``f``
+        the grid's :func:`~swarm.averaging.groups.fan_out`), and those clusters go to the groups whose index has
+        every base-``f`` digit below ``f / 2``, so that half the blocks of a hop-1 group are corrupted, and so on up
+        (``(f / 2)^d`` attackers for ``d`` hops, ``n / 2^d``)."""
+        demand = self.world.demand  # stages fill in proportion to their compute (choose_stage)
+        per_stage = self.opts.servers * demand[stage] / sum(demand)
+        g = fan_out(round(per_stage), max(3, self.spec.averaging.group_size))  # the grid's cut (the attacker reads it)
+        count = self._ground.get(stage, 0)
+        self._ground[stage] = count + 1
+        half = (g + 1) // 2  # the votes that make a lane's aggregate unbounded: 2 bad >= g
+        cluster, group, scale = count // half, 0, 1
+        while cluster and half > 1:  # the cluster-th number whose base-g digits are all below half
+            cluster, digit = divmod(cluster, half)
+            group, scale = group + digit * scale, scale * g
+        target = min(1.0, (group * g + g / 2) / per_stage)  # the group's middle, as a quantile of the order
+        seed = self.seed(stage, TARGET_EPOCH)
+
+        def quantile(key: str) -> float:  # GroupPlan's order (the attacker knows the code)
+            return int.from_bytes(hashlib.blake2b(seed + key.encode(), digest_size=16).digest(), "big") / 2 ** 128
+
+        return min((f"{peer.peer_id}-{j}" for j in range(self.opts.grind)), key=lambda k: abs(quantile(k) - target))
+
     def add(self, role: str, t: float, views: dict) -> None:
         peer = self.world.new_peer(role, t, self.rng.random() < self.opts.byzantine and role == "server")
         if role == "server":
             stage = choose_stage(self.spec.model, views, self.rng)
+            if peer.byzantine and self.opts.grind > 1:
+                self.world.rekey(peer, self.ground_key(peer, stage))
             self.world.place(peer, stage, t, self.join_s(peer, stage))
             views[stage].append(self.world.record(peer, t))
 
@@ -174,6 +210,8 @@ class Simulation:
         supply = [sum(self.world.throughput(p, k) for p in self.world.serving(k, t)) for k in range(stages)]
         self.tally.balance.append((t, min(supply) / ideal if ideal else 0.0))
         results = self.rounds(t, views)
+        if self.opts.grind > 1:
+            self.targeted(t, views)
         epoch_s, round_s = self.epoch_s(f.samples_per_s, results)
         epochs = dt / epoch_s
         self.tally.samples += epochs * self.batch  # what the epochs trained (the round's wait counted)
@@ -195,11 +233,22 @@ class Simulation:
         g, out = self.spec.averaging.group_size, []
         for k in range(self.spec.model.num_stages):
             n = len(views[k])
-            seed = round_seed(f"{self.world.run_id}_stage{k}_grad_averager", int(self.epoch))
+            seed = self.seed(k, int(self.epoch))
             out.append(run_round(self.world, k, t, seed=seed, group_size=g or max(3, n),
                                  period=self._roster_period(n), timeout_s=self.spec.averaging.averaging_timeout,
                                  vector_bytes=self.vector_bytes[k], rng=self.rng))
         return out
+
+    def targeted(self, t: float, views: dict) -> None:
+        """The round of :data:`TARGET_EPOCH` as the stage stands now: what grinding attackers get."""
+        g = self.spec.averaging.group_size
+        for k in range(self.spec.model.num_stages):
+            n = len(views[k])
+            r = run_round(self.world, k, t, seed=self.seed(k, TARGET_EPOCH), group_size=g or max(3, n),
+                          period=self._roster_period(n), timeout_s=self.spec.averaging.averaging_timeout,
+                          vector_bytes=self.vector_bytes[k], rng=self.rng)
+            self.tally.targeted_honest += r.honest
+            self.tally.targeted_corrupted += r.corrupted
 
     def epoch_s(self, samples_per_s: float, results: list[RoundResult]) -> tuple[float, float]:
         """(seconds an epoch takes, of which its round): the batch (``inner_steps`` of them in outer mode) at the

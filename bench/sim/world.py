@@ -104,6 +104,12 @@ class World:
         self.peers[pid] = peer
         return peer
 
+    def rekey(self, peer: Peer, peer_id: str) -> None:
+        """``peer`` uses another key (before it is placed: a key ground for a chosen round)."""
+        del self.peers[peer.peer_id]
+        peer.peer_id = peer_id
+        self.peers[peer_id] = peer
+
     def place(self, peer: Peer, stage: int, t: float, join_s: float) -> None:
         """``peer`` serves ``stage``: its record appears ``join_s`` seconds after ``t`` (restore, then announce).
         A server that moves announces itself draining first: its old record stops counting at once."""
