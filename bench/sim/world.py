@@ -34,7 +34,7 @@ MFU = 0.3
 
 LINKS = [(Profile("datacenter", rtt_ms=20, mbit=1000), 0.2), (Profile("wan", rtt_ms=50, mbit=100), 0.5),
          (Profile("home", rtt_ms=150, mbit=20), 0.3)]
-"""(link, share of peers): a cloud VM, the WAN scenario's link (tests/test_wan_swarm.py), a home link (issue 30)."""
+"""(link, share of peers): a cloud VM, the WAN scenario's link (tests/test_wan_swarm.py), a home link (20 Mbit/s)."""
 LOOPBACK = [(Profile("loopback", rtt_ms=0.1, mbit=10_000), 1.0)]
 """One host's peers (what ``bench/scale.py`` runs): to compare the simulator with it."""
 
