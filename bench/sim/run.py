@@ -25,7 +25,7 @@ from bench.sim.dht import Traffic
 from bench.sim.rounds import RoundResult, run_round
 from bench.sim.route import flow, link_rate
 from bench.sim.world import LINKS, LOOPBACK, World
-from swarm.averaging.groups import fan_out, round_seed
+from swarm.averaging.groups import round_seed
 from swarm.config import RunSpec
 from swarm.net.directory import is_fresh, read_period_s
 from swarm.server.rebalance import MovePlanner, choose_mover, choose_stage
@@ -111,13 +111,12 @@ class Simulation:
 
     def ground_key(self, peer, stage: int) -> str:
         """The key, of ``grind`` tried, that puts this attacker where the attackers of the stage corrupt the targeted
-        round's aggregate with the fewest of them: ``f / 2`` of them side by side fill half of a hop-0 group (``f``
-        the grid's :func:`~swarm.averaging.groups.fan_out`), and those clusters go to the groups whose index has
-        every base-``f`` digit below ``f / 2``, so that half the blocks of a hop-1 group are corrupted, and so on up
-        (``(f / 2)^d`` attackers for ``d`` hops, ``n / 2^d``)."""
+        round's aggregate with the fewest of them: ``g / 2`` of them side by side fill half of a hop-0 group, and
+        those clusters go to the groups whose index has every base-``g`` digit below ``g / 2``, so that half the
+        blocks of a hop-1 group are corrupted, and so on up (``(g / 2)^d`` attackers for ``d`` hops, ``n / 2^d``)."""
         demand = self.world.demand  # stages fill in proportion to their compute (choose_stage)
         per_stage = self.opts.servers * demand[stage] / sum(demand)
-        g = fan_out(round(per_stage), max(3, self.spec.averaging.group_size))  # the grid's cut (the attacker reads it)
+        g = max(3, self.spec.averaging.group_size)  # the grid's cut
         count = self._ground.get(stage, 0)
         self._ground[stage] = count + 1
         half = (g + 1) // 2  # the votes that make a lane's aggregate unbounded: 2 bad >= g

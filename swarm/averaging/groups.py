@@ -92,25 +92,6 @@ def _split(items: list, group_size: int) -> list[list]:
     return out
 
 
-def fan_out(members: int, group_size: int) -> int:
-    """Blocks per group at every hop for a stage of ``members`` servers: the smallest ``f <= group_size`` such that
-    ``d`` hops of ``f`` reach them all, ``d`` being the hops ``group_size`` needs (``ceil(log_g n)``). Cutting every
-    hop by ``group_size`` instead leaves the last hop with whatever remains, often 2 blocks (9 servers at ``g`` = 8:
-    groups of 5 and 4, then 2 blocks; now 3 groups of 3, then 3), and a lane of 2 voters, where one Byzantine voter
-    is half of the votes (``bench/simulate.py``, 300 peers, ``g`` = 8, 10% Byzantine servers: the honest rounds that
-    ended with an aggregate from a lane half bad fell from 6.2% to 2-4% with this cut). At ``g`` = 3 or 4 small
-    stages still get 2-voter lanes."""
-    if members <= group_size:
-        return max(members, 1)
-    hops, reach = 0, 1
-    while reach < members:
-        hops, reach = hops + 1, reach * group_size
-    f = 2
-    while f ** hops < members:
-        f += 1
-    return f
-
-
 def _key_bits(seed: bytes, hop: int, voters: tuple[str, ...], listeners: tuple[str, ...]) -> str:
     """The lane's key: its hop and members under the seed, so that two servers whose rosters differ never meet
     under one key with different ideas of who votes (they fail to form the lane instead)."""
@@ -124,7 +105,7 @@ class GroupPlan:
 
     :param members: the libp2p ids (base58 strings) of the stage's servers that average in this round.
     :param seed: the round's seed (:func:`round_seed`); it orders the members.
-    :param group_size: ``g``, at least 3: the most voters per lane (every hop cuts by :func:`fan_out`, at most ``g``). A lane also holds listeners when blocks differ in
+    :param group_size: ``g``, at least 3: voters per lane. A lane also holds listeners when blocks differ in
         size: fewer than ``2.5 g`` members in all (checked for every stage of 2 to 400 servers at ``g`` = 3, 4, 8
         and 16; at ``g`` = 2 a lone block of one server can meet a block of half the stage, hence the floor).
     :raises ValueError: ``group_size`` below 3.
@@ -137,10 +118,9 @@ class GroupPlan:
         self.order = sorted(set(members), key=lambda p: hashlib.blake2b(seed + p.encode(), digest_size=16).digest())
         self.hops: list[list[Lane]] = []
         blocks = [[p] for p in self.order]
-        self.fan_out = fan_out(len(blocks), group_size)
         while len(blocks) > 1:
             hop, lanes, merged = len(self.hops), [], []
-            for group in _split(blocks, self.fan_out):
+            for group in _split(blocks, group_size):
                 merged.append([p for block in group for p in block])
                 if len(group) > 1:
                     lanes += self._lanes(seed, hop, group)
