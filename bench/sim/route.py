@@ -49,7 +49,9 @@ def flow(world: World, t: float, *, routers: dict[str, Router], trainers: list[P
     stages = len(world.demand)
     out, trainer_rate = Flow(), 0.0
     for trainer in trainers:
-        router = routers.setdefault(trainer.peer_id, Router(rng=random.Random(trainer.peer_id), clock=lambda: t))
+        router = routers.get(trainer.peer_id)
+        if router is None:  # kept across ticks (its busy times and back-offs), built once
+            router = routers[trainer.peer_id] = Router(rng=random.Random(trainer.peer_id))
         router.clock = lambda: t
         latency, lost = 0.0, 0.0
         for k in range(stages):
