@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from harness import val_loss  # noqa: E402
 
 from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors  # noqa: E402
-from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.config import RunSpec  # noqa: E402
+from swarm.settings import PeerSettings  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
 from swarm.reference import train_reference  # noqa: E402
 

@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coordinator.launch import LocalSwarm, Peer  # noqa: E402
-from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.config import RunSpec  # noqa: E402
+from swarm.settings import PeerSettings  # noqa: E402
 from swarm.net.dht import connect_run, format_run_address  # noqa: E402
 from swarm.protocol import ServerState  # noqa: E402
 

@@ -39,7 +39,8 @@ from bench import procstat  # noqa: E402
 from bench.swarm_vs_local import wait  # noqa: E402
 from coordinator.demo import pick_precision, start_servers  # noqa: E402
 from coordinator.launch import LocalSwarm  # noqa: E402
-from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.config import RunSpec  # noqa: E402
+from swarm.settings import PeerSettings  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
 from swarm.host import keep_freed_memory  # noqa: E402
 from swarm.net.dht import connect_run  # noqa: E402

@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from bench.harness_hops import Groups, HopStats, grid, hop_round
 from swarm.attacks import TRAINER_ATTACKS, make_attack
 from swarm.attacks.adaptive import apart
 from swarm.averaging.aggregation import make_aggregator
@@ -104,6 +105,7 @@ class HarnessResult:
     honest_excluded: int = 0  # honest peers excluded by at least one honest peer
     kappas: list = field(default_factory=list)  # per partition reduced with attackers in the group: the error's kappa
     bytes_per_round: float = 0.0  # encoded bytes one peer sends per round (parts + aggregates it returns)
+    hops: HopStats = field(default_factory=HopStats)  # with bounded groups: what the hops did
     seconds: float = 0.0
 
 
@@ -161,8 +163,10 @@ def val_loss(model, dataset, spec, batches: int = 32) -> float:
 def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0, attack: Optional[str] = None,
           aggregator: str = "centered_clip", compression: str = "none", rank: int = 4, rounds: int = 60,
           checks: bool = True, audit_probability: float = 0.5, seed: int = 0, pre: str = "none",
-          history: bool = True) -> HarnessResult:
+          history: bool = True, groups: Optional[Groups] = None) -> HarnessResult:
     """Train ``rounds`` epochs with ``peers`` simulated servers, the last ``byzantine`` of them attackers.
+
+    ``groups``: the servers average in bounded groups, hop by hop (:mod:`harness_hops`); None: one group.
 
     ``checks=False`` turns the reducer's norm check and exclusions off (plain averaging: the control);
     ``history=False`` only the history check (:mod:`swarm.averaging.history`).
@@ -219,8 +223,18 @@ def train(spec: RunSpec, cache_dir: Path, *, peers: int = 7, byzantine: int = 0,
                 result.excluded_at.setdefault(int(excluded.peer), r + 1)
             result.honest_excluded = len(set(contrib.exclusion.excluded()) - {str(i) for i in attackers})
         else:
-            averaged, sent = _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed,
-                                         audit_probability if checks else 0.0, result.kappas, histories)
+            def all_reduce(values, voters, comps, hop, label):
+                return _all_reduce(values, voters, attackers, comps, agg, policy, book, r, seed,
+                                   audit_probability if checks else 0.0, result.kappas,
+                                   histories if hop == 0 else {}, scored=hop == 0, label=label)
+
+            if groups is not None and len(active) > groups.size:
+                plan = grid(active, set(attackers), groups, r, seed)
+                averaged, sent = hop_round(all_reduce, grads, attackers, compressors, plan, result.hops)
+            else:
+                outs, sent = all_reduce(grads, active, compressors, 0, "")
+                honest = [i for i in active if i not in attackers] or active
+                averaged = outs[honest[0]]
             bytes_sent += sent
             for peer in book.excluded():
                 result.excluded_at.setdefault(int(peer), r + 1)
@@ -331,12 +345,14 @@ class _OuterHarness:
 
 
 def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, seed, audit_probability, kappas,
-                histories):
-    """One averaging round among ``active`` peers; returns (averaged tensors, encoded bytes peer 0 sent). Appends
-    to ``kappas`` the :func:`kappa_seen` of every partition reduced while an attacker in the group lied (a failed
-    partition counts as a zero aggregate)."""
+                histories, scored: bool = True, label: str = ""):
+    """One averaging round among ``active`` peers (one group); returns (peer -> averaged tensors, encoded bytes
+    ``active[0]`` sent). Appends to ``kappas`` the :func:`kappa_seen` of every partition reduced while an attacker in
+    the group lied (a failed partition counts as a zero aggregate). ``scored=False``: the reducers' verdicts are not
+    recorded (a later hop of bounded groups, whose parts are blocks' aggregates); ``label`` names the group in the
+    audit draw."""
     honest = [i for i in active if i not in attackers]
-    honest_flat = torch.stack([flatten(grads[i]) for i in honest])
+    honest_flat = torch.stack([flatten(grads[i]) for i in honest or active])  # a group of attackers only: their own
     numel = honest_flat.shape[1]
     mine = _attackers_partitions(compressors[active[0]], numel, active, attackers)
     inputs = {}
@@ -390,7 +406,8 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
                 sent_bytes += (len(active) - 1) * sum(t.numel() * t.element_size() for t in encoded)
             aggregate[a:b] = codec.decode(encoded, b - a)
             outputs_by_partition[j] = (digest(encoded), aggregate[a:b].clone(), honest_out)
-        _audit(outputs_by_partition, active, attackers, codec, book, audit_probability, f"{seed}:{r}:{len(outputs)}")
+        _audit(outputs_by_partition, active, attackers, codec, book, audit_probability,
+               f"{seed}:{r}:{label}:{len(outputs)}")
         outputs_by_partition.clear()
         next_phases = {}
         for i in active:
@@ -400,9 +417,9 @@ def _all_reduce(grads, active, attackers, compressors, agg, policy, book, r, see
                 outputs[i] = stop.value
         phases = next_phases
     for j, seen in verdicts.items():
-        book.record_round(j, {sender: worst(vs) for sender, vs in seen.items()})
-    reference = next(i for i in active if i not in attackers) if any(i not in attackers for i in active) else active[0]
-    return outputs[reference], sent_bytes
+        if scored:
+            book.record_round(j, {sender: worst(vs) for sender, vs in seen.items()})
+    return outputs, sent_bytes
 
 
 def _attackers_partitions(compressor, numel: int, active: list, attackers: dict):

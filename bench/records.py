@@ -1,6 +1,6 @@
 """The run's records at the size of a public run: what one read of a stage returns, and what ``status`` costs.
 
-    python bench/records.py [--servers-per-stage 300] [--trainers 100] [--baseline 2] [--nodes 3]
+    python bench/records.py [--servers-per-stage 300] [--trainers 100] [--baseline 2] [--nodes 3] [--stripe-bits 2]
 
 Starts ``--nodes`` hivemind DHT nodes on loopback (real p2pd), stores the records of a run of 2 stages x
 ``--servers-per-stage`` servers and ``--trainers`` trainers in them (each record signed by its own key, as full
@@ -8,7 +8,10 @@ as a long-running peer's: 8 state digests, a progress key, a 64-point history), 
 
 * ``stage_read_kb``: the sealed server records one read of a stage returns (what every server and trainer of
   the stage reads every few seconds), and ``history_kb``: the servers' histories, which until protocol 8 were
-  part of those records and are now a record of their own that only monitors read;
+  part of those records and are now a record of their own that only monitors read; with ``--stripe-bits`` the
+  large run spreads each stage's records over ``2^bits`` keys (``[records] stage_stripe_bits``), a read looks them
+  all up at once, and ``stripe_read_kb_max`` is the largest one key's nodes return (on these few local nodes every
+  node holds every key: what the spreading saves the DHT's nodes is counted by ``bench/simulate.py``);
 * ``stage_read_s``: one read of a stage (the DHT lookup, signature checks, parsing), the median of 5 reads of
   records already verified once (a peer re-reads the same records; :data:`swarm.protocol.schema.VERIFIED_KEPT`)
   and ``stage_first_read_s``: the first read, every signature checked;
@@ -42,7 +45,7 @@ from swarm.config import RunSpec  # noqa: E402
 from swarm.identity import Identity  # noqa: E402
 from swarm.net.directory import RunDirectory  # noqa: E402
 from swarm.protocol import (  # noqa: E402
-    HISTORY_POINTS, ServerHistory, ServerInfo, ServerState, TrainerInfo, history_key, stage_key)
+    HISTORY_POINTS, ServerHistory, ServerInfo, ServerState, TrainerInfo, history_key, stage_keys)
 
 RUN = "tiny-aaaaaaaaaaaaaaaa"
 TTL_S = 600.0
@@ -87,15 +90,16 @@ def _sealed_kb(dht: hivemind.DHT, key: str) -> float:
     return round(sum(len(v.value) for v in found.value.values()) / 1024, 1) if found is not None else 0.0
 
 
-def measure(per_stage: int, trainers: int, nodes: int) -> dict:
-    """The module docstring's figures for one run size, on fresh DHT nodes."""
-    spec = RunSpec.from_toml(ROOT / "runs" / "tiny.toml")
+def measure(per_stage: int, trainers: int, nodes: int, stripe_bits: int = 0) -> dict:
+    """The module docstring's figures for one run size, on fresh DHT nodes, its stages' records spread over
+    ``2^stripe_bits`` keys."""
+    spec = RunSpec.from_toml(ROOT / "runs" / "tiny.toml").updated(records={"stage_stripe_bits": stripe_bits})
     first = _node()
     others = [_node(first.get_visible_maddrs()) for _ in range(nodes - 1)]
     client = _node(first.get_visible_maddrs(), client_mode=True)
     try:
-        publish(RunDirectory(first, RUN, ttl=TTL_S), per_stage, trainers)
-        reader = RunDirectory(client, RUN, ttl=TTL_S)
+        publish(RunDirectory(first, RUN, ttl=TTL_S, stage_stripe_bits=stripe_bits), per_stage, trainers)
+        reader = RunDirectory(client, RUN, ttl=TTL_S, stage_stripe_bits=stripe_bits)
         began = time.perf_counter()
         found = reader.servers(0)
         first_read_s = time.perf_counter() - began
@@ -113,7 +117,9 @@ def measure(per_stage: int, trainers: int, nodes: int) -> dict:
         return {
             "servers_per_stage": per_stage, "trainers": trainers, "servers_read": len(found),
             "peers_listed": len(snap["peers"]),
-            "stage_read_kb": _sealed_kb(client, stage_key(RUN, 0)),
+            "stripe_bits": stripe_bits,
+            "stage_read_kb": round(sum(stripes := [_sealed_kb(client, key) for key in stage_keys(RUN, 0, stripe_bits)]), 1),
+            "stripe_read_kb_max": max(stripes),
             "history_kb": _sealed_kb(client, history_key(RUN, 0)),
             "stage_first_read_s": round(first_read_s, 3), "stage_read_s": round(statistics.median(reads), 3),
             "snapshot_s": round(snapshot_s, 3), "table_s": round(table_s, 3),
@@ -129,9 +135,12 @@ def main() -> None:
     parser.add_argument("--trainers", type=int, default=100)
     parser.add_argument("--baseline", type=int, default=2, help="servers per stage of the baseline run")
     parser.add_argument("--nodes", type=int, default=3, help="DHT nodes that hold the records")
+    parser.add_argument("--stripe-bits", type=int, default=0, help="[records] stage_stripe_bits of the large run "
+                        "(the baseline keeps one key a stage)")
     args = parser.parse_args()
     scaled = max(1, round(args.trainers * args.baseline / args.servers_per_stage))
-    runs = [measure(args.baseline, scaled, args.nodes), measure(args.servers_per_stage, args.trainers, args.nodes)]
+    runs = [measure(args.baseline, scaled, args.nodes),
+            measure(args.servers_per_stage, args.trainers, args.nodes, args.stripe_bits)]
     for run in runs:
         print(json.dumps(run), file=sys.stderr, flush=True)
     base, large = runs

@@ -61,7 +61,8 @@ from coordinator.demo import start_servers  # noqa: E402
 from coordinator.launch import LocalSwarm  # noqa: E402
 from coordinator.status import snapshot  # noqa: E402
 from hivemind.utils import get_dht_time  # noqa: E402
-from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.config import RunSpec  # noqa: E402
+from swarm.settings import PeerSettings  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
 from swarm.host import keep_freed_memory  # noqa: E402
 from swarm.net.dht import connect_run  # noqa: E402

@@ -37,7 +37,8 @@ import torch  # noqa: E402
 from hivemind.utils import get_dht_time  # noqa: E402
 
 from swarm.attacks import LyingStageServer  # noqa: E402
-from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.config import RunSpec  # noqa: E402
+from swarm.settings import PeerSettings  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
 from swarm.net.dht import spawn_dht  # noqa: E402
 from swarm.net.directory import AsyncRunDirectory, RunDirectory  # noqa: E402

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coordinator.demo import pick_precision, run_demo  # noqa: E402
-from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.config import RunSpec  # noqa: E402
+from swarm.settings import PeerSettings  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
 from swarm.host import keep_freed_memory  # noqa: E402
 from swarm.reference import reference_validation_loss, train_reference  # noqa: E402

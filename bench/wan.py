@@ -62,7 +62,8 @@ from bench.wanlab.probe import measure_between  # noqa: E402
 from coordinator.demo import start_servers, summary  # noqa: E402
 from coordinator.launch import LocalSwarm, on_loopback  # noqa: E402
 from coordinator.status import snapshot  # noqa: E402
-from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.config import RunSpec  # noqa: E402
+from swarm.settings import PeerSettings  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
 from swarm.net.dht import connect_run  # noqa: E402
 from swarm.net.directory import AsyncRunDirectory  # noqa: E402

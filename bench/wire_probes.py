@@ -44,7 +44,8 @@ from hivemind.p2p import PeerID  # noqa: E402
 from hivemind.proto import runtime_pb2  # noqa: E402
 
 from coordinator.launch import LocalSwarm  # noqa: E402
-from swarm.config import PeerSettings, RunSpec  # noqa: E402
+from swarm.config import RunSpec  # noqa: E402
+from swarm.settings import PeerSettings  # noqa: E402
 from swarm.data import prepare_dataset  # noqa: E402
 from swarm.net.dht import connect_run  # noqa: E402
 from swarm.protocol import ForwardRequest, PingRequest, ServerState, pack_message  # noqa: E402

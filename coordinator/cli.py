@@ -23,7 +23,8 @@ from typing import Optional
 
 import typer
 
-from swarm.config import PeerSettings, RunSpec, SpecError
+from swarm.config import RunSpec, SpecError
+from swarm.settings import PeerSettings
 from swarm.identity import Identity
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[1] / "runs" / "demo.toml"

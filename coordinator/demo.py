@@ -19,7 +19,8 @@ import torch
 
 from coordinator.launch import LocalSwarm
 from coordinator.status import snapshot
-from swarm.config import PeerSettings, RunSpec
+from swarm.config import RunSpec
+from swarm.settings import PeerSettings
 from swarm.data import prepare_dataset
 from swarm.net.dht import connect_run
 from swarm.net.directory import AsyncRunDirectory

@@ -22,7 +22,8 @@ from coordinator.status import snapshot
 from swarm.aio import periodic
 from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
-from swarm.config import PeerSettings, RunSpec
+from swarm.config import RunSpec
+from swarm.settings import PeerSettings
 from swarm.net.dht import format_run_address, join_dht, visible_maddrs
 from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.identity import Identity, claim_folder
@@ -42,7 +43,8 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
     dht = join_dht(settings, initial_peers, client_mode=False, join_timeout_s=settings.join_timeout_s,
                    run_id=run_id, identity=key)
     try:
-        directory = RunDirectory(dht, run_id, ttl=spec.timeouts.record_ttl_s)
+        directory = RunDirectory(dht, run_id, ttl=spec.timeouts.record_ttl_s,
+                                 stage_stripe_bits=spec.records.stage_stripe_bits)
         directory.verify_spec(sealed)  # sets the run key: the ban list it re-publishes must be signed by it
         address = format_run_address(run_id, visible_maddrs(dht))
         print(address, flush=True)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import typer
 
-from swarm.config import PeerSettings, Role
+from swarm.settings import PeerSettings, Role
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="A peer of a volunteer swarm training run.")
 

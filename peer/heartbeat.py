@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from swarm.config import PeerSettings
+from swarm.settings import PeerSettings
 from swarm.logs import PeerLog
 from swarm.metrics import PeerMetrics
 

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from swarm.config import PROTOCOL_VERSION, PeerSettings
+from swarm.config import PROTOCOL_VERSION
+from swarm.settings import PeerSettings
 
 MIN_FREE_RAM = 2 << 30
 """Bytes of available memory below which a server will struggle (the demo stage needs ~1 GiB)."""

@@ -18,7 +18,7 @@ from peer.control import EXIT_GRACE_S, run_controlled
 from peer.exits import EXIT_CODES, exit_code
 from peer.heartbeat import start_metrics, write_heartbeat
 from swarm.averaging.optimizer import StageOptimizer
-from swarm.config import PeerSettings
+from swarm.settings import PeerSettings
 from swarm.net.dht import parse_run_address
 from swarm.protocol import ServerInfo, StorageInfo
 from swarm.server.session import NoSuchStage, OptimizerFactory, ServerSession, StageServerFactory

@@ -15,7 +15,7 @@ import asyncio
 from peer.control import EXIT_GRACE_S, run_controlled
 from peer.exits import EXIT_CODES, exit_code
 from peer.heartbeat import start_metrics, write_heartbeat
-from swarm.config import PeerSettings
+from swarm.settings import PeerSettings
 from swarm.net.dht import parse_run_address
 from swarm.trainer.pipeline import RemotePipeline
 from swarm.protocol import TrainerInfo

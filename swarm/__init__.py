@@ -11,7 +11,8 @@ peer's settings, its identity, and the two roles, each startable in-process::
 
 __version__ = "0.1.0"
 
-from swarm.config import PROTOCOL_VERSION, PeerSettings, RunSpec, SpecError  # noqa: E402
+from swarm.config import PROTOCOL_VERSION, RunSpec, SpecError  # noqa: E402
+from swarm.settings import PeerSettings  # noqa: E402
 from swarm.identity import Identity  # noqa: E402
 
 _LAZY = {"ServerSession": "swarm.server.session", "Trainer": "swarm.trainer.session",

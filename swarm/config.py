@@ -1,4 +1,4 @@
-"""The run spec (one TOML file, hashed into the run id) and a peer's local settings (``SWARM_*`` env vars).
+"""The run spec: one TOML file, hashed into the run id.
 
 A :class:`RunSpec` describes everything every peer of a run must agree on: the model shape and its stage
 boundaries, the data source and tokenizer, the optimizer and schedule, the batch sizes, averaging and
@@ -6,8 +6,8 @@ timeouts. It is validated when loaded; every error names the field and says how 
 JSON form is hashed (:meth:`RunSpec.spec_hash`); the run id is derived from that hash and the coordinator's
 public key (see :mod:`swarm.identity`).
 
-:class:`PeerSettings` are the settings of one machine (cache folder, ports, role); they never change the
-math of the run and so are not part of the spec.
+:class:`~swarm.settings.PeerSettings` are the settings of one machine (cache folder, ports, role); they never
+change the math of the run and so are not part of the spec.
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ import json
 import re
 import tomllib
 import warnings
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Wire and record protocol version; peers refuse records, messages and specs of another version (2: records
 name exclusions and distrust apart from bans, servers publish state digests; 3: a peer's libp2p id is its
 signing key's, and records naming another libp2p id are refused; 4: announcements carry their lifetime, and
@@ -32,7 +30,10 @@ rollback orders and ban lists live one version per DHT sub-key; 5: signed stage 
 convictions; 6: servers answer ``rpc_state_digest`` and a state loaded from a live server is verified; 7: a
 trainer's data share is ``share``; 8: a server's history lives in its own ServerHistory record, which only monitors
 read; 9: a server record says since when its server serves its stage, and averaging members are decided from it,
-swarm.averaging.membership)."""
+swarm.averaging.membership; 10: a stage's server records may be spread over stripes, ``[records]``)."""
+MAX_STAGE_STRIPE_BITS = 4
+"""At most ``2^4`` = 16 DHT keys per stage's server records (``[records] stage_stripe_bits``): every DHT node's
+validator lists every stripe key of 256 stages (7,936 keys, 0.1 s to build)."""
 MAX_RECORD_TTL_S = 3600.0
 """Longest lifetime of a DHT record (seconds)."""
 
@@ -449,6 +450,17 @@ class RebalanceSpec(_Section):
     min_dwell_s: float = Field(60.0, ge=0, description="Seconds a server stays on a stage before it may move again.")
 
 
+class RecordsSpec(_Section):
+    """How the run's records lie in the DHT (docs/scaling.md, "The run's records")."""
+
+    stage_stripe_bits: int = Field(
+        0, ge=0, le=MAX_STAGE_STRIPE_BITS, description="Spread each stage's server records over 2^bits DHT keys "
+        "(stripes by peer id hash), so that a large stage's readers are answered by 2^bits sets of DHT nodes instead "
+        "of one. Every reader still reads every stripe (one lookup each, the same bytes): keep 0 up to ~100 "
+        "servers a stage; about log2(servers / 64) beyond.",
+    )
+
+
 class RunSpec(_Section):
     """The whole run: everything every peer must agree on. Loaded from one TOML file."""
 
@@ -465,6 +477,7 @@ class RunSpec(_Section):
     rollback: RollbackSpec = RollbackSpec()
     rebalance: RebalanceSpec = RebalanceSpec()
     timeouts: TimeoutSpec = TimeoutSpec()
+    records: RecordsSpec = RecordsSpec()
 
     @field_validator("name")
     @classmethod
@@ -553,79 +566,3 @@ class RunSpec(_Section):
     def spec_hash(self) -> str:
         """SHA-256 (hex) of :meth:`canonical_json`."""
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
-
-
-class Role(StrEnum):
-    SERVER = "server"
-    TRAINER = "trainer"
-
-
-class PeerSettings(BaseSettings):
-    """Settings of one peer machine, read from ``SWARM_*`` environment variables, a ``.env`` file, then flags."""
-
-    model_config = SettingsConfigDict(env_prefix="SWARM_", env_file=".env", extra="ignore")
-
-    cache_dir: Path = Field(
-        Path.home() / ".cache" / "swarm",
-        description="Identity, tokenizer, corpus and throughput cache. Mount it as a volume in containers.",
-    )
-    host: str = Field("0.0.0.0", description="Address the P2P daemon listens on (127.0.0.1 for loopback-only swarms).")
-    port: int = Field(0, ge=0, le=65535, description="TCP port of the P2P daemon; 0 picks a free one.")
-    announce_host: Optional[str] = Field(None, description="Public address to announce when behind port forwarding.")
-    client_mode: bool = Field(False, description="Do not accept incoming connections (behind NAT); implies trainer.")
-    relay: Literal["auto", "off"] = Field(
-        "auto", description="auto: if the swarm cannot reach this peer, be reached through another peer's libp2p "
-        "circuit relay (slower; the log and `status` say 'relayed'); off: never (on a firewalled host, "
-        "SWARM_CLIENT_MODE then makes it a trainer).",
-    )
-    name: str = Field("", max_length=64, description="Public name shown in the run's monitoring (e.g. your handle).")
-    val_every_s: float = Field(
-        300.0, ge=0, description="Trainers: seconds between validation-loss measurements through the swarm "
-        "(4 held-out micro-batches, forward only; 0: never).",
-    )
-    identity_file: Optional[Path] = Field(None, description="Ed25519 key of this peer (default "
-                                          "<state_dir>/identity.key, or <cache_dir>/identity.key without a state_dir).")
-    threads: int = Field(0, ge=0, description="torch intra-op threads; 0: this peer's share of the machine's cores "
-                         "among the servers and trainers running on it (the log says which). Set it when other "
-                         "work shares the machine, or to give one peer more.")
-    fragment_max_bytes: int = Field(
-        2 << 30, gt=0, description="Disk budget (bytes) for checkpoint fragments this peer holds for the swarm.",
-    )
-    fragment_dir: Optional[Path] = Field(
-        None, description="Where held fragments live (default <state_dir>/fragments, or <cache_dir>/fragments "
-        "without a state_dir). Keep it across restarts: the swarm resumes from these files if every peer dies.",
-    )
-    state_dir: Optional[Path] = Field(
-        None, description="This peer's own folder: its key (identity.key), held fragments (fragments/), heartbeat "
-        "(peer-status.json) and commands (peer-control.json); default <cache_dir>. Several peers on one machine "
-        "share the cache (corpus, tokenizer) and each need their own state_dir: a second peer on a folder in use "
-        "is refused (exit 6).",
-    )
-    metrics_port: int = Field(
-        0, ge=0, le=65535, description="Port serving Prometheus metrics at /metrics (0: off; containers use 9100).",
-    )
-    device: str = Field(
-        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="Where a server computes its stage: auto picks the "
-        "first CUDA GPU torch sees, else the CPU; cpu, cuda or cuda:N force one (cuda:1 for a second GPU, one "
-        "server per GPU). Activations on the wire, averaging and checkpoints go through the CPU either way.",
-    )
-    kernels: Literal["auto", "reference", "torch", "compiled", "triton"] = Field(
-        "auto", description="Kernel backend of this peer's stage (swarm.kernels): auto picks 'triton' on a CUDA GPU "
-        "with Triton installed, else 'torch' (plain PyTorch, the last stage's loss fused to save memory); "
-        "'compiled' adds torch.compile (measure it with bench/kernels.py first: on small CPUs it is slower); "
-        "'reference' is the unfused eager code (to rule kernels out when results look wrong). The log says which.",
-    )
-    join_timeout_s: float = Field(
-        120.0, ge=0, description="Seconds a server or trainer keeps trying to reach the run address's peers before "
-        "giving up (a peer started before its coordinator, or through a peer that just left, gets in when one "
-        "answers). Raise it for a container that may start long before the run; 0 tries once.",
-    )
-
-    def identity_path(self) -> Path:
-        return self.identity_file or self.state_path() / "identity.key"
-
-    def state_path(self) -> Path:
-        return self.state_dir or self.cache_dir
-
-    def fragment_path(self) -> Path:
-        return self.fragment_dir or self.state_path() / "fragments"

@@ -80,7 +80,7 @@ def claim_folder(path: Path, setting: str, kind: str = "folder") -> None:
 
 def claim_local_state(identity: "Identity", settings, fragments: bool) -> None:
     """Claim what a peer process keeps to itself on this machine: its identity, its state folder and (a fragment
-    holder) its fragment folder (``settings``: its :class:`~swarm.config.PeerSettings`).
+    holder) its fragment folder (``settings``: its :class:`~swarm.settings.PeerSettings`).
 
     :raises IdentityInUse: another live process holds one of them (the message names the setting to change).
     """

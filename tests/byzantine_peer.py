@@ -17,7 +17,7 @@ import argparse
 from peer.server import run_server
 from peer.trainer import run_trainer
 from swarm.attacks import ATTACKS, SERVER_LIES, TRAINER_ATTACKS, byzantine_optimizer, byzantine_pipeline, lying_server
-from swarm.config import PeerSettings
+from swarm.settings import PeerSettings
 from swarm.host import keep_freed_memory, share_tensors_by_descriptor
 from swarm.logs import configure_logging
 from swarm.trainer.session import TrainerOptions

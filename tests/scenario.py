@@ -24,7 +24,8 @@ from hivemind.utils import get_dht_time
 
 from coordinator.launch import LocalSwarm, Peer, Placement, on_loopback
 from peer.control import send
-from swarm.config import PeerSettings, RunSpec
+from swarm.config import RunSpec
+from swarm.settings import PeerSettings
 from swarm.net.dht import connect_run
 from swarm.protocol import ServerState
 from tests.conftest import write_spec
@@ -91,6 +92,23 @@ class Scenario:
 
     def until_epoch(self, epoch: int, timeout: float = 240.0) -> "Scenario":
         return self.wait(lambda: min(self.epochs()) >= epoch, timeout, f"every stage at epoch {epoch}")
+
+    def until_loss_falls(self, by: float, trainers: int, timeout: float = 90.0) -> "Scenario":
+        """Wait until ``trainers`` trainers announce a loss ``by`` nats below their first losses. A trainer's loss
+        is an EMA announced every ``record_ttl_s / 3``, so it lags the stages' epochs (CI read 6.233 -> 6.011 right
+        at the epoch a test waited for); training goes on meanwhile.
+
+        :raises AssertionError: the losses did not fall by ``by`` within ``timeout`` seconds (they are listed)."""
+        def fell() -> bool:
+            ts = self.directory.trainers()
+            return len(ts) == trainers and all(t.loss is not None and t.initial_loss is not None
+                                               and t.loss < t.initial_loss - by for t in ts)
+
+        try:
+            return self.wait(fell, timeout, f"{trainers} trainers' losses {by} below their first")
+        except TimeoutError:
+            losses = [f"{t.peer_id}: {t.initial_loss} -> {t.loss}" for t in self.directory.trainers()]
+            raise AssertionError(f"the loss did not fall by {by} in {timeout:.0f} s: {losses}") from None
 
     # ---- peers ----------------------------------------------------------------------------------------
     def servers(self, per_stage: int, timeout: float = 120.0, byzantine: Optional[str] = None) -> "Scenario":

@@ -49,12 +49,7 @@ def test_a_noisy_server_is_excluded_by_its_stage_and_routed_around(tmp_path, cac
         after = next(s.samples for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
         assert after - frozen <= 8, "the trainer kept routing to an excluded server"
 
-        def learning():  # the honest servers keep training: the loss falls below the trainer's first losses
-            ts = sc.directory.trainers()
-            return ts and all(t.loss is not None and t.initial_loss is not None and t.loss < t.initial_loss - 0.15
-                              for t in ts)
-
-        sc.wait(learning, 240, "the trainer's loss to fall 0.15 nats below its first losses")
+        sc.until_loss_falls(0.15, trainers=1, timeout=240)  # the honest servers keep training
 
 
 @pytest.mark.scenario

@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.config import PROTOCOL_VERSION, PeerSettings, RunSpec, SpecError
+from swarm.config import PROTOCOL_VERSION, RunSpec, SpecError
+from swarm.settings import PeerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 

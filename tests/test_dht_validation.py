@@ -12,7 +12,7 @@ from swarm.net.dht_validation import RunRecordValidator
 from swarm.net.directory import RunDirectory
 from swarm.identity import Identity
 from swarm.protocol import (RollbackOrder, ServerHistory, ServerInfo, ServerState, history_key, rollback_key, seal,
-                            spec_key, stage_key)
+                            spec_key, stage_stripe, stage_key, stage_keys)
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -134,4 +134,48 @@ def test_a_replayed_record_kept_alive_longer_hides_no_newer_one():
         assert [o.generation for o, _ in mine.rollback_orders()] == [2, 1], "each generation has its own sub-key"
     finally:
         for node in (honest, reader, attacker):
+            node.shutdown()
+
+
+def test_a_stage_spread_over_stripes_is_read_whole_and_a_record_in_another_stripe_is_refused():
+    """``[records] stage_stripe_bits = 2``: each server's record lives under the key of its peer id's stripe (4 keys
+    for the stage, each answered by its own nodes), a reader that verified the spec reads all four, and a server's
+    own record stored under another stripe's key is refused by the run's nodes."""
+    coordinator = Identity.generate()
+    spec = TINY.updated(records={"stage_stripe_bits": 2})
+    run_id, sealed_spec = RunDirectory.seal_spec(spec, coordinator)
+    honest = _node(validators=[RunRecordValidator(run_id)])
+    reader = _node([str(m) for m in honest.get_visible_maddrs()], [RunRecordValidator(run_id)])
+    try:
+        directory = RunDirectory(honest, run_id, ttl=60)
+        assert directory.publish_spec(sealed_spec)
+        directory.verify_spec(sealed_spec)
+        assert directory.stage_stripe_bits == 2
+        servers = [Identity.generate() for _ in range(12)]
+        for i, server in enumerate(servers):
+            info = ServerInfo(run_id=run_id, peer_id=server.peer_id, time=get_dht_time(), stage=1,
+                              state=ServerState.ONLINE, throughput=float(i + 1), p2p_id=server.p2p_id)
+            assert directory.announce_server(info, server)
+        by_key = {}
+        for key in stage_keys(run_id, 1, 2):
+            found = reader.get(key, latest=True)
+            by_key[key] = sorted(found.value) if found is not None else []
+        assert reader.get(stage_key(run_id, 1), latest=True) is None  # nothing under the stage's one key
+        assert sorted(p for peers in by_key.values() for p in peers) == sorted(s.peer_id for s in servers)
+        for key, peers in by_key.items():
+            assert all(stage_key(run_id, 1, stage_stripe(p, 2)) == key for p in peers), (key, peers)
+
+        mine = RunDirectory(reader, run_id)
+        mine.fetch_spec(timeout=20)  # the reader learns the stripes from the spec
+        assert sorted(s.throughput for s in mine.servers(1)) == [float(i + 1) for i in range(12)]
+        # a valid record of the server's own, under another stripe's key: refused (a reader of one stripe would miss it)
+        server = servers[0]
+        wrong = next(b for b in ("00", "01", "10", "11") if b != stage_stripe(server.peer_id, 2))
+        info = ServerInfo(run_id=run_id, peer_id=server.peer_id, time=get_dht_time(), stage=1, ttl_s=60.0,
+                          state=ServerState.ONLINE, throughput=99.0, p2p_id=server.p2p_id)
+        assert not honest.store(stage_key(run_id, 1, wrong), seal(info, server), get_dht_time() + 60,
+                                subkey=server.peer_id)
+        assert 99.0 not in [s.throughput for s in mine.servers(1)]
+    finally:
+        for node in (honest, reader):
             node.shutdown()

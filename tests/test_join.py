@@ -14,7 +14,7 @@ from hivemind.p2p import P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from coordinator.launch import free_port
-from swarm.config import PeerSettings
+from swarm.settings import PeerSettings
 from swarm.net.dht import RunUnreachable, join_dht, run_peers_unanswered
 
 pytestmark = pytest.mark.timeout(180)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = "swarm"
 MAX_CLASS_LINES = 300
 MAX_TOP_MODULES = 8
-ROOM_ORDER = ["config", "identity", "swarm", "aio", "protocol", "host", "logs", "metrics", "kernels", "model", "data",
+ROOM_ORDER = ["config", "settings", "identity", "swarm", "aio", "protocol", "host", "logs", "metrics", "kernels", "model", "data",
               "net", "trust", "checkpoint", "averaging", "server", "trainer", "reference", "attacks"]
 """Rooms from the ground up; a room imports only rooms before it in this list. A package of ``swarm/`` is a room,
 and so is each module at its top (``swarm`` is the package's own ``__init__``: its version and public names).

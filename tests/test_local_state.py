@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from coordinator.launch import free_port
-from swarm.config import PeerSettings
+from swarm.settings import PeerSettings
 from swarm.identity import Identity
 
 pytestmark = pytest.mark.timeout(120)

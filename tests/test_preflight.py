@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from peer.cli import app
 from peer.preflight import as_dict, run_checks
-from swarm.config import PeerSettings
+from swarm.settings import PeerSettings
 
 
 def test_a_healthy_loopback_machine_passes_the_local_checks_but_not_reachability(tmp_path):

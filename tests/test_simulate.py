@@ -63,3 +63,14 @@ def test_attackers_who_grind_keys_for_a_known_epoch_corrupt_more_of_its_rounds(s
     # 15% Byzantine servers, each trying 5,000 keys to sit where it corrupts the targeted round's aggregate
     out = _run(spec, churn_per_h=0.0, byzantine=0.15, servers=64, trainers=4, grind=5000, seed=1)
     assert out["rounds_corrupted_targeted"] > 2 * out["rounds_corrupted"], out
+
+
+def test_stripes_spread_a_stage_over_keys_without_adding_bytes_per_peer(spec):
+    """``[records] stage_stripe_bits``: the nodes of the hottest key serve a quarter at 2 bits, and a peer's DHT bytes
+    grow only by the extra lookups' requests (each read is one lookup per stripe, the same records in all)."""
+    runs = {bits: _run(spec.updated(records={"stage_stripe_bits": bits}), churn_per_h=0.0, byzantine=0.0)
+            for bits in (0, 2)}
+    hot = {bits: out["hot_node_mb_per_min"] for bits, out in runs.items()}
+    assert hot[2] == pytest.approx(hot[0] / 4, rel=0.05), hot
+    per_peer = {bits: out["dht_kb_per_peer_min"]["server"] for bits, out in runs.items()}
+    assert per_peer[0] <= per_peer[2] <= 1.5 * per_peer[0], per_peer

@@ -25,13 +25,7 @@ def test_swarm_trains_and_servers_of_a_stage_agree(swarm):
     sockets = socket_files()
     with Scenario(swarm) as sc:
         sc.servers(per_stage=2).trainers(1).until_epoch(6)
-        # a trainer announces its loss every record_ttl_s / 3: six epochs can take less than that
-        sc.wait(lambda: all(t.loss is not None for t in sc.directory.trainers()), 60, "the trainer's loss announced")
-        trainers = sc.directory.trainers()
-        assert len(trainers) == 1
-        for t in trainers:
-            assert t.loss is not None and t.initial_loss is not None
-            assert t.loss < t.initial_loss - 0.25, f"loss did not fall: {t.initial_loss:.3f} -> {t.loss:.3f}"
+        sc.until_loss_falls(0.25, trainers=1)
         # The servers of a stage hold the same state, bit for bit (parameters and optimizer state), after an epoch
         # that ends with a parameter/optimizer-state averaging round (every `average_state_every` epochs). Between
         # such rounds a server that missed a gradient round may differ; the next state round re-syncs it.
@@ -69,12 +63,7 @@ def test_other_averaging_modes_run_real_rounds_and_keep_a_stage_equal(averaging,
             servers = sc.directory.servers(k)
             assert all(s.averaging.get("rounds", 0) >= 2 for s in servers), \
                 [(s.peer_id, s.averaging) for s in servers]  # gradient all-reduces between the two, not alone
-        # six epochs of 64 samples can end before a trainer's second announcement (every record_ttl_s / 3): CI read a
-        # record that still had no loss
-        sc.wait(lambda: len(ts := sc.directory.trainers()) == 2 and all(t.loss is not None for t in ts), 60,
-                "both trainers' losses announced")
-        for t in sc.directory.trainers():
-            assert t.loss < t.initial_loss - 0.25, f"loss did not fall: {t.initial_loss:.3f} -> {t.loss:.3f}"
+        sc.until_loss_falls(0.25, trainers=2)
 
 
 def test_status_and_check_clis_read_a_live_swarm(swarm):

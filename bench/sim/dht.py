@@ -36,7 +36,7 @@ class Traffic:
     calls: Counter = field(default_factory=Counter)
     messages: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
-    key_bytes: Counter = field(default_factory=Counter)  # stage -> value bytes its key's nodes served in all
+    key_bytes: Counter = field(default_factory=Counter)  # stage -> value bytes the nodes of its hottest key served
 
     def read(self, role: str, count: float, records: int, nodes: int) -> float:
         """``count`` reads of a key holding ``records`` server records; returns the value bytes served."""

@@ -274,13 +274,14 @@ class Simulation:
 
     def dht(self, dt: float, views: dict, epochs: float, trainers: int) -> None:
         nodes = sum(len(v) for v in views.values()) + trainers  # every peer runs a DHT node
+        stripes = 2 ** self.spec.records.stage_stripe_bits  # a read is one lookup per stripe, of n / stripes records
         for k, records in views.items():
             n = len(records)
             if not n:
                 continue
-            hot = self.traffic.read("server", n * dt / self._roster_period(n), n, nodes)
-            hot += self.traffic.read("trainer", trainers * dt / self._trainer_period(n), n, nodes)
-            self.traffic.key_bytes[k] += hot
+            hot = self.traffic.read("server", stripes * n * dt / self._roster_period(n), n / stripes, nodes)
+            hot += self.traffic.read("trainer", stripes * trainers * dt / self._trainer_period(n), n / stripes, nodes)
+            self.traffic.key_bytes[k] += hot / stripes  # the hottest key: one stripe's (peer id hashes spread evenly)
             self.traffic.store("server", n * dt / (self.ttl / 3), self.traffic.record_bytes, nodes)
             hops = max(1, math.ceil(math.log(max(n, 2), self.spec.averaging.group_size or max(3, n))))
             self.traffic.matchmaking("server", n * epochs * hops, nodes)

@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 import hivemind
 from hivemind.p2p import P2P, P2PDaemonError
 
-from swarm.config import PeerSettings, RunSpec
+from swarm.config import RunSpec
+from swarm.settings import PeerSettings
 from swarm.identity import Identity, claim_identity
 from swarm.net.dht_validation import RunRecordValidator
 from swarm.net.directory import RunDirectory

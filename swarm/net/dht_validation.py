@@ -51,7 +51,9 @@ from swarm.protocol import (
     open_spec,
     rollback_key,
     spec_key,
-    stage_key,
+    MAX_STRIPE_BITS,
+    stage_stripe,
+    stage_keys,
     storage_key,
     trainers_key,
 )
@@ -63,17 +65,21 @@ MAX_STAGES = 256
 
 
 def run_keys(run_id: str, max_stages: int = MAX_STAGES) -> dict[str, Type[Record]]:
-    """The run's DHT keys -> the record kind each holds."""
+    """The run's DHT keys -> the record kind each holds (every stripe key of every stage's server records)."""
     keys: dict[str, Type[Record]] = {spec_key(run_id): SpecRecord, trainers_key(run_id): TrainerInfo,
                                      storage_key(run_id): StorageInfo, rollback_key(run_id): RollbackOrder,
                                      bans_key(run_id): BanList}
     for k in range(max_stages):
-        keys[stage_key(run_id, k)] = ServerInfo
+        keys.update({key: ServerInfo for bits in range(MAX_STRIPE_BITS + 1) for key in stage_keys(run_id, k, bits)})
         keys[history_key(run_id, k)] = ServerHistory
         keys[checkpoints_key(run_id, k)] = CheckpointManifest
         for averager in AVERAGERS:
             keys[accusations_key(f"{run_id}-stage{k}_{averager}")] = Accusation
     return keys
+
+
+def _stripes(bits: int) -> list[str]:
+    return [format(i, f"0{bits}b") for i in range(2 ** bits)]
 
 
 class RunRecordValidator(RecordValidatorBase):
@@ -84,6 +90,9 @@ class RunRecordValidator(RecordValidatorBase):
         self.run_id = run_id
         keys = run_keys(run_id, max_stages)
         self._kinds = {DHTID.generate(source=key).to_bytes(): kind for key, kind in keys.items()}
+        self._stripes = {DHTID.generate(source=key).to_bytes(): stripe for k in range(max_stages)
+                         for bits in range(1, MAX_STRIPE_BITS + 1)
+                         for key, stripe in zip(stage_keys(run_id, k, bits), _stripes(bits))}
 
     def validate(self, record: DHTRecord) -> bool:
         kind = self._kinds.get(record.key)
@@ -101,6 +110,9 @@ class RunRecordValidator(RecordValidatorBase):
             subkey = MSGPackSerializer.loads(record.subkey)
             if not isinstance(subkey, str) or not isinstance(sealed, bytes):
                 return False
+            stripe = self._stripes.get(record.key)
+            if stripe is not None and stage_stripe(subkey, len(stripe)) != stripe:
+                return False  # a server record in another stripe than its peer id's (readers of one stripe miss it)
             open_record(sealed, kind, run_id=self.run_id, subkey=subkey, expiration=record.expiration_time)
             return True
         except (ProtocolError, SpecError, ValueError, TypeError) as e:

@@ -44,7 +44,9 @@ from swarm.protocol import (
     rollback_key,
     seal,
     spec_key,
+    stage_stripe,
     stage_key,
+    stage_keys,
     storage_key,
     trainers_key,
 )
@@ -114,8 +116,9 @@ class RunDirectory:
     call_timeout_s = 60.0  # well above a lookup's worst case (hivemind retries each request for 3 s)
     _POLL_S = 1.0
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float = 30.0):
+    def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float = 30.0, stage_stripe_bits: int = 0):
         self.dht, self.run_id, self.ttl = dht, run_id, ttl
+        self.stage_stripe_bits = stage_stripe_bits  # the spec's [records], once verified: 2^bits keys per stage
         self.run_key: Optional[bytes] = None  # the coordinator's public key, once a spec verified
         self.num_stages: Optional[int] = None  # the spec's, once verified
         self.roster: dict[int, dict[str, float]] = {}  # stage -> peer ids seen announced as its servers -> when
@@ -129,6 +132,16 @@ class RunDirectory:
     def _get(self, key: str) -> Any:
         """``dht.get(key, latest=True)``, or None if the DHT stopped or did not answer in time."""
         return self._wait(lambda: self.dht.get(key, latest=True, return_future=True), f"get {key}", None)
+
+    def _get_many(self, keys: list[str]) -> list[Any]:
+        """:meth:`_get` of every key, with the lookups in flight together (one lookup's time, not one per key)."""
+        if len(keys) == 1 or not self.dht.is_alive():
+            return [self._get(key) for key in keys]
+        try:
+            futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
+        except OSError:  # hivemind closed its pipe: the DHT was shut down
+            return [None] * len(keys)
+        return [self._wait(lambda f=f: f, f"get {key}", None) for key, f in zip(keys, futures)]
 
     def _store(self, key: str, value: bytes, expiration: float, subkey: Optional[str] = None) -> bool:
         """``dht.store(...)``; False if the DHT stopped or did not answer in time."""
@@ -195,7 +208,7 @@ class RunDirectory:
         """Check signature, hash and run id of a sealed spec (:func:`~swarm.protocol.open_spec`); raises
         ProtocolError or SpecError."""
         spec, self.run_key = open_spec(sealed, self.run_id)
-        self.num_stages = spec.model.num_stages
+        self.num_stages, self.stage_stripe_bits = spec.model.num_stages, spec.records.stage_stripe_bits
         return spec
 
     # ---- peers -----------------------------------------------------------------------------------------
@@ -210,7 +223,9 @@ class RunDirectory:
         return self._store(key, seal(record, identity), expiration, subkey=record.dht_subkey())
 
     def announce_server(self, info: ServerInfo, identity: Identity) -> bool:
-        return self.announce(stage_key(self.run_id, info.stage), info, identity)
+        """Announce ``info`` under its stage's key, in its peer's stripe (``[records] stage_stripe_bits``)."""
+        stripe = stage_stripe(info.peer_id, self.stage_stripe_bits)
+        return self.announce(stage_key(self.run_id, info.stage, stripe), info, identity)
 
     def announce_trainer(self, info: TrainerInfo, identity: Identity) -> bool:
         return self.announce(trainers_key(self.run_id), info, identity)
@@ -223,7 +238,11 @@ class RunDirectory:
         """Verified records under ``key`` with their sealed bytes (to re-publish verbatim); bad ones are logged
         with their cause and skipped. ``expiry``, if given, gets each verified record's sub-key -> DHT expiration
         time."""
-        found = self._get(key)
+        return self._open_found(key, self._get(key), cls, expiry)
+
+    def _open_found(self, key: str, found: Any, cls: Type[R], expiry: Optional[dict[str, float]] = None
+                    ) -> list[tuple[R, bytes]]:
+        """:meth:`read_sealed` of what a lookup of ``key`` found."""
         if found is None or not isinstance(found.value, dict):
             return []
         out = []
@@ -248,7 +267,9 @@ class RunDirectory:
 
     def servers(self, stage: int) -> list[ServerInfo]:
         """Verified, unexpired ServerInfo records of ``stage``, any state (their signers join :attr:`roster`)."""
-        found = [s for s in self._read(stage_key(self.run_id, stage), ServerInfo) if s.stage == stage]
+        keys = stage_keys(self.run_id, stage, self.stage_stripe_bits)
+        found = [rec for key, value in zip(keys, self._get_many(keys))
+                 for rec, _ in self._open_found(key, value, ServerInfo) if rec.stage == stage]
         self._remember(stage, [s.peer_id for s in found])
         self._roster_read[stage] = time.monotonic()
         self._roster_reads[stage] = self._roster_reads.get(stage, 0) + 1

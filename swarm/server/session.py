@@ -54,7 +54,8 @@ from swarm.aio import sleep_or_stop
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
-from swarm.config import PeerSettings, RunSpec
+from swarm.config import RunSpec
+from swarm.settings import PeerSettings
 from swarm.host import ThreadShare, resolve_device
 from swarm.identity import Identity, claim_local_state
 from swarm.kernels import select_backend

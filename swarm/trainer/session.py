@@ -34,7 +34,8 @@ from hivemind.utils import get_dht_time
 
 from swarm import __version__
 from swarm.aio import sleep_or_stop, wait_any
-from swarm.config import PeerSettings, RunSpec
+from swarm.config import RunSpec
+from swarm.settings import PeerSettings
 from swarm.data import TokenDataset, prepare_dataset, share_order
 from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
