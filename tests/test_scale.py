@@ -15,7 +15,11 @@ GROUP_SIZE = 4  # 7 servers of a stage: two hops, groups of at most 4 voters
 @pytest.mark.timeout(900)
 def test_sixteen_peers_average_in_bounded_groups_and_survive_losing_a_quarter_of_a_stage(tiny_spec, tmp_path,
                                                                                          cache_dir):
-    spec = tiny_spec.updated(averaging={"group_size": GROUP_SIZE}, training={"target_batch_size": 64})
+    # 16 peers' DHT lookups on 2 cores take seconds (bench/scale.py, docs/scaling.md): the tiny spec's 1.5 s window
+    # let lanes miss each other until rounds kept failing and a stage never agreed again (seen here twice on one
+    # day, at this commit and the one before); the field's doc says to raise it when groups come up short
+    spec = tiny_spec.updated(averaging={"group_size": GROUP_SIZE, "matchmaking_time": 3.0},
+                             training={"target_batch_size": 64})
     with make_swarm(spec, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
         sc.servers(per_stage=PER_STAGE, timeout=180).trainers(2).until_epoch(4, timeout=300)
         for k in range(sc.num_stages):

@@ -31,6 +31,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.config import SpecError
 from swarm.protocol import (
+    MAX_STRIPE_BITS,
     AVERAGERS,
     Accusation,
     BanList,
@@ -51,9 +52,8 @@ from swarm.protocol import (
     open_spec,
     rollback_key,
     spec_key,
-    MAX_STRIPE_BITS,
-    stage_stripe,
     stage_keys,
+    stage_stripe,
     storage_key,
     trainers_key,
 )
@@ -89,9 +89,9 @@ class RunRecordValidator(RecordValidatorBase):
     def __init__(self, run_id: str, max_stages: int = MAX_STAGES):
         self.run_id = run_id
         keys = run_keys(run_id, max_stages)
-        self._kinds = {DHTID.generate(source=key).to_bytes(): kind for key, kind in keys.items()}
-        self._stripes = {DHTID.generate(source=key).to_bytes(): stripe for k in range(max_stages)
-                         for bits in range(1, MAX_STRIPE_BITS + 1)
+        ids = {key: DHTID.generate(source=key).to_bytes() for key in keys}
+        self._kinds = {ids[key]: kind for key, kind in keys.items()}
+        self._stripes = {ids[key]: stripe for k in range(max_stages) for bits in range(1, MAX_STRIPE_BITS + 1)
                          for key, stripe in zip(stage_keys(run_id, k, bits), _stripes(bits))}
 
     def validate(self, record: DHTRecord) -> bool:
