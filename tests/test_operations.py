@@ -50,7 +50,9 @@ def _watch_and_monitor(address: str, run_id: str) -> None:
         lines = [json.loads(watch.stdout.readline()) for _ in range(2)]
     finally:
         watch.send_signal(signal.SIGINT)
-    assert watch.wait(30) == 0 and all(set(snap) == {"run", "stages", "peers", "healthy"} for snap in lines)
+    # drain what it printed meanwhile: a line a second into an unread pipe can block its exit (seen twice here)
+    watch.communicate(timeout=60)
+    assert watch.returncode == 0 and all(set(snap) == {"run", "stages", "peers", "healthy"} for snap in lines)
     port = _free_port()
     monitor = subprocess.Popen([sys.executable, "-m", "coordinator", "monitor", address, "--metrics-port", str(port),
                                 "--host", "127.0.0.1", "--every", "1"], stderr=subprocess.PIPE, text=True)
