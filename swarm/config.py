@@ -270,8 +270,9 @@ class AveragingSpec(_Section):
         "a seeded grid (Moshpit All-Reduce: ceil(log_group_size(servers)) hops, each a group of at most this many "
         "voters) and every server still ends with the same tensors; each hop costs one group's round. 0: one "
         "group of the whole stage. Larger groups need fewer hops and tolerate a larger Byzantine fraction per "
-        "group, smaller ones bound each round's wire bytes and fail less often (docs/scaling.md). Every server of a "
-        "run must agree on it.",
+        "group, smaller ones bound each round's wire bytes and fail less often (docs/scaling.md). From 8 up no lane "
+        "of a later hop has fewer than 3 voters; below, some stages get two-voter lanes, which one attacker halves. "
+        "Every server of a run must agree on it.",
     )
     matchmaking_time: float = Field(
         2.0, gt=0, description="Seconds to gather a group. Raise it if the log shows fewer peers than servers. "
@@ -456,8 +457,8 @@ class RecordsSpec(_Section):
     stage_stripe_bits: int = Field(
         0, ge=0, le=MAX_STAGE_STRIPE_BITS, description="Spread each stage's server records over 2^bits DHT keys "
         "(stripes by peer id hash), so that a large stage's readers are answered by 2^bits sets of DHT nodes instead "
-        "of one. Every reader still reads every stripe (one lookup each, the same bytes): keep 0 up to ~100 "
-        "servers a stage; about log2(servers / 64) beyond.",
+        "of one. A server reads every stripe (one lookup each, the same bytes); a trainer reads a few stripes of a "
+        "large stage, about 64 records. Keep 0 up to ~100 servers a stage; about log2(servers / 64) beyond.",
     )
 
 

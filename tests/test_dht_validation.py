@@ -168,6 +168,9 @@ def test_a_stage_spread_over_stripes_is_read_whole_and_a_record_in_another_strip
         mine = RunDirectory(reader, run_id)
         mine.fetch_spec(timeout=20)  # the reader learns the stripes from the spec
         assert sorted(s.throughput for s in mine.servers(1)) == [float(i + 1) for i in range(12)]
+        # a partial read (a trainer's, stripes_to_read): only the records of the stripes it names
+        for i, key in enumerate(stage_keys(run_id, 1, 2)):
+            assert sorted(s.peer_id for s in mine.servers(1, [i])) == by_key[key], key
         # a valid record of the server's own, under another stripe's key: refused (a reader of one stripe would miss it)
         server = servers[0]
         wrong = next(b for b in ("00", "01", "10", "11") if b != stage_stripe(server.peer_id, 2))

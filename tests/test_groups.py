@@ -50,7 +50,18 @@ def test_every_server_has_one_lane_per_hop_and_lanes_stay_bounded(group_size):
         assert {p for lanes in plan.hops for lane in lanes for p in lane.members} == set(PEERS[:n])
 
 
-@pytest.mark.parametrize("n, group_size", [(5, 4), (16, 4), (23, 4), (64, 8), (100, 8)])
+@pytest.mark.parametrize("group_size", [8, 16])
+def test_no_lane_has_two_voters_where_three_groups_of_three_fit(group_size):
+    """Two voters (one attacker is half the lane) happened for every stage of 9-16 servers at g = 8: hop 0 made
+    two groups, hop 1 two-voter lanes. From g = 8 up every hop cuts three groups instead, down to n = 3."""
+    for n in list(range(3, 70)) + [127, 128, 129, 255, 256, 257, 399]:
+        plan = GroupPlan(PEERS[:n], round_seed("run_stage0_grad_averager", 7), group_size)
+        assert min(len(lane.voters) for lanes in plan.hops for lane in lanes) >= 3, n
+    sizes = [len(lane.voters) for lane in GroupPlan(PEERS[:16], b"seed", 8).hops[1]]
+    assert sizes == [3] * 5  # hop 0: groups of 6, 5, 5; hop 1: 5 lanes, the sixth member of the first a listener
+
+
+@pytest.mark.parametrize("n, group_size", [(5, 4), (16, 4), (23, 4), (13, 8), (64, 8), (100, 8)])
 @pytest.mark.parametrize("rule", ["mean", "centered_clip"])
 def test_after_the_hops_every_server_holds_the_same_bits(n, group_size, rule):
     gen = torch.Generator().manual_seed(n)

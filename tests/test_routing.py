@@ -102,10 +102,12 @@ def test_choose_stage_fills_the_bottleneck():
 class _SlowDirectory:
     """A directory whose reads after the first wait until ``gate`` opens (a DHT read over a far link)."""
 
+    stage_stripe_bits = 0
+
     def __init__(self):
         self.reads, self.gate = 0, threading.Event()
 
-    async def servers(self, stage: int):
+    async def servers(self, stage: int, stripes=None):
         self.reads += 1
         if self.reads > 1:
             await asyncio.to_thread(self.gate.wait, 30)
@@ -134,6 +136,60 @@ def test_a_due_read_of_the_servers_runs_in_the_background_while_micro_batches_ro
             await asyncio.sleep(0.05)
         assert (await pipeline.servers(0, force=True))[0].peer_id.startswith("read")
         assert directory.reads >= 3
+
+    asyncio.run(scenario())
+
+
+class _StripedDirectory:
+    """A stage of ``per_stripe`` servers in each of 16 stripes (``stage_stripe_bits`` 4); notes what each read read."""
+
+    stage_stripe_bits = 4
+
+    def __init__(self, per_stripe: int):
+        self.per_stripe, self.reads = per_stripe, []
+
+    async def servers(self, stage: int, stripes=None):
+        stripes = list(range(16)) if stripes is None else list(stripes)
+        self.reads.append(stripes)
+        return [SimpleNamespace(peer_id=f"s{i}-{j}", stage=stage, convicted={})
+                for i in stripes for j in range(self.per_stripe)]
+
+
+def test_stripes_to_read_reads_about_enough_servers_to_route_over_and_all_of_a_small_stage():
+    from swarm.net.directory import stripes_to_read
+
+    rng = random.Random(0)
+    assert stripes_to_read(640, 16, 0, rng=rng) is None  # unstriped: the stage's one key
+    assert stripes_to_read(0, 0, 4, rng=rng) is None  # nothing read yet: every stripe
+    assert stripes_to_read(40, 16, 4, rng=rng) is None  # 2.5 a stripe: 64 need them all
+    picks = [stripes_to_read(640, 16, 4, rng=rng) for _ in range(50)]  # 40 a stripe: two stripes hold 80
+    assert all(len(p) == 2 and len(set(p)) == 2 and all(0 <= i < 16 for i in p) for p in picks)
+    assert len({i for p in picks for i in p}) == 16  # drawn anew each read: every stripe's turn comes
+    assert len(stripes_to_read(80, 2, 4, want=200, rng=rng)) == 5  # (80 in 2 stripes: 40 each)
+    with pytest.raises(ValueError):
+        stripes_to_read(10, 1, 5)
+
+
+def test_a_trainer_reads_a_few_stripes_of_a_large_stage_and_its_view_turns_over_the_stage():
+    from swarm.trainer.pipeline import RemotePipeline
+    from tests.conftest import TINY
+
+    async def scenario():
+        directory = _StripedDirectory(per_stripe=40)
+        pipeline = RemotePipeline(TINY, "run", directory, None, refresh_s=0.0)
+        assert len(await pipeline.servers(0)) == 640  # the first read: every stripe
+        seen = set()
+        for _ in range(30):
+            view = await pipeline.servers(0, force=True)
+            assert len(view) == 80  # two stripes of 40: about ROUTING_SERVERS, not 640
+            seen |= {s.peer_id for s in view}
+        assert all(len(r) == 2 for r in directory.reads[1:])
+        assert len(seen) > 400  # over 30 reads the view turned over most of the stage (all of it: 71% of the time)
+        small = _StripedDirectory(per_stripe=2)  # 32 servers: every read reads every stripe
+        pipeline = RemotePipeline(TINY, "run", small, None, refresh_s=0.0)
+        for _ in range(3):
+            assert len(await pipeline.servers(0, force=True)) == 32
+        assert all(len(r) == 16 for r in small.reads)
 
     asyncio.run(scenario())
 

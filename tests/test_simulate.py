@@ -74,3 +74,33 @@ def test_stripes_spread_a_stage_over_keys_without_adding_bytes_per_peer(spec):
     assert hot[2] == pytest.approx(hot[0] / 4, rel=0.05), hot
     per_peer = {bits: out["dht_kb_per_peer_min"]["server"] for bits, out in runs.items()}
     assert per_peer[0] <= per_peer[2] <= 1.5 * per_peer[0], per_peer
+
+
+def test_trainers_read_a_few_stripes_of_a_large_stage_and_route_as_well(spec):
+    """``stripes_to_read``: on a striped stage of 200 servers a trainer reads about ROUTING_SERVERS records (6 of 16
+    stripes), so its DHT bytes fall, and the swarm's throughput stays what routing over every record gave."""
+    runs = {bits: _run(spec.updated(records={"stage_stripe_bits": bits}), churn_per_h=0.0, byzantine=0.0,
+                       servers=400, trainers=40, hours=0.05) for bits in (0, 4)}
+    trainer = {bits: out["dht_kb_per_peer_min"]["trainer"] for bits, out in runs.items()}
+    assert trainer[4] < 0.6 * trainer[0], trainer
+    server = {bits: out["dht_kb_per_peer_min"]["server"] for bits, out in runs.items()}
+    assert server[4] >= server[0], server  # servers still read every stripe (they need every member)
+    speed = {bits: out["throughput_vs_ideal"] for bits, out in runs.items()}
+    assert speed[4] >= 0.8 * speed[0], speed
+
+
+@pytest.mark.parametrize("n, group_size", [(16, 8), (12, 4), (40, 8)])
+def test_the_grinders_positions_leave_every_last_hop_lane_half_bad(n, group_size):
+    """``corrupting_positions``: attackers at those places of a round's order (what key grinding buys) hold half
+    of every hop-0 group they aim at, and those groups' blocks are half the voters of every lane above."""
+    from bench.harness_hops import _badness
+    from bench.sim.run import corrupting_positions
+    from swarm.averaging.groups import GroupPlan
+
+    plan = GroupPlan([f"peer{i}" for i in range(n)], b"seed", group_size)
+    assert plan.depth == 2
+    positions = corrupting_positions(n, group_size)
+    assert sorted(positions) == list(range(n))  # every place, in the order grinders take them
+    needed = next(k for k in range(1, n + 1)
+                  if _badness(plan, {plan.order[i] for i in positions[:k]})[1] == len(plan.hops[1]))
+    assert needed < n / 2  # fewer than half of the stage corrupt every lane of the last hop

@@ -1,9 +1,10 @@
 """Trainers' routing and the swarm's throughput at one instant.
 
 A sample of trainers route micro-batches with their own :class:`swarm.trainer.routing.Router` (kept across
-ticks, on the simulator's clock) over the records their last read found fresh (:func:`swarm.net.directory.is_fresh` when read; a read
-every ``record_ttl_s / 6`` seconds, or :func:`~swarm.net.directory.read_period_s` for a large stage). A pick
-of a server that has left fails (``FAIL_S`` seconds lost, the server backed off) and is retried.
+ticks, on the simulator's clock) over the records their last read found fresh (:func:`swarm.net.directory.is_fresh`
+when read; a read every ``record_ttl_s / 6`` seconds, or :func:`~swarm.net.directory.read_period_s` for a large
+stage, of the stripes :func:`~swarm.net.directory.stripes_to_read` draws for it). A pick of a server that has left
+fails (``FAIL_S`` seconds lost, the server backed off) and is retried.
 
 Throughput is the least of (a) what each stage's servers that the trainers route to (fresh in their reads, alive)
 compute together (a Router spreads micro-batches in proportion to throughput: ``tests/test_routing.py``), a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 from bench.sim.world import Peer, World
 from swarm.trainer.inflight import MOST_IN_FLIGHT
@@ -42,9 +44,11 @@ def link_rate(peer: Peer) -> float:
 
 
 def flow(world: World, t: float, *, routers: dict[str, Router], trainers: list[Peer], views: dict,
-         micro_batch: int, activation_bytes: float, scale: float) -> Flow:
-    """The swarm's samples/s at ``t``. ``views``: stage -> the records a trainer routes over (read at its last
-    read); ``trainers``: the sampled trainers, ``scale`` = all trainers / sampled; ``activation_bytes``: one
+         micro_batch: int, activation_bytes: float, scale: float,
+         view_of: Optional[Callable[[list], list]] = None) -> Flow:
+    """The swarm's samples/s at ``t``. ``views``: stage -> the records trainers route over (read at their last
+    read); ``view_of``: the part of them one trainer's read returned (its stripes of a large stage; default all);
+    ``trainers``: the sampled trainers, ``scale`` = all trainers / sampled; ``activation_bytes``: one
     sample's activations at a stage boundary, as sent."""
     stages = len(world.demand)
     out, trainer_rate = Flow(), 0.0
@@ -55,9 +59,10 @@ def flow(world: World, t: float, *, routers: dict[str, Router], trainers: list[P
         router.clock = lambda: t
         latency, lost = 0.0, 0.0
         for k in range(stages):
+            view = views[k] if view_of is None else view_of(views[k])
             for _ in range(4):
                 try:
-                    chosen = router.choose(views[k], work=micro_batch)
+                    chosen = router.choose(view, work=micro_batch)
                 except NoServerError:
                     break
                 out.picks += 1

@@ -12,6 +12,7 @@ real server record.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -25,9 +26,10 @@ from bench.sim.dht import Traffic
 from bench.sim.rounds import RoundResult, run_round
 from bench.sim.route import flow, link_rate
 from bench.sim.world import LINKS, LOOPBACK, World
-from swarm.averaging.groups import round_seed
+from swarm.averaging.groups import round_seed, split_blocks
 from swarm.config import RunSpec
-from swarm.net.directory import is_fresh, read_period_s
+from swarm.net.directory import is_fresh, read_period_s, stripes_to_read
+from swarm.protocol import stage_stripe
 from swarm.server.rebalance import MovePlanner, choose_mover, choose_stage
 from swarm.trainer.routing import Router
 
@@ -36,6 +38,30 @@ TARGET_EPOCH = 1000
 JOIN_S = 10.0
 """Seconds from a server's start to its first announcement besides downloading the stage's state (measured on
 real peers: joins took 5-11 s, docs/scaling.md)."""
+
+
+@functools.lru_cache(maxsize=64)
+def corrupting_positions(n: int, group_size: int) -> list[int]:
+    """Positions in a grid's order of ``n`` servers (``GroupPlan``'s cut, :func:`split_blocks`) in the order key
+    grinders fill them: first those that leave every lane of the last hop with half its voters bad (half, rounded
+    up, of the blocks of the last hop's group, half of the blocks of each of those at the hop below, and so on down
+    to half the members of each hop-0 group reached), then half of every other hop-0 group in turn (each such group
+    a bad voter in the lanes above it), then the rest."""
+    groups = split_blocks(list(range(n)), group_size)  # hop 0: lists of positions
+    tree: list = groups
+    while len(tree) > 1:
+        tree = split_blocks(tree, group_size)
+
+    def half(node) -> list[int]:
+        if isinstance(node, int):
+            return [node]
+        return [p for child in node[:(len(node) + 1) // 2] for p in half(child)]
+
+    order = half(tree[0]) if len(groups) > 1 else half(groups[0]) if groups else []
+    taken = set(order)
+    order += [p for group in groups for p in group[:(len(group) + 1) // 2] if p not in taken]
+    taken = set(order)
+    return order + [p for p in range(n) if p not in taken]
 
 
 @dataclass
@@ -87,6 +113,7 @@ class Simulation:
                  vector_bytes: list[float], activation_bytes: float, record_bytes: float):
         self.spec, self.opts = spec, opts
         self.rng = random.Random(opts.seed)
+        self._stripes: dict[str, str] = {}  # peer id -> its records' stripe (stage_stripe, cached)
         self.ttl = spec.timeouts.record_ttl_s
         self.world = World(demand, self.ttl, self.rng, links=LOOPBACK if opts.links == "loopback" else LINKS,
                            flops=opts.server_flops)
@@ -111,20 +138,15 @@ class Simulation:
 
     def ground_key(self, peer, stage: int) -> str:
         """The key, of ``grind`` tried, that puts this attacker where the attackers of the stage corrupt the targeted
-        round's aggregate with the fewest of them: ``g / 2`` of them side by side fill half of a hop-0 group, and
-        those clusters go to the groups whose index has every base-``g`` digit below ``g / 2``, so that half the
-        blocks of a hop-1 group are corrupted, and so on up (``(g / 2)^d`` attackers for ``d`` hops, ``n / 2^d``)."""
+        round's aggregate with the fewest of them (:func:`corrupting_positions` of the stage's expected size: half
+        of each hop-0 group they aim at, under half the blocks of each group above, up to the last hop's)."""
         demand = self.world.demand  # stages fill in proportion to their compute (choose_stage)
-        per_stage = self.opts.servers * demand[stage] / sum(demand)
-        g = max(3, self.spec.averaging.group_size)  # the grid's cut
+        per_stage = max(1, round(self.opts.servers * demand[stage] / sum(demand)))
+        g = max(3, self.spec.averaging.group_size)
         count = self._ground.get(stage, 0)
         self._ground[stage] = count + 1
-        half = (g + 1) // 2  # the votes that make a lane's aggregate unbounded: 2 bad >= g
-        cluster, group, scale = count // half, 0, 1
-        while cluster and half > 1:  # the cluster-th number whose base-g digits are all below half
-            cluster, digit = divmod(cluster, half)
-            group, scale = group + digit * scale, scale * g
-        target = min(1.0, (group * g + g / 2) / per_stage)  # the group's middle, as a quantile of the order
+        positions = corrupting_positions(per_stage, g)
+        target = min(1.0, (positions[count % len(positions)] + 0.5) / per_stage)  # as a quantile of the order
         seed = self.seed(stage, TARGET_EPOCH)
 
         def quantile(key: str) -> float:  # GroupPlan's order (the attacker knows the code)
@@ -196,10 +218,11 @@ class Simulation:
         stages = self.spec.model.num_stages
         trainers = self.world.alive(t, "trainer")
         sample = self.rng.sample(trainers, min(len(trainers), self.opts.route_sample))
-        lag = {k: self.rng.uniform(0.0, self._trainer_period(len(views[k]))) for k in range(stages)}
+        lag = {k: self.rng.uniform(0.0, self._trainer_period(self._trainer_read(len(views[k]))[1]))
+               for k in range(stages)}
         routed = {k: [r for r in self.world.records(k, t - lag[k]) if is_fresh(r, t - lag[k], self.ttl)]
                   for k in range(stages)}  # what each stage's last read returned, fresh when read
-        f = flow(self.world, t, routers=self.routers, trainers=sample, views=routed,
+        f = flow(self.world, t, routers=self.routers, trainers=sample, views=routed, view_of=self._trainer_view,
                  micro_batch=self.spec.training.micro_batch_size, activation_bytes=self.activation_bytes,
                  scale=len(trainers) / max(1, len(sample)))
         dt, ideal = self.opts.tick_s, self.world.ideal_samples_per_s(t)
@@ -223,6 +246,30 @@ class Simulation:
 
     def _trainer_period(self, records: int) -> float:
         return read_period_s(records, self.ttl / 6, self.ttl / 3)
+
+    def _trainer_read(self, n: int) -> tuple[int, float]:
+        """(stripes a trainer's read of a stage of ``n`` servers looks up, records it returns):
+        :func:`~swarm.net.directory.stripes_to_read` after a read that found them all."""
+        bits = self.spec.records.stage_stripe_bits
+        picked = stripes_to_read(n, 2 ** bits, bits, rng=self.rng)
+        count = 2 ** bits if picked is None else len(picked)
+        return count, n * count / 2 ** bits
+
+    def _trainer_view(self, records: list) -> list:
+        """The part of a stage's ``records`` one trainer's last read returned: the stripes
+        :func:`~swarm.net.directory.stripes_to_read` drew for it (all of them on a small or unstriped stage)."""
+        bits = self.spec.records.stage_stripe_bits
+        picked = stripes_to_read(len(records), 2 ** bits, bits, rng=self.rng)
+        if picked is None:
+            return records
+        chosen = {format(i, f"0{bits}b") for i in picked}
+        return [r for r in records if self._stripe_of(r.peer_id) in chosen]
+
+    def _stripe_of(self, peer_id: str) -> str:
+        stripe = self._stripes.get(peer_id)
+        if stripe is None:
+            stripe = self._stripes[peer_id] = stage_stripe(peer_id, self.spec.records.stage_stripe_bits)
+        return stripe
 
     def _roster_period(self, records: int) -> float:
         return read_period_s(records, self.ttl / 15, self.ttl / 3)
@@ -280,7 +327,8 @@ class Simulation:
             if not n:
                 continue
             hot = self.traffic.read("server", stripes * n * dt / self._roster_period(n), n / stripes, nodes)
-            hot += self.traffic.read("trainer", stripes * trainers * dt / self._trainer_period(n), n / stripes, nodes)
+            count, got = self._trainer_read(n)  # a trainer reads a few stripes of a large stage
+            hot += self.traffic.read("trainer", count * trainers * dt / self._trainer_period(got), n / stripes, nodes)
             self.traffic.key_bytes[k] += hot / stripes  # the hottest key: one stripe's (peer id hashes spread evenly)
             self.traffic.store("server", n * dt / (self.ttl / 3), self.traffic.record_bytes, nodes)
             hops = max(1, math.ceil(math.log(max(n, 2), self.spec.averaging.group_size or max(3, n))))

@@ -8,7 +8,9 @@ costs what one group of ``g`` costs). Here the grid is built so that every serve
 invariant need that; Moshpit's own grid tolerates approximate averages):
 
 * **Hop 0** splits the ``n`` servers, in a seeded order, into ``ceil(n / g)`` groups of balanced size (sizes
-  differ by one at most). Every group ends its all-reduce with one value held by all its members.
+  differ by one at most), or three where that makes two and three groups of at least 3 fit (:func:`split_blocks`: the
+  next hop then has lanes of three voters, not two). Every group ends its all-reduce with one value held by all
+  its members.
 * **Hop k + 1** treats each group of hop k as one *block* (its members all hold its value) and splits the blocks
   the same way into groups of at most ``g`` blocks. A group of blocks runs as ``c`` *lanes*, ``c`` being its
   smallest block's size: lane ``j`` holds the ``j``-th member of every block (its *voters*, one per block) and,
@@ -80,9 +82,19 @@ class Lane:
         return {p: i for i, p in enumerate(self.voters)}
 
 
-def _split(items: list, group_size: int) -> list[list]:
-    """``items`` cut, in order, into ``ceil(len / group_size)`` runs whose lengths differ by one at most."""
+MIN_LANE_VOTERS = 3
+"""A hop that would leave exactly two blocks cuts three groups instead when each still gets this many items: a lane
+of two voters is half Byzantine with one attacker, and no robust rule can tell which of two parts lies."""
+
+
+def split_blocks(items: list, group_size: int) -> list[list]:
+    """``items`` cut, in order, into ``ceil(len / group_size)`` runs whose lengths differ by one at most, or into
+    three runs where that number is two and three runs of at least :data:`MIN_LANE_VOTERS` fit (``len >= 9``), so
+    that the next hop's group has three blocks (lanes of three voters) rather than two. Never more hops: three
+    blocks fit in one group of ``group_size >= 3``."""
     groups = max(1, math.ceil(len(items) / group_size))
+    if groups == 2 and len(items) >= 3 * MIN_LANE_VOTERS:
+        groups = 3
     base, extra = divmod(len(items), groups)
     out, at = [], 0
     for i in range(groups):
@@ -120,7 +132,7 @@ class GroupPlan:
         blocks = [[p] for p in self.order]
         while len(blocks) > 1:
             hop, lanes, merged = len(self.hops), [], []
-            for group in _split(blocks, group_size):
+            for group in split_blocks(blocks, group_size):
                 merged.append([p for block in group for p in block])
                 if len(group) > 1:
                     lanes += self._lanes(seed, hop, group)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import random
 import time
 from concurrent.futures import CancelledError
-from typing import Any, Optional, Type, TypeVar
+from typing import Any, Optional, Sequence, Type, TypeVar
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -44,6 +46,7 @@ from swarm.protocol import (
     rollback_key,
     seal,
     spec_key,
+    MAX_STRIPE_BITS,
     stage_stripe,
     stage_key,
     stage_keys,
@@ -86,6 +89,35 @@ def read_period_s(records: int, shortest_s: float, longest_s: float) -> float:
     if records <= SMALL_STAGE:
         return shortest_s
     return min(longest_s, max(shortest_s, records / RECORDS_READ_PER_S))
+
+
+ROUTING_SERVERS = 64
+"""Server records of a stage a trainer reads at a time from a striped stage (:func:`stripes_to_read`): enough to
+route over (a trainer keeps a few micro-batches in flight), few enough that its reads do not grow with the stage."""
+
+
+def stripes_to_read(found: int, stripes_read: int, bits: int, want: int = ROUTING_SERVERS,
+                    rng: Optional[random.Random] = None) -> Optional[list[int]]:
+    """The stripes of a stage (indices in ``range(2^bits)``, :func:`~swarm.protocol.stage_keys`) that a read
+    should look up to find about ``want`` server records, the last read having found ``found`` in
+    ``stripes_read`` stripes: every stripe (None) before a read found any, on an unstriped stage, or where
+    ``want`` needs them all; else ``ceil(want / (found / stripes_read))`` of them drawn at random anew each read,
+    so that a reader's view turns over the whole stage every few reads and its readers spread over every key.
+
+    A trainer needs a few servers per stage, not all: this bounds its DHT traffic at ``~want`` records per read
+    whatever the stage's size (the simulator's limit 1, docs/scaling.md).
+
+    :raises ValueError: ``bits`` outside ``0..4`` or ``want`` below 1.
+    """
+    if not 0 <= bits <= MAX_STRIPE_BITS or want < 1:
+        raise ValueError(f"need 0 <= bits <= {MAX_STRIPE_BITS} and want >= 1, got bits={bits}, want={want}")
+    stripes = 2 ** bits
+    if found <= 0 or stripes_read <= 0:
+        return None
+    count = math.ceil(want * stripes_read / found)
+    if count >= stripes:
+        return None
+    return sorted((rng or random).sample(range(stripes), count))
 
 
 def is_fresh(record: AnnouncedRecord, now: float, ttl: float, slack_s: float = 1.5) -> bool:
@@ -265,9 +297,13 @@ class RunDirectory:
         """Store sealed bytes (signed by anyone, e.g. a manifest's writer) for ``ttl`` seconds."""
         return self._store(key, sealed, get_dht_time() + self.ttl, subkey=subkey)
 
-    def servers(self, stage: int) -> list[ServerInfo]:
-        """Verified, unexpired ServerInfo records of ``stage``, any state (their signers join :attr:`roster`)."""
+    def servers(self, stage: int, stripes: Optional[Sequence[int]] = None) -> list[ServerInfo]:
+        """Verified, unexpired ServerInfo records of ``stage``, any state (their signers join :attr:`roster`): of
+        every stripe, or of those listed (indices into :func:`~swarm.protocol.stage_keys`, see
+        :func:`stripes_to_read`)."""
         keys = stage_keys(self.run_id, stage, self.stage_stripe_bits)
+        if stripes is not None:
+            keys = [keys[i] for i in stripes]
         found = [rec for key, value in zip(keys, self._get_many(keys))
                  for rec, _ in self._open_found(key, value, ServerInfo) if rec.stage == stage]
         self._remember(stage, [s.peer_id for s in found])
@@ -433,9 +469,15 @@ class AsyncRunDirectory:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     # ---- reads ---------------------------------------------------------------------------------------------
-    async def servers(self, stage: int) -> list[ServerInfo]:
-        """:meth:`RunDirectory.servers`: verified, unexpired server records of ``stage``, any state."""
-        return await self._call(self.blocking.servers, stage)
+    @property
+    def stage_stripe_bits(self) -> int:
+        """The spec's ``[records] stage_stripe_bits`` once verified: each stage's records lie under ``2^bits`` keys."""
+        return self.blocking.stage_stripe_bits
+
+    async def servers(self, stage: int, stripes: Optional[Sequence[int]] = None) -> list[ServerInfo]:
+        """:meth:`RunDirectory.servers`: verified, unexpired server records of ``stage`` (of ``stripes`` only, if
+        given), any state."""
+        return await self._call(self.blocking.servers, stage, stripes)
 
     async def fresh_servers(self, stage: int, slack_s: float = 1.5,
                             states: tuple[ServerState, ...] = (ServerState.ONLINE,)) -> list[ServerInfo]:
@@ -497,4 +539,4 @@ class AsyncRunDirectory:
         return await self._call(self.blocking.store_sealed, key, subkey, sealed)
 
 
-__all__ = ["AsyncRunDirectory", "RunDirectory", "is_fresh", "read_period_s"]
+__all__ = ["AsyncRunDirectory", "RunDirectory", "is_fresh", "read_period_s", "stripes_to_read"]

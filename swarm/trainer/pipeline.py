@@ -30,7 +30,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.config import RunSpec
 from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
-from swarm.net.directory import AsyncRunDirectory, read_period_s
+from swarm.net.directory import AsyncRunDirectory, read_period_s, stripes_to_read
 from swarm.net.stage_rpc import MAX_WIRE_TENSORS, max_batch, max_message_bytes, stage_stub
 from swarm.net.transport import gather, stream_out
 from swarm.protocol import BackwardRequest, ForwardRequest, ServerInfo, StageResponse, pack_message, unpack_message
@@ -116,6 +116,7 @@ class RemotePipeline:
         self.listener = listener if listener is not None else SpotChecker(spec, run_id, p2p, log=self.log)
         self._servers: dict[int, tuple[float, list[ServerInfo]]] = {}
         self._reading: dict[int, asyncio.Task] = {}  # stage -> its records' read in the background
+        self._last_read: dict[int, tuple[int, int]] = {}  # stage -> (records, stripes) its last read found / read
         self.failures = 0
 
     async def servers(self, stage: int, force: bool = False) -> list[ServerInfo]:
@@ -138,7 +139,12 @@ class RemotePipeline:
         return self.router.is_backed_off(peer_id)
 
     async def _read_servers(self, stage: int) -> list[ServerInfo]:
-        found = await self.directory.servers(stage)
+        """Read ``stage``'s server records: every stripe, or on a large striped stage a random few holding about
+        :data:`~swarm.net.directory.ROUTING_SERVERS` of them (:func:`~swarm.net.directory.stripes_to_read`)."""
+        stripes = stripes_to_read(*self._last_read.get(stage, (0, 0)), self.directory.stage_stripe_bits)
+        found = await self.directory.servers(stage, stripes)
+        every = 2 ** self.directory.stage_stripe_bits
+        self._last_read[stage] = (len(found), every if stripes is None else len(stripes))
         if self.bans is not None:
             found = [s for s in found if not self.bans.is_banned(s.peer_id)]
         self._servers[stage] = (time.monotonic(), found)
