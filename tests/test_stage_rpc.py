@@ -71,6 +71,9 @@ def test_stage_rpcs_and_refusals(dhts, exact_spec_path):
             (0, "rpc_forward", fwd(0), [x.float()], "int64 token ids"),
             (0, "rpc_forward", fwd(0), [torch.full_like(x, 10**6)], "must lie in"),
             (1, "rpc_forward", fwd(1), [torch.full_like(h, float("nan")), y], "NaN"),
+            # finite inputs whose loss overflows (an evaluation: no receipt to sign for a NaN loss, no traceback)
+            (1, "rpc_forward", fwd(1, "eval", "big"), [torch.full_like(h, 3e38), y], "not finite"),
+            (1, "rpc_forward", fwd(1, "train", "big"), [torch.full_like(h, 3e38), y], "not finite"),
             (1, "rpc_forward", fwd(1), [h[..., :5], y], "float32"),
             (1, "rpc_forward", fwd(1), [h, y[:, :3]], "targets must be"),
             (1, "rpc_forward", fwd(1), [h], "inputs and targets"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -195,7 +196,7 @@ class StageCompute:
             with torch.no_grad():
                 x = x.to(self.device)
                 if self.is_last:
-                    return None, float(self.module.loss(x, targets.to(self.device)))
+                    return None, self._finite(self.module.loss(x, targets.to(self.device)))
                 return self._host(self.module(x)), None
         if key in self._done:
             return self._done[key]
@@ -207,10 +208,8 @@ class StageCompute:
                 self._remember(key, leaf, out)
                 return self._host(out), None
             loss = self.module.loss(leaf, targets.to(self.device))
-            if not torch.isfinite(loss):
-                raise StageError(f"stage {self.stage}: loss is not finite; the inputs are corrupt")
+            value = self._finite(loss)
             loss.backward()
-            value = loss.item()
         self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
         self.meter.losses.append(value)
         grad = self._host(leaf.grad) if leaf.requires_grad else None
@@ -245,6 +244,15 @@ class StageCompute:
         self._finish(key, (grad, None))
         return grad
 
+    def _finite(self, loss: torch.Tensor) -> float:
+        """``loss`` as a float. :raises StageError: it is NaN or Inf (finite inputs whose values overflow the
+        stage, or corrupt ones): the request is refused, nothing accumulated, no receipt signed."""
+        value = loss.item()
+        if not math.isfinite(value):
+            raise StageError(f"stage {self.stage}: the loss is {value} (not finite): the inputs overflow the model "
+                             f"or are corrupt; send activations of the stage's usual scale")
+        return value
+
     def check_forward(self, x: torch.Tensor, targets: Optional[torch.Tensor]):
         """A spot check's forward: what a training forward returns — outputs (middle stage) or the input gradient
         and loss (last stage) — with nothing cached or accumulated. Returns ``(tensor or None, loss or None)``."""
@@ -254,10 +262,9 @@ class StageCompute:
         leaf = self._leaf(x)
         with torch.enable_grad():
             loss = self.module.loss(leaf, targets.to(self.device))
-            if not torch.isfinite(loss):
-                raise StageError(f"stage {self.stage}: loss is not finite; the inputs are corrupt")
+            value = self._finite(loss)
             grad = torch.autograd.grad(loss, leaf)[0] if leaf.requires_grad else None
-        return self._host(grad), loss.item()
+        return self._host(grad), value
 
     def check_backward(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """A spot check's backward: the input gradient for ``grad_out`` recomputed from ``x``, nothing
