@@ -1,7 +1,8 @@
 """A local swarm at the scale this machine holds: many real peers, each its own process with its own p2pd.
 
     python bench/scale.py [--spec runs/tiny.toml] [--servers-per-stage 20] [--trainers 8] [--group-size 8]
-                          [--target-batch-size N] [--warmup 60] [--window 120] [--baseline 2] [--logs DIR]
+                          [--target-batch-size N] [--set SECTION.FIELD=VALUE ...] [--warmup 60] [--window 120]
+                          [--baseline 2] [--logs DIR]
 
 Starts a coordinator, ``--servers-per-stage`` servers per stage (one after another, as volunteers join) and
 ``--trainers`` trainers on loopback, trains for ``--warmup`` seconds, then measures a ``--window``; with
@@ -56,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import procstat  # noqa: E402
 from bench.efficiency import records, spec_written  # noqa: E402
+from bench.simulate import spec_with  # noqa: E402
 from bench.swarm_vs_local import wait  # noqa: E402
 from coordinator.demo import start_servers  # noqa: E402
 from coordinator.launch import LocalSwarm  # noqa: E402
@@ -283,6 +285,8 @@ def main() -> None:
     parser.add_argument("--target-batch-size", type=int, default=None, help="[training] target_batch_size (default: "
                         "the spec's; the tiny spec's 32 makes an epoch, hence an averaging round and its matchmaking, "
                         "every second at 2 x 2 servers, far more often than a real run)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="change the spec, e.g. --set averaging.matchmaking_time=3")
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds of training before the window")
     parser.add_argument("--window", type=float, default=120.0, help="seconds measured")
     parser.add_argument("--probe-every", type=float, default=1.0, help="seconds between the bench's DHT probes")
@@ -296,6 +300,7 @@ def main() -> None:
         spec = spec.updated(averaging={"group_size": args.group_size})
     if args.target_batch_size is not None:
         spec = spec.updated(training={"target_batch_size": args.target_batch_size})
+    spec = spec_with(spec, args.set)
     prepare_dataset(spec, PeerSettings().cache_dir)
     with tempfile.TemporaryDirectory(prefix="swarm-scale-spec-") as folder:
         path = spec_written(spec, Path(folder))

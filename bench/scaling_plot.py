@@ -99,7 +99,8 @@ def main() -> None:
         p["dht_kb_per_server_min"] = p["dht_kb_per_peer_min"]["server"]
     measured = json.loads((ROOT / "bench" / "measured_scale.json").read_text())["runs"]
     plot(points, measured, args.out)
-    print(json.dumps({"plot": str(args.out.relative_to(ROOT)), "points": len(points)}))
+    out = args.out.resolve()
+    print(json.dumps({"plot": str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out), "points": len(points)}))
 
 
 if __name__ == "__main__":

@@ -113,6 +113,21 @@ def summarize(sim: Simulation, opts: Options, wall_s: float) -> dict:
     }
 
 
+def spec_with(spec: RunSpec, changes: list[str]) -> RunSpec:
+    """``spec`` with ``SECTION.FIELD=VALUE`` changes (``VALUE`` read as JSON, else a string) applied in order.
+
+    :raises pydantic.ValidationError: a change the spec's validation refuses."""
+    for change in changes:
+        name, _, value = change.partition("=")
+        section, _, key = name.partition(".")
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass  # a string
+        spec = spec.updated(**{section: {key: value}})
+    return spec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peers", type=int, default=1000)
@@ -139,14 +154,7 @@ def main() -> None:
     spec = RunSpec.from_toml(args.spec)
     if args.group_size is not None:
         spec = spec.updated(averaging={"group_size": args.group_size})
-    for change in args.set:
-        name, _, value = change.partition("=")
-        section, _, key = name.partition(".")
-        try:
-            value = json.loads(value)
-        except ValueError:
-            pass  # a string
-        spec = spec.updated(**{section: {key: value}})
+    spec = spec_with(spec, args.set)
     stages = spec.model.num_stages
     servers = args.servers_per_stage * stages if args.servers_per_stage else round(0.8 * args.peers)
     trainers = args.trainers if args.trainers >= 0 else (round(0.2 * args.peers) if not args.servers_per_stage else 1)

@@ -29,9 +29,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from swarm.config import SpecError
+from swarm.config import MAX_STAGE_STRIPE_BITS, SpecError
 from swarm.protocol import (
-    MAX_STRIPE_BITS,
     AVERAGERS,
     Accusation,
     BanList,
@@ -54,6 +53,7 @@ from swarm.protocol import (
     spec_key,
     stage_keys,
     stage_stripe,
+    stripe_names,
     storage_key,
     trainers_key,
 )
@@ -70,16 +70,12 @@ def run_keys(run_id: str, max_stages: int = MAX_STAGES) -> dict[str, Type[Record
                                      storage_key(run_id): StorageInfo, rollback_key(run_id): RollbackOrder,
                                      bans_key(run_id): BanList}
     for k in range(max_stages):
-        keys.update({key: ServerInfo for bits in range(MAX_STRIPE_BITS + 1) for key in stage_keys(run_id, k, bits)})
+        keys.update({key: ServerInfo for bits in range(MAX_STAGE_STRIPE_BITS + 1) for key in stage_keys(run_id, k, bits)})
         keys[history_key(run_id, k)] = ServerHistory
         keys[checkpoints_key(run_id, k)] = CheckpointManifest
         for averager in AVERAGERS:
             keys[accusations_key(f"{run_id}-stage{k}_{averager}")] = Accusation
     return keys
-
-
-def _stripes(bits: int) -> list[str]:
-    return [format(i, f"0{bits}b") for i in range(2 ** bits)]
 
 
 class RunRecordValidator(RecordValidatorBase):
@@ -91,8 +87,8 @@ class RunRecordValidator(RecordValidatorBase):
         keys = run_keys(run_id, max_stages)
         ids = {key: DHTID.generate(source=key).to_bytes() for key in keys}
         self._kinds = {ids[key]: kind for key, kind in keys.items()}
-        self._stripes = {ids[key]: stripe for k in range(max_stages) for bits in range(1, MAX_STRIPE_BITS + 1)
-                         for key, stripe in zip(stage_keys(run_id, k, bits), _stripes(bits))}
+        self._stripes = {ids[key]: stripe for k in range(max_stages) for bits in range(1, MAX_STAGE_STRIPE_BITS + 1)
+                         for key, stripe in zip(stage_keys(run_id, k, bits), stripe_names(bits))}
 
     def validate(self, record: DHTRecord) -> bool:
         kind = self._kinds.get(record.key)

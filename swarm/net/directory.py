@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence, Type, TypeVar
 import hivemind
 from hivemind.utils import get_dht_time
 
-from swarm.config import RunSpec, SpecError
+from swarm.config import MAX_STAGE_STRIPE_BITS, RunSpec, SpecError
 from swarm.identity import Identity, derive_run_id, peer_id_of
 from swarm.protocol import (
     AnnouncedRecord,
@@ -46,7 +46,6 @@ from swarm.protocol import (
     rollback_key,
     seal,
     spec_key,
-    MAX_STRIPE_BITS,
     stage_stripe,
     stage_key,
     stage_keys,
@@ -109,8 +108,8 @@ def stripes_to_read(found: int, stripes_read: int, bits: int, want: int = ROUTIN
 
     :raises ValueError: ``bits`` outside ``0..4`` or ``want`` below 1.
     """
-    if not 0 <= bits <= MAX_STRIPE_BITS or want < 1:
-        raise ValueError(f"need 0 <= bits <= {MAX_STRIPE_BITS} and want >= 1, got bits={bits}, want={want}")
+    if not 0 <= bits <= MAX_STAGE_STRIPE_BITS or want < 1:
+        raise ValueError(f"need 0 <= bits <= {MAX_STAGE_STRIPE_BITS} and want >= 1, got bits={bits}, want={want}")
     stripes = 2 ** bits
     if found <= 0 or stripes_read <= 0:
         return None

@@ -19,16 +19,13 @@ def spec_key(run_id: str) -> str:
     return f"{run_id}/spec"
 
 
-MAX_STRIPE_BITS = MAX_STAGE_STRIPE_BITS
-
-
 def stage_stripe(peer_id: str, bits: int) -> str:
     """The stripe of ``peer_id``'s server record in a stage spread over ``2^bits`` keys: the first ``bits`` bits of
     BLAKE2b-64 of its peer id, as ``0``/``1`` characters ("" for ``bits`` = 0: the stage's one key). A key's bits
     are a prefix of its records' peers' hashes, so a DHT node checks a record's stripe without knowing the run's
     ``bits`` (:class:`~swarm.net.dht_validation.RunRecordValidator`)."""
-    if not 0 <= bits <= MAX_STRIPE_BITS:
-        raise ValueError(f"stage_stripe_bits must be within 0..{MAX_STRIPE_BITS}, got {bits}")
+    if not 0 <= bits <= MAX_STAGE_STRIPE_BITS:
+        raise ValueError(f"stage_stripe_bits must be within 0..{MAX_STAGE_STRIPE_BITS}, got {bits}")
     digest = hashlib.blake2b(peer_id.encode(), digest_size=8).digest()
     return format(int.from_bytes(digest, "big"), "064b")[:bits]
 
@@ -38,9 +35,15 @@ def stage_key(run_id: str, stage: int, stripe: str = "") -> str:
     return f"{run_id}/stage/{stage}" + (f"/{stripe}" if stripe else "")
 
 
+def stripe_names(bits: int) -> list[str]:
+    """The ``2^bits`` stripes of a stage, in order: ``["0", "1"]`` for 1 bit, ``[""]`` for none."""
+    return [format(i, f"0{bits}b") if bits else "" for i in range(2 ** bits)]
+
+
 def stage_keys(run_id: str, stage: int, bits: int) -> list[str]:
-    """Every key of ``stage``'s server records when they are spread over ``2^bits`` stripes."""
-    return [stage_key(run_id, stage, format(i, f"0{bits}b") if bits else "") for i in range(2 ** bits)]
+    """Every key of ``stage``'s server records when they are spread over ``2^bits`` stripes (:func:`stripe_names`
+    order)."""
+    return [stage_key(run_id, stage, stripe) for stripe in stripe_names(bits)]
 
 
 def trainers_key(run_id: str) -> str:
