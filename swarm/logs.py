@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any, Callable, MutableMapping, Optional
 
+from google.protobuf.message import DecodeError
+
 HANDLER_LOGGER = "hivemind.p2p.p2p_daemon"
 """The logger hivemind reports an exception raised by a stream handler on (``Handler failed ...``)."""
 
@@ -47,20 +49,38 @@ class RefusalFilter(logging.Filter):
     :func:`swarm.net.transport.delivering_refusals`), the cause, cut to 200 characters with control and non-ASCII
     characters escaped (a peer's bytes never reach the log raw), and how many more were held back since.
 
+    Bytes that are not a frame at all (an unknown marker byte, a length varint that overflows, a protobuf that does
+    not parse) fail in hivemind's stream reader before any handler runs (``Exception while receiving requests``);
+    those are refusals too, of class ``malformed frame``, without a peer (hivemind does not say which).
+
     :param expected: the exception types that are expected refusals (other exceptions keep their traceback).
     :param max_keys: (class, peer) pairs remembered; beyond, the oldest is forgotten (many peers: a Sybil).
     """
+
+    FRAMING_MESSAGE = "Exception while receiving requests"
+    """How hivemind's ``P2P._add_protobuf_stream_handler`` logs a request stream it could not read (1.1.12)."""
+    FRAMING_ERRORS = (TypeError, ValueError, DecodeError)
+    """What its reader raises on bytes that are not frames (``receive_protobuf``, ``read_unsigned_varint``)."""
 
     def __init__(self, expected: tuple[type, ...], period_s: float = 60.0, max_keys: int = 4096):
         super().__init__()
         self.expected, self.period_s, self.max_keys = expected, period_s, max_keys
         self._last: dict[tuple[str, str], tuple[float, int]] = {}  # -> (when its last line went out, held back)
 
+    def _kind(self, record: logging.LogRecord, error: Optional[BaseException]) -> Optional[str]:
+        """The refusal class of ``record``, or None when it is not a refusal (it keeps its traceback)."""
+        if isinstance(error, self.expected):
+            return type(error).__name__
+        if isinstance(error, self.FRAMING_ERRORS) and str(record.msg).startswith(self.FRAMING_MESSAGE):
+            return f"malformed frame ({type(error).__name__})"
+        return None
+
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if not isinstance(error, self.expected):
+        kind = self._kind(record, error)
+        if kind is None:
             return True
-        kind, peer, now = type(error).__name__, str(getattr(error, "remote_peer", ""))[:64], time.monotonic()
+        peer, now = str(getattr(error, "remote_peer", ""))[:64], time.monotonic()
         last, held = self._last.get((kind, peer), (float("-inf"), 0))
         if now - last < self.period_s:
             self._last[(kind, peer)] = (last, held + 1)

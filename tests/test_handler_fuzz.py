@@ -183,3 +183,28 @@ def test_every_handler_answers_any_request_and_the_peer_is_unharmed(live):
     assert not live.book.listed(), "junk evidence was taken"
     for held in live.store.held():
         live.store.get(held.run_id, held.stage, held.epoch, held.index)  # raises if it does not verify
+
+
+def test_bytes_that_are_not_frames_are_refused_in_one_line_per_minute_without_tracebacks(live):
+    """Raw garbage on a handler's stream fails in hivemind's reader before any handler runs: each stream used to
+    log a traceback (300 streams, ~2,400 lines); now one ``malformed frame`` line per kind and minute."""
+    name = f"{RUN}/0::StageServer.rpc_forward"  # hivemind's handler name: <namespace>::<class>.<method>
+
+    async def garbage(payload: bytes) -> None:
+        _, reader, writer = await live.p2p.call_binary_stream_handler(live.target, name)
+        try:
+            writer.write(payload)
+            await writer.drain()
+            await asyncio.wait_for(reader.read(), 20)  # the server logs, then closes the stream
+        finally:
+            writer.close()
+
+    start = len(live.handler_log)
+    for _ in range(20):
+        live.run(garbage(b"\x07" + bytes(40)))  # an unknown frame marker
+        live.run(garbage(b"\x00" + (5).to_bytes(8, "big") + b"\xff" * 5))  # a frame whose protobuf is corrupt
+    lines = [r for r in live.handler_log[start:]]
+    assert not [r.getMessage() for r in lines if r.exc_info], "a malformed frame logged a traceback"
+    messages = [r.getMessage() for r in lines]
+    assert 1 <= len(messages) <= 2 and all("malformed frame" in m for m in messages), messages
+    assert torch.isfinite(_reference(live)).all()  # the server still answers
