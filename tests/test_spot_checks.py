@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -370,3 +371,42 @@ def test_evidence_reaches_the_servers_of_stages_the_trainer_reads_after_the_conv
         assert handed == [("liar", ["a", "b"]), ("liar", ["c", "d"]), ("liar", ["e"])]
 
     asyncio.run(main())
+
+
+def test_evidence_whose_agreeing_answers_come_from_keys_that_never_served_convicts_nobody():
+    """Issue 29's finding: two fresh keys never announced as servers signed two agreeing answers against an honest
+    server's receipt, and its stage-mates listed it. A server's book now needs both agreeing signers seen serving
+    the accused's stage (RunDirectory.seen_serving, real DHT records)."""
+    (ident, dht), = keyed_dhts(1)
+    try:
+        directory = RunDirectory(dht, RUN, ttl=600)
+        honest, mate, fresh = ident, Identity.generate(), Identity.generate()
+        for who in (honest, mate):
+            info = ServerInfo(run_id=RUN, peer_id=who.peer_id, time=get_dht_time(), stage=1, throughput=10.0,
+                              state=ServerState.ONLINE, p2p_id=who.p2p_id)
+            assert directory.announce_server(info, who)
+        request = [torch.zeros(2, 3)]
+        fields = dict(stage=1, mb_id="mb", call="forward", loss=None, time=get_dht_time(), epoch=4,
+                      request_sha256=tensors_digest(request))
+        wire = [[torch.ones(2, 3)], [torch.ones(2, 3)], [torch.zeros(2, 3)]]  # the honest answer is the odd one
+        answers = [(sign_receipt(who, RUN, reply_sha256=tensors_digest(w), **fields), w)
+                   for who, w in zip([mate, fresh, honest], wire)]
+        evidence = SpotEvidence(run_id=RUN, stage=1, call="forward", codec="float32", request_wire=request,
+                                answers=answers, accused=2, tolerance=0.05)
+        assert verify_evidence(evidence) == honest.peer_id  # the signatures alone would convict
+        book = ConvictionBook(RUN, Identity.generate().peer_id, 0.05, serves=directory.seen_serving)
+        with pytest.raises(ProtocolError, match=f"{fresh.peer_id}, never seen serving stage 1"):
+            book.add(evidence)
+        assert not book.listed()
+        info = ServerInfo(run_id=RUN, peer_id=fresh.peer_id, time=get_dht_time(), stage=1, throughput=10.0,
+                          state=ServerState.ONLINE, p2p_id=fresh.p2p_id)
+        assert directory.announce_server(info, fresh)  # announced (issue 29's standing is what prices this)
+        for _ in range(20):  # a read may miss a record just stored; seen_serving reads again at most every 2 s
+            try:
+                assert book.add(evidence)[1]
+                break
+            except ProtocolError:
+                time.sleep(0.5)
+        assert list(book.listed()) == [honest.peer_id]
+    finally:
+        dht.shutdown()

@@ -322,7 +322,7 @@ class RunDirectory:
             for p in sorted(seen, key=seen.__getitem__)[:len(seen) - ROSTER_CAP]:
                 del seen[p]
 
-    def _seen_serving(self, peer_id: str, stage: int) -> bool:
+    def seen_serving(self, peer_id: str, stage: int) -> bool:
         """Was ``peer_id`` seen announced as a server of ``stage``? (Reads the stage's records again if it was
         not: at once for the stage's first :data:`ROSTER_FIRST_READS` reads, then at most every
         :data:`ROSTER_READ_S` seconds, so junk naming many unknown peers costs a few reads.)"""
@@ -382,7 +382,7 @@ class RunDirectory:
         endorser a server of the stage (``same_state``) or a witness (the run key, or a server of another
         stage). Until this directory has seen any server of the run (a swarm restarting after every peer died),
         the endorsements alone decide (:func:`~swarm.protocol.check_endorsements`, checked on read)."""
-        writer_serves = self._seen_serving(manifest.peer_id, manifest.stage)
+        writer_serves = self.seen_serving(manifest.peer_id, manifest.stage)
         if not any(self.roster.values()):
             return None
         if not writer_serves:
@@ -390,10 +390,10 @@ class RunDirectory:
         stages = range(self.num_stages) if self.num_stages is not None else list(self.roster)  # (spec unknown)
         for sealed in manifest.endorsements:
             e, _ = open_record(sealed, Endorsement, run_id=self.run_id)  # (checked on read: cannot fail here)
-            if e.basis == "same_state" and self._seen_serving(e.peer_id, manifest.stage):
+            if e.basis == "same_state" and self.seen_serving(e.peer_id, manifest.stage):
                 return None
             if e.basis == "witness" and (self._is_run_key(e.peer_id) or
-                                         any(self._seen_serving(e.peer_id, k) for k in stages if k != e.stage)):
+                                         any(self.seen_serving(e.peer_id, k) for k in stages if k != e.stage)):
                 return None
         return "no endorser is a known server of the stage, a server of another stage or the run key"
 

@@ -211,7 +211,8 @@ class ServerSession:
         self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
                                self.bans)
         self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol,
-                                          accepts=answers_comparable(self.spec))
+                                          accepts=answers_comparable(self.spec),
+                                          serves=self.directory.blocking.seen_serving)
         await EvidenceService(self.spec, self.convictions).add_p2p_handlers(self.p2p, namespace=run_id)
         self._following: set[asyncio.Task] = set()  # evidence fetched from stage-mates' listings
         self.follower = ConvictionFollower(self.convictions, self.p2p, self.spec, run_id, spawn=self._follow,

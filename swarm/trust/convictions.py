@@ -53,10 +53,18 @@ class ConvictionBook:
     :param min_tolerance: the least tolerance evidence is verified at (the run's ``spot_checks.rtol``).
     :param accepts: False where servers' answers are not comparable (outer steps:
         :func:`~swarm.trust.evidence.answers_comparable`): then every piece of evidence is refused.
+    :param serves: ``serves(peer_id, stage)``: whether this peer has seen ``peer_id`` announced as a server of
+        ``stage`` (:meth:`~swarm.net.directory.RunDirectory.seen_serving`; it may read the stage's records, so
+        :meth:`add` runs off the event loop). Evidence then convicts only when the two answers that agree are signed
+        by such servers: a key costs nothing, and two keys that never served the stage could otherwise sign two
+        agreeing answers and frame any server that signed one receipt. None (a trainer's own checks, whose
+        witnesses are the servers it routed to): no such check.
     """
 
-    def __init__(self, run_id: str, me: str, min_tolerance: float, accepts: bool = True):
+    def __init__(self, run_id: str, me: str, min_tolerance: float, accepts: bool = True,
+                 serves: Optional[Callable[[str, int], bool]] = None):
         self.run_id, self.me, self.min_tolerance, self.accepts = run_id, me, min_tolerance, accepts
+        self.serves = serves
         self._known: OrderedDict[str, tuple[str, SpotEvidence, StageReceipt]] = OrderedDict()
 
     def __contains__(self, peer_id: str) -> bool:
@@ -90,6 +98,8 @@ class ConvictionBook:
         if accused == self.me:
             raise ProtocolError("evidence accuses this peer; it is not listed (check this server's hardware and code)")
         receipt, _ = open_record(evidence.answers[evidence.accused][0], StageReceipt, run_id=self.run_id)
+        if accused not in self._known:
+            self._check_witnesses(evidence, receipt.stage)
         if accused in self._known:
             return receipt, False
         reason = f"spot check: its stage {receipt.stage} {receipt.call} answer at epoch {receipt.epoch} is far from " \
@@ -99,6 +109,19 @@ class ConvictionBook:
         while len(self._known) > MAX_CONVICTIONS:
             self._known.popitem(last=False)
         return receipt, True
+
+
+    def _check_witnesses(self, evidence: SpotEvidence, stage: int) -> None:
+        """:raises ProtocolError: an agreeing answer's signer was never seen serving ``stage`` (see ``serves``)."""
+        if self.serves is None:
+            return
+        signers = [open_record(sealed, StageReceipt, run_id=self.run_id)[0].peer_id
+                   for i, (sealed, _) in enumerate(evidence.answers) if i != evidence.accused]
+        unknown = [p for p in signers if not self.serves(p, stage)]
+        if unknown:
+            raise ProtocolError(f"the agreeing answers are signed by {', '.join(p[:64] for p in unknown)}, never seen "
+                                f"serving stage {stage}: evidence from keys that did not serve the stage convicts "
+                                "nobody")
 
 
 class EvidenceService(ProtocolServicer):
