@@ -241,3 +241,30 @@ def test_excluded_by_stage_counts_the_votes_of_the_other_online_records_as_the_q
                    for j in range(rng.randint(0, 9))]
         assert excluded_by_stage(servers) == quadratic(servers)
     assert excluded_by_stage([]) == set()
+
+
+def test_fresh_keys_listing_honest_servers_as_excluded_have_no_vote_with_a_trainers_standing():
+    """Issue 29's finding: five fresh keys announced as stage-0 servers, each listing both honest servers as
+    excluded, stopped trainers routing to them (0 of 3 micro-batches). Weighed by the checks each server passed
+    for this trainer (Standing), those keys have no vote; honest servers that passed checks still exclude a server
+    they caught."""
+    from swarm.trust.standing import Standing
+
+    def record(key, excluded=()):
+        return ServerInfo(run_id="r", peer_id=key, time=0, stage=0, throughput=1.0, p2p_id=f"p2p-{key}",
+                          state=ServerState.ONLINE, excluded={f"p2p-{p}": "bad parts" for p in excluded})
+
+    honest = [record("h1"), record("h2")]
+    sybils = [record(f"s{i}", excluded=("h1", "h2")) for i in range(5)]
+    assert excluded_by_stage(honest + sybils) == {"p2p-h1", "p2p-h2"}  # one vote per key: the keys win
+    standing = Standing()
+    for _ in range(8):  # both honest servers passed eight checks of this trainer
+        standing.credit("h1")
+        standing.credit("h2")
+    assert excluded_by_stage(honest + sybils, standing.weight) == set()
+    router = Router(rng=random.Random(0), weight=standing.weight)
+    assert {router.choose(honest + sybils).peer_id for _ in range(20)} >= {"h1", "h2"}
+    # a server the two checked servers excluded is left out, whatever unchecked keys say
+    caught = [record("h1", excluded=("b",)), record("h2", excluded=("b",)), record("b"), *sybils[:3]]
+    assert excluded_by_stage(caught, standing.weight) == {"p2p-b"}
+    assert excluded_by_stage(caught, Standing().weight) == set()  # a trainer that checked nobody honours none

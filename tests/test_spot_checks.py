@@ -125,6 +125,8 @@ def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_datase
                     break
             assert set(pipe.listener.convicted) == {lying.peer_id}, pipe.listener.convicted
             assert pipe.listener.counts["agreed"] > 0, "honest servers 1e-3 apart agree"
+            # the checks they passed are their standing with this trainer (their say in its routing); the liar's is 0
+            assert any(pipe.listener.vote(s.peer_id) > 0 for s in honest) and pipe.listener.vote(lying.peer_id) == 0
             evidence = pipe.listener.evidence[-1]
             assert evidence.call == calls[0] and verify_evidence(evidence) == lying.peer_id
 

@@ -210,8 +210,7 @@ class ServerSession:
         await self.keeper.start(self.p2p)
         self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
                                self.bans)
-        self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol,
-                                          accepts=answers_comparable(self.spec),
+        self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol, answers_comparable(self.spec),
                                           serves=self.directory.blocking.seen_serving)
         await EvidenceService(self.spec, self.convictions).add_p2p_handlers(self.p2p, namespace=run_id)
         self._following: set[asyncio.Task] = set()  # evidence fetched from stage-mates' listings

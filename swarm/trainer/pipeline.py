@@ -72,6 +72,11 @@ class PipelineListener:
     def saw(self, stage: int, servers: list[ServerInfo]) -> None:
         """The records of ``stage``'s servers were just read (banned servers already left out)."""
 
+    def vote(self, peer_id: str) -> float:
+        """The weight of ``peer_id``'s record when its stage's records say which servers it excluded
+        (:func:`~swarm.trainer.routing.excluded_by_stage`): 1 here, one vote per record."""
+        return 1.0
+
     def forwarded(self, caller: "RemotePipeline", stage: int, request: ForwardRequest, tensors: list[torch.Tensor],
                   reply: StageReply) -> None:
         """A training forward of ``stage`` with ``tensors`` was answered with ``reply``."""
@@ -114,6 +119,7 @@ class RemotePipeline:
         self._announce_s = spec.timeouts.record_ttl_s / 3  # (servers re-announce this often)
         self.num_stages = spec.model.num_stages
         self.listener = listener if listener is not None else SpotChecker(spec, run_id, p2p, log=self.log)
+        self.router.weight = getattr(self.listener, "vote", None)  # exclusion votes weighed by the checks passed
         self._servers: dict[int, tuple[float, list[ServerInfo]]] = {}
         self._reading: dict[int, asyncio.Task] = {}  # stage -> its records' read in the background
         self._last_read: dict[int, tuple[int, int]] = {}  # stage -> (records, stripes) its last read found / read

@@ -21,7 +21,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from swarm.protocol import ServerInfo, ServerState
 
@@ -51,6 +51,7 @@ class Router:
     backoffs: dict[str, _BackOff] = field(default_factory=dict)
     observed: dict[str, float] = field(default_factory=dict)  # peer id -> samples/s of its answers (moving average)
     smoothing: float = 0.2  # weight of the newest answer in ``observed``
+    weight: Optional[Callable[[str], float]] = None  # peer id -> its vote on exclusions (excluded_by_stage)
 
     def rate(self, server: ServerInfo) -> float:
         """Samples/s used for ``server``: the lower of its announced throughput and the observed one."""
@@ -69,7 +70,7 @@ class Router:
         :param exclude: peer ids not to pick.
         :raises NoServerError: no candidate is left.
         """
-        excluded = excluded_by_stage(servers)
+        excluded = excluded_by_stage(servers, self.weight)
         candidates = [
             s for s in servers
             if s.state == ServerState.ONLINE and not self.is_backed_off(s.peer_id) and s.peer_id not in exclude
@@ -108,24 +109,32 @@ class Router:
             self.observed[peer_id] = now if seen is None else seen + self.smoothing * (now - seen)
 
 
-def excluded_by_stage(servers: Sequence[ServerInfo]) -> set[str]:
-    """libp2p ids that more than half of the *other* online servers of a stage have excluded from averaging.
+def excluded_by_stage(servers: Sequence[ServerInfo], weight: Optional[Callable[[str], float]] = None) -> set[str]:
+    """libp2p ids that more than half of the *other* online servers of a stage have excluded from averaging, the
+    servers' records counted by ``weight`` (peer id -> vote, e.g. :meth:`swarm.trust.standing.Standing.weight`;
+    None: one vote per record).
 
     A server that the honest majority of its stage caught sending bad parts is not routed to either; a
-    minority (possibly the Byzantine servers themselves) cannot exclude an honest server this way.
+    minority (possibly the Byzantine servers themselves) cannot exclude an honest server this way. Counted per
+    record, a majority is only a majority of keys, which cost nothing (five fresh keys announced as servers, each
+    listing the stage's honest servers as excluded, stopped trainers routing to them); weighted by the work this
+    trainer verified, keys it never checked have no vote.
     """
     online = [s for s in servers if s.state == ServerState.ONLINE]
-    records = Counter(o.p2p_id for o in online)
-    votes: Counter[str] = Counter()  # libp2p id -> online records that exclude it: O(n + exclusions), not O(n^2)
+    vote = {o.peer_id: 1.0 if weight is None else weight(o.peer_id) for o in online}
+    records: Counter[str] = Counter()  # libp2p id -> its own records' votes
+    votes: Counter[str] = Counter()  # libp2p id -> votes of online records that exclude it: O(n + exclusions)
     own: Counter[str] = Counter()  # libp2p id -> its own records' votes against it (they do not count)
     for o in online:
+        records[o.p2p_id] += vote[o.peer_id]
         for p in set(o.excluded):
-            votes[p] += 1
-            own[p] += p == o.p2p_id
+            votes[p] += vote[o.peer_id]
+            own[p] += vote[o.peer_id] * (p == o.p2p_id)
+    total = sum(vote.values())
     out = set()
     for s in online:
-        others = len(online) - records[s.p2p_id]
-        if others and 2 * (votes[s.p2p_id] - own[s.p2p_id]) > others:
+        others = total - records[s.p2p_id]
+        if others > 0 and 2 * (votes[s.p2p_id] - own[s.p2p_id]) > others:
             out.add(s.p2p_id)
     return out
 

@@ -16,6 +16,8 @@ No peer acts on another's word: each acts on signatures, digests and its own rec
   servers vouch for it.
 * :mod:`swarm.trust.authority` — who may commit a stage's checkpoint (a second peer's endorsement) and who may
   hand this peer fragments.
+* :mod:`swarm.trust.standing` — the work a peer verified each key doing (checks passed, decaying): the weight of
+  that key's word where a count of keys would let a Sybil decide.
 
 Checks of averaging itself (commitments, reduction receipts, audits, accusations, exclusions) live with the
 all-reduce they check, in :mod:`swarm.averaging`. Who may lie about what, and what stops it:

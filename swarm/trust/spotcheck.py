@@ -64,6 +64,7 @@ from swarm.protocol import (BackwardRequest, ForwardRequest, ProtocolError, Serv
 from swarm.trust.convictions import ConvictionBook, ConvictionFollower, share_evidence
 from swarm.trust.evidence import SpotEvidence, answers_comparable, odd_one_out, relative_difference
 from swarm.trust.receipts import check_receipt, tensors_digest
+from swarm.trust.standing import Standing
 
 logger = logging.getLogger(__name__)
 SPREAD_WINDOW = 64
@@ -128,6 +129,7 @@ class SpotChecker:
         self.rng = rng or random.Random()
         self.log = log if log is not None else logger
         self.convicted: dict[str, str] = {}  # peer id -> reason
+        self.standing = Standing()  # the checks each server passed here: its vote on exclusions (routing)
         self.evidence: deque[SpotEvidence] = deque(maxlen=EVIDENCE_KEPT)
         self.counts = dict(sampled=0, agreed=0, convicted=0, inconclusive=0, unchecked=0, adopted=0, unsynced=0)
         self._unsynced: dict[str, int] = {}  # peer id -> its stage's epoch when its out-of-sync answers began
@@ -145,6 +147,11 @@ class SpotChecker:
     def refuses(self, server: ServerInfo) -> bool:
         """Never route to a server convicted here (by a check of this trainer or verified evidence of another)."""
         return server.peer_id in self.convicted
+
+    def vote(self, peer_id: str) -> float:
+        """``peer_id``'s say in which servers its stage excluded: the checks it passed here
+        (:meth:`~swarm.trust.standing.Standing.weight`), 0 for a key this trainer never checked."""
+        return self.standing.weight(peer_id)
 
     def _stage_epoch(self, stage: int, other_than: str) -> Optional[int]:
         """The lower median of the epochs in the last records read of ``stage``'s servers but ``other_than``."""
@@ -231,6 +238,7 @@ class SpotChecker:
 
     def adopt(self, peer_id: str, reason: str) -> None:
         """Stop routing to ``peer_id``, convicted by evidence another peer found and this one verified."""
+        self.standing.revoke(peer_id)
         if peer_id not in self.convicted:
             self.convicted[peer_id] = reason
             self.counts["adopted"] += 1
@@ -290,6 +298,7 @@ class SpotChecker:
             if verdict is not None:
                 if verdict >= 0:
                     self._convicted_by(sampled, answers, verdict, tolerance)
+                self._credit(answers, verdict)
                 return
         self.counts["inconclusive"] += 1
 
@@ -362,7 +371,17 @@ class SpotChecker:
             handed.update(servers)
             self.spawn(share_evidence(self.p2p, servers, evidence, accused, self.log))
 
+    def _credit(self, answers: list, verdict: int) -> None:
+        """A settled check: the servers whose answers agreed (both of two; the two witnesses of a conviction)
+        passed it, a unit of verified work each (:class:`~swarm.trust.standing.Standing`)."""
+        if verdict == -1 and len(answers) == 3:
+            return  # three answers and no odd one out: inconclusive, nobody passed
+        for i, (reply, _) in enumerate(answers):
+            if i != verdict:
+                self.standing.credit(reply.server.peer_id)
+
     def _convict(self, peer_id: str, stage: int, reason: str) -> None:
+        self.standing.revoke(peer_id)
         if peer_id in self.convicted:
             return
         self.convicted[peer_id] = reason

@@ -1,0 +1,88 @@
+"""Standing: the work a peer has itself verified each key doing for the run, as the weight of that key's word.
+
+Keys cost nothing, so a decision that counts one vote per key is one an attacker wins by starting more keys (the
+Sybil attack: issue 29, ``docs/threat-model.md``). A peer therefore weighs what another key says by the work it has
+*itself* seen that key do right, decaying with time:
+
+    standing_k(t) = sum_i u_i * 2^(-(t - t_i) / H)          (units u_i of verified work at times t_i)
+    weight_k(t)   = min(1, standing_k(t) / S)
+
+``H`` is the half-life (:data:`HALF_LIFE_S`, an hour) and ``S`` the standing of a full vote
+(:data:`FULL_STANDING`). A unit is one check this peer made and the key passed: for a trainer, a spot-checked call
+whose answer another server of the stage matched (:mod:`swarm.trust.spotcheck`; the trainer re-ran it, so the work
+is real and right). A new key has weight 0; a conviction sets its standing to 0 and keeps it there
+(:meth:`Standing.revoke`).
+
+What a Sybil must spend: to carry one full vote a key must pass ``S`` checks within about ``H``, i.e. answer about
+``S / rate`` micro-batches correctly for a trainer that checks a fraction ``rate`` of its calls (160 at the
+default 5% and ``S`` = 8): the compute an honest server of that stage spends, for as long as it wants the vote.
+A peer that has verified nothing gives every key weight 0, so a fresh trainer honours no exclusion votes until
+it has checked some servers (the safe side: at worst it routes micro-batches to a server its stage excluded from
+averaging, whose gradients its stage-mates then leave out).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from typing import Callable
+
+HALF_LIFE_S = 3600.0
+"""Seconds over which verified work loses half its standing."""
+FULL_STANDING = 8.0
+"""Units of (decayed) verified work that make a full vote."""
+MAX_KEYS = 4096
+"""Keys a :class:`Standing` remembers; past it, the one credited longest ago is forgotten (many keys: a Sybil)."""
+
+
+class Standing:
+    """Verified work per key (peer id), as this peer saw it (module docstring).
+
+    :param half_life_s: ``H``, seconds.
+    :param full: ``S``, the units of a full vote.
+    :param clock: seconds, monotonic (tests pass their own).
+    :raises ValueError: ``half_life_s`` or ``full`` not positive.
+    """
+
+    def __init__(self, half_life_s: float = HALF_LIFE_S, full: float = FULL_STANDING,
+                 clock: Callable[[], float] = time.monotonic):
+        if half_life_s <= 0 or full <= 0:
+            raise ValueError(f"half_life_s and full must be positive, got {half_life_s}, {full}")
+        self.half_life_s, self.full, self.clock = half_life_s, full, clock
+        self._work: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (standing, at time)
+        self._revoked: set[str] = set()
+
+    def _decayed(self, key: str, now: float) -> float:
+        standing, at = self._work.get(key, (0.0, now))
+        return standing * math.pow(2.0, -(now - at) / self.half_life_s)
+
+    def credit(self, key: str, units: float = 1.0) -> None:
+        """``key`` passed ``units`` checks this peer made (nothing for a revoked key).
+
+        :raises ValueError: ``units`` negative or not finite."""
+        if not math.isfinite(units) or units < 0:
+            raise ValueError(f"units must be finite and >= 0, got {units}")
+        if key in self._revoked:
+            return
+        now = self.clock()
+        self._work[key] = (self._decayed(key, now) + units, now)
+        self._work.move_to_end(key)
+        while len(self._work) > MAX_KEYS:
+            self._work.popitem(last=False)
+
+    def revoke(self, key: str) -> None:
+        """``key`` was convicted (or excluded) on evidence this peer verified: standing 0, for good."""
+        self._work.pop(key, None)
+        self._revoked.add(key)
+
+    def standing(self, key: str) -> float:
+        """Decayed units of ``key``'s verified work now."""
+        return self._decayed(key, self.clock()) if key in self._work else 0.0
+
+    def weight(self, key: str) -> float:
+        """``key``'s vote in ``[0, 1]``: its standing over :attr:`full`, at most 1."""
+        return min(1.0, self.standing(key) / self.full)
+
+
+__all__ = ["FULL_STANDING", "HALF_LIFE_S", "Standing"]

@@ -1,0 +1,49 @@
+"""swarm.trust.standing: verified work per key, decaying, as the weight of a key's word."""
+
+import pytest
+
+from swarm.trust.standing import MAX_KEYS, Standing
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_standing_grows_with_verified_work_halves_each_half_life_and_caps_at_one_vote():
+    clock = Clock()
+    standing = Standing(half_life_s=100.0, full=4.0, clock=clock)
+    assert standing.weight("new") == 0.0  # a new key has no voice
+    for _ in range(2):
+        standing.credit("k")
+    assert standing.standing("k") == pytest.approx(2.0) and standing.weight("k") == pytest.approx(0.5)
+    clock.now = 100.0  # one half-life
+    assert standing.standing("k") == pytest.approx(1.0)
+    for _ in range(20):
+        standing.credit("k")
+    assert standing.weight("k") == 1.0  # at most one vote, however much work
+    clock.now = 100.0 + 100.0 * 10  # ten half-lives without work: the voice fades
+    assert standing.weight("k") < 0.01
+
+
+def test_a_revoked_key_loses_its_standing_for_good_and_bad_units_are_refused():
+    standing = Standing(full=1.0, clock=Clock())
+    standing.credit("k", 5.0)
+    standing.revoke("k")
+    standing.credit("k", 5.0)
+    assert standing.weight("k") == 0.0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            standing.credit("other", bad)
+    with pytest.raises(ValueError):
+        Standing(half_life_s=0.0)
+
+
+def test_many_keys_are_bounded_the_least_recently_credited_forgotten_first():
+    standing = Standing(clock=Clock())
+    for i in range(MAX_KEYS + 10):
+        standing.credit(f"k{i}")
+    assert standing.standing("k0") == 0.0 and standing.standing(f"k{MAX_KEYS + 9}") == 1.0
