@@ -268,3 +268,25 @@ def test_fresh_keys_listing_honest_servers_as_excluded_have_no_vote_with_a_train
     caught = [record("h1", excluded=("b",)), record("h2", excluded=("b",)), record("b"), *sybils[:3]]
     assert excluded_by_stage(caught, standing.weight) == {"p2p-b"}
     assert excluded_by_stage(caught, Standing().weight) == set()  # a trainer that checked nobody honours none
+
+
+def test_servers_no_check_verified_get_only_the_explore_share_once_one_server_passed():
+    """Issue 29's finding: 150 records of servers that never answer took 186 of a trainer's 195 calls. Once a
+    server of the stage passed this trainer's checks, unverified ones get only ``explore`` of the picks (and a
+    trainer that verified nobody routes over everyone, as before)."""
+    from swarm.trust.standing import Standing
+
+    def record(key):
+        return ServerInfo(run_id="r", peer_id=key, time=0, stage=0, throughput=1.0, p2p_id=f"p2p-{key}",
+                          state=ServerState.ONLINE)
+
+    servers = [record("h1"), record("h2")] + [record(f"fake{i}") for i in range(150)]
+    standing = Standing()
+    fresh = Router(rng=random.Random(1), weight=standing.weight)
+    assert sum(fresh.choose(servers).peer_id.startswith("fake") for _ in range(200)) > 150  # nobody verified yet
+    standing.credit("h1")
+    standing.credit("h2")
+    router = Router(rng=random.Random(1), weight=standing.weight)
+    picks = Counter(router.choose(servers).peer_id.startswith("fake") for _ in range(2000))
+    assert picks[True] < 0.15 * 2000, picks  # ~10%: the newcomers' way in
+    assert picks[False] > 0.8 * 2000
