@@ -87,8 +87,9 @@ class Router:
                                 "or not online)")
         if self.weight is not None:
             verified = [s for s in candidates if self.weight(s.peer_id) > 0]
-            if verified and self.rng.random() >= self.explore:
-                candidates = verified
+            unverified = [s for s in candidates if self.weight(s.peer_id) <= 0]
+            if verified and unverified:  # the unverified get the explore share of picks, the verified the rest
+                candidates = unverified if self.rng.random() < self.explore else verified
         known = [self.busy[s.peer_id] for s in candidates if s.peer_id in self.busy]
         floor = min(known) if known else 0.0
         for s in candidates:  # a newcomer starts level with the least busy server, not far behind everyone
