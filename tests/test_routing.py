@@ -244,7 +244,7 @@ def test_excluded_by_stage_counts_the_votes_of_the_other_online_records_as_the_q
 
 
 def test_fresh_keys_listing_honest_servers_as_excluded_have_no_vote_with_a_trainers_standing():
-    """Issue 29's finding: five fresh keys announced as stage-0 servers, each listing both honest servers as
+    """Found against a live swarm: five fresh keys announced as stage-0 servers, each listing both honest servers as
     excluded, stopped trainers routing to them (0 of 3 micro-batches). Weighed by the checks each server passed
     for this trainer (Standing), those keys have no vote; honest servers that passed checks still exclude a server
     they caught."""
@@ -271,7 +271,7 @@ def test_fresh_keys_listing_honest_servers_as_excluded_have_no_vote_with_a_train
 
 
 def test_servers_no_check_verified_get_only_the_explore_share_once_one_server_passed():
-    """Issue 29's finding: 150 records of servers that never answer took 186 of a trainer's 195 calls. Once a
+    """Found against a live swarm: 150 records of servers that never answer took 186 of a trainer's 195 calls. Once a
     server of the stage passed this trainer's checks, unverified ones get only ``explore`` of the picks (and a
     trainer that verified nobody routes over everyone, as before)."""
     from swarm.trust.standing import Standing

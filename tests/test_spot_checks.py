@@ -378,7 +378,7 @@ def test_evidence_reaches_the_servers_of_stages_the_trainer_reads_after_the_conv
 
 
 def test_evidence_whose_agreeing_answers_come_from_keys_that_never_served_convicts_nobody():
-    """Issue 29's finding: two fresh keys never announced as servers signed two agreeing answers against an honest
+    """Found against a live swarm: two fresh keys never announced as servers signed two agreeing answers against an honest
     server's receipt, and its stage-mates listed it. A server's book now needs both agreeing signers seen serving
     the accused's stage (RunDirectory.seen_serving, real DHT records)."""
     (ident, dht), = keyed_dhts(1)
@@ -404,7 +404,7 @@ def test_evidence_whose_agreeing_answers_come_from_keys_that_never_served_convic
         assert not book.listed()
         info = ServerInfo(run_id=RUN, peer_id=fresh.peer_id, time=get_dht_time(), stage=1, throughput=10.0,
                           state=ServerState.ONLINE, p2p_id=fresh.p2p_id)
-        assert directory.announce_server(info, fresh)  # announced (issue 29's standing is what prices this)
+        assert directory.announce_server(info, fresh)  # announced: a key's standing is what prices this
         for _ in range(20):  # a read may miss a record just stored; seen_serving reads again at most every 2 s
             try:
                 assert book.add(evidence)[1]

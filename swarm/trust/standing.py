@@ -1,7 +1,7 @@
 """Standing: the work a peer has itself verified each key doing for the run, as the weight of that key's word.
 
 Keys cost nothing, so a decision that counts one vote per key is one an attacker wins by starting more keys (the
-Sybil attack: issue 29, ``docs/threat-model.md``). A peer therefore weighs what another key says by the work it has
+Sybil attack, ``docs/threat-model.md``). A peer therefore weighs what another key says by the work it has
 *itself* seen that key do right, decaying with time:
 
     standing_k(t) = sum_i u_i * 2^(-(t - t_i) / H)          (units u_i of verified work at times t_i)
