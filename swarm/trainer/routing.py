@@ -86,8 +86,9 @@ class Router:
             raise NoServerError(f"no online server available ({len(servers)} known, the others backed off, excluded "
                                 "or not online)")
         if self.weight is not None:
-            verified = [s for s in candidates if self.weight(s.peer_id) > 0]
-            unverified = [s for s in candidates if self.weight(s.peer_id) <= 0]
+            checked = {s.peer_id: self.weight(s.peer_id) > 0 for s in candidates}
+            verified = [s for s in candidates if checked[s.peer_id]]
+            unverified = [s for s in candidates if not checked[s.peer_id]]
             if verified and unverified:  # the unverified get the explore share of picks, the verified the rest
                 candidates = unverified if self.rng.random() < self.explore else verified
         known = [self.busy[s.peer_id] for s in candidates if s.peer_id in self.busy]

@@ -98,10 +98,9 @@ class ConvictionBook:
         if accused == self.me:
             raise ProtocolError("evidence accuses this peer; it is not listed (check this server's hardware and code)")
         receipt, _ = open_record(evidence.answers[evidence.accused][0], StageReceipt, run_id=self.run_id)
-        if accused not in self._known:
-            self._check_witnesses(evidence, receipt.stage)
         if accused in self._known:
             return receipt, False
+        self._check_witnesses(evidence, receipt.stage)
         reason = f"spot check: its stage {receipt.stage} {receipt.call} answer at epoch {receipt.epoch} is far from " \
                  f"two " \
                  f"agreeing servers' (verified evidence)"
@@ -109,7 +108,6 @@ class ConvictionBook:
         while len(self._known) > MAX_CONVICTIONS:
             self._known.popitem(last=False)
         return receipt, True
-
 
     def _check_witnesses(self, evidence: SpotEvidence, stage: int) -> None:
         """:raises ProtocolError: an agreeing answer's signer was never seen serving ``stage`` (see ``serves``)."""
