@@ -65,6 +65,13 @@ def _epoch_rate(history: list[tuple[int, float, Optional[float]]]) -> Optional[f
     return (recent[-1][0] - recent[0][0]) / (recent[-1][1] - recent[0][1])
 
 
+def _lower_median(values: list) -> Any:
+    """The lower median of ``values`` (0 for none): what most of a stage's servers say, not its largest claim
+    (a record's epoch or epoch rate is its signer's word, and keys cost nothing)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0
+
+
 def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], excluded_by_most: set[str], stage_samples: int,
                 stage_epoch: int, banned: dict[str, str], now: float, directory: RunDirectory) -> dict[str, Any]:
     others = [o for o in online if o.p2p_id != s.p2p_id]
@@ -130,14 +137,14 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
     stages, peers, rates = [], [], []
     for k, group in servers.items():
         online = [s for s in group if s.state == ServerState.ONLINE]
-        epoch = max((s.epoch for s in group), default=0)
+        epoch = _lower_median([s.epoch for s in online or group])  # one key's record cannot move it
         stage_samples = sum(s.samples for s in group if s.state != ServerState.PAUSED)
         excluded_by_most = excluded_by_stage(group)
         rows = [_server_row(s, k, online, excluded_by_most, stage_samples, epoch, banned, now, directory)
                 for s in group]
         peers += rows
         stage_rates = [r for r in (_epoch_rate(histories[k].get(s.peer_id, [])) for s in online) if r]
-        rates.append(max(stage_rates) if stage_rates else None)
+        rates.append(_lower_median(stage_rates) if stage_rates else None)
         stages.append({
             "stage": k, "servers_online": len(online), "servers": len(group),
             "throughput": round(sum(s.throughput for s in online), 3), "demand": round(demand[k], 3), "epoch": epoch,

@@ -152,3 +152,31 @@ def test_a_run_of_hundreds_of_peers_is_summarised_whole_and_its_table_shows_the_
     lines = [line for line in console.export_text().splitlines() if line.startswith(("│ s", "│ t", "| s"))]
     assert lines[0].startswith("│ s1-150") and lines[1].split()[1] in ("s0-007", "s1-007")  # banned, then lagging
     assert peers_table(snap, top=0).row_count == 700 and peers_table(snap, top=0).caption is None
+
+
+def test_one_key_at_the_edge_of_the_allowed_ranges_does_not_move_a_stage_in_status():
+    """Found against a live swarm: one key announcing epoch 1e8 and a history of a huge epoch rate made ``status``
+    show its stage at epoch 1e8, every honest peer lagging and an ETA of 0 s. A stage's epoch and epoch rate are
+    now the lower medians of its servers' (an honest majority decides)."""
+    from hivemind.utils import get_dht_time
+
+    from coordinator.status import snapshot
+    from swarm.config import RunSpec
+    from swarm.protocol import MAX_EPOCH, ServerInfo, ServerState
+
+    spec = RunSpec.from_toml("runs/tiny.toml")
+    now, run = get_dht_time(), "tiny-aaaaaaaaaaaaaaaa"
+
+    def server(k, i, epoch):
+        return ServerInfo(run_id=run, peer_id=f"s{k}-{i}", time=now - 1, stage=k, state=ServerState.ONLINE,
+                          throughput=1.0, p2p_id=f"p{k}-{i}", epoch=epoch, samples=10)
+
+    servers = {k: [server(k, i, 5) for i in range(3)] for k in range(2)}
+    servers[0].append(server(0, 9, MAX_EPOCH))
+    histories = {k: {s.peer_id: [(e, now - 10 + e, 4.0) for e in range(6)] for s in servers[k]} for k in range(2)}
+    histories[0]["s0-9"] = [(0, now - 10, 4.0), (MAX_EPOCH, now - 9, 4.0)]
+    snap = snapshot(_Records(servers, histories, []), spec)
+    assert [s["epoch"] for s in snap["stages"]] == [5, 5]
+    assert snap["run"]["epoch"] == 5 and snap["run"]["progress"] < 1.0 and snap["run"]["eta_s"] > 0
+    lagging = [p["peer_id"] for p in snap["peers"] if p["lagging"]]
+    assert lagging == [], lagging  # the honest servers are where their stage is
