@@ -29,7 +29,7 @@ from bench.sim.world import LINKS, LOOPBACK, World
 from swarm.averaging.groups import round_seed, split_blocks
 from swarm.config import RunSpec
 from swarm.net.directory import is_fresh, read_period_s, stripes_to_read
-from swarm.protocol import stage_stripe
+from swarm.protocol import stage_stripe, stripe_names
 from swarm.server.rebalance import MovePlanner, choose_mover, choose_stage
 from swarm.trainer.routing import Router
 
@@ -247,22 +247,26 @@ class Simulation:
     def _trainer_period(self, records: int) -> float:
         return read_period_s(records, self.ttl / 6, self.ttl / 3)
 
-    def _trainer_read(self, n: int) -> tuple[int, float]:
-        """(stripes a trainer's read of a stage of ``n`` servers looks up, records it returns):
-        :func:`~swarm.net.directory.stripes_to_read` after a read that found them all."""
+    def _trainer_stripes(self, n: int) -> Optional[list[int]]:
+        """The stripes one trainer's read of a stage of ``n`` servers looks up, None for all
+        (:func:`~swarm.net.directory.stripes_to_read` after a read that found them all)."""
         bits = self.spec.records.stage_stripe_bits
-        picked = stripes_to_read(n, 2 ** bits, bits, rng=self.rng)
-        count = 2 ** bits if picked is None else len(picked)
-        return count, n * count / 2 ** bits
+        return stripes_to_read(n, 2 ** bits, bits, rng=self.rng)
+
+    def _trainer_read(self, n: int) -> tuple[int, float]:
+        """(stripes a trainer's read of a stage of ``n`` servers looks up, records it returns)."""
+        stripes, picked = 2 ** self.spec.records.stage_stripe_bits, self._trainer_stripes(n)
+        count = stripes if picked is None else len(picked)
+        return count, n * count / stripes
 
     def _trainer_view(self, records: list) -> list:
-        """The part of a stage's ``records`` one trainer's last read returned: the stripes
-        :func:`~swarm.net.directory.stripes_to_read` drew for it (all of them on a small or unstriped stage)."""
-        bits = self.spec.records.stage_stripe_bits
-        picked = stripes_to_read(len(records), 2 ** bits, bits, rng=self.rng)
+        """The part of a stage's ``records`` one trainer's last read returned: its stripes (all of them on a small
+        or unstriped stage)."""
+        picked = self._trainer_stripes(len(records))
         if picked is None:
             return records
-        chosen = {format(i, f"0{bits}b") for i in picked}
+        names = stripe_names(self.spec.records.stage_stripe_bits)
+        chosen = {names[i] for i in picked}
         return [r for r in records if self._stripe_of(r.peer_id) in chosen]
 
     def _stripe_of(self, peer_id: str) -> str:
