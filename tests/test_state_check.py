@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from swarm.attacks import LyingDonorAverager
+from swarm.averaging.averager import TransitionInFlight
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.model import build_stage
 from swarm.protocol import CheckpointManifest
@@ -294,6 +295,15 @@ def test_the_state_a_donor_hands_out_is_a_copy_its_next_steps_leave_alone():
         transition.set_result(None)
         copier.join(30)
         assert out and torch.equal(out[0][1][0], stepped)
+
+        # a transition that outlasts the donor's wait (a round waiting on a departed stage-mate): no state at all,
+        # not the next epoch's number on the last epoch's parameters and step count
+        stuck = futures.Future()
+        averager.pending_updates.add(stuck)
+        averager.next_chunk_timeout = 1.0  # the donor waits half the joiner's wait for a first message: 0.5 s
+        with pytest.raises(TransitionInFlight, match="epoch transition"):
+            averager.get_current_state()
+        stuck.set_result(None)
     finally:
         opt.shutdown()
         d0.shutdown()

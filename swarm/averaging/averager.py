@@ -72,6 +72,11 @@ also at most half of ``next_chunk_timeout``, the joiner's wait for the download'
 REGISTRATION_WAIT_S = 5.0  # how long a part may wait for its phase to start here (peers run phases unevenly)
 
 
+class TransitionInFlight(RuntimeError):
+    """A donor was asked for its state while an epoch transition ran past :data:`SNAPSHOT_WAIT_S`; the joiner's
+    download fails with this message and it tries another donor (:meth:`RobustStateAverager.get_current_state`)."""
+
+
 @dataclass(frozen=True)
 class AveragingRules:
     """How this peer's reducers and auditors judge parts; the same on every honest peer of a run.
@@ -519,15 +524,25 @@ class RobustStateAverager(AgreedRounds, DonorChoice, RobustAllReduceMixin, Train
         at 20 Mbit/s and 150 ms: three epochs), or a download starts inside a transition (one to four seconds
         there), and the joiner gets a mix of epochs or the epoch number of the next one, which its state check
         refuses (seen in the WAN lab, ``bench/wan.py``). Here the copy waits for the transitions in flight, at most
-        :data:`SNAPSHOT_WAIT_S` and half the joiner's wait for a message (``next_chunk_timeout``); a copy taken
-        inside a long transition (a state-averaging round on a slow link) may still be refused, and the joiner
-        tries another donor. It costs one state's memory while a download runs. Executed in the host process.
+        :data:`SNAPSHOT_WAIT_S` and half the joiner's wait for a message (``next_chunk_timeout``); if one is still
+        in flight then (a round waiting on a slow or departed stage-mate), no state is shared: a copy then would
+        carry the next epoch's number with the parameters and step count of the previous one, which nothing can
+        contradict on a stage of two servers, and the joiner would hold an off-by-one step count for good. The
+        joiner tries another donor, or this one again later. It costs one state's memory while a download runs.
+        Executed in the host process.
+
+        :raises TransitionInFlight: an epoch transition was still in flight at the deadline.
         """
-        deadline = time.monotonic() + min(SNAPSHOT_WAIT_S, (self.next_chunk_timeout or SNAPSHOT_WAIT_S) / 2)
+        wait_s = min(SNAPSHOT_WAIT_S, (self.next_chunk_timeout or SNAPSHOT_WAIT_S) / 2)
+        deadline = time.monotonic() + wait_s
         while True:
             with torch.no_grad(), self.lock_averaged_tensors:
                 transitions = [f for f in list(self.pending_updates) if not f.done()]
-                if not transitions or time.monotonic() > deadline:
+                if transitions and time.monotonic() > deadline:
+                    raise TransitionInFlight(
+                        f"this server has been in an epoch transition for over {wait_s:.1f} s (a round waiting on "
+                        f"its stage-mates); it shares no state in the middle of one: try another donor or again later")
+                if not transitions:
                     params = [p.detach().clone() for group in self.optimizer.param_groups for p in group["params"]]
                     extra = [t.detach().clone() for t in self.extra_tensors]
                     opt_metadata, opt_tensors = dump_optimizer_state(self.optimizer)

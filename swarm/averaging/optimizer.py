@@ -537,8 +537,10 @@ def _start_optimizer(owner: StageOptimizer, spec: RunSpec, run_id: str, dht: hiv
         batch_size_per_step=spec.training.micro_batch_size,
         matchmaking_time=avg.matchmaking_time, averaging_timeout=avg.averaging_timeout,
         next_chunk_timeout=avg.next_chunk_timeout, average_state_every=avg.average_state_every,
-        average_opt_statistics=("momentum_buffer",) if outer else ("exp_avg", "exp_avg_sq") + (
-            ("step",) if avg.overlap_rounds else ()),  # see swarm.averaging.overlap: a reload lags one step
+        # AdamW's step count too: a server whose count is off (a reload that lags one step, swarm.averaging.overlap;
+        # a restore that caught up by jumping epochs) gets the stage's back at the next state round, else its bias
+        # correction and its state digest would differ from the stage's for good
+        average_opt_statistics=("momentum_buffer",) if outer else ("exp_avg", "exp_avg_sq", "step"),
         delay_state_averaging=False, offload_optimizer=True,
         grad_averager_factory=partial(
             averager_factory, rules=rules, compressor=spec_compressor(avg),

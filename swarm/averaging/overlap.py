@@ -26,9 +26,9 @@ A server that loads a state (from a donor, a checkpoint, a rollback) drops the p
 gradients were computed on parameters it no longer holds; its samples count as dropped. The round itself runs
 on, so its group is not left waiting. Having no aggregate to apply at its next transition, it then holds the
 stage's state one step late until the next state-averaging round re-syncs it; that round averages AdamW's step
-count too (``average_opt_statistics`` gets ``step`` in this mode), else the late server's bias correction, and
-its digest, would differ from the stage's for good. A checkpoint holds no pending gradients: restoring it loses one epoch's
-gradients, like a restart mid-epoch.
+count too (``average_opt_statistics`` holds ``step`` in every per-epoch mode), else the late server's bias
+correction, and its digest, would differ from the stage's for good. A checkpoint holds no pending gradients:
+restoring it loses one epoch's gradients, like a restart mid-epoch.
 
 Touches hivemind 1.1.12's ``Optimizer`` internals (``_update_global_epoch``, ``scheduled_grads``, the progress
 tracker and state averager), which is why it lives beside :class:`~swarm.averaging.optimizer.StageOptimizer`.
