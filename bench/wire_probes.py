@@ -11,9 +11,9 @@ but a fresh key, sends the server's ``rpc_forward`` / ``rpc_ping``:
 * ``ping_48MiB``: a 48 MiB tensor (in 1 MiB chunks) sent with a ping, which takes none;
 * ``unchunked_48MiB``: one 48 MiB message (a single chunk);
 * ``pings_2000``: 2000 well-formed pings from one peer, one after the other as fast as it can (past its token
-  bucket, :mod:`swarm.net.admission`, the server refuses them at once);
+  bucket, :mod:`swarm.net.quota`, the server refuses them at once);
 * ``stalled_40``: 40 forward streams that send their first chunk and never finish (one peer: those beyond
-  its admission, :mod:`swarm.net.admission`, are refused at once).
+  its quota, :mod:`swarm.net.quota`, are refused at once).
 
 A sampler reads the server's resident memory (its Python process plus its p2pd, ``/proc/<pid>/status``) every
 20 ms; each probe's figure is the peak above the level just before it. The last line of stdout is one JSON
@@ -171,7 +171,7 @@ async def _stalled(stub, run_id: str, spec: RunSpec, sampler: Sampler, ids) -> d
                               compression=ids.compression)
     tasks = [asyncio.create_task(_send(stub, "rpc_forward", _messages(_forward_meta(run_id, f"s{i}"), [half]),
                                        hang=True)) for i in range(40)]
-    at_once, _ = await asyncio.wait(tasks, timeout=2.0)  # beyond the per-peer admission: refused at once
+    at_once, _ = await asyncio.wait(tasks, timeout=2.0)  # beyond the per-peer quota: refused at once
     done, pending = await asyncio.wait(tasks, timeout=deadline - 2.0)
     for task in pending:
         task.cancel()

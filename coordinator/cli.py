@@ -7,6 +7,7 @@ Examples::
     swarm-coordinator status <run address> [--json] [--watch 5] [--plot loss.png]
     swarm-coordinator stages|peers <run address> [--json] [--watch 5]
     swarm-coordinator ban <run address> <peer id> --key runs/demo.key [--reason "..."]   # and unban
+    swarm-coordinator admit <run address> <peer id> --key runs/demo.key   # [admission] policy = "allowlist"; revoke
     swarm-coordinator monitor <run address> --metrics-port 9100   # observer: Prometheus for the whole run
     swarm-coordinator checkpoints <run address> [--json]
     swarm-coordinator export <run address> ./model      # newest complete checkpoint -> PyTorch / transformers
@@ -181,11 +182,7 @@ def _ban_list(address: str, key: Path, timeout: float, peer: str, lift: bool, re
     """Add ``peer`` to (or, with ``lift``, remove it from) the run's ban list, signed with the run ``key``."""
     from swarm.trust.banlist import update_bans
 
-    try:
-        coordinator = Identity.load(key)
-    except (OSError, ValueError) as e:
-        typer.echo(f"error: cannot read the run key: {e}", err=True)
-        raise typer.Exit(2) from None
+    coordinator = _run_key(key)
     dht, directory, spec, _ = _connect(address, timeout)
     try:
         if lift:
@@ -198,6 +195,15 @@ def _ban_list(address: str, key: Path, timeout: float, peer: str, lift: bool, re
     finally:
         dht.shutdown()
     typer.echo(json.dumps({"banned": record.banned}))
+
+
+def _run_key(path: Path) -> Identity:
+    """The run key at ``path``; exit 2 if it cannot be read."""
+    try:
+        return Identity.load(path)
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: cannot read the run key: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _p2p_id_of(directory, spec: RunSpec, peer: str) -> str:
@@ -226,6 +232,39 @@ def unban(address: str = typer.Argument(..., help="Run address."),
           key: Path = _KEY, timeout: float = _TIMEOUT) -> None:
     """Lift a ban (the peer may join again). Prints the ban list as JSON."""
     _ban_list(address, key, timeout, peer, lift=True)
+
+
+@app.command()
+def admit(address: str = typer.Argument(..., help="Run address."),
+          peer: str = typer.Argument(..., help="Peer id to admit (a peer prints it at start, and in its refusal)."),
+          key: Path = _KEY, timeout: float = _TIMEOUT) -> None:
+    """Admit PEER to a run whose `[admission] policy` is "allowlist": sign its ticket with the run key and store
+    it in the DHT; PEER may then join. `serve` renews it while it runs. Prints {"admitted", "expires"} as JSON."""
+    from swarm.trust.tickets import issue_ticket
+
+    coordinator = _run_key(key)
+    dht, directory, spec, _ = _connect(address, timeout)
+    try:
+        ticket = None if spec.admission.policy == "open" else issue_ticket(directory, coordinator, peer, spec)[0]
+    except (ValueError, RuntimeError) as e:  # ProtocolError (not the run key) is a ValueError
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        dht.shutdown()
+    if ticket is None:
+        typer.echo(f"error: run {directory.run_id} is open (any key may join); tickets apply to a run whose spec "
+                   "sets [admission] policy = \"allowlist\"", err=True)
+        raise typer.Exit(1)
+    typer.echo(json.dumps({"admitted": peer, "expires": ticket.expires}))
+
+
+@app.command()
+def revoke(address: str = typer.Argument(..., help="Run address."),
+           peer: str = typer.Argument(..., help="Peer id whose admission ends."),
+           key: Path = _KEY, timeout: float = _TIMEOUT) -> None:
+    """End PEER's admission at once: a ban (every peer refuses it, it stops with exit code 4), and its ticket is no
+    longer renewed. `unban` lifts the ban; `admit` issues a new ticket. Prints the ban list as JSON."""
+    _ban_list(address, key, timeout, peer, lift=False, reason="admission revoked by the run's operator")
 
 
 @app.command()

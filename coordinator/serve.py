@@ -6,7 +6,8 @@ Its fragment store (``SWARM_FRAGMENT_DIR``, default ``<SWARM_STATE_DIR>/fragment
 ``<SWARM_CACHE_DIR>/coordinator``, apart from a peer's on the same machine) survives restarts like a server's,
 so a restarted coordinator re-announces its fragments and their manifests. With
 ``SWARM_METRICS_PORT`` (or ``serve --metrics-port``) it serves the whole run's Prometheus metrics
-(:class:`coordinator.monitor.RunMetrics`), refreshed every ``record_ttl_s / 3`` seconds.
+(:class:`coordinator.monitor.RunMetrics`), refreshed every ``record_ttl_s / 3`` seconds. In a run that admits
+only ticketed peers it renews their tickets (:mod:`swarm.trust.tickets`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -25,8 +27,10 @@ from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.config import RunSpec
 from swarm.settings import PeerSettings
 from swarm.net.dht import format_run_address, join_dht, visible_maddrs
+from swarm.net.dht_validation import TicketValidator
 from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.identity import Identity, claim_folder
+from swarm.trust.tickets import renew_tickets
 
 logger = logging.getLogger("swarm.coordinator")
 
@@ -46,6 +50,11 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
         directory = RunDirectory(dht, run_id, ttl=spec.timeouts.record_ttl_s,
                                  stage_stripe_bits=spec.records.stage_stripe_bits)
         directory.verify_spec(sealed)  # sets the run key: the ban list it re-publishes must be signed by it
+        admission = None
+        if spec.admission.policy != "open":  # ticketed records only, its own included (swarm.trust.tickets)
+            dht.add_validators([TicketValidator(run_id)])
+            renew_tickets(directory, key, spec)
+            admission = partial(renew_tickets, directory, key, spec)
         address = format_run_address(run_id, visible_maddrs(dht))
         print(address, flush=True)
         if address_file is not None:
@@ -74,15 +83,16 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
             if metrics is not None:
                 metrics.update(snapshot(directory, spec))
 
-        asyncio.run(_serve(directory, keeper, sealed, dht, observe))
+        asyncio.run(_serve(directory, keeper, sealed, dht, observe, admission))
     finally:
         dht.shutdown()
 
 
 async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes, dht,
-                 observe: Callable[[], None]) -> None:
-    """Until SIGTERM/SIGINT, every ``record_ttl_s / 3`` seconds: re-publish the spec, run the keeper's duties,
-    refresh the metrics; then hand the fragments held here to other peers."""
+                 observe: Callable[[], None], admission: Optional[Callable[[], list[str]]] = None) -> None:
+    """Until SIGTERM/SIGINT, every ``record_ttl_s / 3`` seconds: re-publish the spec, renew the run's tickets
+    (``admission``, a ticketed run), run the keeper's duties, refresh the metrics; then hand the fragments held
+    here to other peers."""
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -92,8 +102,9 @@ async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes,
         """Each duty on its own: one that fails is logged and the others still run."""
         if not await keeper.directory.publish_spec(sealed):
             logger.warning("could not store the spec in the DHT; retrying in %.0fs", directory.ttl / 3)
-        for duty, what in ((keeper.tick, "fragment keeper tick"),
-                           (lambda: asyncio.to_thread(observe), "updating the run's metrics")):
+        duties = ((lambda: asyncio.to_thread(admission), "renewing the run's tickets"),) if admission else ()
+        for duty, what in duties + ((keeper.tick, "fragment keeper tick"),
+                                    (lambda: asyncio.to_thread(observe), "updating the run's metrics")):
             try:
                 await duty()
             except Exception:

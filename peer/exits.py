@@ -7,9 +7,10 @@ from swarm.trust.banlist import PeerBanned
 from swarm.checkpoint.restore import RestoreError
 from swarm.net.dht import RunUnreachable
 from swarm.identity import IdentityInUse
+from swarm.trust.tickets import NotAdmitted
 
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
-    (RestoreError, 3), (PeerBanned, 4), (RunUnreachable, 5), (IdentityInUse, 6))
+    (RestoreError, 3), (PeerBanned, 4), (RunUnreachable, 5), (IdentityInUse, 6), (NotAdmitted, 7))
 """Exit code per error that ended the peer (0: a drain; 1: anything else)."""
 
 

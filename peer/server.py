@@ -5,7 +5,8 @@ The server's life (join, restore, serve, checkpoint, rollback, rebalance, drain)
 ``swarm-peer pause|resume|drain`` (:mod:`peer.control`), the heartbeat file and Prometheus metrics
 (:mod:`peer.heartbeat`), and exit codes: 0 after a drain, 3 when the stage could not be restored, 4 when the
 run's coordinator banned this peer, 5 when none of the run address's peers answered within
-``SWARM_JOIN_TIMEOUT_S``, 1 (with the message) for a stage the run does not have.
+``SWARM_JOIN_TIMEOUT_S``, 7 when the run admits only ticketed peers and this one has no ticket, 1 (with the
+message) for a stage the run does not have.
 """
 
 from __future__ import annotations

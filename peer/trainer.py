@@ -4,7 +4,8 @@ The trainer's life (join in client mode, claim a data share, train, report) is t
 :class:`~swarm.trainer.session.Trainer`; this module wires it to the process: SIGTERM/SIGINT and
 ``swarm-peer pause|resume|drain`` (:mod:`peer.control`), the heartbeat file and Prometheus metrics
 (:mod:`peer.heartbeat`), and exit codes 4 when the run's coordinator banned this peer, 5 when none of the run
-address's peers answered within ``SWARM_JOIN_TIMEOUT_S``.
+address's peers answered within ``SWARM_JOIN_TIMEOUT_S``, 7 when the run admits only ticketed peers and this one
+has no ticket (``swarm-coordinator admit``).
 """
 
 from __future__ import annotations

@@ -462,6 +462,21 @@ class RecordsSpec(_Section):
     )
 
 
+class AdmissionSpec(_Section):
+    """Who may take part in the run (:mod:`swarm.trust.tickets`, docs/threat-model.md, "Admission")."""
+
+    policy: Literal["open", "allowlist"] = Field(
+        "open", description="'open': any key may join (Sybil keys are weighed by the work they did). 'allowlist': "
+        "only peers the run's operator admitted (`swarm-coordinator admit <address> <peer id>`) may publish "
+        "records; every peer refuses the records of a key without a valid ticket signed by the run key.",
+    )
+    ticket_ttl_s: float = Field(
+        86400.0, ge=600.0, le=30 * 86400.0, description="Seconds a ticket is valid. The coordinator renews "
+        "tickets in their second half while it runs, so a peer stays admitted across a coordinator outage shorter "
+        "than half of this; `swarm-coordinator revoke` ends one at once (a ban) and stops its renewal.",
+    )
+
+
 class RunSpec(_Section):
     """The whole run: everything every peer must agree on. Loaded from one TOML file."""
 
@@ -479,6 +494,7 @@ class RunSpec(_Section):
     rebalance: RebalanceSpec = RebalanceSpec()
     timeouts: TimeoutSpec = TimeoutSpec()
     records: RecordsSpec = RecordsSpec()
+    admission: AdmissionSpec = AdmissionSpec()
 
     @field_validator("name")
     @classmethod

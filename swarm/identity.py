@@ -173,6 +173,9 @@ class Identity:
         )
         self.peer_id: str = peer_id_of(self.public_key)
         self.p2p_id: str = p2p_id_of(self.public_key)
+        self.ticket: bytes = b""
+        """The run key's sealed ticket admitting this peer (``[admission] policy = "allowlist"``), carried in every
+        record it seals; empty in an open run (:mod:`swarm.trust.tickets`)."""
 
     @classmethod
     def generate(cls) -> "Identity":

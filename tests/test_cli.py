@@ -21,6 +21,8 @@ EXPECTED = {
     "swarm-coordinator peers": ["address", "as_json", "timeout", "top", "watch"],
     "swarm-coordinator ban": ["address", "key", "peer", "reason", "timeout"],
     "swarm-coordinator unban": ["address", "key", "peer", "timeout"],
+    "swarm-coordinator admit": ["address", "key", "peer", "timeout"],
+    "swarm-coordinator revoke": ["address", "key", "peer", "timeout"],
     "swarm-coordinator monitor": ["address", "every", "host", "metrics_port", "timeout"],
     "swarm-coordinator checkpoints": ["address", "as_json", "timeout"],
     "swarm-coordinator export": ["address", "as_json", "epoch", "out_dir", "prompt", "timeout", "tokens"],

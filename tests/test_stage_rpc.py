@@ -145,16 +145,16 @@ def test_stage_rpcs_and_refusals(dhts, exact_spec_path):
 def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
     """40 forward streams that never finish hold at most ``max_in_flight`` slots; the rest are refused
     at once, naming the cause, and the slots come back when the stalled streams go."""
-    from swarm.net.admission import PeerAdmission
+    from swarm.net.quota import PeerQuota
 
-    class Watched(PeerAdmission):
+    class Watched(PeerQuota):
         """Counts what the server decided, whether or not each refusal reaches the client."""
 
         refused = most = 0
 
-        def admit(self, peer):
+        def hold(self, peer):
             try:
-                held = super().admit(peer)
+                held = super().hold(peer)
                 held.__enter__()
             except Exception:
                 self.refused += 1
@@ -165,7 +165,7 @@ def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
     server_dht, client_dht = dhts
     spec = RunSpec.from_toml(exact_spec_path)
     server = StageServer(spec, RUN, 0)
-    server.admission = Watched(max_in_flight=4)
+    server.quota = Watched(max_in_flight=4)
     meta = pack_message(ForwardRequest(run_id=RUN, stage=0, mb_id="m", mode="eval"))
     x = torch.zeros(1, 8, dtype=torch.int64)
 
@@ -187,8 +187,8 @@ def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
         deadline = asyncio.get_running_loop().time() + 15
         while sum(t.done() for t in hanging) < 36 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
-        assert server.admission.refused == 36 and server.admission.most == 4
-        assert server.admission.in_flight[str(client_dht.peer_id)] == 4
+        assert server.quota.refused == 36 and server.quota.most == 4
+        assert server.quota.in_flight[str(client_dht.peer_id)] == 4
         refusals = [t.exception() for t in hanging if t.done()]
         assert len(refusals) == 36 and all("already serves 4 requests of yours" in str(e) for e in refusals), refusals
         # (no extra call here: libp2p may reset one of the 4 held streams meanwhile, freeing its slot)
@@ -196,10 +196,10 @@ def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
             t.cancel()
         await asyncio.gather(*hanging, return_exceptions=True)
         for _ in range(50):  # the server notices the closed streams
-            if not server.admission.in_flight:
+            if not server.quota.in_flight:
                 break
             await asyncio.sleep(0.1)
-        assert not server.admission.in_flight
+        assert not server.quota.in_flight
         _, (out,) = await call(stream_out(runtime_pb2.ExpertRequest, meta, [x]))
         assert out.shape[:2] == (1, 8)
 
@@ -213,13 +213,13 @@ def test_one_peer_holds_at_most_max_in_flight_requests(dhts, exact_spec_path):
 def test_one_peer_starts_at_most_its_rate_of_requests(dhts, exact_spec_path):
     """Requests answered at once are metered too: past its burst, a peer's forwards are refused naming the rate
     and when to retry, until its token bucket refills (a fake clock stands for the seconds passing)."""
-    from swarm.net.admission import PeerAdmission
+    from swarm.net.quota import PeerQuota
 
     now = [0.0]
     server_dht, client_dht = dhts
     spec = RunSpec.from_toml(exact_spec_path)
     server = StageServer(spec, RUN, 0)
-    server.admission = PeerAdmission(max_in_flight=4, rate_per_s=2.0, burst=3, clock=lambda: now[0])
+    server.quota = PeerQuota(max_in_flight=4, rate_per_s=2.0, burst=3, clock=lambda: now[0])
     meta = pack_message(ForwardRequest(run_id=RUN, stage=0, mb_id="m", mode="eval"))
     x = torch.zeros(1, 8, dtype=torch.int64)
 

@@ -35,7 +35,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.averaging.allreduce import RoundFailed, digest
-from swarm.net.admission import Busy, TooFast
+from swarm.net.quota import Busy, TooFast
 from swarm.net.transport import gather, stream_out
 from swarm.protocol import ProtocolError, StateAgreement, pack_message, unpack_message
 
@@ -52,7 +52,7 @@ class AgreedRounds:
     """Mixin of :class:`~swarm.averaging.averager.RobustStateAverager` (module docstring): call
     :meth:`_init_agreement` before the averager's process is forked; the mixin's ``_agreed`` replaces
     :meth:`~swarm.averaging.averager.RobustAllReduceMixin._agreed`. Uses the averager's ``rules.phase_timeout``,
-    ``part_admission``, ``exclusions``, ``wire``, ``_p2p`` and ``prefix``."""
+    ``part_quota``, ``exclusions``, ``wire``, ``_p2p`` and ``prefix``."""
 
     def _init_agreement(self) -> None:
         self._agreements: OrderedDict[str, asyncio.Future] = OrderedDict()
@@ -113,10 +113,10 @@ class AgreedRounds:
     async def rpc_state_agreement(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                   ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """This member's digest of the round the request names, once it reached that round (at most
-        :data:`ANSWER_WAIT_S`); only to a member of that round, within the sender's admission."""
+        :data:`ANSWER_WAIT_S`); only to a member of that round, within the sender's quota."""
         sender, group = str(context.remote_id), ""
         try:
-            with self.part_admission.admit(sender):
+            with self.part_quota.hold(sender):
                 if self.exclusions.is_excluded(sender):
                     raise ProtocolError("this peer excluded you from its averaging groups")
                 metadata, _ = await gather(stream, max_bytes=0, max_tensors=0, counter=self.wire,

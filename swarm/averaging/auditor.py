@@ -20,7 +20,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.net.admission import Busy, PeerAdmission, TooFast
+from swarm.net.quota import Busy, PeerQuota, TooFast
 from swarm.averaging.allreduce import Accountant, PhaseOutcome, RoundFailed, digest
 from swarm.averaging.audit import OpenedReceipt, audit_plan, matches, open_receipt, recompute, verify_evidence
 from swarm.net.codecs import make_codec
@@ -93,7 +93,7 @@ class Auditor:
         self._seen_accusations: set[str] = set()
         self._poller: Optional[asyncio.Task] = None
         self.audits_done = 0
-        self.audit_admission = PeerAdmission(AUDIT_IN_FLIGHT, rate_per_s=AUDIT_RATE_PER_S)
+        self.audit_quota = PeerQuota(AUDIT_IN_FLIGHT, rate_per_s=AUDIT_RATE_PER_S)
 
     def open_commitment(self, sender: str, meta: AveragingPart) -> Optional[str]:
         """Check a received part's commitment; returns the reason to refuse it, or None."""
@@ -196,9 +196,9 @@ class Auditor:
 
     async def _serve_audit(self, stream, context: P2PContext, lookup) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Answer an :class:`AuditRequest` with ``lookup(request) -> (AuditReply, tensors)``, within the asking
-        peer's admission (:data:`AUDIT_RATE_PER_S`)."""
+        peer's quota (:data:`AUDIT_RATE_PER_S`)."""
         try:
-            with self.audit_admission.admit(str(context.remote_id)):
+            with self.audit_quota.hold(str(context.remote_id)):
                 metadata, _ = await gather(stream, max_bytes=0, max_tensors=0, counter=self.wire,
                                            deadline_s=self.rules.phase_timeout)
                 reply, out = lookup(unpack_message(metadata, AuditRequest))

@@ -35,7 +35,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.aio import hold_current_task
-from swarm.net.admission import Busy, PeerAdmission, TooFast
+from swarm.net.quota import Busy, PeerQuota, TooFast
 from swarm.averaging.agreement import AgreedRounds
 from swarm.averaging.aggregation import Aggregator, CenteredClipAggregator, make_aggregator
 from swarm.averaging.allreduce import PartitionReducer, RoundFailed, WireStats, decode_part, run_phase, send_part
@@ -135,8 +135,8 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
         self._reducers: dict[str, asyncio.Future] = {}
         self._mm_wrapped = False
         self._member_table = MemberTable()  # the stage's counted servers (set_members): members at a time
-        self.part_admission = PeerAdmission(PART_IN_FLIGHT, rate_per_s=PART_RATE_PER_S)
-        self.download_admission = PeerAdmission(1, rate_per_s=DOWNLOAD_RATE_PER_S, burst=DOWNLOAD_BURST)
+        self.part_quota = PeerQuota(PART_IN_FLIGHT, rate_per_s=PART_RATE_PER_S)
+        self.download_quota = PeerQuota(1, rate_per_s=DOWNLOAD_RATE_PER_S, burst=DOWNLOAD_BURST)
 
     @property
     def max_part_bytes(self) -> int:
@@ -359,7 +359,7 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
         excluded sender is refused before its part is read, and a part is at most :attr:`max_part_bytes`."""
         sender = str(context.remote_id)
         try:
-            with self.part_admission.admit(sender):
+            with self.part_quota.hold(sender):
                 if self.exclusions.is_excluded(sender):
                     raise ProtocolError("this peer excluded you from its averaging groups")
                 metadata, tensors = await gather(stream, self.max_part_bytes, counter=self.wire,
@@ -376,9 +376,9 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
         """hivemind's state download (the whole state, to anyone who asks), one at a time per peer, a few per
         minute (:data:`DOWNLOAD_RATE_PER_S`), and never to a peer this server excluded.
 
-        :raises ProtocolError: the peer is excluded. :raises Busy, TooFast: past its admission."""
+        :raises ProtocolError: the peer is excluded. :raises Busy, TooFast: past its quota."""
         peer = str(context.remote_id)
-        with self.download_admission.admit(peer):
+        with self.download_quota.hold(peer):
             if self.exclusions.is_excluded(peer):
                 raise ProtocolError("this peer excluded you from its averaging; it shares no state with you")
             async for msg in super().rpc_download_state(request, context):

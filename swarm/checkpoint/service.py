@@ -14,7 +14,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm.net.admission import Busy, PeerAdmission
+from swarm.net.quota import Busy, PeerQuota
 from swarm.checkpoint.erasure import Fragment, FragmentError
 from swarm.checkpoint.store import FragmentStore, StoreFull
 from swarm.protocol import (
@@ -73,15 +73,15 @@ class FragmentService(ProtocolServicer):
         self.store, self.run_id, self.on_manifest, self.num_stages = store, run_id, on_manifest, num_stages
         self.authority = authority
         self.max_fragment_bytes = min(store.max_bytes, max_fragment_bytes or store.max_bytes)
-        self.admission = PeerAdmission(FRAGMENT_IN_FLIGHT, rate_per_s=FRAGMENT_RATE_PER_S)
+        self.quota = PeerQuota(FRAGMENT_IN_FLIGHT, rate_per_s=FRAGMENT_RATE_PER_S)
 
     async def _serve(self, work, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                      ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Run ``work(stream, context) -> (reply, data)`` within the peer's admission (:mod:`swarm.net.admission`)
+        """Run ``work(stream, context) -> (reply, data)`` within the peer's quota (:mod:`swarm.net.quota`)
         and stream the reply back; an expected refusal becomes a reply that names its cause."""
         data = b""
         try:
-            with self.admission.admit(str(context.remote_id)):
+            with self.quota.hold(str(context.remote_id)):
                 reply, data = await work(stream, context)
         except FileNotFoundError:
             reply = FragmentReply(error="fragment not held here")

@@ -9,5 +9,5 @@
   RunDirectory`, and its async face for a peer's event loop, :class:`~swarm.net.directory.AsyncRunDirectory`).
 * :mod:`swarm.net.dht` — a run's address and joining its DHT (a node per peer, speaking as the peer's key).
 * :mod:`swarm.net.dht_validation` — what the run's DHT nodes agree to store.
-* :mod:`swarm.net.admission` — how many requests of one peer a handler serves at once, and how often.
+* :mod:`swarm.net.quota` — how many requests of one peer a handler serves at once, and how often.
 """

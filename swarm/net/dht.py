@@ -24,7 +24,7 @@ from hivemind.p2p import P2P, P2PDaemonError
 from swarm.config import RunSpec
 from swarm.settings import PeerSettings
 from swarm.identity import Identity, claim_identity
-from swarm.net.dht_validation import RunRecordValidator
+from swarm.net.dht_validation import RunRecordValidator, TicketValidator
 from swarm.net.directory import RunDirectory
 
 logger = logging.getLogger(__name__)
@@ -263,6 +263,8 @@ def connect_run(address: str, settings: Optional[PeerSettings] = None, *, client
         directory = RunDirectory(dht, run_id)
         spec, sealed = directory.fetch_spec(timeout)
         directory.ttl = spec.timeouts.record_ttl_s
+        if spec.admission.policy != "open":  # from now on this node stores and reads ticketed records only
+            dht.add_validators([TicketValidator(run_id)])
         return dht, directory, spec, sealed
     except BaseException:
         dht.shutdown()

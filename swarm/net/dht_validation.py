@@ -35,6 +35,7 @@ from swarm.protocol import (
     Accusation,
     BanList,
     CheckpointManifest,
+    Endorsement,
     ProtocolError,
     Record,
     RollbackOrder,
@@ -42,19 +43,23 @@ from swarm.protocol import (
     ServerInfo,
     SpecRecord,
     StorageInfo,
+    Ticket,
     TrainerInfo,
     accusations_key,
     bans_key,
+    check_carried,
     checkpoints_key,
     history_key,
     open_record,
     open_spec,
+    open_ticket,
     rollback_key,
     spec_key,
     stage_keys,
     stage_stripe,
     stripe_names,
     storage_key,
+    tickets_key,
     trainers_key,
 )
 
@@ -68,7 +73,7 @@ def run_keys(run_id: str, max_stages: int = MAX_STAGES) -> dict[str, Type[Record
     """The run's DHT keys -> the record kind each holds (every stripe key of every stage's server records)."""
     keys: dict[str, Type[Record]] = {spec_key(run_id): SpecRecord, trainers_key(run_id): TrainerInfo,
                                      storage_key(run_id): StorageInfo, rollback_key(run_id): RollbackOrder,
-                                     bans_key(run_id): BanList}
+                                     bans_key(run_id): BanList, tickets_key(run_id): Ticket}
     for k in range(max_stages):
         keys.update({key: ServerInfo for bits in range(MAX_STAGE_STRIPE_BITS + 1) for key in stage_keys(run_id, k, bits)})
         keys[history_key(run_id, k)] = ServerHistory
@@ -113,6 +118,50 @@ class RunRecordValidator(RecordValidatorBase):
             return True
         except (ProtocolError, SpecError, ValueError, TypeError) as e:
             logger.debug("refused a DHT value under a %s key of run %s: %s", kind.__name__, self.run_id, e)
+            return False
+        except Exception as e:  # msgpack's own errors on junk bytes
+            logger.debug("refused a malformed DHT value of run %s: %r", self.run_id, e)
+            return False
+
+
+class TicketValidator(RecordValidatorBase):
+    """For a run whose ``[admission] policy`` is not ``open``: a record under the run's keys counts only if its
+    signer carries a ticket the run key signed, naming it, valid when the record was dated
+    (:func:`swarm.protocol.check_carried`), and so does every endorsement a manifest embeds; a value under
+    the tickets key must be a ticket the run key signed. The spec and the ban list are the run key's own.
+    Added to a DHT node once it read the spec (``hivemind.DHT.add_validators``); picklable."""
+
+    EXEMPT = (SpecRecord, BanList)
+
+    def __init__(self, run_id: str, max_stages: int = MAX_STAGES):
+        self.run_id, self.max_stages = run_id, max_stages
+        self._kinds = {DHTID.generate(source=key).to_bytes(): kind for key, kind in run_keys(run_id, max_stages).items()
+                       if kind not in self.EXEMPT}
+
+    def __getstate__(self) -> dict:
+        # sent through the DHT process's pipe (add_validators): hivemind 1.1.12 fails to read a message of the
+        # size of the key table (BlockingIOError in the DHT process, which then dies), so the table is rebuilt there
+        return {"run_id": self.run_id, "max_stages": self.max_stages}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["run_id"], state["max_stages"])
+
+    def validate(self, record: DHTRecord) -> bool:
+        kind = self._kinds.get(record.key)
+        if kind is None or record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+            return True  # not a ticketed key; a plain value is RunRecordValidator's to refuse
+        try:
+            sealed = MSGPackSerializer.loads(record.value)
+            if kind is Ticket:
+                open_ticket(sealed, self.run_id)
+                return True
+            rec, _ = open_record(sealed, kind, run_id=self.run_id)
+            check_carried(sealed, self.run_id, rec.time)
+            for endorsement in getattr(rec, "endorsements", ()):
+                check_carried(endorsement, self.run_id, open_record(endorsement, Endorsement, run_id=self.run_id)[0].time)
+            return True
+        except (ProtocolError, ValueError, TypeError) as e:
+            logger.debug("refused a DHT value of run %s without a valid ticket: %s", self.run_id, e)
             return False
         except Exception as e:  # msgpack's own errors on junk bytes
             logger.debug("refused a malformed DHT value of run %s: %r", self.run_id, e)

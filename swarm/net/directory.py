@@ -292,9 +292,10 @@ class RunDirectory:
     def _read(self, key: str, cls: Type[R]) -> list[R]:
         return [rec for rec, _ in self.read_sealed(key, cls)]
 
-    def store_sealed(self, key: str, subkey: str, sealed: bytes) -> bool:
-        """Store sealed bytes (signed by anyone, e.g. a manifest's writer) for ``ttl`` seconds."""
-        return self._store(key, sealed, get_dht_time() + self.ttl, subkey=subkey)
+    def store_sealed(self, key: str, subkey: str, sealed: bytes, expiration: Optional[float] = None) -> bool:
+        """Store sealed bytes (signed by anyone, e.g. a manifest's writer) for ``ttl`` seconds, or until
+        ``expiration`` (DHT time)."""
+        return self._store(key, sealed, expiration or get_dht_time() + self.ttl, subkey=subkey)
 
     def servers(self, stage: int, stripes: Optional[Sequence[int]] = None) -> list[ServerInfo]:
         """Verified, unexpired ServerInfo records of ``stage``, any state (their signers join :attr:`roster`): of

@@ -3,7 +3,8 @@
 DHT records live under keys namespaced by run id (:func:`spec_key`, :func:`stage_key`,
 :func:`trainers_key`, ...), under the sub-key :meth:`Record.dht_subkey` gives, and expire. Each value is a
 *sealed* record: ``msgpack({"p": payload, "k": ed25519_public_key, "s": signature(payload)})``
-where the payload is the msgpack of a :class:`Record` subclass. :func:`open_record` checks the size, the
+where the payload is the msgpack of a :class:`Record` subclass (plus ``"t"``, the signer's sealed
+:class:`Ticket`, where the run admits only ticketed peers). :func:`open_record` checks the size, the
 signature, the protocol version, the run id, that the signer owns the sub-key and any libp2p id the record
 names (:mod:`swarm.identity`: the id is the key), that the record is not dated
 in the future (:data:`MAX_CLOCK_SKEW_S`) and that its numbers are finite and in range, before a record is
@@ -29,7 +30,7 @@ read from this one namespace, ``swarm.protocol``.
 from swarm.protocol.schema import (  # noqa: F401
     MAX_RECORD_BYTES, MAX_ENDORSEMENTS, MAX_METADATA_BYTES, EXPIRY_SLACK_S, MAX_EPOCH, MAX_COUNT,
     MAX_SAMPLES_PER_S, MAX_FLOPS, MAX_ROUND_S, MAX_CLOCK_SKEW_S, Refusal, ProtocolError, FiniteOrNone, Epoch,
-    Count, Schema, Record, AnnouncedRecord, parse, seal, open_record,
+    Count, Schema, Record, AnnouncedRecord, parse, seal, open_record, envelope_ticket,
 )
 
 from swarm.protocol.records import (  # noqa: F401
@@ -37,7 +38,7 @@ from swarm.protocol.records import (  # noqa: F401
     Reachability, HISTORY_POINTS, add_history,
     SpecRecord, RestoreReport, ServerInfo, ServerHistory, FragmentEntry, CheckpointManifest, Endorsement,
     check_endorsements, checkpoints_key, manifest_subkey, StorageInfo, storage_key, RollbackOrder, rollback_key,
-    MAX_BANS, BanList, bans_key, TrainerInfo, open_spec,
+    MAX_BANS, BanList, bans_key, Ticket, tickets_key, open_ticket, check_carried, TrainerInfo, open_spec,
 )
 
 from swarm.protocol.statements import (  # noqa: F401

@@ -10,10 +10,10 @@ from typing import Annotated, ClassVar, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from swarm.config import MAX_STAGE_STRIPE_BITS, RunSpec
-from swarm.identity import derive_run_id
-from swarm.protocol.schema import (MAX_COUNT, MAX_ENDORSEMENTS, MAX_EPOCH, MAX_FLOPS, MAX_ROUND_S,
-                                   MAX_SAMPLES_PER_S, AnnouncedRecord, Count, Epoch, FiniteOrNone, ProtocolError,
-                                   Record, open_record)
+from swarm.identity import derive_run_id, peer_id_of
+from swarm.protocol.schema import (MAX_CLOCK_SKEW_S, MAX_COUNT, MAX_ENDORSEMENTS, MAX_EPOCH, MAX_FLOPS,
+                                   MAX_ROUND_S, MAX_SAMPLES_PER_S, AnnouncedRecord, Count, Epoch, FiniteOrNone,
+                                   ProtocolError, Record, envelope_ticket, open_record)
 
 def spec_key(run_id: str) -> str:
     return f"{run_id}/spec"
@@ -361,6 +361,61 @@ class BanList(Record):
 
 def bans_key(run_id: str) -> str:
     return f"{run_id}/bans"
+
+
+class Ticket(Record):
+    """The run key's word that peer ``subject`` may take part until ``expires`` (``[admission] policy =
+    "allowlist"``, :mod:`swarm.trust.tickets`). Signed by the run key, which ``spec_name`` and ``spec_hash`` prove:
+    with them the signer's key derives the run id (:func:`~swarm.identity.derive_run_id`), so any peer checks a
+    ticket without the spec. Stored under :func:`tickets_key`, sub-key ``subject``; its holder carries it in the
+    envelope of every record it seals (:func:`~swarm.protocol.seal`)."""
+
+    kind: Literal["ticket"] = "ticket"
+    subject: str = Field(min_length=1, max_length=128, description="Peer id admitted.")
+    expires: float = Field(ge=0, description="DHT time (seconds) after which records it carries are refused.")
+    spec_name: str = Field(max_length=32, description="The run's name, to derive the run id with the signer's key.")
+    spec_hash: str = Field(min_length=64, max_length=64, description="The run spec's SHA-256 (hex), likewise.")
+
+    def dht_subkey(self) -> str:
+        return self.subject
+
+    def check_contents(self, run_id: str) -> None:
+        if self.expires <= self.time:
+            raise ProtocolError(f"ticket expires ({self.expires:.0f}) before it was issued ({self.time:.0f})")
+
+
+def tickets_key(run_id: str) -> str:
+    return f"{run_id}/tickets"
+
+
+def open_ticket(sealed: bytes, run_id: str, subkey: Optional[str] = None) -> Ticket:
+    """Verify a sealed ticket: a valid :class:`~swarm.protocol.Ticket` record signed by the key of run ``run_id``.
+
+    :raises ProtocolError: malformed, bad signature, or not signed by the run key."""
+    ticket, key = open_record(sealed, Ticket, run_id=run_id, subkey=subkey)
+    if derive_run_id(ticket.spec_name, key, ticket.spec_hash) != run_id:
+        raise ProtocolError("the ticket is not signed by the run key (its signer and spec do not derive the run id)")
+    return ticket
+
+
+def check_carried(sealed_record: bytes, run_id: str, dated: float) -> Ticket:
+    """The ticket a sealed record carries, checked for that record (module docstring).
+
+    :param dated: the record's ``time`` (DHT time, seconds).
+    :raises ProtocolError: no ticket, not the run key's, another peer's, or the record is dated outside its life.
+    """
+    key, sealed = envelope_ticket(sealed_record)
+    if not sealed:
+        raise ProtocolError("the record's signer carries no ticket: this run admits only the peers its operator "
+                            "admitted (swarm-coordinator admit)")
+    ticket = open_ticket(sealed, run_id)
+    if ticket.subject != peer_id_of(key):
+        raise ProtocolError(f"the record carries the ticket of peer {ticket.subject}, not its signer's")
+    if not ticket.time - MAX_CLOCK_SKEW_S <= dated <= ticket.expires:
+        raise ProtocolError(f"the record is dated {dated:.0f}, outside its signer's ticket "
+                            f"({ticket.time:.0f} .. {ticket.expires:.0f}): the ticket expired; it is renewed while "
+                            "the run's coordinator runs")
+    return ticket
 
 
 class TrainerInfo(AnnouncedRecord):

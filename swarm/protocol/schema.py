@@ -125,11 +125,15 @@ def parse(data: bytes, cls: Type[S], what: str) -> S:
 
 
 def seal(record: Record, identity: Identity) -> bytes:
-    """Sign ``record`` with ``identity``; returns the sealed bytes to store in the DHT."""
+    """Sign ``record`` with ``identity``; returns the sealed bytes to store in the DHT. The envelope carries
+    ``identity.ticket`` (the run key's sealed :class:`~swarm.protocol.Ticket` for this peer) when it holds one."""
     if record.peer_id != identity.peer_id and record.kind != "spec":
         raise ValueError("a record must be sealed by the peer it names")
     payload = msgpack.packb(record.model_dump(mode="python"), use_bin_type=True)
-    blob = msgpack.packb({"p": payload, "k": identity.public_key, "s": identity.sign(payload)}, use_bin_type=True)
+    envelope = {"p": payload, "k": identity.public_key, "s": identity.sign(payload)}
+    if identity.ticket:
+        envelope["t"] = identity.ticket
+    blob = msgpack.packb(envelope, use_bin_type=True)
     if len(blob) > MAX_RECORD_BYTES:
         raise ValueError(f"sealed record is {len(blob)} bytes > {MAX_RECORD_BYTES}; keep records small")
     return blob
@@ -232,6 +236,19 @@ def _verify(blob: bytes, cls: Type[R], run_id: str) -> tuple[R, bytes]:
             raise ProtocolError("record names a libp2p id its signer does not own (a peer's libp2p id is its "
                                 "signing key's, swarm.identity)")
     return record, key
+
+
+def envelope_ticket(blob: bytes) -> tuple[bytes, bytes]:
+    """``(signer's public key, the sealed ticket it carries or b"")`` of a sealed record, unverified (the record's
+    own checks are :func:`open_record`'s). :raises ProtocolError: not a sealed record's envelope."""
+    try:
+        env = msgpack.unpackb(blob, raw=False)
+        key, ticket = env["k"], env.get("t", b"")
+        if not isinstance(key, bytes) or not isinstance(ticket, bytes):
+            raise TypeError("envelope fields must be bytes")
+    except Exception as e:
+        raise ProtocolError(f"malformed record envelope ({type(e).__name__}: {e})") from None
+    return key, ticket
 
 
 def _check_placement(record: Record, subkey: Optional[str], expiration: Optional[float]) -> None:

@@ -63,6 +63,7 @@ from swarm.kernels.flops import PeakCache, compute_dtype, stage_flops_per_token
 from swarm.logs import PeerLog
 from swarm.model import build_stage
 from swarm.net.dht import close_dht, connect_run, reachability, relay_enabled, visible_maddrs
+from swarm.trust.tickets import RunTickets
 from swarm.net.directory import AsyncRunDirectory
 from swarm.protocol import ServerHistory, ServerInfo, ServerState, StorageInfo
 from swarm.server.compute import measure_throughput
@@ -95,6 +96,16 @@ heartbeat file and Prometheus metrics from them)."""
 
 class NoSuchStage(ValueError):
     """The stage asked for does not exist in this run."""
+
+
+def _say_reachability(log: PeerLog, maddrs: list[str], settings: PeerSettings) -> None:
+    """Log how peers outside this one's network reach it (see :func:`swarm.net.dht.reachability`)."""
+    shown = ", ".join(maddrs[:2]) or "none"
+    if reachability(maddrs, relay_enabled(settings)) == "relayed":
+        log.warning("the swarm reaches this peer through a relay (no public address: %s): slower; forward its port "
+                    "and set SWARM_ANNOUNCE_HOST to be reached directly", shown)
+    else:
+        log.info("the swarm reaches this peer directly at %s", shown)
 
 
 class ServerSession:
@@ -174,7 +185,7 @@ class ServerSession:
         self.dht, directory, self.spec, self.sealed_spec = await asyncio.to_thread(
             connect_run, self.address, self.settings, client_mode=False, join_timeout_s=self.settings.join_timeout_s,
             identity=self.identity)
-        self.directory = AsyncRunDirectory(directory)
+        self.directory, self.tickets = AsyncRunDirectory(directory), RunTickets(directory, self.identity, self.spec)
         drained, watchdog = False, None
         try:
             keeping = await self._join()
@@ -202,6 +213,7 @@ class ServerSession:
         num_stages, run_id = self.spec.model.num_stages, self.directory.run_id
         if self.pinned is not None and not 0 <= self.pinned < num_stages:
             raise NoSuchStage(f"stage {self.pinned} is out of range: run {run_id} has stages 0..{num_stages - 1}")
+        await asyncio.to_thread(self.tickets.acquire)
         store = FragmentStore(self.settings.fragment_path(), self.settings.fragment_max_bytes,
                               self.spec.checkpoint.keep, grace_s=2 * self.spec.timeouts.record_ttl_s)
         self.bans = RunBans(self.directory)
@@ -218,7 +230,7 @@ class ServerSession:
                                            on_adopted=self._adopted, log=self.log)
         self.bans.check(self.me)
         self.maddrs = await asyncio.to_thread(visible_maddrs, self.dht)
-        self._say_reachability()
+        _say_reachability(self.log, self.maddrs, self.settings)
         return asyncio.create_task(self.keeper.run(self._stop))
 
     async def _leave(self, keeping: asyncio.Task, drained: bool) -> None:
@@ -245,15 +257,6 @@ class ServerSession:
 
     async def _choose_stage(self) -> int:
         return choose_stage(self.spec.model, await self.directory.all_servers(self.spec.model.num_stages))
-
-    def _say_reachability(self) -> None:
-        """Log how peers outside this one's network reach it (see :func:`swarm.net.dht.reachability`)."""
-        shown = ", ".join(self.maddrs[:2]) or "none"
-        if reachability(self.maddrs, relay_enabled(self.settings)) == "relayed":
-            self.log.warning("the swarm reaches this peer through a relay (no public address: %s): slower; forward "
-                             "its port and set SWARM_ANNOUNCE_HOST to be reached directly", shown)
-        else:
-            self.log.info("the swarm reaches this peer directly at %s", shown)
 
     # ---- one stage ---------------------------------------------------------------------------------------
     async def _serve(self, stage: int) -> Optional[int]:
@@ -377,6 +380,7 @@ class ServerSession:
     # ---- announcements -----------------------------------------------------------------------------------
     def _record(self, state: ServerState) -> ServerInfo:
         """This server's signed record as of now (blocking: the stage's part asks the averager for its report)."""
+        self.tickets.refresh()  # (a ticketed run: renewed once due)
         serving = state in (ServerState.ONLINE, ServerState.JOINING)  # else leaving or left: no work, no progress
         stage = self.served.record(serving) if self.served is not None else self._plan.record()
         return ServerInfo(

@@ -41,7 +41,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import RunSpec
 from swarm.identity import Identity
-from swarm.net.admission import PeerAdmission
+from swarm.net.quota import PeerQuota
 from swarm.net.codecs import ACTIVATION_CODECS, pack_tensors, unpack_tensors
 from swarm.net.stage_rpc import MAX_WIRE_TENSORS, StageRPC, max_message_bytes
 from swarm.net.transport import gather, stream_out
@@ -71,13 +71,13 @@ class StageServer(StageCompute, StageRPC):
                          cache_size=cache_size, identity=identity)
         self.max_message_bytes = max_message_bytes(spec)
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
-        self.admission = PeerAdmission()  # requests in flight per peer (swarm.net.admission)
+        self.quota = PeerQuota()  # requests in flight per peer (swarm.net.quota)
         self.progress_sink: Optional[Callable[[str, ProgressPush], None]] = None
         """Counts a stage-mate's pushed progress: ``(sender's libp2p id, push)``; raises :class:`StageError` for a
         sender it does not count. None refuses every push (a server without the stage's optimizer)."""
 
     # ---- RPC handlers ------------------------------------------------------------------------------
-    def _admit(self, context: P2PContext, mb_id: Optional[str] = None) -> None:
+    def _check_caller(self, context: P2PContext, mb_id: Optional[str] = None) -> None:
         """Refuse banned peers, and new work while leaving the stage (the backward of a micro-batch whose forward
         ran here, ``mb_id``, is in-flight work and still accepted)."""
         if self.leaving and (mb_id is None or (str(context.remote_id), mb_id) not in self._cache):
@@ -125,8 +125,8 @@ class StageServer(StageCompute, StageRPC):
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        with self.admission.admit(str(context.remote_id)):
-            self._admit(context)
+        with self.quota.hold(str(context.remote_id)):
+            self._check_caller(context)
             req, tensors, digest = await self._receive(requests, ForwardRequest)
             if len(tensors) != (2 if self.is_last else 1):
                 raise StageError(f"stage {self.stage} forward takes "
@@ -145,9 +145,9 @@ class StageServer(StageCompute, StageRPC):
     async def rpc_backward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        with self.admission.admit(str(context.remote_id)):
+        with self.quota.hold(str(context.remote_id)):
             req, tensors, digest = await self._receive(requests, BackwardRequest)
-            self._admit(context, req.mb_id)
+            self._check_caller(context, req.mb_id)
             if self.is_last:
                 raise StageError("the last stage backpropagates inside rpc_forward; do not call rpc_backward on it")
             if len(tensors) != (2 if req.with_inputs else 1):
@@ -167,7 +167,7 @@ class StageServer(StageCompute, StageRPC):
     async def rpc_ping(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        with self.admission.admit(str(context.remote_id)):
+        with self.quota.hold(str(context.remote_id)):
             await self._receive(requests, PingRequest)
             async for msg in self._respond(None):
                 yield msg
@@ -176,7 +176,7 @@ class StageServer(StageCompute, StageRPC):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """This server's epoch now and the digest of its state at the asked epoch (:class:`StateDigestRequest`)."""
-        with self.admission.admit(str(context.remote_id)):
+        with self.quota.hold(str(context.remote_id)):
             req, _, _ = await self._receive(requests, StateDigestRequest)
             reply = StageResponse(epoch=self.epoch, state_sha256=self.state_digests.get(req.epoch, ""))
             async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), []):
@@ -187,8 +187,8 @@ class StageServer(StageCompute, StageRPC):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """A stage-mate's count in the epoch (:class:`ProgressPush`), for :attr:`progress_sink`; answers this
         server's epoch."""
-        with self.admission.admit(str(context.remote_id)):
-            self._admit(context)
+        with self.quota.hold(str(context.remote_id)):
+            self._check_caller(context)
             req, _, _ = await self._receive(requests, ProgressPush)
             if self.progress_sink is None:
                 raise StageError("this server counts no pushed progress (it serves no optimizer); the DHT has it")

@@ -26,7 +26,7 @@ from swarm.net.stage_rpc import ping_seconds
 
 MOST_IN_FLIGHT = 16
 """Most micro-batches a trainer keeps in flight (each holds its activations, ~B x T x d floats per stage); half of
-what a stage server serves one peer at once (:data:`swarm.net.admission.MAX_IN_FLIGHT`), leaving room for spot
+what a stage server serves one peer at once (:data:`swarm.net.quota.MAX_IN_FLIGHT`), leaving room for spot
 checks."""
 TUNE_EVERY_S = 10.0
 """Seconds between two measurements of the round trip and the rate."""

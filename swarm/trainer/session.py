@@ -41,6 +41,7 @@ from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
 from swarm.net.dht import close_dht, connect_run
+from swarm.trust.tickets import RunTickets
 from swarm.net.directory import AsyncRunDirectory
 from swarm.net.transport import GLOBAL_COUNTER
 from swarm.protocol import TrainerInfo
@@ -175,8 +176,9 @@ class Trainer:
         self.dht, directory, self.spec, _ = await asyncio.to_thread(
             connect_run, self.address, self.settings, client_mode=True, join_timeout_s=self.settings.join_timeout_s,
             identity=self.identity)
-        self.directory = AsyncRunDirectory(directory)
+        self.directory, self.tickets = AsyncRunDirectory(directory), RunTickets(directory, self.identity, self.spec)
         try:
+            await asyncio.to_thread(self.tickets.acquire)
             await self._join()
             await self._train(grace_s)
         finally:
@@ -321,6 +323,7 @@ class Trainer:
                 self._stop.set()
                 return
             self.threads.update(self.log)
+            await asyncio.to_thread(self.tickets.refresh)
             info = self.info()
             await self.directory.announce_trainer(info, self.identity)
             if self.on_announce is not None:

@@ -18,6 +18,8 @@ No peer acts on another's word: each acts on signatures, digests and its own rec
   hand this peer fragments.
 * :mod:`swarm.trust.standing` — the work a peer verified each key doing (checks passed, decaying): the weight of
   that key's word where a count of keys would let a Sybil decide.
+* :mod:`swarm.trust.tickets` — admission in a run that takes only the peers its operator admitted: tickets signed
+  by the run key, carried in every record a peer seals.
 
 Checks of averaging itself (commitments, reduction receipts, audits, accusations, exclusions) live with the
 all-reduce they check, in :mod:`swarm.averaging`. Who may lie about what, and what stops it:

@@ -25,7 +25,7 @@ from typing import AsyncIterator, Awaitable, Callable, Iterable, Optional
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm.net.admission import PeerAdmission
+from swarm.net.quota import PeerQuota
 from swarm.config import RunSpec
 from swarm.net.stage_rpc import max_message_bytes
 from swarm.net.transport import ProtocolServicer, gather, stream_out
@@ -135,11 +135,11 @@ class EvidenceService(ProtocolServicer):
                  on_conviction: Optional[Callable[[StageReceipt], None]] = None):
         self.spec, self.book, self.on_conviction = spec, book, on_conviction
         self.max_bytes = 6 * max_message_bytes(spec)
-        self.admission = PeerAdmission(max_in_flight=4, rate_per_s=5.0)  # evidence is rare: one push per conviction
+        self.quota = PeerQuota(max_in_flight=4, rate_per_s=5.0)  # evidence is rare: one push per conviction
 
     async def rpc_push_evidence(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        with self.admission.admit(str(context.remote_id)):
+        with self.quota.hold(str(context.remote_id)):
             meta, tensors = await gather(requests, self.max_bytes, max_tensors=6 * MAX_GROUP_TENSORS,
                                          deadline_s=EVIDENCE_TIMEOUT_S)
             msg = unpack_message(meta, EvidenceMessage)
@@ -156,7 +156,7 @@ class EvidenceService(ProtocolServicer):
 
     async def rpc_get_evidence(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        with self.admission.admit(str(context.remote_id)):
+        with self.quota.hold(str(context.remote_id)):
             meta, _ = await gather(requests, max_tensors=0, deadline_s=EVIDENCE_TIMEOUT_S)
             req = unpack_message(meta, EvidenceRequest)
             evidence = self.book.evidence(req.accused) if req.run_id == self.book.run_id else None

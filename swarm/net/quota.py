@@ -1,10 +1,10 @@
-"""Per-peer admission for RPC handlers: how many requests of one libp2p peer a handler serves at once, and how
+"""Per-peer quotas for RPC handlers: how many requests of one libp2p peer a handler serves at once, and how
 many it starts per second.
 
 Each request a handler accepts holds a task, a socket and up to its message budget in memory until it is
 answered or its deadline passes (:func:`swarm.net.transport.gather`). Without a bound per peer, one peer opening
 many streams that never finish holds all of that at once (40 stalled forward streams: +80 MB measured). A
-:class:`PeerAdmission` counts the requests in flight per remote libp2p id and refuses the one beyond
+:class:`PeerQuota` counts the requests in flight per remote libp2p id and refuses the one beyond
 ``max_in_flight`` at once, with :class:`Busy` (a :class:`~swarm.protocol.Refusal`: one log line, no traceback),
 so a peer holds at most ``max_in_flight`` times the handler's message budget. Honest clients stay far below
 it: a trainer keeps ``concurrency`` micro-batches in flight per stage.
@@ -43,7 +43,7 @@ class TooFast(Busy):
     """The peer started more requests per second here than this handler takes."""
 
 
-class PeerAdmission:
+class PeerQuota:
     """Counts one handler group's requests in flight per peer and meters their rate (event-loop only: not
     thread-safe).
 
@@ -81,7 +81,7 @@ class PeerAdmission:
                 del self._buckets[next(iter(self._buckets))]
 
     @contextmanager
-    def admit(self, peer: str) -> Iterator[None]:
+    def hold(self, peer: str) -> Iterator[None]:
         """Hold one of ``peer``'s slots for the ``with`` block.
 
         :raises Busy: ``peer`` (a libp2p id) has ``max_in_flight`` requests in flight already.

@@ -1,0 +1,138 @@
+"""Admission by ticket: a run that takes only the peers its operator admitted (``[admission] policy = "allowlist"``).
+
+Keys are free, so an open run weighs what a key says by the work it did (:mod:`swarm.trust.standing`); a run
+that wants no strangers at all admits peers by name instead, as INTELLECT-1 whitelisted its nodes. The run key
+(the key that signed the spec, held by the coordinator) signs a :class:`~swarm.protocol.Ticket` per admitted
+peer id (``swarm-coordinator admit <address> <peer id>``, :func:`issue_ticket`) and stores it in the DHT under
+:func:`~swarm.protocol.tickets_key`; the peer reads its own at join (:func:`fetch_ticket`) and carries it in the
+envelope of every record it seals (:attr:`swarm.identity.Identity.ticket`).
+
+Every node of such a run adds :class:`~swarm.net.dht_validation.TicketValidator` to its DHT once it read the
+spec: a record under the run's keys whose signer carries no valid ticket is neither stored nor read. A ticket
+is valid for a record (:func:`~swarm.protocol.check_carried`) when the run key signed it (its ``spec_name`` and ``spec_hash``
+with the signer's key derive the run id: no spec needed to check it), it names the record's signer, and the
+record is dated inside the ticket's life. The check is a function of the bytes only, so every node agrees on
+it at any time: a record stored while its ticket was valid stays readable until it expires, and an
+announcement re-signed after the ticket expired is refused. So everything that is decided from records (stage
+rosters and thus averaging groups and parts, routing, fragment placement, checkpoint manifests and their
+endorsements, rollback orders, accusations, progress keys) leaves an unticketed key out.
+
+Tickets live ``ticket_ttl_s``; the coordinator renews those in their second half while it runs
+(:func:`renew_tickets`), and a peer re-reads its own as it nears expiry (:meth:`RunTickets.refresh`).
+``swarm-coordinator revoke`` bans the peer (:mod:`swarm.trust.banlist`: effective at once) and so ends the
+renewal.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from hivemind.utils import get_dht_time
+
+from swarm.config import RunSpec
+from swarm.identity import Identity
+from swarm.net.directory import RunDirectory
+from swarm.protocol import ProtocolError, Ticket, open_ticket, seal, tickets_key
+
+logger = logging.getLogger(__name__)
+
+
+class NotAdmitted(RuntimeError):
+    """This peer holds no valid ticket of a run that admits only ticketed peers."""
+
+
+def issue_ticket(directory: RunDirectory, run_key: Identity, subject: str, spec: RunSpec) -> tuple[Ticket, bytes]:
+    """Sign a ticket for peer ``subject`` with the run key, valid ``spec.admission.ticket_ttl_s`` seconds, and
+    store it in the DHT until it expires (blocking: ``swarm-coordinator admit`` runs it). Returns it, and sealed.
+
+    :raises ProtocolError: ``run_key`` is not this run's key (the spec's signer).
+    :raises RuntimeError: the DHT did not take the ticket."""
+    now = get_dht_time()
+    ticket = Ticket(run_id=directory.run_id, peer_id=run_key.peer_id, time=now, subject=subject,
+                    expires=now + spec.admission.ticket_ttl_s, spec_name=spec.name, spec_hash=spec.spec_hash())
+    sealed = seal(ticket, run_key)
+    open_ticket(sealed, directory.run_id)  # a wrong key fails here, not at every peer
+    if not directory.store_sealed(tickets_key(directory.run_id), ticket.dht_subkey(), sealed, ticket.expires):
+        raise RuntimeError("the DHT did not store the ticket (no DHT peer answered); try again")
+    return ticket, sealed
+
+
+def fetch_ticket(directory: RunDirectory, peer_id: str) -> Optional[tuple[Ticket, bytes]]:
+    """The newest valid ticket for ``peer_id`` in the DHT, with its sealed bytes; None if there is none."""
+    now = get_dht_time()
+    mine = [(t, sealed) for t, sealed in all_tickets(directory) if t.subject == peer_id and t.expires > now]
+    return max(mine, key=lambda found: found[0].expires, default=None)
+
+
+def all_tickets(directory: RunDirectory) -> list[tuple[Ticket, bytes]]:
+    """Every ticket of the run the DHT holds that the run key signed, with its sealed bytes (expired ones
+    included while the DHT keeps them; others are logged and skipped)."""
+    out = []
+    for _, sealed in directory.read_sealed(tickets_key(directory.run_id), Ticket):
+        try:
+            out.append((open_ticket(sealed, directory.run_id), sealed))
+        except ProtocolError as e:
+            logger.warning("dropped a ticket under %s: %s", tickets_key(directory.run_id), e)
+    return out
+
+
+def renew_tickets(directory: RunDirectory, run_key: Identity, spec: RunSpec) -> list[str]:
+    """The coordinator's duty in a ticketed run (blocking, every few seconds): re-issue the tickets in their
+    second half, but those of banned peers (``revoke``), and carry its own. Returns the peer ids renewed.
+
+    :raises RuntimeError: the DHT did not take a ticket."""
+    bans, _ = directory.bans()
+    banned = set(bans.banned) if bans is not None else set()
+    now, renewed, ttl_s = get_dht_time(), [], spec.admission.ticket_ttl_s
+    held = {t.subject: (t, sealed) for t, sealed in all_tickets(directory) if t.expires > now}
+    if run_key.peer_id not in held:  # the coordinator's own: it stores and endorses like any keeper
+        held[run_key.peer_id] = issue_ticket(directory, run_key, run_key.peer_id, spec)
+    for subject, (ticket, sealed) in held.items():
+        if subject not in banned and ticket.expires - now <= ttl_s / 2:
+            ticket, sealed = issue_ticket(directory, run_key, subject, spec)
+            renewed.append(subject)
+        if subject == run_key.peer_id:
+            run_key.ticket = sealed
+    return renewed
+
+
+class RunTickets:
+    """This peer's admission to a run whose policy is ``allowlist``: its ticket, carried by ``identity``."""
+
+    def __init__(self, directory: RunDirectory, identity: Identity, spec: RunSpec):
+        self.directory, self.identity, self.policy = directory, identity, spec.admission.policy
+        self.ticket: Optional[Ticket] = None
+
+    def acquire(self) -> Optional[Ticket]:
+        """Read this peer's ticket and carry it (blocking). None in an open run.
+
+        :raises NotAdmitted: the run admits only ticketed peers and none is in the DHT for this peer."""
+        if self.policy == "open":
+            return None
+        found = fetch_ticket(self.directory, self.identity.peer_id)
+        if found is None:
+            raise NotAdmitted(
+                f"run {self.directory.run_id} admits only the peers its operator admitted (policy "
+                f"{self.policy!r}), and there is no valid ticket for this peer ({self.identity.peer_id}); ask the "
+                f"operator to run `swarm-coordinator admit <run address> {self.identity.peer_id}`")
+        self.ticket, self.identity.ticket = found
+        return self.ticket
+
+    def refresh(self) -> None:
+        """Take a renewed ticket if one is in the DHT and this one is in its second half (blocking); logs a
+        warning once the ticket is within a tenth of its life of expiring."""
+        if self.ticket is None:
+            return
+        now, life = get_dht_time(), self.ticket.expires - self.ticket.time
+        if self.ticket.expires - now > life / 2:
+            return
+        found = fetch_ticket(self.directory, self.identity.peer_id)
+        if found is not None and found[0].expires > self.ticket.expires:
+            self.ticket, self.identity.ticket = found
+        elif self.ticket.expires - now < life / 10:
+            logger.warning("this peer's ticket expires in %.0f s and was not renewed (is the run's coordinator "
+                           "up? was it revoked?)", self.ticket.expires - now)
+
+
+__all__ = ["NotAdmitted", "RunTickets", "all_tickets", "fetch_ticket", "issue_ticket", "renew_tickets"]

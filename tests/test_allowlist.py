@@ -1,0 +1,57 @@
+"""A run that admits only the peers its operator admitted (``[admission] policy = "allowlist"``), used from the CLI as
+a new operator would: a peer without a ticket is told how to get one and exits 7; ``swarm-coordinator admit``
+admits it; the admitted peers train, and keep training across a coordinator restart (their tickets are in the
+DHT and their records carry them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from swarm.identity import Identity
+from swarm.protocol import ServerState
+from tests.conftest import TINY
+from tests.scenario import Scenario, make_swarm
+
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(600)]
+
+SPEC = TINY.updated(name="allowlist", admission={"policy": "allowlist"})
+
+
+def _coordinator_cli(sw, *args: str) -> dict:
+    """``swarm-coordinator <args> --key <the run key>`` as the operator types it; its JSON answer."""
+    done = subprocess.run([sys.executable, "-m", "coordinator", *args, "--key", str(sw.workdir / "keys" / "coordinator.key")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_an_allowlist_run_takes_only_admitted_peers_and_outlives_a_coordinator_restart(tmp_path, cache_dir,
+                                                                                        tiny_dataset):
+    with make_swarm(SPEC, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+        stranger = sw.start_peer("server", "--stage", "0", name="stranger")
+        sc.wait(lambda: not stranger.alive(), 180, "the server without a ticket to stop")
+        assert stranger.proc.returncode == 7, sw.tail(stranger, 20)
+        assert f"swarm-coordinator admit <run address> {stranger.peer_id}" in stranger.log.read_text()
+
+        names = {"s0": ("server", "--stage", "0"), "s1": ("server", "--stage", "1"), "t0": ("trainer", "--share", "0")}
+        for name in names:
+            peer_id = Identity.load_or_create(sw.workdir / "keys" / f"{name}.key").peer_id
+            assert _coordinator_cli(sw, "admit", sw.address, peer_id)["admitted"] == peer_id
+        peers = {name: sw.start_peer(role, *args, name=name) for name, (role, *args) in names.items()}
+        sc.stage_of.update(s0=0, s1=1)
+        sc.until_epoch(3)
+        listed = {s.peer_id for group in sc.directory.all_servers(2).values() for s in group}
+        assert listed == {peers["s0"].peer_id, peers["s1"].peer_id}
+
+        # the coordinator restarts (it joins the live swarm through a server): the admitted peers go on
+        record = next(s for s in sc.directory.servers(0) if s.peer_id == peers["s0"].peer_id)
+        sw.kill(sw.coordinator)
+        sw.start_coordinator(peers=record.maddrs)
+        resumed = min(sc.epochs())
+        sc.until_epoch(resumed + 3)
+        assert all(p.alive() for p in peers.values()), sc.story()
+        assert all(s.state == ServerState.ONLINE for group in sc.directory.all_servers(2).values() for s in group)
