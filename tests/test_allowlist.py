@@ -5,6 +5,7 @@ DHT and their records carry them)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 from swarm.identity import Identity
+from swarm.net.stage_rpc import ask_state_digest
 from swarm.protocol import ServerState
 from tests.conftest import TINY
 from tests.scenario import Scenario, make_swarm
@@ -46,6 +48,14 @@ def test_an_allowlist_run_takes_only_admitted_peers_and_outlives_a_coordinator_r
         sc.until_epoch(3)
         listed = {s.peer_id for group in sc.directory.all_servers(2).values() for s in group}
         assert listed == {peers["s0"].peer_id, peers["s1"].peer_id}
+
+        # a caller without a ticket (this test's own client) is refused by a server's RPCs before its request is read
+        async def stranger_asks(server):
+            p2p = await sc.dht.replicate_p2p()
+            return await ask_state_digest(p2p, server, sc.directory.run_id, 0, timeout=30)
+
+        with pytest.raises(Exception, match="no valid ticket"):
+            asyncio.run(stranger_asks(next(s for s in sc.directory.servers(1) if s.peer_id == peers["s1"].peer_id)))
 
         # the coordinator restarts (it joins the live swarm through a server): the admitted peers go on
         record = next(s for s in sc.directory.servers(0) if s.peer_id == peers["s0"].peer_id)

@@ -4,6 +4,8 @@ record whose signer carries none (real hivemind DHT nodes on loopback; the stran
 
 from __future__ import annotations
 
+import asyncio
+
 import hivemind
 import pytest
 from hivemind.utils import get_dht_time
@@ -14,7 +16,8 @@ from swarm.net.directory import RunDirectory
 from swarm.protocol import (ProtocolError, ServerInfo, ServerState, Ticket, check_carried, seal, stage_key,
                             tickets_key)
 from swarm.trust.banlist import update_bans
-from swarm.trust.tickets import NotAdmitted, RunTickets, all_tickets, fetch_ticket, issue_ticket, renew_tickets
+from swarm.trust.tickets import (UNKNOWN_RETRY_S, NotAdmitted, RunTickets, TicketGate, all_tickets, fetch_ticket,
+                                 issue_ticket, renew_tickets)
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,6 +107,22 @@ def test_the_runs_nodes_keep_only_ticketed_records_and_a_peer_reads_its_renewed_
             assert isinstance(found.value, dict) and list(found.value) == [admitted.peer_id]
         assert [s.peer_id for s in mine.servers(0)] == [admitted.peer_id]
         assert [t.subject for t, _ in all_tickets(mine)] == [admitted.peer_id]
+
+        # a ticketed run's RPC handlers ask the gate first: the stranger is refused, and looked up again only
+        # after UNKNOWN_RETRY_S (an admit then takes effect)
+        clock = [0.0]
+        gate = TicketGate(mine, clock=lambda: clock[0])
+        asyncio.run(gate.check(admitted.p2p_id))
+        for _ in range(2):
+            with pytest.raises(NotAdmitted, match="hold no valid ticket.*swarm-coordinator admit"):
+                asyncio.run(gate.check(stranger.p2p_id))
+        issue_ticket(directory, run_key, stranger.peer_id, SPEC)
+        with pytest.raises(NotAdmitted):
+            asyncio.run(gate.check(stranger.p2p_id))
+        clock[0] += UNKNOWN_RETRY_S + 1
+        asyncio.run(gate.check(stranger.p2p_id))
+        with pytest.raises(NotAdmitted, match="does not inline an Ed25519 key"):
+            asyncio.run(gate.check("not-a-libp2p-id"))
 
         # renewal: the coordinator re-issues the tickets in their second half (and carries its own), not those of
         # banned (revoked) peers; a peer takes its renewed ticket once its own is in its second half

@@ -39,6 +39,7 @@ from swarm.server.progress_push import ProgressPusher
 from swarm.server.stage import EpochEnd, StageError, StageServer
 from swarm.trust.authority import CheckpointAuthority
 from swarm.trust.banlist import RunBans
+from swarm.trust.tickets import TicketGate
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class PeerContext:
     keeper: FragmentKeeper
     authority: CheckpointAuthority
     bans: RunBans
+    gate: Optional[TicketGate] = None
+    """Checks callers' tickets in a ticketed run (:mod:`swarm.trust.tickets`); None in an open run."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class ServedStage:
                                      timeout=refresh_periods(self.spec.averaging.matchmaking_time)["max_refresh_period"])
         optimizer.set_progress_roster(lambda: self._roster, push=self.pushes.offer)
         self.server.progress_sink = self._progress_pushed
+        self.server.gate = ctx.gate.check if ctx.gate is not None else None
         ctx.authority.serve_stage(self.stage)  # endorse this stage's checkpoints by state only
 
     @property

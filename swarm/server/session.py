@@ -221,7 +221,7 @@ class ServerSession:
         self.p2p = await self.dht.replicate_p2p()
         await self.keeper.start(self.p2p)
         self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
-                               self.bans)
+                               self.bans, self.tickets.gate())
         self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol, answers_comparable(self.spec),
                                           serves=self.directory.blocking.seen_serving)
         await EvidenceService(self.spec, self.convictions).add_p2p_handlers(self.p2p, namespace=run_id)

@@ -32,7 +32,7 @@ error naming the cause; they never touch the accumulated gradients. Peers on the
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import torch
 from hivemind.p2p import P2PContext
@@ -75,8 +75,19 @@ class StageServer(StageCompute, StageRPC):
         self.progress_sink: Optional[Callable[[str, ProgressPush], None]] = None
         """Counts a stage-mate's pushed progress: ``(sender's libp2p id, push)``; raises :class:`StageError` for a
         sender it does not count. None refuses every push (a server without the stage's optimizer)."""
+        self.gate: Optional[Callable[[str], Awaitable[None]]] = None
+        """In a ticketed run, checks each caller's libp2p id before its request is read (``TicketGate.check``,
+        :mod:`swarm.trust.tickets`); raises for a caller without a ticket. None: any caller (an open run)."""
 
     # ---- RPC handlers ------------------------------------------------------------------------------
+    async def _gated(self, context: P2PContext) -> None:
+        """:raises StageError: a ticketed run, and the caller holds no ticket (:attr:`gate`)."""
+        if self.gate is not None:
+            try:
+                await self.gate(str(context.remote_id))
+            except RuntimeError as e:
+                raise StageError(str(e)) from None
+
     def _check_caller(self, context: P2PContext, mb_id: Optional[str] = None) -> None:
         """Refuse banned peers, and new work while leaving the stage (the backward of a micro-batch whose forward
         ran here, ``mb_id``, is in-flight work and still accepted)."""
@@ -126,6 +137,7 @@ class StageServer(StageCompute, StageRPC):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self.quota.hold(str(context.remote_id)):
+            await self._gated(context)
             self._check_caller(context)
             req, tensors, digest = await self._receive(requests, ForwardRequest)
             if len(tensors) != (2 if self.is_last else 1):
@@ -146,6 +158,7 @@ class StageServer(StageCompute, StageRPC):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self.quota.hold(str(context.remote_id)):
+            await self._gated(context)
             req, tensors, digest = await self._receive(requests, BackwardRequest)
             self._check_caller(context, req.mb_id)
             if self.is_last:
@@ -168,6 +181,7 @@ class StageServer(StageCompute, StageRPC):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self.quota.hold(str(context.remote_id)):
+            await self._gated(context)
             await self._receive(requests, PingRequest)
             async for msg in self._respond(None):
                 yield msg
@@ -177,6 +191,7 @@ class StageServer(StageCompute, StageRPC):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """This server's epoch now and the digest of its state at the asked epoch (:class:`StateDigestRequest`)."""
         with self.quota.hold(str(context.remote_id)):
+            await self._gated(context)
             req, _, _ = await self._receive(requests, StateDigestRequest)
             reply = StageResponse(epoch=self.epoch, state_sha256=self.state_digests.get(req.epoch, ""))
             async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), []):
@@ -188,6 +203,7 @@ class StageServer(StageCompute, StageRPC):
         """A stage-mate's count in the epoch (:class:`ProgressPush`), for :attr:`progress_sink`; answers this
         server's epoch."""
         with self.quota.hold(str(context.remote_id)):
+            await self._gated(context)
             self._check_caller(context)
             req, _, _ = await self._receive(requests, ProgressPush)
             if self.progress_sink is None:

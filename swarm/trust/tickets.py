@@ -25,13 +25,16 @@ renewal.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections import OrderedDict
 from typing import Optional
 
 from hivemind.utils import get_dht_time
 
 from swarm.config import RunSpec
-from swarm.identity import Identity
+from swarm.identity import Identity, SignatureError, peer_id_of, public_key_of_p2p_id
 from swarm.net.directory import RunDirectory
 from swarm.protocol import ProtocolError, Ticket, open_ticket, seal, tickets_key
 
@@ -119,6 +122,10 @@ class RunTickets:
         self.ticket, self.identity.ticket = found
         return self.ticket
 
+    def gate(self) -> Optional["TicketGate"]:
+        """A :class:`TicketGate` for this peer's RPC handlers in a ticketed run; None in an open one."""
+        return None if self.policy == "open" else TicketGate(self.directory)
+
     def refresh(self) -> None:
         """Take a renewed ticket if one is in the DHT and this one is in its second half (blocking); logs a
         warning once the ticket is within a tenth of its life of expiring."""
@@ -135,4 +142,42 @@ class RunTickets:
                            "up? was it revoked?)", self.ticket.expires - now)
 
 
-__all__ = ["NotAdmitted", "RunTickets", "all_tickets", "fetch_ticket", "issue_ticket", "renew_tickets"]
+UNKNOWN_RETRY_S = 10.0
+"""Seconds a :class:`TicketGate` remembers that a caller had no ticket before it looks again (an admit takes
+effect this soon; a stranger's calls cost one DHT lookup per period)."""
+
+
+class TicketGate:
+    """Whether a caller (a libp2p id, the key it speaks with) holds a valid ticket, for the RPC handlers of a
+    ticketed run: its peer id is derived from the libp2p id and its ticket looked up in the DHT
+    (:func:`fetch_ticket`), kept until it expires; a caller found without one is refused for
+    :data:`UNKNOWN_RETRY_S` before it is looked up again. Checked before a request's message is read, so an
+    unticketed caller's tensors are never received."""
+
+    def __init__(self, directory: RunDirectory, clock=time.monotonic):
+        self.directory, self.clock = directory, clock
+        self._until: dict[str, float] = {}  # libp2p id -> DHT time its ticket expires
+        self._unknown: OrderedDict[str, float] = OrderedDict()  # libp2p id -> when to look again (clock)
+
+    async def check(self, p2p_id: str) -> None:
+        """:raises NotAdmitted: the caller holds no valid ticket (the message says how to get one)."""
+        if self._until.get(p2p_id, 0.0) > get_dht_time():
+            return
+        if self._unknown.get(p2p_id, 0.0) <= self.clock():
+            try:
+                peer = peer_id_of(public_key_of_p2p_id(p2p_id))
+            except SignatureError as e:
+                raise NotAdmitted(f"refused: {e}") from None
+            found = await asyncio.to_thread(fetch_ticket, self.directory, peer)
+            if found is not None:
+                self._until[p2p_id] = found[0].expires
+                self._unknown.pop(p2p_id, None)
+                return
+            self._unknown[p2p_id] = self.clock() + UNKNOWN_RETRY_S
+            while len(self._unknown) > 4096:  # many keys without tickets (a Sybil): forget the oldest
+                self._unknown.popitem(last=False)
+        raise NotAdmitted("refused: this run admits only the peers its operator admitted, and you hold no valid "
+                          "ticket (ask the operator to run `swarm-coordinator admit <run address> <your peer id>`)")
+
+
+__all__ = ["NotAdmitted", "RunTickets", "TicketGate", "all_tickets", "fetch_ticket", "issue_ticket", "renew_tickets"]
