@@ -142,3 +142,30 @@ def test_a_spike_streak_issues_one_order_naming_its_first_epoch(tiny_spec):
     ck.generation = 1  # the order was applied: the next spike is a new rollback
     ck.detector.average, ck.detector.seen = 5.0, 3
     assert ck.is_spike(9.0)
+
+
+def test_a_restored_checkpoint_sets_only_the_learning_rate_scale_its_generation_implies(tiny_spec, caplog):
+    """A checkpoint's metadata names its rollback generation and scale; a writer that states a scale its generation
+    does not imply (1e-300: training frozen), or a generation past MIN_LR_SCALE, is not followed."""
+    import logging
+    from types import SimpleNamespace
+
+    from swarm.checkpoint.rollback import Rollbacks
+
+    restore = SimpleNamespace(spec=tiny_spec, directory=SimpleNamespace(ttl=30.0, run_id="run"), stage=0)
+
+    def resumed(meta: dict) -> tuple[int, float]:
+        holder = SimpleNamespace(lr_scale=1.0)
+        holder.set_lr_scale = lambda s: setattr(holder, "lr_scale", s)
+        ck = Rollbacks(restore, holder, compute=None, identity=SimpleNamespace(peer_id="me"), is_last=False,
+                       log=logging.getLogger(__name__))
+        ck.resume(meta)
+        return ck.generation, holder.lr_scale
+
+    assert resumed({"rollback_generation": 2, "lr_scale": 0.25}) == (2, 0.25)
+    assert resumed({}) == (0, 1.0)
+    with caplog.at_level(logging.WARNING):
+        assert resumed({"rollback_generation": 1, "lr_scale": 1e-300}) == (0, 1.0)
+        assert resumed({"rollback_generation": 10_000, "lr_scale": 0.0}) == (0, 1.0)
+        assert resumed({"rollback_generation": "2", "lr_scale": 0.25}) == (0, 1.0)
+    assert caplog.text.count("ignored the rollback state of the restored checkpoint") == 3

@@ -35,6 +35,11 @@ from swarm.identity import Identity, peer_id_of
 from swarm.protocol import RollbackOrder, ServerInfo, rollback_key
 
 
+MIN_LR_SCALE = 1e-12
+"""The smallest learning-rate scale a rollback generation may imply (``lr_factor ** generation``): 40 rollbacks
+at the default factor 0.5; a run past that is not training."""
+
+
 class LossSpikeDetector:
     """Judges each epoch's mean training loss (nats/token) against its moving average."""
 
@@ -128,11 +133,21 @@ class Rollbacks:
         return {"lr_scale": self.holder.lr_scale, "rollback_generation": self.generation}
 
     def resume(self, meta: dict) -> None:
-        """(compute thread) After restoring a checkpoint at start-up: take up its rollback generation and
-        learning-rate scale (``meta``, its shard's metadata), unless this server already follows an order."""
-        if self.generation == 0 and meta.get("rollback_generation"):
-            self.generation = int(meta["rollback_generation"])
-            self.holder.set_lr_scale(float(meta.get("lr_scale", 1.0)))
+        """(compute thread) After restoring a checkpoint at start-up: take up its rollback generation (``meta``, its
+        shard's metadata), unless this server already follows an order, and the learning-rate scale that
+        generation implies, ``lr_factor ** generation``: a scale the metadata states otherwise (a checkpoint's
+        writer could state 1e-300 and freeze training) is not taken, nor a generation whose scale is below
+        :data:`MIN_LR_SCALE`; either is logged."""
+        generation = meta.get("rollback_generation")
+        if self.generation != 0 or not generation:
+            return
+        scale = self.spec.rollback.lr_factor ** generation if type(generation) is int and generation > 0 else 0.0
+        if scale < MIN_LR_SCALE or not math.isclose(float(meta.get("lr_scale", scale)), scale, rel_tol=1e-9):
+            self.log.warning("ignored the rollback state of the restored checkpoint: generation %r with learning-rate "
+                             "scale %r (lr_factor ** generation is %.3g)", generation, meta.get("lr_scale"), scale)
+            return
+        self.generation = generation
+        self.holder.set_lr_scale(scale)
 
     def reapply(self) -> None:
         """After loading the state from live servers: the learning-rate scale of the order this server follows."""
