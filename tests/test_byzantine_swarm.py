@@ -34,6 +34,12 @@ def test_a_noisy_server_is_excluded_by_its_stage_and_routed_around(tmp_path, cac
         honest = [s for s in sc.directory.servers(0) if s.peer_id != bad.peer_id]
         assert all(s.averaging.get("rejected", 0) >= 3 for s in honest)
         assert not any(h.p2p_id in s.excluded for s in honest for h in honest), "an honest server was excluded"
+        # standing (swarm.trust.standing): each honest server vouches for the other's verified averaging work,
+        # and neither for the noisy one, whose parts it rejected
+        sc.wait(lambda: all(sum(h.p2p_id in s.vouches for h in sc.directory.servers(0)) == 1
+                            for s in sc.directory.servers(0) if s.peer_id != bad.peer_id), 120,
+                "each honest server to vouch for the other")
+        assert not any(bad_p2p() in s.vouches for s in sc.directory.servers(0))
 
         done = subprocess.run([sys.executable, "-m", "coordinator", "status", sw.address, "--json"],
                               capture_output=True, text=True, timeout=120)

@@ -206,3 +206,16 @@ def test_honest_trainers_with_few_micro_batches_are_not_flagged():
     c = TrainerContributions(aggregator=make_aggregator("centered_clip"), clip_ratio=0, outlier_ratio=2.0)
     assert not _epochs(c, trainers, torch.zeros(4000), 20, gen)
     assert not any(c.exclusion.scores.values())
+
+
+def test_a_book_counts_the_rounds_it_verified_each_peer_and_an_exclusion_clears_them():
+    """Standing's raw material (swarm.trust.standing): rounds whose part was counted and accepted unflagged."""
+    book = ExclusionBook(ExclusionPolicy())
+    ok, flagged, idle = Verdict(True), Verdict(True, "", flagged=True), Verdict(True, counted=False)
+    for _ in range(3):
+        book.record_round({"honest": ok, "outlier": flagged, "silent": idle, "liar": Verdict(False, "NaN")})
+    assert book.verified == {"honest": 3}
+    book.exclude("honest", "an audit proved a wrong aggregate")
+    assert book.verified == {}
+    book.record_round({"honest": ok})
+    assert book.verified == {"honest": 1}

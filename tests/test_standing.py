@@ -47,3 +47,16 @@ def test_many_keys_are_bounded_the_least_recently_credited_forgotten_first():
     for i in range(MAX_KEYS + 10):
         standing.credit(f"k{i}")
     assert standing.standing("k0") == 0.0 and standing.standing(f"k{MAX_KEYS + 9}") == 1.0
+
+
+def test_an_excluded_key_starts_again_from_zero_and_the_heaviest_keys_are_listed():
+    now = [0.0]
+    book = Standing(half_life_s=3600.0, full=4.0, clock=lambda: now[0])
+    for key, units in (("a", 8.0), ("b", 2.0), ("c", 1.0)):
+        book.credit(key, units)
+    assert book.heaviest(2) == {"a": 1.0, "b": 0.5}
+    assert book.heaviest(5, keys=["c", "unknown"]) == {"c": 0.25}
+    book.reset("a")  # excluded from averaging: its work is judged anew, and it can earn standing back
+    assert book.weight("a") == 0.0 and "a" not in book.heaviest(5)
+    book.credit("a", 2.0)
+    assert book.weight("a") == 0.5

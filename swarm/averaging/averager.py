@@ -151,8 +151,8 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
         return self._completed.value
 
     def report(self, timeout: float = 5.0) -> dict:
-        """Exclusions and scores as seen by this peer's reducers and auditors:
-        ``{"excluded": {libp2p id: reason}, "scores": {libp2p id: score}}``."""
+        """Exclusions, scores and verified rounds as seen by this peer's reducers and auditors:
+        ``{"excluded": {libp2p id: reason}, "scores": {libp2p id: score}, "verified": {libp2p id: rounds}}``."""
         future = MPFuture()
         self._outer_pipe.send(("_report", [], dict(future=future)))
         return future.result(timeout)
@@ -187,7 +187,7 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
     async def _report(self, future: MPFuture) -> None:
         book = self.exclusions
         future.set_result({"excluded": {p: book.exclusions[p].reason for p in book.excluded()},
-                           "scores": dict(book.scores)})
+                           "scores": dict(book.scores), "verified": dict(book.verified)})
 
     async def _exclude(self, peer: str, reason: str, future: MPFuture) -> None:
         self.exclusions.exclude(peer, reason)

@@ -28,6 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from swarm.averaging.reducer import Verdict
 
 
+VERIFIED_KEPT = 1024
+"""Peers whose verified rounds an :class:`ExclusionBook` keeps."""
+
+
 class ExclusionPolicy(BaseModel):
     """When misbehaviour in rounds excludes a peer (``threshold`` comes from ``averaging.exclusion_threshold``)."""
 
@@ -56,6 +60,10 @@ class ExclusionBook:
     scores: dict[str, float] = field(default_factory=dict)
     exclusions: dict[str, Exclusion] = field(default_factory=dict)
     rounds: int = 0
+    verified: dict[str, int] = field(default_factory=dict)
+    """Rounds in which each peer's part was counted and accepted unflagged by this server's reducer, since it was
+    last excluded: the averaging work this server verified it doing (:mod:`swarm.trust.standing`). At most
+    :data:`VERIFIED_KEPT` peers (the fewest rounds are forgotten first)."""
 
     def record_round(self, verdicts: dict[str, Verdict]) -> list[Exclusion]:
         """Score one round's verdicts (sender -> worst verdict it got); return the exclusions it created. A part that
@@ -63,6 +71,8 @@ class ExclusionBook:
         verdicts = {peer: v for peer, v in verdicts.items() if v.counted}
         new = []
         for peer, v in verdicts.items():
+            if v.accepted and not v.flagged:
+                self.verified[peer] = self.verified.get(peer, 0) + 1
             if not v.accepted:
                 self.scores[peer] = self.scores.get(peer, 0.0) + self.policy.reject_penalty
             elif v.flagged:
@@ -74,6 +84,8 @@ class ExclusionBook:
         # lagging attacker) is excluded after as many bad parts as one that joins every round
         self.scores = {p: s * (self.policy.decay if p in verdicts else 1.0) for p, s in self.scores.items()}
         self.scores = {p: s for p, s in self.scores.items() if s > 1e-3}
+        if len(self.verified) > VERIFIED_KEPT:
+            self.verified = dict(sorted(self.verified.items(), key=lambda kv: -kv[1])[:VERIFIED_KEPT])
         self.rounds += 1
         return new
 
@@ -86,6 +98,7 @@ class ExclusionBook:
 
     def exclude(self, peer: str, reason: str, now: float | None = None) -> Exclusion:
         now = time.time() if now is None else now
+        self.verified.pop(peer, None)
         self.exclusions[peer] = Exclusion(peer, reason, now + self.policy.exclude_s)
         return self.exclusions[peer]
 

@@ -208,11 +208,20 @@ class AveragingReport:
         ``failed`` rounds, parts ``rejected`` and ``flagged`` as a reducer.
     :param excluded: libp2p id -> reason, the peers it excluded from averaging (at most 32, reasons cut to 200
         characters); empty when the averager process did not answer in time.
+    :param verified: libp2p id -> rounds whose part from it this server's reducer accepted, unflagged, since it
+        was last excluded (cumulative in this averager's life; ``swarm.averaging.exclusion.ExclusionBook``).
     """
 
     peers: int = 0
     wire: dict[str, int] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
+    verified: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, peers: int, wire: dict[str, int], found: dict) -> "AveragingReport":
+        """From what the averager process reported (``RobustAllReduceMixin.report``; empty if it did not answer)."""
+        excluded = {p: r[:200] for p, r in sorted(found.get("excluded", {}).items())[:MAX_EXCLUSIONS_REPORTED]}
+        return cls(peers=peers, wire=wire, excluded=excluded, verified=found.get("verified", {}))
 
 
 class StageOptimizer:
@@ -496,12 +505,11 @@ class StageOptimizer:
     def report(self, timeout: float = 2.0) -> AveragingReport:
         """Averaging counters and exclusions (asks the averager process, at most ``timeout`` seconds; blocking)."""
         try:
-            excluded = self._opt.grad_averager.report(timeout=timeout)["excluded"]
+            found = self._opt.grad_averager.report(timeout=timeout)
         except Exception as e:  # the averager process is busy or gone: report counters without exclusions
             logger.debug("could not read exclusions from the averager: %s", e)
-            excluded = {}
-        excluded = {p: r[:200] for p, r in sorted(excluded.items())[:MAX_EXCLUSIONS_REPORTED]}
-        return AveragingReport(peers=self.peers, wire=self.counters(), excluded=excluded)
+            found = {}
+        return AveragingReport.of(self.peers, self.counters(), found)
 
     @property
     def samples_dropped(self) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from hivemind.utils import get_dht_time
 
@@ -69,8 +69,8 @@ class LossSpikeDetector:
 
 
 def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[int, list[ServerInfo]], *,
-                   applied: int, lr_factor: float, authority: Optional[str] = None
-                   ) -> Optional[tuple[RollbackOrder, bytes]]:
+                   applied: int, lr_factor: float, authority: Optional[str] = None,
+                   weight: Optional[Callable[[ServerInfo], float]] = None) -> Optional[tuple[RollbackOrder, bytes]]:
     """The rollback order to apply next, or None: of the newest generation above ``applied`` that is in force.
 
     An order of generation ``g`` is in force when its ``lr_scale`` is ``lr_factor ** g`` (each rollback scales
@@ -78,19 +78,24 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
 
     1. it is signed by ``authority`` (the peer id of the run key: the coordinator);
     2. it was issued by one of the last stage's online servers, and a strict majority of them issued orders of
-       generation ``g`` (they see the loss; a stage of one server is its own majority);
+       generation ``g`` (they see the loss; a stage of one server is its own majority): a majority of their
+       ``weight`` (the deciding server's standing of each, :mod:`swarm.trust.standing`) where it knows any of
+       them, else of their count (a server of another stage, or one that has verified none of them yet);
     3. a strict majority of all online servers already applied generation ``g`` or later
        (:attr:`ServerInfo.rollback_generation`) and some applied this very order
        (:attr:`ServerInfo.rollback_issuer`): the swarm rolled back, a server that missed it follows.
 
     Of the orders in force, the one naming the earliest good epoch is returned (the most cautious). An
-    outsider's order is none of these; a Sybil that runs most of the last stage's servers is out of reach.
+    outsider's order is none of these. Keys that run most of the last stage's servers without doing the stage's
+    averaging work carry no weight with an honest server of that stage; with a server of another stage they
+    still count by head (docs/threat-model.md).
 
     :param orders: verified ``(order, sealed)`` pairs (:meth:`~swarm.net.directory.RunDirectory.rollback_orders`).
     :param online: stage -> its servers announced online now (the last stage is the highest key).
     :param applied: the generation this server applied.
     """
-    last = {s.peer_id for s in online.get(max(online), [])} if online else set()
+    last_servers = online.get(max(online), []) if online else []
+    last = {s.peer_id for s in last_servers}
     everyone = [s for servers in online.values() for s in servers]
     for generation in sorted({o.generation for o, _ in orders if o.generation > applied}, reverse=True):
         same = [(o, b) for o, b in orders
@@ -99,13 +104,27 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
         went = [s for s in everyone if s.rollback_generation >= generation]
         followed = {s.rollback_issuer for s in went if s.rollback_generation == generation}
         chosen = [(o, b) for o, b in same if authority is not None and o.peer_id == authority]
-        if not chosen and 2 * len({o.peer_id for o, _ in by_last}) > len(last):
-            chosen = by_last
+        if not chosen and _majority({o.peer_id for o, _ in by_last}, last_servers, weight):
+            # of a weighed majority, only the orders of servers with weight: a weightless key's order of the
+            # same generation could name an earlier epoch, the one chosen
+            voices = {s.peer_id for s in last_servers if weight is None or weight(s) > 0}
+            chosen = [(o, b) for o, b in by_last if o.peer_id in voices] or by_last
         if not chosen and 2 * len(went) > len(everyone):
             chosen = [(o, b) for o, b in same if o.peer_id in followed]
         if chosen:
             return min(chosen, key=lambda ob: (ob[0].epoch, ob[0].peer_id))
     return None
+
+
+def _majority(voters: set[str], servers: Sequence[ServerInfo],
+              weight: Optional[Callable[[ServerInfo], float]]) -> bool:
+    """Whether ``voters`` (peer ids) are a strict majority of ``servers``: by ``weight`` if it gives any of them
+    a positive one, else by count."""
+    weights = {s.peer_id: weight(s) for s in servers} if weight is not None else {}
+    total = sum(weights.values())
+    if total <= 0:
+        return 2 * len(voters & {s.peer_id for s in servers}) > len(servers)
+    return 2 * sum(w for peer, w in weights.items() if peer in voters) > total
 
 
 class Rollbacks:
@@ -116,10 +135,12 @@ class Rollbacks:
 
     :param is_last: this server serves the last stage (it sees the loss).
     :param log: the stage's log.
+    :param weight: a server's vote in :func:`order_in_force` (its standing with this server); None counts heads.
     """
 
     def __init__(self, restore: StageRestore, holder: StateHolder, compute: Compute, identity: Identity, *,
-                 is_last: bool, log: logging.Logger | logging.LoggerAdapter):
+                 is_last: bool, log: logging.Logger | logging.LoggerAdapter,
+                 weight: Optional[Callable[[ServerInfo], float]] = None):
         self.restore, self.holder, self.compute, self.identity = restore, holder, compute, identity
         self.directory, self.spec, self.stage = restore.directory, restore.spec, restore.stage
         self.run_id, self.is_last, self.log = restore.directory.run_id, is_last, log
@@ -127,6 +148,7 @@ class Rollbacks:
         self._issued = (0, 0.0)  # (generation, time.monotonic()) of the last rollback order this server issued
         self._order_scale, self.order_issuer, self.order_subkey = 1.0, "", ""
         self.detector = LossSpikeDetector(self.spec.rollback)
+        self.weight = weight
 
     def meta(self) -> dict:
         """What a checkpoint of this server's state records of its rollbacks (its shard's metadata)."""
@@ -217,7 +239,7 @@ class Rollbacks:
         online = {k: await self.directory.fresh_servers(k) for k in range(self.spec.model.num_stages)}
         run_key = self.directory.run_key
         return order_in_force(orders, online, applied=self.generation, lr_factor=self.spec.rollback.lr_factor,
-                              authority=peer_id_of(run_key) if run_key is not None else None)
+                              authority=peer_id_of(run_key) if run_key is not None else None, weight=self.weight)
 
     async def apply(self, order: RollbackOrder, sealed: bytes) -> None:
         """Restore the newest checkpoint at or before ``order.epoch`` and scale the learning rate."""

@@ -34,7 +34,7 @@ from swarm.protocol.schema import (  # noqa: F401
 )
 
 from swarm.protocol.records import (  # noqa: F401
-    spec_key, stage_key, stage_keys, stage_stripe, stripe_names, trainers_key, history_key, ServerState,
+    spec_key, stage_key, stage_keys, stage_stripe, stripe_names, trainers_key, history_key, ServerState, MAX_VOUCHES,
     Reachability, HISTORY_POINTS, add_history,
     SpecRecord, RestoreReport, ServerInfo, ServerHistory, FragmentEntry, CheckpointManifest, Endorsement,
     check_endorsements, checkpoints_key, manifest_subkey, StorageInfo, storage_key, RollbackOrder, rollback_key,

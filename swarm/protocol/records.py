@@ -101,6 +101,10 @@ class RestoreReport(BaseModel):
     fragments_bad: int = Field(0, ge=0, description="Fragments refused for a wrong hash (their holders distrusted).")
 
 
+MAX_VOUCHES = 16
+"""Stage-mates a server record vouches for (:attr:`ServerInfo.vouches`)."""
+
+
 class ServerInfo(AnnouncedRecord):
     """A stage server's announcement under :func:`stage_key`."""
 
@@ -174,6 +178,9 @@ class ServerInfo(AnnouncedRecord):
         default_factory=dict, max_length=32, description="libp2p ids of stage-mates whose state this server "
         "downloaded and refused (it did not verify, swarm.trust.statecheck) -> why: the stage's report of lying "
         "donors.")
+    vouches: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=dict, max_length=MAX_VOUCHES, description="libp2p ids of stage-mates whose averaging work "
+        "this server verified -> their standing's weight with it (swarm.trust.standing), at most 16, the heaviest.")
     progress_key: str = Field("", max_length=2048, pattern=r"^([0-9a-f]{2})*$", description="Hex of its sub-key "
                               "in the stage's hivemind progress records: the stage's servers count only the progress "
                               "of sub-keys their records name (swarm.averaging.progress).")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional
 
 import torch
@@ -25,6 +25,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.aio import Submissions, periodic
 from swarm.averaging.membership import MemberTable
+from swarm.averaging.optimizer import AveragingReport
 from swarm.averaging.progress import refresh_periods
 from swarm.checkpoint.commit import StageCommits
 from swarm.checkpoint.keeper import FragmentKeeper
@@ -34,11 +35,12 @@ from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
 from swarm.net.directory import AsyncRunDirectory, read_period_s
-from swarm.protocol import ProgressPush, add_history
+from swarm.protocol import MAX_VOUCHES, ProgressPush, ServerInfo, add_history
 from swarm.server.progress_push import ProgressPusher
 from swarm.server.stage import EpochEnd, StageError, StageServer
 from swarm.trust.authority import CheckpointAuthority
 from swarm.trust.banlist import RunBans
+from swarm.trust.standing import Standing
 from swarm.trust.tickets import TicketGate
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,9 @@ class PeerContext:
     bans: RunBans
     gate: Optional[TicketGate] = None
     """Checks callers' tickets in a ticketed run (:mod:`swarm.trust.tickets`); None in an open run."""
+    standing: Standing = field(default_factory=Standing)
+    """The averaging work this peer verified each stage-mate doing, by libp2p id (:mod:`swarm.trust.standing`),
+    kept across the stages it serves: it weighs the rollback orders of its stage's servers."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,8 @@ class ServedStage:
         self.commits = StageCommits(ctx.keeper, ctx.authority, optimizer, stage=self.stage,
                                     lineage=self.lineage, log=self.log)
         self.rollbacks = Rollbacks(self.restore, optimizer, self.server.compute, ctx.identity,
-                                   is_last=self.server.is_last, log=self.log)
+                                   is_last=self.server.is_last, log=self.log, weight=self._weight)
+        self._verified: dict[str, int] = {}  # libp2p id -> the verified rounds this stage's averager last reported
         self.background = Submissions(asyncio.get_running_loop())
         self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before): ServerHistory.history
         self._excluded: set[str] = set()  # libp2p ids already excluded from this stage's averaging
@@ -298,6 +304,8 @@ class ServedStage:
         joining (else leaving or left: no work, no progress, nothing asked of the optimizer)."""
         server, rollbacks = self.server, self.rollbacks
         report = self.optimizer.report() if serving else None
+        if report is not None:
+            self._credit(report)
         if self.online_since is None:
             self.online_since = get_dht_time()
         return dict(
@@ -311,7 +319,23 @@ class ServedStage:
             rollback_generation=rollbacks.generation, rollback_issuer=rollbacks.order_issuer,
             progress_key=self.optimizer.progress_key if serving else "",
             donors_refused=dict(self.optimizer.donors_refused) if serving else {},
+            vouches=self.ctx.standing.heaviest(MAX_VOUCHES, self._mates),
         )
+
+    def _credit(self, report: AveragingReport) -> None:
+        """Credit each stage-mate's rounds verified since the last report to the peer's standing; an exclusion
+        zeroes its standing."""
+        standing = self.ctx.standing
+        for p2p, rounds in report.verified.items():
+            if rounds > self._verified.get(p2p, 0):
+                standing.credit(p2p, rounds - self._verified.get(p2p, 0))
+        self._verified = dict(report.verified)
+        for p2p in report.excluded:
+            standing.reset(p2p)
+
+    def _weight(self, server: ServerInfo) -> float:
+        """A server's vote in this server's decisions: 1 for itself, else its standing's weight."""
+        return 1.0 if server.peer_id == self.me else self.ctx.standing.weight(server.p2p_id)
 
     # ---- where an epoch ends (compute thread) ------------------------------------------------------------
     def _epoch_ended(self, end: EpochEnd) -> None:

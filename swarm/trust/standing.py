@@ -10,7 +10,10 @@ Sybil attack, ``docs/threat-model.md``). A peer therefore weighs what another ke
 ``H`` is the half-life (:data:`HALF_LIFE_S`, an hour) and ``S`` the standing of a full vote
 (:data:`FULL_STANDING`). A unit is one check this peer made and the key passed: for a trainer, a spot-checked call
 whose answer another server of the stage matched (:mod:`swarm.trust.spotcheck`; the trainer re-ran it, so the work
-is real and right). A new key has weight 0; a conviction sets its standing to 0 and keeps it there
+is real and right); for a server, a stage-mate's averaging round whose part its reducer accepted unflagged
+(:attr:`swarm.averaging.exclusion.ExclusionBook.verified`: the part was within the robust aggregate's bounds in a
+round this server took part in), keyed by the mate's libp2p id; an exclusion from averaging zeroes it
+(:meth:`Standing.reset`). A new key has weight 0; a conviction sets its standing to 0 and keeps it there
 (:meth:`Standing.revoke`).
 
 What a Sybil must spend: to carry one full vote a key must pass ``S`` checks within about ``H``, i.e. answer about
@@ -26,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Iterable, Optional
 
 HALF_LIFE_S = 3600.0
 """Seconds over which verified work loses half its standing."""
@@ -71,6 +74,10 @@ class Standing:
         while len(self._work) > MAX_KEYS:
             self._work.popitem(last=False)
 
+    def reset(self, key: str) -> None:
+        """``key``'s standing to 0 (it was excluded: its work is judged anew from here; it can earn it back)."""
+        self._work.pop(key, None)
+
     def revoke(self, key: str) -> None:
         """``key`` was convicted (or excluded) on evidence this peer verified: standing 0, for good."""
         self._work.pop(key, None)
@@ -79,6 +86,11 @@ class Standing:
     def standing(self, key: str) -> float:
         """Decayed units of ``key``'s verified work now."""
         return self._decayed(key, self.clock()) if key in self._work else 0.0
+
+    def heaviest(self, n: int, keys: Optional[Iterable[str]] = None) -> dict[str, float]:
+        """The ``n`` keys (of ``keys``, if given) with the highest weight above 0 -> their weight."""
+        weights = {k: self.weight(k) for k in (self._work if keys is None else keys) if k in self._work}
+        return dict(sorted(((k, w) for k, w in weights.items() if w > 0), key=lambda kw: -kw[1])[:n])
 
     def weight(self, key: str) -> float:
         """``key``'s vote in ``[0, 1]``: its standing over :attr:`full`, at most 1."""
