@@ -36,6 +36,26 @@ def test_a_majority_of_the_other_servers_vouches_for_the_state():
     assert judge_donor_state(9, A, {"x": (9, A), "late": (12, "")}, []).ok
 
 
+def test_keys_that_never_averaged_with_the_receiver_are_no_majority_for_or_against_a_state():
+    """A server that reloads its stage's state weighs the answers by the averaging work it verified each server
+    doing (swarm.trust.standing): three fresh keys answering another digest are no majority against an honest donor
+    it knows, nor for a lying donor of theirs; a fresh joiner (no standing at all) still counts heads."""
+    sybils = {"s1": (9, B), "s2": (9, B), "s3": (9, B)}
+    standing = {"honest": 1.0, "mate": 0.5}
+    weight = lambda peer: standing.get(peer, 0.0)  # noqa: E731
+    # the honest donor it verified, against three weightless keys holding another state
+    kept = judge_donor_state(9, A, sybils, [], weight=weight, donor="honest")
+    assert kept.ok and "1.00 of the 1.00 standing" in kept.why
+    assert not judge_donor_state(9, A, sybils, []).ok, "by head count the three keys win"
+    # a lying donor of theirs (weightless, their digest) is refused by the one mate it verified
+    lie = judge_donor_state(9, B, {"s2": (9, B), "s3": (9, B), "mate": (9, A)}, [], weight=weight, donor="s1")
+    assert not lie.ok and lie.contradicted and "0.50 of the 0.50 standing" in lie.why
+    # standing decides between verified servers too: the heavier side wins
+    assert not judge_donor_state(9, A, {"honest": (9, B)}, [], weight=weight, donor="mate").ok
+    # nobody verified (a fresh joiner): rule 2 by count, as without weights
+    assert judge_donor_state(9, A, {"x": (9, A), "y": (9, A), "z": (9, B)}, [], weight=lambda p: 0.0, donor="d").ok
+
+
 def test_a_donor_ahead_of_its_stage_or_behind_its_checkpoint_is_refused():
     ahead = judge_donor_state(1_000_000, A, {"x": (9, ""), "y": (9, "")}, [])
     assert not ahead.ok and "none of the 2 other servers vouches" in ahead.why

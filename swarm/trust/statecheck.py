@@ -11,7 +11,10 @@ their state's SHA-256 at the donor's epoch (``rpc_state_digest``; each keeps its
 
 1. a state older than the stage's newest checkpoint is refused; one at a checkpoint's epoch must match that
    checkpoint's endorsed state digest (``CheckpointManifest.state_sha256``);
-2. otherwise a strict majority of the other servers that hold a digest for that epoch must hold this one;
+2. otherwise a strict majority of the other servers that hold a digest for that epoch must hold this one: a
+   majority of their standing with the receiver (:mod:`swarm.trust.standing`; the donor's own standing counts
+   for its state) where the receiver has verified any of them or the donor, else of their count (a fresh
+   joiner has verified nobody: keys that never averaged are a majority of heads to it);
 3. if other servers are listed but none holds a digest for that epoch (within ``wait_s``: they are behind it,
    between two epochs, loaded their own state, or do not answer), the state is refused as unverifiable (a donor
    claiming an epoch nobody else has is refused this way);
@@ -48,7 +51,8 @@ class Verdict:
 
 
 def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str]],
-                      checkpoints: Sequence[CheckpointManifest], listed: int = -1) -> Verdict:
+                      checkpoints: Sequence[CheckpointManifest], listed: int = -1,
+                      weight: Optional[Callable[[str], float]] = None, donor: str = "") -> Verdict:
     """Judge a donor's state (rules in the module docstring).
 
     :param epoch: the donor's epoch (the state is the one after that epoch's step).
@@ -57,6 +61,8 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
         its digest at ``epoch`` or "").
     :param checkpoints: the stage's committed checkpoints (manifests) known to this server.
     :param listed: how many other servers the stage lists online, answering or not (-1: ``len(answers)``).
+    :param weight: libp2p id -> its standing's weight with this server, in ``[0, 1]``; None counts heads.
+    :param donor: the donor's libp2p id (its weight counts for the state it sent).
     """
     listed = len(answers) if listed < 0 else listed
     newest = max(checkpoints, key=lambda m: m.epoch, default=None)
@@ -70,6 +76,9 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
         return Verdict(False, f"it differs from the stage's checkpoint of epoch {epoch} "
                               f"({same[0].state_sha256[:16]}, received {digest[:16]})", contradicted=True)
     held = {peer: d for peer, (_, d) in answers.items() if d}
+    weighed = _by_standing(digest, held, weight, donor) if weight is not None else None
+    if weighed is not None:
+        return weighed
     agree = sum(d == digest for d in held.values())
     if held:
         if 2 * agree > len(held):
@@ -83,6 +92,20 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
     return Verdict(True, "unverified: the donor is the stage's only other server")
 
 
+def _by_standing(digest: str, held: dict[str, str], weight: Callable[[str], float], donor: str) -> Optional[Verdict]:
+    """Rule 2 by standing, or None if this server has verified none of the holders nor the donor."""
+    weights = {peer: weight(peer) for peer in held} | ({donor: weight(donor)} if donor else {})
+    total = sum(weights.values())
+    if total <= 0:
+        return None
+    agree = sum(w for peer, w in weights.items() if peer == donor or held[peer] == digest)
+    if 2 * agree > total:
+        return Verdict(True, f"servers holding {agree:.2f} of the {total:.2f} standing this server verified hold "
+                             "the same state")
+    return Verdict(False, f"servers holding {total - agree:.2f} of the {total:.2f} standing this server verified hold "
+                          f"another state (received {digest[:16]})", contradicted=2 * (total - agree) > total)
+
+
 class DonorStateCheck:
     """Asks the stage's other servers and judges a donor's state (:func:`judge_donor_state`).
 
@@ -91,13 +114,15 @@ class DonorStateCheck:
     :param me: this server's libp2p id.
     :param wait_s: seconds to wait for servers behind the donor's epoch to reach it.
     :param timeout_s: seconds one server has to answer.
+    :param weight: libp2p id -> its standing's weight with this server (:func:`judge_donor_state`); None counts
+        heads.
     """
 
     def __init__(self, p2p, run_id: str, servers: Callable[[], Awaitable[list[ServerInfo]]],
                  checkpoints: Callable[[], Awaitable[list[CheckpointManifest]]], me: str, wait_s: float = 10.0,
-                 timeout_s: float = 3.0):
+                 timeout_s: float = 3.0, weight: Optional[Callable[[str], float]] = None):
         self.p2p, self.run_id, self.servers, self.checkpoints, self.me = p2p, run_id, servers, checkpoints, me
-        self.wait_s, self.timeout_s = wait_s, timeout_s
+        self.wait_s, self.timeout_s, self.weight = wait_s, timeout_s, weight
 
     async def judge(self, epoch: int, digest: str, donor: str) -> Verdict:
         """Ask the stage's other servers for their digest at ``epoch`` (again every 0.5 s while some are behind
@@ -113,7 +138,7 @@ class DonorStateCheck:
             if not waiting or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
-        return judge_donor_state(epoch, digest, answers, await self.checkpoints(), len(others))
+        return judge_donor_state(epoch, digest, answers, await self.checkpoints(), len(others), self.weight, donor)
 
     def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Optional[tuple[str, bool]]]:
         """A :data:`swarm.averaging.optimizer.StateCheck` for threads other than ``loop``'s: runs :meth:`judge`
