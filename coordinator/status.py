@@ -21,6 +21,8 @@ and split ``excluded`` off ``banned``)::
                 #   "averaging_bytes", "failed_rounds", "convicted_by" (peers listing a spot-check conviction),
                 #   "samples_dropped" (accumulated, then discarded before a step: see ServerInfo.samples_dropped),
                 #   "refused_as_donor_by" (servers that downloaded its state and refused it),
+                #   "vouched_by" (servers of its stage that verified its averaging work, ServerInfo.vouches),
+                #   "standing" (the lower median of the weights its online stage-mates give it, 0..1; None alone),
                 #   "peak_flops" (its device's measured FLOP/s), "model_flops" (model FLOP/s while computing),
                 #   "mfu" (their ratio, None if unknown: swarm.kernels.flops)
                 # trainers also: "tokens", "initial_loss", "val_loss", "share", "failures",
@@ -90,6 +92,8 @@ def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], excluded_by_mos
         "averaging_bytes": s.averaging.get("sent", 0) + s.averaging.get("received", 0),
         "failed_rounds": s.averaging.get("failed", 0),
         "refused_as_donor_by": sum(s.p2p_id in o.donors_refused for o in others),
+        "vouched_by": sum(s.p2p_id in o.vouches for o in others),
+        "standing": _lower_median([o.vouches.get(s.p2p_id, 0.0) for o in others]) if others else None,
         "peak_flops": s.peak_flops, "model_flops": round(s.achieved_flops, 1),
         "mfu": round(s.mfu, 4) if s.mfu is not None else None,
     }

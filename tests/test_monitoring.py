@@ -100,6 +100,16 @@ def test_a_server_row_counts_the_stage_mates_that_refused_its_state():
     rows = [_server_row(s, 0, online, set(), 1, 0, {}, get_dht_time(), SimpleNamespace(ttl=30.0)) for s in online]
     assert [r["refused_as_donor_by"] for r in rows] == [1, 0, 0]
 
+    # standing: what its stage-mates' records vouch for (the verified averaging work, swarm.trust.standing)
+    a, b, c, fresh = [info(Identity.generate(), {}) for _ in range(4)]
+    vouching = [a.model_copy(update={"vouches": {b.p2p_id: 1.0, c.p2p_id: 1.0}}),
+                b.model_copy(update={"vouches": {a.p2p_id: 0.5, c.p2p_id: 1.0}}),
+                c.model_copy(update={"vouches": {a.p2p_id: 1.0, b.p2p_id: 0.75}}), fresh]
+    rows = [_server_row(s, 0, vouching, set(), 1, 0, {}, get_dht_time(), SimpleNamespace(ttl=30.0)) for s in vouching]
+    assert [(r["vouched_by"], r["standing"]) for r in rows] == [(2, 0.5), (2, 0.75), (2, 1.0), (0, 0.0)]
+    assert _server_row(online[0], 0, online[:1], set(), 1, 0, {}, get_dht_time(), SimpleNamespace(ttl=30.0))[
+        "standing"] is None
+
 
 class _Records:
     """A run directory's reads (the interface :func:`coordinator.status.snapshot` uses) over records in memory."""
