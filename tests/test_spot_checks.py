@@ -414,3 +414,35 @@ def test_evidence_whose_agreeing_answers_come_from_keys_that_never_served_convic
         assert list(book.listed()) == [honest.peer_id]
     finally:
         dht.shutdown()
+
+
+def test_a_stage_mate_weighs_the_witnesses_by_the_averaging_work_it_verified():
+    """Announcing is free, so two keys announced as servers of stage 1 still frame an honest server by head count.
+    A stage-1 server that verified the accused's (or a witness's) averaging work requires both witnesses to have
+    standing with it; a server of another stage (vouch None), or one that verified none of them, goes by
+    ``serves``."""
+    honest, mate, fresh, other = (Identity.generate() for _ in range(4))
+    request = [torch.zeros(2, 3)]
+    fields = dict(stage=1, mb_id="mb", call="forward", loss=None, time=get_dht_time(), epoch=4,
+                  request_sha256=tensors_digest(request))
+
+    def evidence(witnesses):
+        wire = [[torch.ones(2, 3)], [torch.ones(2, 3)], [torch.zeros(2, 3)]]  # the accused's answer is the odd one
+        answers = [(sign_receipt(who, RUN, reply_sha256=tensors_digest(w), **fields), w)
+                   for who, w in zip([*witnesses, honest], wire)]
+        return SpotEvidence(run_id=RUN, stage=1, call="forward", codec="float32", request_wire=request,
+                            answers=answers, accused=2, tolerance=0.05)
+
+    standing = {honest.p2p_id: 1.0, mate.p2p_id: 0.5, other.p2p_id: 0.25}
+
+    def book(stage: int) -> ConvictionBook:
+        return ConvictionBook(RUN, Identity.generate().peer_id, 0.05, serves=lambda peer, k: True,
+                              vouch=lambda k, p2p: standing.get(p2p, 0.0) if k == stage else None)
+
+    framed = evidence([mate, fresh])
+    with pytest.raises(ProtocolError, match=f"{fresh.peer_id}, whose averaging work this stage 1 server never verified"):
+        book(1).add(framed)
+    assert book(0).add(framed)[1], "a server of another stage goes by serves (announced: a head count)"
+    assert book(1).add(evidence([mate, other]))[1], "two verified witnesses convict"
+    standing.clear()
+    assert book(1).add(framed)[1], "a server that verified none of them goes by serves"

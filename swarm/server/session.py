@@ -223,7 +223,7 @@ class ServerSession:
         self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
                                self.bans, self.tickets.gate())
         self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol, answers_comparable(self.spec),
-                                          serves=self.directory.blocking.seen_serving)
+                                          serves=self.directory.blocking.seen_serving, vouch=self._vouch)
         await EvidenceService(self.spec, self.convictions).add_p2p_handlers(self.p2p, namespace=run_id)
         self._following: set[asyncio.Task] = set()  # evidence fetched from stage-mates' listings
         self.follower = ConvictionFollower(self.convictions, self.p2p, self.spec, run_id, spawn=self._follow,
@@ -250,6 +250,12 @@ class ServerSession:
         task = asyncio.create_task(work)
         self._following.add(task)
         task.add_done_callback(self._following.discard)
+
+    def _vouch(self, stage: int, p2p_id: str) -> Optional[float]:
+        """This server's weight for a server of ``stage`` (itself 1), None for another stage (ConvictionBook)."""
+        if stage != self.stage:
+            return None
+        return 1.0 if p2p_id == self.identity.p2p_id else self.ctx.standing.weight(p2p_id)
 
     def _adopted(self, peer_id: str, reason: str) -> None:
         self.log.warning("verified the evidence a stage-mate lists against %s: %s", peer_id, reason)

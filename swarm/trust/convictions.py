@@ -59,12 +59,18 @@ class ConvictionBook:
         by such servers: a key costs nothing, and two keys that never served the stage could otherwise sign two
         agreeing answers and frame any server that signed one receipt. None (a trainer's own checks, whose
         witnesses are the servers it routed to): no such check.
+    :param vouch: ``vouch(stage, p2p_id)``: this server's standing weight of a server of ``stage`` (the averaging
+        work it verified, :mod:`swarm.trust.standing`), or None if it does not serve ``stage``. A server that
+        serves the accused's stage and verified the accused or a witness requires both witnesses to have weight
+        with it: two keys announced as servers without doing the stage's averaging work frame nobody to the
+        servers that average with the accused (and so exclude it). Otherwise ``serves`` decides.
     """
 
     def __init__(self, run_id: str, me: str, min_tolerance: float, accepts: bool = True,
-                 serves: Optional[Callable[[str, int], bool]] = None):
+                 serves: Optional[Callable[[str, int], bool]] = None,
+                 vouch: Optional[Callable[[int, str], Optional[float]]] = None):
         self.run_id, self.me, self.min_tolerance, self.accepts = run_id, me, min_tolerance, accepts
-        self.serves = serves
+        self.serves, self.vouch = serves, vouch
         self._known: OrderedDict[str, tuple[str, SpotEvidence, StageReceipt]] = OrderedDict()
 
     def __contains__(self, peer_id: str) -> bool:
@@ -100,7 +106,7 @@ class ConvictionBook:
         receipt, _ = open_record(evidence.answers[evidence.accused][0], StageReceipt, run_id=self.run_id)
         if accused in self._known:
             return receipt, False
-        self._check_witnesses(evidence, receipt.stage)
+        self._check_witnesses(evidence, receipt)
         reason = f"spot check: its stage {receipt.stage} {receipt.call} answer at epoch {receipt.epoch} is far from " \
                  f"two " \
                  f"agreeing servers' (verified evidence)"
@@ -109,12 +115,23 @@ class ConvictionBook:
             self._known.popitem(last=False)
         return receipt, True
 
-    def _check_witnesses(self, evidence: SpotEvidence, stage: int) -> None:
-        """:raises ProtocolError: an agreeing answer's signer was never seen serving ``stage`` (see ``serves``)."""
+    def _check_witnesses(self, evidence: SpotEvidence, accused: StageReceipt) -> None:
+        """:raises ProtocolError: an agreeing answer's signer has no standing with this server where it weighs
+        them (see ``vouch``), or was never seen serving the stage (see ``serves``)."""
+        stage = accused.stage
+        witnesses = [open_record(sealed, StageReceipt, run_id=self.run_id)[0]
+                     for i, (sealed, _) in enumerate(evidence.answers) if i != evidence.accused]
+        weights = {r.p2p_id: self.vouch(stage, r.p2p_id) for r in [accused, *witnesses]} if self.vouch else {}
+        if any(w for w in weights.values()):
+            weightless = [r.peer_id for r in witnesses if not weights[r.p2p_id]]
+            if weightless:
+                raise ProtocolError(f"the agreeing answers are signed by {', '.join(p[:64] for p in weightless)}, "
+                                    f"whose averaging work this stage {stage} server never verified: keys that did "
+                                    "not average with it convict nobody here")
+            return
         if self.serves is None:
             return
-        signers = [open_record(sealed, StageReceipt, run_id=self.run_id)[0].peer_id
-                   for i, (sealed, _) in enumerate(evidence.answers) if i != evidence.accused]
+        signers = [r.peer_id for r in witnesses]
         unknown = [p for p in signers if not self.serves(p, stage)]
         if unknown:
             raise ProtocolError(f"the agreeing answers are signed by {', '.join(p[:64] for p in unknown)}, never seen "
