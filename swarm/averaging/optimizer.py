@@ -525,7 +525,6 @@ class StageOptimizer:
         self._opt.shutdown()
 
 
-
 def _start_optimizer(owner: StageOptimizer, spec: RunSpec, run_id: str, dht: hivemind.DHT, identity,
                      factories: tuple) -> _CollaborativeOptimizer:
     """hivemind's optimizer for ``owner``'s stage (``factories``: its gradient and state averagers'), with its
