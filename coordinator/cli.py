@@ -17,6 +17,7 @@ Examples::
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,6 +243,10 @@ def admit(address: str = typer.Argument(..., help="Run address."),
     it in the DHT; PEER may then join. `serve` renews it while it runs. Prints {"admitted", "expires"} as JSON."""
     from swarm.trust.tickets import issue_ticket
 
+    if not re.fullmatch(r"[a-z2-7]{16}", peer):
+        typer.echo(f"error: {peer!r} is not a peer id (16 characters a-z and 2-7, as the peer's refusal and "
+                   "`swarm-coordinator peers` print it; a libp2p id 12D3Koo... is not one)", err=True)
+        raise typer.Exit(2)
     coordinator = _run_key(key)
     dht, directory, spec, _ = _connect(address, timeout)
     try:

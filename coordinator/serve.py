@@ -53,8 +53,11 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
         admission = None
         if spec.admission.policy != "open":  # ticketed records only, its own included (swarm.trust.tickets)
             dht.add_validators([TicketValidator(run_id)])
-            renew_tickets(directory, key, spec)
             admission = partial(renew_tickets, directory, key, spec)
+            try:
+                admission()
+            except RuntimeError as e:  # its own ticket: tried again at every tick
+                logger.warning("could not issue the coordinator's own ticket yet: %s", e)
         address = format_run_address(run_id, visible_maddrs(dht))
         print(address, flush=True)
         if address_file is not None:

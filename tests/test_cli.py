@@ -111,3 +111,10 @@ def test_the_old_flag_of_a_trainers_data_share_warns_and_still_works(tmp_path, m
     result = runner.invoke(peer_app, ["join", "run-aaaaaaaaaaaaaaaa@/ip4/127.0.0.1/tcp/1", "--role", "trainer",
                                       "--share", "1", "--shard", "2"])
     assert result.exit_code == 2 and "disagree" in result.output
+
+
+def test_admit_refuses_what_is_not_a_peer_id_before_reaching_the_run():
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(coordinator_app, ["admit", "any-address", "12D3KooWAbc", "--key", "missing.key"])
+    assert result.exit_code == 2 and "is not a peer id" in result.output and "libp2p id" in result.output

@@ -127,9 +127,9 @@ def test_a_rollback_order_counts_only_when_it_is_in_force():
 
 def test_keys_without_averaging_work_carry_no_weight_in_a_last_stage_servers_rollback_majority():
     """Three fresh keys announced as last-stage servers issue orders (the finding of issue 29): by head count they
-    are 3 of 4 and in force; weighed by the standing an honest last-stage server holds of its mates (its own
-    vote 1, each verified mate's up to 1, the fresh keys' 0) they are not, and two honest mates are again a
-    majority. A server that knows none of the last stage's servers still counts heads."""
+    are 3 of 4 and in force; for an honest last-stage server, whose electorate is itself and the mates whose
+    averaging work it verified, they are not, and two of three honest servers are again a majority. A server
+    that knows none of the last stage's servers (another stage's) still counts heads."""
     from swarm.checkpoint.rollback import order_in_force
 
     online = _swarm([("a", 1)], [("me", 1), ("s1", 1), ("s2", 1), ("s3", 1)])
@@ -149,7 +149,8 @@ def test_keys_without_averaging_work_carry_no_weight_in_a_last_stage_servers_rol
     assert in_force(sybils + [_order("h1", 1)], {"h1": 1.0, "h2": 1.0}) is None  # 1 of 3
     # two of three voices: in force, and a weightless key's order naming an earlier epoch is not the one chosen
     assert in_force([_order("s1", 1, epoch=0), _order("h1", 1), _order("h2", 1, epoch=7)], {"h1": 1.0, "h2": 1.0}) == "h2"
-    assert in_force([_order("me", 1)], {"h1": 0.25}) == "me"  # its own vote outweighs a barely known mate's
+    assert in_force([_order("me", 1)], {"h1": 0.25}) is None  # a barely verified mate is a full voter: 1 of 2
+    assert in_force([_order("me", 1)], {}) == "me"  # it verified none of them: its own electorate
 
 
 def test_a_spike_streak_issues_one_order_naming_its_first_epoch(tiny_spec):

@@ -45,13 +45,16 @@ def test_keys_that_never_averaged_with_the_receiver_are_no_majority_for_or_again
     weight = lambda peer: standing.get(peer, 0.0)  # noqa: E731
     # the honest donor it verified, against three weightless keys holding another state
     kept = judge_donor_state(9, A, sybils, [], weight=weight, donor="honest")
-    assert kept.ok and "1.00 of the 1.00 standing" in kept.why
+    assert kept.ok and "the donor's averaging work was verified here" in kept.why
+    # ... but a donor's word alone never vouches for an epoch nobody else holds (rule 3), nor outvotes a verified mate
+    assert not judge_donor_state(9, A, {"s1": (8, "")}, [], weight=weight, donor="honest").ok
+    assert not judge_donor_state(9, A, {"mate": (9, B)}, [], weight=weight, donor="honest").ok
     assert not judge_donor_state(9, A, sybils, []).ok, "by head count the three keys win"
     # a lying donor of theirs (weightless, their digest) is refused by the one mate it verified
     lie = judge_donor_state(9, B, {"s2": (9, B), "s3": (9, B), "mate": (9, A)}, [], weight=weight, donor="s1")
     assert not lie.ok and lie.contradicted and "0.50 of the 0.50 standing" in lie.why
-    # standing decides between verified servers too: the heavier side wins
-    assert not judge_donor_state(9, A, {"honest": (9, B)}, [], weight=weight, donor="mate").ok
+    # standing decides between verified holders: the heavier side wins
+    assert judge_donor_state(9, A, {"honest": (9, A), "mate": (9, B)}, [], weight=weight, donor="d").ok
     # nobody verified (a fresh joiner): rule 2 by count, as without weights
     assert judge_donor_state(9, A, {"x": (9, A), "y": (9, A), "z": (9, B)}, [], weight=lambda p: 0.0, donor="d").ok
 

@@ -16,7 +16,7 @@ from swarm.net.directory import RunDirectory
 from swarm.protocol import (ProtocolError, ServerInfo, ServerState, Ticket, check_carried, seal, stage_key,
                             tickets_key)
 from swarm.trust.banlist import update_bans
-from swarm.trust.tickets import (UNKNOWN_RETRY_S, NotAdmitted, RunTickets, TicketGate, all_tickets, fetch_ticket,
+from swarm.trust.tickets import (READ_EVERY_S, NotAdmitted, RunTickets, TicketGate, all_tickets, fetch_ticket,
                                  issue_ticket, renew_tickets)
 from tests.conftest import TINY
 
@@ -109,7 +109,7 @@ def test_the_runs_nodes_keep_only_ticketed_records_and_a_peer_reads_its_renewed_
         assert [t.subject for t, _ in all_tickets(mine)] == [admitted.peer_id]
 
         # a ticketed run's RPC handlers ask the gate first: the stranger is refused, and looked up again only
-        # after UNKNOWN_RETRY_S (an admit then takes effect)
+        # after READ_EVERY_S (an admit then takes effect)
         clock = [0.0]
         gate = TicketGate(mine, clock=lambda: clock[0])
         asyncio.run(gate.check(admitted.p2p_id))
@@ -119,7 +119,7 @@ def test_the_runs_nodes_keep_only_ticketed_records_and_a_peer_reads_its_renewed_
         issue_ticket(directory, run_key, stranger.peer_id, SPEC)
         with pytest.raises(NotAdmitted):
             asyncio.run(gate.check(stranger.p2p_id))
-        clock[0] += UNKNOWN_RETRY_S + 1
+        clock[0] += READ_EVERY_S + 1
         asyncio.run(gate.check(stranger.p2p_id))
         with pytest.raises(NotAdmitted, match="does not inline an Ed25519 key"):
             asyncio.run(gate.check("not-a-libp2p-id"))
@@ -142,3 +142,27 @@ def test_the_runs_nodes_keep_only_ticketed_records_and_a_peer_reads_its_renewed_
     finally:
         for node in (honest, reader, outsider):
             node.shutdown()
+
+
+def test_every_run_node_keeps_only_the_run_keys_tickets_and_none_past_its_expiry():
+    """Even before a node knows its run is ticketed (RunRecordValidator alone): a stranger's self-signed ticket
+    under a victim's sub-key, or the victim's old genuine ticket stored to expire after its renewal, would be the
+    value hivemind keeps (the one that expires last) and hide the real one."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    run_key, peer, stranger = Identity.generate(), Identity.generate(), Identity.generate()
+    run_id, _ = RunDirectory.seal_spec(SPEC, run_key)
+    validator, now = RunRecordValidator(run_id), get_dht_time()
+
+    def stored(sealed: bytes, expiration: float, subkey: str = peer.peer_id) -> bool:
+        return validator.validate(DHTRecord(key=DHTID.generate(source=tickets_key(run_id)).to_bytes(),
+                                            subkey=MSGPackSerializer.dumps(subkey),
+                                            value=MSGPackSerializer.dumps(sealed), expiration_time=expiration))
+
+    genuine = _ticket(run_id, run_key, peer.peer_id, at=now)
+    assert stored(genuine, now + 3600)
+    assert not stored(genuine, now + 10 * 3600), "kept past its expiry, it would hide the renewed ticket"
+    assert not stored(_ticket(run_id, stranger, peer.peer_id, at=now), now + 3600)
+    assert not stored(genuine, now + 3600, subkey=stranger.peer_id)

@@ -210,18 +210,20 @@ class AveragingReport:
         characters); empty when the averager process did not answer in time.
     :param verified: libp2p id -> rounds whose part from it this server's reducer accepted, unflagged, since it
         was last excluded (cumulative in this averager's life; ``swarm.averaging.exclusion.ExclusionBook``).
+    :param answered: the averager process answered (else ``excluded`` and ``verified`` are empty, not zero).
     """
 
     peers: int = 0
     wire: dict[str, int] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
     verified: dict[str, int] = field(default_factory=dict)
+    answered: bool = False
 
     @classmethod
     def of(cls, peers: int, wire: dict[str, int], found: dict) -> "AveragingReport":
         """From what the averager process reported (``RobustAllReduceMixin.report``; empty if it did not answer)."""
         excluded = {p: r[:200] for p, r in sorted(found.get("excluded", {}).items())[:MAX_EXCLUSIONS_REPORTED]}
-        return cls(peers=peers, wire=wire, excluded=excluded, verified=found.get("verified", {}))
+        return cls(peers=peers, wire=wire, excluded=excluded, verified=found.get("verified", {}), answered=bool(found))
 
 
 class StageOptimizer:

@@ -78,9 +78,9 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
 
     1. it is signed by ``authority`` (the peer id of the run key: the coordinator);
     2. it was issued by one of the last stage's online servers, and a strict majority of them issued orders of
-       generation ``g`` (they see the loss; a stage of one server is its own majority): a majority of their
-       ``weight`` (the deciding server's standing of each, :mod:`swarm.trust.standing`) where it knows any of
-       them, else of their count (a server of another stage, or one that has verified none of them yet);
+       generation ``g`` (they see the loss; a stage of one server is its own majority): for a deciding server
+       that gives some of them a ``weight`` (a last-stage server: itself, and the mates whose averaging work it
+       verified, :mod:`swarm.trust.standing`), a majority of those; else of them all (a server of another stage);
     3. a strict majority of all online servers already applied generation ``g`` or later
        (:attr:`ServerInfo.rollback_generation`) and some applied this very order
        (:attr:`ServerInfo.rollback_issuer`): the swarm rolled back, a server that missed it follows.
@@ -118,13 +118,11 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
 
 def _majority(voters: set[str], servers: Sequence[ServerInfo],
               weight: Optional[Callable[[ServerInfo], float]]) -> bool:
-    """Whether ``voters`` (peer ids) are a strict majority of ``servers``: by ``weight`` if it gives any of them
-    a positive one, else by count."""
-    weights = {s.peer_id: weight(s) for s in servers} if weight is not None else {}
-    total = sum(weights.values())
-    if total <= 0:
-        return 2 * len(voters & {s.peer_id for s in servers}) > len(servers)
-    return 2 * sum(w for peer, w in weights.items() if peer in voters) > total
+    """Whether ``voters`` (peer ids) are a strict majority of ``servers``' electorate: those to which ``weight``
+    gives a positive weight (each one vote: a barely verified server is a full voter), or every server if it
+    gives none (or ``weight`` is None)."""
+    electorate = {s.peer_id for s in servers if weight is not None and weight(s) > 0} or {s.peer_id for s in servers}
+    return 2 * len(voters & electorate) > len(electorate)
 
 
 class Rollbacks:

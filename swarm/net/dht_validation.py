@@ -11,7 +11,9 @@ value a lookup brings back (``hivemind.dht.validation``, the mechanism of its ow
   sub-key values that are sealed records of the key's kind, signed by the owner of their sub-key, stored under
   their own sub-key and (announcements) to expire within the lifetime their signer gave them, are valid
   (:func:`~swarm.protocol.open_record`, its *Shadowing* rules); a plain value is not;
-* under ``{run}/spec`` only the run's genuine sealed spec (:func:`~swarm.protocol.open_spec`).
+* under ``{run}/spec`` only the run's genuine sealed spec (:func:`~swarm.protocol.open_spec`);
+* under ``{run}/tickets`` only tickets the run key signed (:func:`~swarm.protocol.open_ticket`), stored to
+  expire by the ticket's own expiry (in every run: a stranger's ticket would hide a peer's real one).
 
 Honest nodes refuse the junk, and a reader drops the answer of a node that serves it and keeps the others', so
 an outsider's store hides nothing (an answer is dropped whole if one of its sub-keys fails: honest nodes never
@@ -32,6 +34,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from swarm.config import MAX_STAGE_STRIPE_BITS, SpecError
 from swarm.protocol import (
     AVERAGERS,
+    EXPIRY_SLACK_S,
     Accusation,
     BanList,
     CheckpointManifest,
@@ -114,6 +117,9 @@ class RunRecordValidator(RecordValidatorBase):
             stripe = self._stripes.get(record.key)
             if stripe is not None and stage_stripe(subkey, len(stripe)) != stripe:
                 return False  # a server record in another stripe than its peer id's (readers of one stripe miss it)
+            if kind is Ticket:  # the run key's only, and kept no longer than it lives (an old ticket stored to
+                # expire late would hide its renewal: hivemind keeps, per sub-key, the value that expires last)
+                return record.expiration_time <= open_ticket(sealed, self.run_id, subkey).expires + EXPIRY_SLACK_S
             open_record(sealed, kind, run_id=self.run_id, subkey=subkey, expiration=record.expiration_time)
             return True
         except (ProtocolError, SpecError, ValueError, TypeError) as e:
@@ -127,11 +133,11 @@ class RunRecordValidator(RecordValidatorBase):
 class TicketValidator(RecordValidatorBase):
     """For a run whose ``[admission] policy`` is not ``open``: a record under the run's keys counts only if its
     signer carries a ticket the run key signed, naming it, valid when the record was dated
-    (:func:`swarm.protocol.check_carried`), and so does every endorsement a manifest embeds; a value under
-    the tickets key must be a ticket the run key signed. The spec and the ban list are the run key's own.
+    (:func:`swarm.protocol.check_carried`), and so does every endorsement a manifest embeds. The spec, the ban
+    list and the tickets are the run key's own (:class:`RunRecordValidator` checks their signer).
     Added to a DHT node once it read the spec (``hivemind.DHT.add_validators``); picklable."""
 
-    EXEMPT = (SpecRecord, BanList)
+    EXEMPT = (SpecRecord, BanList, Ticket)
 
     def __init__(self, run_id: str, max_stages: int = MAX_STAGES):
         self.run_id, self.max_stages = run_id, max_stages
@@ -152,9 +158,6 @@ class TicketValidator(RecordValidatorBase):
             return True  # not a ticketed key; a plain value is RunRecordValidator's to refuse
         try:
             sealed = MSGPackSerializer.loads(record.value)
-            if kind is Ticket:
-                open_ticket(sealed, self.run_id)
-                return True
             rec, _ = open_record(sealed, kind, run_id=self.run_id)
             check_carried(sealed, self.run_id, rec.time)
             for endorsement in getattr(rec, "endorsements", ()):

@@ -304,7 +304,7 @@ class ServedStage:
         joining (else leaving or left: no work, no progress, nothing asked of the optimizer)."""
         server, rollbacks = self.server, self.rollbacks
         report = self.optimizer.report() if serving else None
-        if report is not None:
+        if report is not None and report.answered:
             self._credit(report)
         if self.online_since is None:
             self.online_since = get_dht_time()

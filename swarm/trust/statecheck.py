@@ -12,9 +12,10 @@ their state's SHA-256 at the donor's epoch (``rpc_state_digest``; each keeps its
 1. a state older than the stage's newest checkpoint is refused; one at a checkpoint's epoch must match that
    checkpoint's endorsed state digest (``CheckpointManifest.state_sha256``);
 2. otherwise a strict majority of the other servers that hold a digest for that epoch must hold this one: a
-   majority of their standing with the receiver (:mod:`swarm.trust.standing`; the donor's own standing counts
-   for its state) where the receiver has verified any of them or the donor, else of their count (a fresh
-   joiner has verified nobody: keys that never averaged are a majority of heads to it);
+   majority of their standing with the receiver (:mod:`swarm.trust.standing`) where it verified any of them;
+   where it verified none of them but the donor, the donor's state is kept (keys that never averaged with it do
+   not outvote a server that did); else a majority of their count (a fresh joiner has verified nobody: keys that
+   never averaged are a majority of heads to it);
 3. if other servers are listed but none holds a digest for that epoch (within ``wait_s``: they are behind it,
    between two epochs, loaded their own state, or do not answer), the state is refused as unverifiable (a donor
    claiming an epoch nobody else has is refused this way);
@@ -93,12 +94,19 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
 
 
 def _by_standing(digest: str, held: dict[str, str], weight: Callable[[str], float], donor: str) -> Optional[Verdict]:
-    """Rule 2 by standing, or None if this server has verified none of the holders nor the donor."""
-    weights = {peer: weight(peer) for peer in held} | ({donor: weight(donor)} if donor else {})
+    """Rule 2 by standing: a majority of the holders' weight; or, where no holder has any, the donor's own if it
+    has some (weightless keys holding another state do not outvote a donor this server verified). None (rule 2
+    by count) if nobody holds the epoch or this server verified none of them nor the donor."""
+    if not held:
+        return None  # rules 3 and 4: a donor's word alone never vouches for an epoch others do not hold
+    weights = {peer: weight(peer) for peer in held}
     total = sum(weights.values())
     if total <= 0:
+        if donor and weight(donor) > 0:
+            return Verdict(True, f"the donor's averaging work was verified here, and none of the {len(held)} other "
+                                 "servers holding this epoch (another state or not) was")
         return None
-    agree = sum(w for peer, w in weights.items() if peer == donor or held[peer] == digest)
+    agree = sum(w for peer, w in weights.items() if held[peer] == digest)
     if 2 * agree > total:
         return Verdict(True, f"servers holding {agree:.2f} of the {total:.2f} standing this server verified hold "
                              "the same state")

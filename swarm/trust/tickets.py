@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from typing import Optional
 
 from hivemind.utils import get_dht_time
@@ -93,8 +92,11 @@ def renew_tickets(directory: RunDirectory, run_key: Identity, spec: RunSpec) -> 
         held[run_key.peer_id] = issue_ticket(directory, run_key, run_key.peer_id, spec)
     for subject, (ticket, sealed) in held.items():
         if subject not in banned and ticket.expires - now <= ttl_s / 2:
-            ticket, sealed = issue_ticket(directory, run_key, subject, spec)
-            renewed.append(subject)
+            try:
+                ticket, sealed = issue_ticket(directory, run_key, subject, spec)
+                renewed.append(subject)
+            except RuntimeError as e:  # this one is tried again at the next pass; the others go on
+                logger.warning("could not renew the ticket of %s: %s", subject, e)
         if subject == run_key.peer_id:
             run_key.ticket = sealed
     return renewed
@@ -142,42 +144,45 @@ class RunTickets:
                            "up? was it revoked?)", self.ticket.expires - now)
 
 
-UNKNOWN_RETRY_S = 10.0
-"""Seconds a :class:`TicketGate` remembers that a caller had no ticket before it looks again (an admit takes
-effect this soon; a stranger's calls cost one DHT lookup per period)."""
+READ_EVERY_S = 10.0
+"""Seconds between a :class:`TicketGate`'s reads of the run's tickets while callers it does not know call (an
+admit takes effect this soon; a flood of fresh keys costs one DHT read per period, not one per key)."""
 
 
 class TicketGate:
     """Whether a caller (a libp2p id, the key it speaks with) holds a valid ticket, for the RPC handlers of a
-    ticketed run: its peer id is derived from the libp2p id and its ticket looked up in the DHT
-    (:func:`fetch_ticket`), kept until it expires; a caller found without one is refused for
-    :data:`UNKNOWN_RETRY_S` before it is looked up again. Checked before a request's message is read, so an
-    unticketed caller's tensors are never received."""
+    ticketed run: its peer id is derived from the libp2p id and looked up among the run's tickets, read from the
+    DHT whole (:func:`all_tickets`) at most every :data:`READ_EVERY_S` seconds, one read at a time, when a caller it
+    does not know calls. Checked before a request's message is read, so an unticketed caller's tensors are never
+    received."""
 
     def __init__(self, directory: RunDirectory, clock=time.monotonic):
         self.directory, self.clock = directory, clock
-        self._until: dict[str, float] = {}  # libp2p id -> DHT time its ticket expires
-        self._unknown: OrderedDict[str, float] = OrderedDict()  # libp2p id -> when to look again (clock)
+        self._until: dict[str, float] = {}  # peer id -> DHT time its newest ticket expires
+        self._next_read = float("-inf")  # clock time of the next read allowed
+        self._reading: Optional[asyncio.Lock] = None
 
     async def check(self, p2p_id: str) -> None:
         """:raises NotAdmitted: the caller holds no valid ticket (the message says how to get one)."""
-        if self._until.get(p2p_id, 0.0) > get_dht_time():
+        try:
+            peer = peer_id_of(public_key_of_p2p_id(p2p_id))
+        except SignatureError as e:
+            raise NotAdmitted(f"refused: {e}") from None
+        if self._until.get(peer, 0.0) > get_dht_time():
             return
-        if self._unknown.get(p2p_id, 0.0) <= self.clock():
-            try:
-                peer = peer_id_of(public_key_of_p2p_id(p2p_id))
-            except SignatureError as e:
-                raise NotAdmitted(f"refused: {e}") from None
-            found = await asyncio.to_thread(fetch_ticket, self.directory, peer)
-            if found is not None:
-                self._until[p2p_id] = found[0].expires
-                self._unknown.pop(p2p_id, None)
-                return
-            self._unknown[p2p_id] = self.clock() + UNKNOWN_RETRY_S
-            while len(self._unknown) > 4096:  # many keys without tickets (a Sybil): forget the oldest
-                self._unknown.popitem(last=False)
-        raise NotAdmitted("refused: this run admits only the peers its operator admitted, and you hold no valid "
-                          "ticket (ask the operator to run `swarm-coordinator admit <run address> <your peer id>`)")
+        self._reading = self._reading or asyncio.Lock()
+        async with self._reading:
+            if self._until.get(peer, 0.0) <= get_dht_time() and self.clock() >= self._next_read:
+                self._next_read = self.clock() + READ_EVERY_S
+                until: dict[str, float] = {}
+                for ticket, _ in await asyncio.to_thread(all_tickets, self.directory):
+                    until[ticket.subject] = max(until.get(ticket.subject, 0.0), ticket.expires)
+                self._until = until
+        if self._until.get(peer, 0.0) <= get_dht_time():
+            raise NotAdmitted("refused: this run admits only the peers its operator admitted, and you hold no valid "
+                              "ticket (ask the operator to run `swarm-coordinator admit <run address> <your peer "
+                              "id>`)")
 
 
-__all__ = ["NotAdmitted", "RunTickets", "TicketGate", "all_tickets", "fetch_ticket", "issue_ticket", "renew_tickets"]
+__all__ = ["READ_EVERY_S", "NotAdmitted", "RunTickets", "TicketGate", "all_tickets", "fetch_ticket", "issue_ticket",
+           "renew_tickets"]
