@@ -1,4 +1,5 @@
-"""Exclusion from averaging: peers whose parts are rejected or flagged again and again are left out.
+"""Exclusion from averaging: peers whose parts are rejected or flagged again and again are left out; and what a
+server reports of it (:class:`AveragingReport`).
 
 Each server keeps its own :class:`ExclusionBook` (in its averager process). Every averaging round adds
 ``reject_penalty`` to a sender's score for a rejected part and ``flag_penalty`` for a flagged one (see
@@ -113,6 +114,37 @@ class ExclusionBook:
 
     def excluded(self) -> list[str]:
         return sorted(p for p in list(self.exclusions) if self.is_excluded(p))
+
+
+MAX_EXCLUSIONS_REPORTED = 32
+"""Exclusions a server's record lists (:attr:`AveragingReport.excluded`)."""
+
+
+@dataclass
+class AveragingReport:
+    """What a server publishes about its averaging (:class:`~swarm.protocol.ServerInfo`).
+
+    :param peers: servers of the stage its progress tracker counts (the last round's group, roughly).
+    :param wire: counters of the gradient averager: bytes ``sent``/``received`` on the wire, ``phases``,
+        ``failed`` rounds, parts ``rejected`` and ``flagged`` as a reducer.
+    :param excluded: libp2p id -> reason, the peers it excluded from averaging (at most 32, reasons cut to 200
+        characters); empty when the averager process did not answer in time.
+    :param verified: libp2p id -> rounds whose part from it this server's reducer accepted, unflagged, since it
+        was last excluded (cumulative in this averager's life; ``swarm.averaging.exclusion.ExclusionBook``).
+    :param answered: the averager process answered (else ``excluded`` and ``verified`` are empty, not zero).
+    """
+
+    peers: int = 0
+    wire: dict[str, int] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    verified: dict[str, int] = field(default_factory=dict)
+    answered: bool = False
+
+    @classmethod
+    def of(cls, peers: int, wire: dict[str, int], found: dict) -> "AveragingReport":
+        """From what the averager process reported (``RobustAllReduceMixin.report``; empty if it did not answer)."""
+        excluded = {p: r[:200] for p, r in sorted(found.get("excluded", {}).items())[:MAX_EXCLUSIONS_REPORTED]}
+        return cls(peers=peers, wire=wire, excluded=excluded, verified=found.get("verified", {}), answered=bool(found))
 
 
 def worst(verdicts: list[Verdict]) -> Verdict:

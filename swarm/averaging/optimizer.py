@@ -24,7 +24,6 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional, Sequence
 
@@ -34,6 +33,7 @@ import torch
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
 from swarm.averaging.compression import spec_compressor
 from swarm.averaging.donors import REFUSAL_S, RETRY_S
+from swarm.averaging.exclusion import AveragingReport
 from swarm.averaging.membership import MemberTable
 from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
 from swarm.averaging.overlap import OverlappedRounds
@@ -55,7 +55,8 @@ MAX_DONORS_TRIED = 3
 AveragerFactory = Callable[..., RobustGradientAverager]
 """Builds the stage's gradient averager (keyword arguments of :class:`RobustGradientAverager`); tests and
 benchmarks pass a Byzantine one (:mod:`swarm.attacks`)."""
-MAX_EXCLUSIONS_REPORTED = 32
+
+
 def request_timeout(matchmaking_time: float) -> float:
     """Seconds a matchmaking request may wait for its answer: below ``matchmaking_time``, as hivemind's matchmaking
     requires (else it warns that rounds may deadlock), and at most 1 s."""
@@ -197,33 +198,6 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
             dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size, client_mode=self.client_mode,
             status_loglevel=self.status_loglevel, start=True, **kwargs,
         )
-
-
-@dataclass
-class AveragingReport:
-    """What a server publishes about its averaging (:class:`~swarm.protocol.ServerInfo`).
-
-    :param peers: servers of the stage its progress tracker counts (the last round's group, roughly).
-    :param wire: counters of the gradient averager: bytes ``sent``/``received`` on the wire, ``phases``,
-        ``failed`` rounds, parts ``rejected`` and ``flagged`` as a reducer.
-    :param excluded: libp2p id -> reason, the peers it excluded from averaging (at most 32, reasons cut to 200
-        characters); empty when the averager process did not answer in time.
-    :param verified: libp2p id -> rounds whose part from it this server's reducer accepted, unflagged, since it
-        was last excluded (cumulative in this averager's life; ``swarm.averaging.exclusion.ExclusionBook``).
-    :param answered: the averager process answered (else ``excluded`` and ``verified`` are empty, not zero).
-    """
-
-    peers: int = 0
-    wire: dict[str, int] = field(default_factory=dict)
-    excluded: dict[str, str] = field(default_factory=dict)
-    verified: dict[str, int] = field(default_factory=dict)
-    answered: bool = False
-
-    @classmethod
-    def of(cls, peers: int, wire: dict[str, int], found: dict) -> "AveragingReport":
-        """From what the averager process reported (``RobustAllReduceMixin.report``; empty if it did not answer)."""
-        excluded = {p: r[:200] for p, r in sorted(found.get("excluded", {}).items())[:MAX_EXCLUSIONS_REPORTED]}
-        return cls(peers=peers, wire=wire, excluded=excluded, verified=found.get("verified", {}), answered=bool(found))
 
 
 class StageOptimizer:
@@ -598,5 +572,5 @@ def _put_back(opt: torch.optim.Optimizer, originals: dict) -> None:
                     opt.state[p][key] = old.copy_(new)
 
 
-__all__ = ["AveragingReport", "AveragerFactory", "MAX_DONORS_TRIED", "StageOptimizer",
+__all__ = ["AveragerFactory", "MAX_DONORS_TRIED", "StageOptimizer",
            "StateCheck"]

@@ -25,7 +25,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.aio import Submissions, periodic
 from swarm.averaging.membership import MemberTable
-from swarm.averaging.optimizer import AveragingReport
+from swarm.averaging.exclusion import AveragingReport
 from swarm.averaging.progress import refresh_periods
 from swarm.checkpoint.commit import StageCommits
 from swarm.checkpoint.keeper import FragmentKeeper
