@@ -35,7 +35,7 @@ from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
 from swarm.net.directory import AsyncRunDirectory, read_period_s
-from swarm.protocol import MAX_VOUCHES, ProgressPush, ServerInfo, add_history
+from swarm.protocol import MAX_VOUCHES, ProgressPush, add_history
 from swarm.server.progress_push import ProgressPusher
 from swarm.server.stage import EpochEnd, StageError, StageServer
 from swarm.trust.authority import CheckpointAuthority
@@ -100,7 +100,11 @@ class PeerContext:
     """Checks callers' tickets in a ticketed run (:mod:`swarm.trust.tickets`); None in an open run."""
     standing: Standing = field(default_factory=Standing)
     """The averaging work this peer verified each stage-mate doing, by libp2p id (:mod:`swarm.trust.standing`),
-    kept across the stages it serves: it weighs the rollback orders of its stage's servers."""
+    kept across the stages it serves: it weighs its stage's servers' rollback orders, state and evidence."""
+
+    def weight(self, p2p_id: str) -> float:
+        """A server's vote in this peer's decisions, by libp2p id: 1 for itself, else its standing's weight."""
+        return 1.0 if p2p_id == self.identity.p2p_id else self.standing.weight(p2p_id)
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ class ServedStage:
         self.commits = StageCommits(ctx.keeper, ctx.authority, optimizer, stage=self.stage,
                                     lineage=self.lineage, log=self.log)
         self.rollbacks = Rollbacks(self.restore, optimizer, self.server.compute, ctx.identity,
-                                   is_last=self.server.is_last, log=self.log, weight=self._weight)
+                                   is_last=self.server.is_last, log=self.log, weight=lambda s: ctx.weight(s.p2p_id))
         self._verified: dict[str, int] = {}  # libp2p id -> the verified rounds this stage's averager last reported
         self.background = Submissions(asyncio.get_running_loop())
         self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before): ServerHistory.history
@@ -332,10 +336,6 @@ class ServedStage:
         self._verified = dict(report.verified)
         for p2p in report.excluded:
             standing.reset(p2p)
-
-    def _weight(self, server: ServerInfo) -> float:
-        """A server's vote in this server's decisions: 1 for itself, else its standing's weight."""
-        return 1.0 if server.peer_id == self.me else self.ctx.standing.weight(server.p2p_id)
 
     # ---- where an epoch ends (compute thread) ------------------------------------------------------------
     def _epoch_ended(self, end: EpochEnd) -> None:

@@ -252,10 +252,8 @@ class ServerSession:
         task.add_done_callback(self._following.discard)
 
     def _vouch(self, stage: int, p2p_id: str) -> Optional[float]:
-        """This server's weight for a server of ``stage`` (itself 1), None for another stage (ConvictionBook)."""
-        if stage != self.stage:
-            return None
-        return 1.0 if p2p_id == self.identity.p2p_id else self.ctx.standing.weight(p2p_id)
+        """This server's weight for a server of ``stage``, None for another stage (ConvictionBook)."""
+        return self.ctx.weight(p2p_id) if stage == self.stage else None
 
     def _adopted(self, peer_id: str, reason: str) -> None:
         self.log.warning("verified the evidence a stage-mate lists against %s: %s", peer_id, reason)

@@ -9,9 +9,9 @@ envelope of every record it seals (:attr:`swarm.identity.Identity.ticket`).
 
 Every node of such a run adds :class:`~swarm.net.dht_validation.TicketValidator` to its DHT once it read the
 spec: a record under the run's keys whose signer carries no valid ticket is neither stored nor read. A ticket
-is valid for a record (:func:`~swarm.protocol.check_carried`) when the run key signed it (its ``spec_name`` and ``spec_hash``
-with the signer's key derive the run id: no spec needed to check it), it names the record's signer, and the
-record is dated inside the ticket's life. The check is a function of the bytes only, so every node agrees on
+is valid for a record (:func:`~swarm.protocol.check_carried`) when the run key signed it (its ``spec_name`` and
+``spec_hash`` with the signer's key derive the run id: no spec needed to check it), it names the record's
+signer, and the record is dated inside the ticket's life. The check is a function of the bytes only, so every node agrees on
 it at any time: a record stored while its ticket was valid stays readable until it expires, and an
 announcement re-signed after the ticket expired is refused. So everything that is decided from records (stage
 rosters and thus averaging groups and parts, routing, fragment placement, checkpoint manifests and their
@@ -33,9 +33,10 @@ from typing import Optional
 from hivemind.utils import get_dht_time
 
 from swarm.config import RunSpec
-from swarm.identity import Identity, SignatureError, peer_id_of, public_key_of_p2p_id
+from swarm.identity import Identity
 from swarm.net.directory import RunDirectory
 from swarm.protocol import ProtocolError, Ticket, open_ticket, seal, tickets_key
+from swarm.trust.authority import peer_of_p2p_id
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +166,8 @@ class TicketGate:
     async def check(self, p2p_id: str) -> None:
         """:raises NotAdmitted: the caller holds no valid ticket (the message says how to get one)."""
         try:
-            peer = peer_id_of(public_key_of_p2p_id(p2p_id))
-        except SignatureError as e:
+            peer = peer_of_p2p_id(p2p_id)
+        except ProtocolError as e:
             raise NotAdmitted(f"refused: {e}") from None
         if self._until.get(peer, 0.0) > get_dht_time():
             return
