@@ -30,7 +30,7 @@ from swarm.net.dht import format_run_address, join_dht, visible_maddrs
 from swarm.net.dht_validation import TicketValidator
 from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.identity import Identity, claim_folder
-from swarm.trust.tickets import renew_tickets
+from swarm.trust.tickets import renew_tickets, ticket_gate
 
 logger = logging.getLogger("swarm.coordinator")
 
@@ -70,7 +70,7 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
         claim_folder(settings.fragment_path(), "SWARM_FRAGMENT_DIR", "fragments")
         store = FragmentStore(settings.fragment_path(), settings.fragment_max_bytes, spec.checkpoint.keep,
                               grace_s=2 * spec.timeouts.record_ttl_s)
-        keeper = FragmentKeeper(spec, AsyncRunDirectory(directory), key, store)
+        keeper = FragmentKeeper(spec, AsyncRunDirectory(directory), key, store, gate=ticket_gate(spec, directory))
         metrics = None
         if settings.metrics_port:
             metrics = RunMetrics(run_id)

@@ -117,6 +117,7 @@ class AgreedRounds:
         sender, group = str(context.remote_id), ""
         try:
             with self.part_quota.hold(sender):
+                await self._admit(context)
                 if self.exclusions.is_excluded(sender):
                     raise ProtocolError("this peer excluded you from its averaging groups")
                 metadata, _ = await gather(stream, max_bytes=0, max_tensors=0, counter=self.wire,

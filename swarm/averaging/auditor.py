@@ -199,6 +199,7 @@ class Auditor:
         peer's quota (:data:`AUDIT_RATE_PER_S`)."""
         try:
             with self.audit_quota.hold(str(context.remote_id)):
+                await self._admit(context)
                 metadata, _ = await gather(stream, max_bytes=0, max_tensors=0, counter=self.wire,
                                            deadline_s=self.rules.phase_timeout)
                 reply, out = lookup(unpack_message(metadata, AuditRequest))

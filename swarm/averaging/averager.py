@@ -36,6 +36,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from swarm.aio import hold_current_task
 from swarm.net.quota import Busy, PeerQuota, TooFast
+from swarm.averaging.admitted import TicketedCallers
 from swarm.averaging.agreement import AgreedRounds
 from swarm.averaging.aggregation import Aggregator, CenteredClipAggregator, make_aggregator
 from swarm.averaging.allreduce import PartitionReducer, RoundFailed, WireStats, decode_part, run_phase, send_part
@@ -51,6 +52,7 @@ from swarm.averaging.hops import GroupRules, HopRounds
 from swarm.averaging.matchmaking import GroupMatchmaking
 from swarm.averaging.reducer import ReducePolicy, as_scored_by, partition_bounds
 from swarm.config import AveragingSpec
+from swarm.trust.tickets import Gate
 from swarm.protocol import AveragingPart, AveragingReply, ProtocolError, pack_message, unpack_message
 from swarm.net.transport import ProtocolServicer, gather, stream_out
 
@@ -113,7 +115,7 @@ class AveragingRules:
             history_outlier_ratio=avg.history_outlier_ratio, group_size=avg.group_size)
 
 
-class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolServicer):
+class RobustAllReduceMixin(TicketedCallers, HopRounds, GroupMatchmaking, Auditor, ProtocolServicer):
     """Replaces a hivemind ``DecentralizedAverager``'s all-reduce with ours; call :meth:`_init_robust` before the
     averager's ``__init__`` (which forks the averager process).
 
@@ -121,11 +123,13 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
     :param compressor: this peer's compressor (keeps the error-feedback residual), default identity fp32.
     :param identity: the peer's Ed25519 identity, which signs commitments, receipts and accusations
         (a fresh one if omitted); ``run_id`` namespaces them.
+    :param gate: in a run that admits only ticketed peers, checks each caller of this averager's RPCs
+        (:mod:`swarm.averaging.admitted`); None serves anyone.
     """
 
     def _init_robust(self, rules: AveragingRules, compressor: Optional[Compressor], identity, run_id: str,
-                     dht) -> None:
-        self.rules = rules
+                     dht, gate: Optional[Gate] = None) -> None:
+        self.rules, self.gate = rules, gate
         self._init_audit(identity, run_id, rules.audit_probability, dht)
         self.compressor = compressor or make_compressor("none")
         self._init_hops(rules.group_size, self.compressor)
@@ -360,6 +364,7 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
         sender = str(context.remote_id)
         try:
             with self.part_quota.hold(sender):
+                await self._admit(context)
                 if self.exclusions.is_excluded(sender):
                     raise ProtocolError("this peer excluded you from its averaging groups")
                 metadata, tensors = await gather(stream, self.max_part_bytes, counter=self.wire,
@@ -374,11 +379,13 @@ class RobustAllReduceMixin(HopRounds, GroupMatchmaking, Auditor, ProtocolService
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
         """hivemind's state download (the whole state, to anyone who asks), one at a time per peer, a few per
-        minute (:data:`DOWNLOAD_RATE_PER_S`), and never to a peer this server excluded.
+        minute (:data:`DOWNLOAD_RATE_PER_S`), never to a peer this server excluded, nor in a ticketed run to a peer
+        without a ticket.
 
-        :raises ProtocolError: the peer is excluded. :raises Busy, TooFast: past its quota."""
+        :raises ProtocolError: the peer is excluded or holds no ticket. :raises Busy, TooFast: past its quota."""
         peer = str(context.remote_id)
         with self.download_quota.hold(peer):
+            await self._admit(context)
             if self.exclusions.is_excluded(peer):
                 raise ProtocolError("this peer excluded you from its averaging; it shares no state with you")
             async for msg in super().rpc_download_state(request, context):
@@ -411,14 +418,16 @@ class RobustGradientAverager(RobustAllReduceMixin, GradientAverager):
         :class:`RobustAllReduceMixin`.
     :param clip_ratio: a micro-batch's gradient is clipped at this x the recent median norm (0: never).
     :param trainer_outlier_ratio: see :class:`TrainerContributions` ``outlier_ratio`` (0: never flag trainers).
+    :param gate: see :class:`RobustAllReduceMixin`.
     :param kwargs: the rest go to hivemind's ``GradientAverager`` (``dht``, ``prefix``, matchmaking and timeouts).
     """
 
     wire_name = "RobustGradientAverager"
 
     def __init__(self, parameters, *, rules: AveragingRules = AveragingRules(), compressor=None, identity=None,
-                 run_id: str = "local", clip_ratio: float = 5.0, trainer_outlier_ratio: float = 2.0, **kwargs):
-        self._init_robust(rules, compressor, identity, run_id, kwargs.get("dht"))
+                 run_id: str = "local", clip_ratio: float = 5.0, trainer_outlier_ratio: float = 2.0,
+                 gate: Optional[Gate] = None, **kwargs):
+        self._init_robust(rules, compressor, identity, run_id, kwargs.get("dht"), gate)
         self.contributions = TrainerContributions(aggregator=rules.aggregator, clip_ratio=clip_ratio,
                                                   outlier_ratio=trainer_outlier_ratio,
                                                   exclusion=ExclusionBook(rules.exclusion))
@@ -505,10 +514,11 @@ class RobustStateAverager(AgreedRounds, DonorChoice, RobustAllReduceMixin, Train
 
     wire_name = "RobustStateAverager"
 
-    def __init__(self, *, rules: AveragingRules = AveragingRules(), identity=None, run_id: str = "local", **kwargs):
+    def __init__(self, *, rules: AveragingRules = AveragingRules(), identity=None, run_id: str = "local",
+                 gate: Optional[Gate] = None, **kwargs):
         # honest servers' parameters agree bit for bit: here copies are the honest majority, each keeps its vote
         rules = replace(rules, policy=rules.policy.model_copy(update={"copy_ratio": 0.0}))
-        self._init_robust(rules, make_compressor("none"), identity, run_id, kwargs.get("dht"))
+        self._init_robust(rules, make_compressor("none"), identity, run_id, kwargs.get("dht"), gate)
         self._init_agreement()
         self._init_donors()
         super().__init__(**kwargs)

@@ -10,6 +10,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
 from swarm.net.transport import LINGER_S
+from swarm.protocol import ProtocolError
 
 LOOKUP_GAP = 0.1
 """Least time between two of matchmaking's lookups of the group's averagers in the DHT, as a fraction of
@@ -49,7 +50,13 @@ class DeliveredJoinAnswers:
         with no answer and looks for another leader, while this leader has counted it into the group: the
         group's round then waits :data:`~swarm.averaging.averager.REGISTRATION_WAIT_S` for the asker's phase,
         fails, and is tried again (2 of 260 matchmakings in one run of ``bench/efficiency.py``, each costing both
-        servers 5 s)."""
+        servers 5 s). In a ticketed run a caller without a ticket is refused first
+        (:mod:`swarm.averaging.admitted`)."""
+        try:
+            await self._admit(context)
+        except ProtocolError:
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
         async for message in super().rpc_join_group(request, context):
             yield message
         await asyncio.sleep(LINGER_S)

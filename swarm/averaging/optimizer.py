@@ -41,7 +41,9 @@ from swarm.averaging.progress import Push, Roster, SampleCountTracker, progress_
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer, schedule_moves_quietly
 from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
+from swarm.net.directory import RunDirectory
 from swarm.protocol import ProgressPush
+from swarm.trust.tickets import ticket_gate
 
 logger = logging.getLogger(__name__)
 
@@ -440,15 +442,17 @@ class StageOptimizer:
     def set_donor_roster(self, p2p_ids: frozenset[str]) -> bool:
         """(blocking, not on the event loop) Download the stage's state from these libp2p ids (its announced servers)
         before any other donor (:mod:`swarm.averaging.donors`); False if the averager did not answer (retry)."""
-        return self._ask_averagers("pass the donor roster to the averager",
-                                   lambda: self._opt.state_averager.set_roster(p2p_ids))
+        return self._ask_averagers("pass the donor roster to the averager", "set_roster", p2p_ids, state_only=True)
+
+    def set_ticket(self, sealed: bytes) -> bool:
+        """(blocking, not on the event loop) Hand this peer's renewed ticket to the averager processes, which sign
+        with the identity they were started with (:mod:`swarm.averaging.admitted`); False if one did not answer."""
+        return self._ask_averagers("pass the renewed ticket to the averagers", "set_ticket", sealed)
 
     def set_members(self, table: MemberTable) -> bool:
         """(blocking, not on the event loop) The stage's counted servers as read (:mod:`~swarm.averaging.membership`):
         a group holding them all begins its round at once; False if an averager did not answer."""
-        return self._ask_averagers("pass the stage's members to the averagers",
-                                   lambda: self._opt.grad_averager.set_members(table),
-                                   lambda: self._opt.state_averager.set_members(table))
+        return self._ask_averagers("pass the stage's members to the averagers", "set_members", table)
 
     def trainer_exclusion(self, p2p_id: str) -> Optional[str]:
         """Why this server excluded trainer ``p2p_id``'s gradients (:mod:`swarm.averaging.contributions`), or
@@ -457,18 +461,17 @@ class StageOptimizer:
         return found.reason if found is not None and found.until > time.time() else None
 
     def exclude(self, p2p_id: str, reason: str) -> bool:
-        """Keep libp2p peer ``p2p_id`` out of this server's averaging groups; False if the averager process did
-        not answer (busy in a round: try again later)."""
-        return self._ask_averagers(f"exclude {p2p_id} in the averager",
-                                   lambda: self._opt.grad_averager.exclude(p2p_id, reason),
-                                   lambda: self._opt.state_averager.exclude(p2p_id, reason))  # state rounds, donors
+        """Keep libp2p peer ``p2p_id`` out of this server's averaging groups (gradient and state rounds, donors);
+        False if an averager process did not answer (busy in a round: try again later)."""
+        return self._ask_averagers(f"exclude {p2p_id} in the averager", "exclude", p2p_id, reason)
 
-    @staticmethod
-    def _ask_averagers(what: str, *calls: Callable[[], object]) -> bool:
-        """Make ``calls`` (each asks an averager process, blocking); False if one did not answer (busy or gone)."""
+    def _ask_averagers(self, what: str, method: str, *args, state_only: bool = False) -> bool:
+        """Call ``method(*args)`` of the gradient (unless ``state_only``) and state averagers, each of which asks
+        its process (blocking); False if one did not answer (busy or gone)."""
         try:
-            for call in calls:
-                call()
+            for averager in ((self._opt.state_averager,) if state_only else
+                             (self._opt.grad_averager, self._opt.state_averager)):
+                getattr(averager, method)(*args)
             return True
         except Exception as e:  # the averager process is busy or gone
             logger.debug("could not %s: %s", what, e)
@@ -509,9 +512,10 @@ def _start_optimizer(owner: StageOptimizer, spec: RunSpec, run_id: str, dht: hiv
     (:mod:`swarm.averaging.outer`)."""
     averager_factory, state_averager_factory = factories
     avg, rules = spec.averaging, AveragingRules.from_spec(spec.averaging)
+    gate = ticket_gate(spec, RunDirectory(dht, run_id))  # forked into each averager's process (its RPCs' callers)
     outer, target = avg.mode == "outer", spec.training.target_batch_size
     opt = _CollaborativeOptimizer(
-        state_rules=dict(rules=rules, identity=identity, run_id=run_id),
+        state_rules=dict(rules=rules, identity=identity, run_id=run_id, gate=gate),
         state_averager_factory=state_averager_factory, overlap_rounds=avg.overlap_rounds,
         dht=dht, run_id=f"{run_id}-stage{owner.stage}", params=owner.module.parameters(),
         optimizer=partial(make_outer_optimizer, spec) if outer else partial(make_stage_torch_optimizer, spec.optim),
@@ -527,7 +531,7 @@ def _start_optimizer(owner: StageOptimizer, spec: RunSpec, run_id: str, dht: hiv
         delay_state_averaging=False, offload_optimizer=True,
         grad_averager_factory=partial(
             averager_factory, rules=rules, compressor=spec_compressor(avg),
-            identity=identity, run_id=run_id, clip_ratio=avg.microbatch_clip_ratio,
+            identity=identity, run_id=run_id, gate=gate, clip_ratio=avg.microbatch_clip_ratio,
             trainer_outlier_ratio=avg.trainer_outlier_ratio, request_timeout=request_timeout(avg.matchmaking_time),
             allow_state_sharing=False),  # joiners download the state averager's state; hivemind would have the
         # gradient averager declare itself a donor too, with a DHT store at every epoch

@@ -45,6 +45,7 @@ from swarm.net.directory import AsyncRunDirectory
 from swarm.protocol import CheckpointManifest, EndorseRequest, ProtocolError, StorageInfo, open_record, storage_key
 from swarm.trust.authority import CheckpointAuthority
 from swarm.trust.banlist import RunBans
+from swarm.trust.tickets import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,12 @@ class FragmentKeeper:
         its own servers. Updated when a server moves.
     :param bans: the run's ban list, which this keeper refreshes and re-publishes every tick (the peer's one
         :class:`~swarm.trust.banlist.RunBans`; a new one if omitted).
+    :param gate: checks each caller of the fragment RPCs in a ticketed run (``FragmentService``'s ``gate``).
     """
 
     def __init__(self, spec: RunSpec, directory: AsyncRunDirectory, identity: Identity, store: FragmentStore,
-                 *, stage: int = -1, bans: Optional[RunBans] = None, rng: Optional[random.Random] = None):
+                 *, stage: int = -1, bans: Optional[RunBans] = None, rng: Optional[random.Random] = None,
+                 gate: Optional[Gate] = None):
         self.spec, self.directory, self.identity, self.store = spec, directory, identity, store
         self.run_id, self.me, self.stage = directory.run_id, identity.peer_id, stage
         self.log = PeerLog(logger, identity.peer_id)
@@ -72,7 +75,7 @@ class FragmentKeeper:
         fragment_bytes = 2 * -(-max_shard_bytes(spec.model) // spec.checkpoint.fragments_needed)
         self.service = FragmentService(store, directory.run_id, on_manifest=directory.publish_manifest,
                                        num_stages=spec.model.num_stages, authority=self.authority,
-                                       max_fragment_bytes=fragment_bytes)
+                                       max_fragment_bytes=fragment_bytes, gate=gate)
         self.bans = bans if bans is not None else RunBans(directory)
         self.p2p: Optional[P2P] = None
         self.transfers: Optional[FragmentTransfers] = None  # once started (it needs the peer's libp2p node)

@@ -32,6 +32,7 @@ from swarm.protocol import (
 )
 from swarm.net.transport import ProtocolServicer, gather, stream_out
 from swarm.trust.authority import CheckpointAuthority, EndorsementRefused
+from swarm.trust.tickets import Gate, admit
 
 PUT_DEADLINE_S = 300.0
 """Seconds a fragment upload may take (a 50 MB fragment at 1 MB/s takes 50 s); a slower one is dropped."""
@@ -61,7 +62,7 @@ class FragmentService(ProtocolServicer):
     def __init__(self, store: FragmentStore, run_id: str,
                  on_manifest: Optional[Callable[[CheckpointManifest, bytes], Awaitable[object]]] = None,
                  num_stages: Optional[int] = None, authority: Optional[CheckpointAuthority] = None,
-                 max_fragment_bytes: Optional[int] = None):
+                 max_fragment_bytes: Optional[int] = None, gate: Optional[Gate] = None):
         """:param on_manifest: awaited with ``(manifest, sealed)`` after a manifest is saved (e.g. to publish it
         in the DHT at once, so a checkpoint is visible even if its writer dies before publishing it).
         :param num_stages: the run's stages; fragments of any other stage number are refused.
@@ -69,8 +70,11 @@ class FragmentService(ProtocolServicer):
             (:class:`~swarm.trust.authority.CheckpointAuthority`); None takes puts from anyone and endorses
             nothing (a unit test's bare store).
         :param max_fragment_bytes: the largest fragment a put may carry (the run's largest shard over ``k``,
-            :func:`~swarm.checkpoint.shard.max_shard_bytes`); default: the store's whole budget."""
+            :func:`~swarm.checkpoint.shard.max_shard_bytes`); default: the store's whole budget.
+        :param gate: in a run that admits only ticketed peers, awaited with each caller's libp2p id before its
+            request is read (:class:`~swarm.trust.tickets.TicketGate`; raises ``NotAdmitted``); None serves anyone."""
         self.store, self.run_id, self.on_manifest, self.num_stages = store, run_id, on_manifest, num_stages
+        self.gate = gate
         self.authority = authority
         self.max_fragment_bytes = min(store.max_bytes, max_fragment_bytes or store.max_bytes)
         self.quota = PeerQuota(FRAGMENT_IN_FLIGHT, rate_per_s=FRAGMENT_RATE_PER_S)
@@ -82,6 +86,7 @@ class FragmentService(ProtocolServicer):
         data = b""
         try:
             with self.quota.hold(str(context.remote_id)):
+                await admit(self.gate, str(context.remote_id), ProtocolError)
                 reply, data = await work(stream, context)
         except FileNotFoundError:
             reply = FragmentReply(error="fragment not held here")

@@ -135,6 +135,16 @@ ROSTER_CAP = 4096
 announcements by throwaway keys cannot grow a peer's memory without bound."""
 
 
+def _alive(dht: hivemind.DHT) -> bool:
+    """Whether ``dht``'s process runs; from another process than the one that started it (a server's averager
+    process, which reads the run's tickets, :mod:`swarm.averaging.admitted`) it cannot be asked: assumed so, and a
+    dead DHT's call then ends at :attr:`RunDirectory.call_timeout_s`."""
+    try:
+        return dht.is_alive()
+    except AssertionError:  # multiprocessing: "can only test a child process"
+        return True
+
+
 class RunDirectory:
     """Signed records of one run in the DHT: the spec, stage servers, trainers, fragment holders, checkpoint
     manifests and rollback orders.
@@ -166,7 +176,7 @@ class RunDirectory:
 
     def _get_many(self, keys: list[str]) -> list[Any]:
         """:meth:`_get` of every key, with the lookups in flight together (one lookup's time, not one per key)."""
-        if len(keys) == 1 or not self.dht.is_alive():
+        if len(keys) == 1 or not _alive(self.dht):
             return [self._get(key) for key in keys]
         try:
             futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
@@ -180,7 +190,7 @@ class RunDirectory:
                                f"store {key}", False))
 
     def _wait(self, call, what: str, default: Any) -> Any:
-        if not self.dht.is_alive():  # stopped or died: a request sent now would never be answered
+        if not _alive(self.dht):  # stopped or died: a request sent now would never be answered
             return default
         try:
             future = call()
@@ -194,7 +204,7 @@ class RunDirectory:
                 pass
             except (CancelledError, asyncio.CancelledError):  # (hivemind may cancel it in its own loop)
                 return default
-            stopped = not self.dht.is_alive()
+            stopped = not _alive(self.dht)
             if stopped or time.monotonic() > deadline:
                 future.cancel()
                 if not stopped:

@@ -152,6 +152,7 @@ class ServedStage:
         self.rollbacks = Rollbacks(self.restore, optimizer, self.server.compute, ctx.identity,
                                    is_last=self.server.is_last, log=self.log, weight=lambda s: ctx.weight(s.p2p_id))
         self._verified: dict[str, int] = {}  # libp2p id -> the verified rounds this stage's averager last reported
+        self._ticket = ctx.identity.ticket  # the ticket the averager processes sign with (they forked with it)
         self.background = Submissions(asyncio.get_running_loop())
         self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before): ServerHistory.history
         self._excluded: set[str] = set()  # libp2p ids already excluded from this stage's averaging
@@ -170,7 +171,7 @@ class ServedStage:
                                      timeout=refresh_periods(self.spec.averaging.matchmaking_time)["max_refresh_period"])
         optimizer.set_progress_roster(lambda: self._roster, push=self.pushes.offer)
         self.server.progress_sink = self._progress_pushed
-        self.server.gate = ctx.gate.check if ctx.gate is not None else None
+        self.server.gate = ctx.gate
         ctx.authority.serve_stage(self.stage)  # endorse this stage's checkpoints by state only
 
     @property
@@ -310,6 +311,9 @@ class ServedStage:
         report = self.optimizer.report() if serving else None
         if report is not None and report.answered:
             self._credit(report)
+        renewed = self.ctx.identity.ticket
+        if serving and renewed and renewed != self._ticket and self.optimizer.set_ticket(renewed):
+            self._ticket = renewed  # (a ticketed run: the peer took a renewed ticket; else tried again next time)
         if self.online_since is None:
             self.online_since = get_dht_time()
         return dict(

@@ -216,15 +216,15 @@ class ServerSession:
         await asyncio.to_thread(self.tickets.acquire)
         store = FragmentStore(self.settings.fragment_path(), self.settings.fragment_max_bytes,
                               self.spec.checkpoint.keep, grace_s=2 * self.spec.timeouts.record_ttl_s)
-        self.bans = RunBans(self.directory)
-        self.keeper = FragmentKeeper(self.spec, self.directory, self.identity, store, bans=self.bans)
+        self.bans, gate = RunBans(self.directory), self.tickets.gate()
+        self.keeper = FragmentKeeper(self.spec, self.directory, self.identity, store, bans=self.bans, gate=gate)
         self.p2p = await self.dht.replicate_p2p()
         await self.keeper.start(self.p2p)
         self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
-                               self.bans, self.tickets.gate())
+                               self.bans, gate)
         self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol, answers_comparable(self.spec),
                                           serves=self.directory.blocking.seen_serving, vouch=self._vouch)
-        await EvidenceService(self.spec, self.convictions).add_p2p_handlers(self.p2p, namespace=run_id)
+        await EvidenceService(self.spec, self.convictions, gate=gate).add_p2p_handlers(self.p2p, namespace=run_id)
         self._following: set[asyncio.Task] = set()  # evidence fetched from stage-mates' listings
         self.follower = ConvictionFollower(self.convictions, self.p2p, self.spec, run_id, spawn=self._follow,
                                            on_adopted=self._adopted, log=self.log)

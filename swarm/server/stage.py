@@ -32,7 +32,7 @@ error naming the cause; they never touch the accumulated gradients. Peers on the
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Awaitable, Callable, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import torch
 from hivemind.p2p import P2PContext
@@ -49,6 +49,7 @@ from swarm.protocol import (BackwardRequest, ForwardRequest, PingRequest, Progre
                             StateDigestRequest, pack_message, unpack_message)
 from swarm.server.compute import EpochEnd, EpochHook, StageCompute, StageError
 from swarm.trust.receipts import sign_receipt, tensors_digest
+from swarm.trust.tickets import Gate, admit
 
 
 class StageServer(StageCompute, StageRPC):
@@ -75,18 +76,14 @@ class StageServer(StageCompute, StageRPC):
         self.progress_sink: Optional[Callable[[str, ProgressPush], None]] = None
         """Counts a stage-mate's pushed progress: ``(sender's libp2p id, push)``; raises :class:`StageError` for a
         sender it does not count. None refuses every push (a server without the stage's optimizer)."""
-        self.gate: Optional[Callable[[str], Awaitable[None]]] = None
+        self.gate: Optional[Gate] = None
         """In a ticketed run, checks each caller's libp2p id before its request is read (``TicketGate.check``,
         :mod:`swarm.trust.tickets`); raises for a caller without a ticket. None: any caller (an open run)."""
 
     # ---- RPC handlers ------------------------------------------------------------------------------
     async def _gated(self, context: P2PContext) -> None:
         """:raises StageError: a ticketed run, and the caller holds no ticket (:attr:`gate`)."""
-        if self.gate is not None:
-            try:
-                await self.gate(str(context.remote_id))
-            except RuntimeError as e:
-                raise StageError(str(e)) from None
+        await admit(self.gate, str(context.remote_id), StageError)
 
     def _check_caller(self, context: P2PContext, mb_id: Optional[str] = None) -> None:
         """Refuse banned peers, and new work while leaving the stage (the backward of a micro-batch whose forward

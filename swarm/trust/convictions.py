@@ -31,6 +31,7 @@ from swarm.net.stage_rpc import max_message_bytes
 from swarm.net.transport import ProtocolServicer, gather, stream_out
 from swarm.protocol import (EvidenceMessage, EvidenceRequest, ProtocolError, Refusal, ServerInfo, StageReceipt,
                             open_record, pack_message, unpack_message)
+from swarm.trust.tickets import Gate, admit
 from swarm.trust.evidence import MAX_GROUP_TENSORS, SpotEvidence, pack_evidence, unpack_evidence, verify_evidence
 
 logger = logging.getLogger(__name__)
@@ -144,19 +145,23 @@ class EvidenceService(ProtocolServicer):
     evidence behind a listed conviction), on namespace ``run_id``.
 
     :param on_conviction: called with the accused's receipt after evidence verified (e.g. to exclude it).
+    :param gate: in a run that admits only ticketed peers, awaited with each caller's libp2p id before its
+        request is read (:class:`~swarm.trust.tickets.TicketGate`); None serves anyone.
     """
 
     wire_name = "EvidenceService"
 
     def __init__(self, spec: RunSpec, book: ConvictionBook,
-                 on_conviction: Optional[Callable[[StageReceipt], None]] = None):
-        self.spec, self.book, self.on_conviction = spec, book, on_conviction
+                 on_conviction: Optional[Callable[[StageReceipt], None]] = None,
+                 gate: Optional[Gate] = None):
+        self.spec, self.book, self.on_conviction, self.gate = spec, book, on_conviction, gate
         self.max_bytes = 6 * max_message_bytes(spec)
         self.quota = PeerQuota(max_in_flight=4, rate_per_s=5.0)  # evidence is rare: one push per conviction
 
     async def rpc_push_evidence(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self.quota.hold(str(context.remote_id)):
+            await admit(self.gate, str(context.remote_id), EvidenceRefused)
             meta, tensors = await gather(requests, self.max_bytes, max_tensors=6 * MAX_GROUP_TENSORS,
                                          deadline_s=EVIDENCE_TIMEOUT_S)
             msg = unpack_message(meta, EvidenceMessage)
@@ -174,6 +179,7 @@ class EvidenceService(ProtocolServicer):
     async def rpc_get_evidence(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self.quota.hold(str(context.remote_id)):
+            await admit(self.gate, str(context.remote_id), EvidenceRefused)
             meta, _ = await gather(requests, max_tensors=0, deadline_s=EVIDENCE_TIMEOUT_S)
             req = unpack_message(meta, EvidenceRequest)
             evidence = self.book.evidence(req.accused) if req.run_id == self.book.run_id else None

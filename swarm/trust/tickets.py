@@ -15,7 +15,9 @@ signer, and the record is dated inside the ticket's life. The check is a functio
 it at any time: a record stored while its ticket was valid stays readable until it expires, and an
 announcement re-signed after the ticket expired is refused. So everything that is decided from records (stage
 rosters and thus averaging groups and parts, routing, fragment placement, checkpoint manifests and their
-endorsements, rollback orders, accusations, progress keys) leaves an unticketed key out.
+endorsements, rollback orders, accusations, progress keys) leaves an unticketed key out, and every RPC a peer
+serves (stage RPCs, fragments, evidence, the averagers') refuses such a caller before reading its request
+(:class:`TicketGate`, :func:`ticket_gate`).
 
 Tickets live ``ticket_ttl_s``; the coordinator renews those in their second half while it runs
 (:func:`renew_tickets`), and a peer re-reads its own as it nears expiry (:meth:`RunTickets.refresh`).
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 from hivemind.utils import get_dht_time
 
@@ -145,6 +147,29 @@ class RunTickets:
                            "up? was it revoked?)", self.ticket.expires - now)
 
 
+Gate = Callable[[str], Awaitable[None]]
+"""Awaited with a caller's libp2p id before its request is read; raises :class:`NotAdmitted` for a caller without a
+valid ticket (:class:`TicketGate`)."""
+
+
+async def admit(gate: Optional[Gate], p2p_id: str, refusal: type[Exception]) -> None:
+    """Check caller ``p2p_id`` at ``gate`` (nothing to check without one: an open run).
+
+    :raises refusal: the caller holds no valid ticket (with :class:`NotAdmitted`'s message, which says how to get
+        one), as the service's own refusal type, so its handler answers it like any refusal."""
+    if gate is not None:
+        try:
+            await gate(p2p_id)
+        except NotAdmitted as e:
+            raise refusal(str(e)) from None
+
+
+def ticket_gate(spec: RunSpec, directory: RunDirectory) -> Optional["TicketGate"]:
+    """A :class:`TicketGate` reading ``directory``'s tickets for a run that admits only ticketed peers; None for an
+    open run (every caller is served)."""
+    return None if spec.admission.policy == "open" else TicketGate(directory)
+
+
 READ_EVERY_S = 10.0
 """Seconds between a :class:`TicketGate`'s reads of the run's tickets while callers it does not know call (an
 admit takes effect this soon; a flood of fresh keys costs one DHT read per period, not one per key)."""
@@ -155,7 +180,8 @@ class TicketGate:
     ticketed run: its peer id is derived from the libp2p id and looked up among the run's tickets, read from the
     DHT whole (:func:`all_tickets`) at most every :data:`READ_EVERY_S` seconds, one read at a time, when a caller it
     does not know calls. Checked before a request's message is read, so an unticketed caller's tensors are never
-    received."""
+    received. Called as ``await gate(p2p_id)`` (the same as :meth:`check`) by the stage RPCs, the fragment and
+    evidence services and the averagers' RPCs (:mod:`swarm.averaging.admitted`)."""
 
     def __init__(self, directory: RunDirectory, clock=time.monotonic):
         self.directory, self.clock = directory, clock
@@ -184,6 +210,8 @@ class TicketGate:
                               "ticket (ask the operator to run `swarm-coordinator admit <run address> <your peer "
                               "id>`)")
 
+    __call__ = check
 
-__all__ = ["READ_EVERY_S", "NotAdmitted", "RunTickets", "TicketGate", "all_tickets", "fetch_ticket", "issue_ticket",
-           "renew_tickets"]
+
+__all__ = ["READ_EVERY_S", "Gate", "admit", "NotAdmitted", "RunTickets", "TicketGate", "all_tickets", "fetch_ticket", "issue_ticket",
+           "renew_tickets", "ticket_gate"]
