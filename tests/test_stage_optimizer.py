@@ -101,6 +101,19 @@ def _entry(epoch: int, samples: int, expiration: float = 1e12):
                                     time=0.0, client_mode=False), expiration)
 
 
+def _foreign_progress(trackers: list, node, prefix: str, epoch: int, samples: int) -> bytes:
+    """Another peer's progress entry under ``prefix`` (hivemind's own tracker, a fresh RSA key) on DHT ``node``, at
+    ``epoch`` with ``samples``; the tracker joins ``trackers`` (the caller shuts them down). Returns its sub-key."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    other = ProgressTracker(dht=node, prefix=prefix, target_batch_size=10**6, private_key=RSAPrivateKey(),
+                            min_refresh_period=0.1, max_refresh_period=0.5, start=True)
+    trackers.append(other)
+    other.report_local_progress(epoch, samples)
+    return other._local_public_key
+
+
 def test_progress_counts_only_the_stages_servers_and_at_most_one_epoch_ahead_of_them():
     """(swarm.averaging.progress) A stranger's entry far ahead is dropped, one epoch ahead of the others' median
     still counts (the stage moved on), samples and throughput are capped, and with a roster only its sub-keys
@@ -123,13 +136,60 @@ def test_progress_counts_only_the_stages_servers_and_at_most_one_epoch_ahead_of_
     assert set(trusted_progress(entries, b"own", 5, 64, roster=frozenset({b"a"}))) == {b"own", b"a"}
 
 
+def test_unverified_progress_neither_pulls_a_server_on_nor_counts_past_its_share():
+    """(swarm.averaging.progress, Standing) One fresh key announced as a server, at the stage's epoch + 1 with 10**9
+    samples, ended every epoch at once. A server that verified a stage-mate counts the others as unverified: an
+    entry ahead counts as one that finished this epoch, and the unverified entries count at most half the target
+    together; a server that verified nobody yet counts every entry in full, as before; a newcomer to an established
+    stage counts its own samples within the share too."""
+    from swarm.averaging.progress import UNVERIFIED_SHARE, ProgressTrust, trusted_progress
+
+    entries = {b"own": _entry(5, 10), b"mate": _entry(5, 12), b"sybil": _entry(6, 10**9), b"new": _entry(5, 20)}
+    roster = frozenset(entries) - {b"own"}
+    before = trusted_progress(entries, b"own", 5, 64, roster)  # nobody verified: hivemind's rule with the caps
+    assert before[b"sybil"].value["epoch"] == 6 and before[b"sybil"].value["samples_accumulated"] == 64
+
+    kept = trusted_progress(entries, b"own", 5, 64, roster, ProgressTrust(frozenset({b"mate"})))
+    assert {k: (v.value["epoch"], v.value["samples_accumulated"]) for k, v in kept.items()} == {
+        b"own": (5, 10), b"mate": (5, 12), b"sybil": (5, 64 * 32 // 84), b"new": (5, 20 * 32 // 84)}
+    assert sum(kept[k].value["samples_accumulated"] for k in (b"sybil", b"new")) <= UNVERIFIED_SHARE * 64
+    # within the share, an unverified server's samples count as they are
+    few = trusted_progress({b"own": _entry(5, 1), b"new": _entry(5, 9)}, b"own", 5, 64, frozenset({b"new"}),
+                           ProgressTrust(frozenset({b"gone"})))
+    assert few[b"new"].value["samples_accumulated"] == 9
+    # unverified entries far ahead stay dropped, and they do not move the ceiling of the verified ones
+    many = {b"own": _entry(5, 0), b"mate": _entry(5, 0)} | {bytes([i]): _entry(6 + i, 1) for i in range(5)}
+    kept = trusted_progress(many, b"own", 5, 64, None, ProgressTrust(frozenset({b"mate"})))
+    assert set(kept) == {b"own", b"mate", bytes([0])} and kept[bytes([0])].value["epoch"] == 5
+    # a newcomer to an established stage: its own samples within the share, as its stage-mates count them
+    own = trusted_progress({b"own": _entry(5, 50), b"mate": _entry(5, 3)}, b"own", 5, 64, frozenset({b"mate"}),
+                           ProgressTrust(own_capped=True))
+    assert own[b"own"].value["samples_accumulated"] == 32 and own[b"mate"].value["samples_accumulated"] == 3
+
+
+def test_a_servers_progress_trust_follows_its_standing_and_its_stage_mates_vouches():
+    """(swarm.server.served.progress_trust) Verified: the mates with standing here; own samples capped only for a
+    server no mate vouches for, in a stage where some mate vouches for another."""
+    from types import SimpleNamespace
+
+    from swarm.server.served import progress_trust
+
+    def mate(p2p: str, key: str, vouches=()):
+        return SimpleNamespace(p2p_id=p2p, progress_key=key, vouches={v: 1.0 for v in vouches})
+
+    weight = {"a": 0.5, "b": 0.0}.get
+    fresh = progress_trust([mate("a", "0a"), mate("b", "0b")], "me", lambda p: weight(p, 0.0))
+    assert fresh.verified == frozenset({b"\x0a"}) and not fresh.own_capped
+    established = [mate("a", "0a", vouches=["b"]), mate("b", "0b", vouches=["a"])]
+    assert progress_trust(established, "me", lambda p: 0.0).own_capped
+    assert not progress_trust(established + [mate("c", "0c", vouches=["me"])], "me", lambda p: 0.0).own_capped
+
+
 @pytest.mark.timeout(180)
 def test_a_strangers_progress_record_neither_moves_the_stages_epoch_nor_ends_it():
     """A peer with nothing but a fresh RSA key stores progress under the stage's key (hivemind lets anyone):
     at epoch 10**8 it does not make the server believe it is out of sync; once the server counts only the
     progress keys its stage's records name, the stranger's samples do not count either."""
-    from hivemind.optim.progress_tracker import ProgressTracker
-    from hivemind.utils.crypto import RSAPrivateKey
 
     (key, dht), (_, stranger_dht), (_, mate_dht), (_, other_dht) = keyed_dhts(4)
     module = build_stage(TINY.model, 0)
@@ -139,11 +199,7 @@ def test_a_strangers_progress_record_neither_moves_the_stages_epoch_nor_ends_it(
         tracker = optimizer._opt.tracker
 
         def report(node, epoch: int, samples: int) -> bytes:
-            other = ProgressTracker(dht=node, prefix="seam-stage0", target_batch_size=10**6, private_key=RSAPrivateKey(),
-                                    min_refresh_period=0.1, max_refresh_period=0.5, start=True)
-            trackers.append(other)
-            other.report_local_progress(epoch, samples)
-            return other._local_public_key
+            return _foreign_progress(trackers, node, "seam-stage0", epoch, samples)
 
         def counted(samples: int) -> None:
             deadline = time.monotonic() + 60
@@ -172,6 +228,50 @@ def test_a_strangers_progress_record_neither_moves_the_stages_epoch_nor_ends_it(
         if optimizer is not None:
             optimizer.shutdown()
         for d in (other_dht, mate_dht, stranger_dht, dht):
+            d.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_one_fresh_keys_progress_at_the_next_epoch_no_longer_ends_a_verified_servers_epochs():
+    """The finding: one fresh key announced as a server, its progress entry at the stage's epoch + 1 with 10**9
+    samples, ended every epoch of its stage at once. A server that verified its stage-mate's averaging work counts
+    that key as unverified: not pulled to the next epoch, its samples within the unverified share; the same entry
+    still pulls a server that verified nobody (as hivemind's tracker would)."""
+
+    from swarm.averaging.progress import UNVERIFIED_SHARE, ProgressTrust
+
+    (key, dht), (_, sybil_dht), (_, mate_dht) = keyed_dhts(3)
+    optimizer, trackers = None, []
+    try:
+        optimizer = StageOptimizer(TINY, "pulled", 0, dht, build_stage(TINY.model, 0), identity=key)
+        tracker, target = optimizer._opt.tracker, optimizer._opt.tracker.target_batch_size
+
+        def report(node, epoch: int, samples: int) -> bytes:
+            return _foreign_progress(trackers, node, "pulled-stage0", epoch, samples)
+
+        sybil, mate = report(sybil_dht, 1, 10**9), report(mate_dht, 0, 1)
+        roster = frozenset({sybil, mate})
+        optimizer.set_progress_roster(lambda: roster, trust=lambda: ProgressTrust(frozenset({mate})))
+        deadline = time.monotonic() + 60
+        while tracker.global_progress.num_peers < 3:  # the entries reached the DHT and a read found them all
+            assert time.monotonic() < deadline, f"the tracker never counted the three entries ({tracker.global_progress})"
+            optimizer.read_progress_soon()
+            time.sleep(0.2)
+        assert tracker.global_epoch == 0 and not tracker.ready_to_update_epoch, tracker.global_progress
+        assert tracker.global_progress.samples_accumulated == 1 + int(UNVERIFIED_SHARE * target)
+        optimizer.set_progress_roster(lambda: roster)  # a server that verified nobody: pulled on, as before
+        deadline = time.monotonic() + 30
+        while not tracker.ready_to_update_epoch:
+            assert time.monotonic() < deadline, f"the unverified entry never pulled ({tracker.global_progress})"
+            optimizer.read_progress_soon()
+            time.sleep(0.2)
+        assert tracker.global_epoch == 1
+    finally:
+        for t in trackers:
+            t.shutdown()
+        if optimizer is not None:
+            optimizer.shutdown()
+        for d in (mate_dht, sybil_dht, dht):
             d.shutdown()
 
 

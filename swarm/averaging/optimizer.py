@@ -37,7 +37,7 @@ from swarm.averaging.exclusion import AveragingReport
 from swarm.averaging.membership import MemberTable
 from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
 from swarm.averaging.overlap import OverlappedRounds
-from swarm.averaging.progress import Push, Roster, SampleCountTracker, progress_signer, refresh_periods
+from swarm.averaging.progress import Push, Roster, SampleCountTracker, Trust, progress_signer, refresh_periods
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer, schedule_moves_quietly
 from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
@@ -420,10 +420,10 @@ class StageOptimizer:
         """This server's sub-key in the stage's progress records, hex (announced as ``ServerInfo.progress_key``)."""
         return self._opt.tracker.progress_key.hex()
 
-    def set_progress_roster(self, roster: Roster, push: Optional[Push] = None) -> None:
-        """Count progress only from the sub-keys ``roster()`` returns, and push this server's count to its
-        stage-mates through ``push`` (None: the DHT only; :mod:`swarm.averaging.progress`)."""
-        self._opt.tracker.set_roster(roster)
+    def set_progress_roster(self, roster: Roster, push: Optional[Push] = None, trust: Optional[Trust] = None) -> None:
+        """Count progress only from the sub-keys ``roster()`` returns, as ``trust()`` says (None: all in full); push
+        this server's count to its stage-mates through ``push`` (None: the DHT only). :mod:`~.progress`."""
+        self._opt.tracker.set_roster(roster, trust)
         self._opt.tracker.push = push
 
     def receive_progress(self, subkey: bytes, push: ProgressPush, sender: bytes = b"") -> None:

@@ -20,6 +20,25 @@ sample count ended every epoch at once. :class:`SampleCountTracker` reads the en
 An epoch ends only once ``target_batch_size`` samples were counted (hivemind also ends it when its estimated
 time passed).
 
+**Standing** (:class:`ProgressTrust`, :mod:`swarm.trust.standing`). Announcing a server costs a fresh key nothing,
+so one such key naming its progress entry at the stage's epoch + 1 (or with the target's samples) ended every
+epoch of its stage at once (measured: 88 micro-batches per 25 s fell to 4). A server that verified the averaging
+work of at least one of its current stage-mates therefore counts in full only its own entry and those of the
+mates it verified; every other entry is *unverified*:
+
+* an unverified entry ahead of this server's epoch does not move it: it counts as one that finished this epoch
+  (the target's samples, within the share below), so it cannot pull the stage to the next epoch;
+* the unverified entries' samples count together at most :data:`UNVERIFIED_SHARE` of the target (each scaled
+  down alike), so an epoch holds at least that share of samples the server verified or made: Sybils can at
+  worst halve a stage's batch, never stop it.
+
+A server new to an established stage (one whose records vouch for some server, but none for it) counts its own
+samples within that share too (:attr:`ProgressTrust.own_capped`), as its stage-mates count them, so it does not
+end epochs before them. A server that verified none of its current stage-mates (the stage's first epoch, a
+newcomer, a restart: standing lives in memory) counts every announced server as before: it follows the stage
+until its first round with a mate. Limits: such a server can be pulled ahead by a Sybil's entry until then (the
+stage's established servers are not moved), and a stage with one established server left trusts every entry.
+
 **Pushed progress.** hivemind publishes every count to the DHT and reads the stage's counts back from it, a
 stored and a fetched record (each visiting several DHT nodes) several times a second per server: the largest
 DHT traffic of a training swarm (docs/efficiency.md). The stage's servers push their counts to each other
@@ -39,6 +58,7 @@ import logging
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import hivemind
@@ -79,8 +99,27 @@ PUSHED_SLOWDOWN = 4.0
 """While pushes carry the stage's progress both ways, the DHT is read and written every ``PUSHED_SLOWDOWN x
 max_refresh_period`` (a whole matchmaking window, 2 s at the demo's spec), not every eighth or quarter of it."""
 
+UNVERIFIED_SHARE = 0.5
+"""At most this fraction of ``target_batch_size`` counts from unverified entries together (module docstring)."""
+
+
+@dataclass(frozen=True)
+class ProgressTrust:
+    """Whose progress counts in full for this server (module docstring, *Standing*).
+
+    :param verified: progress sub-keys of the current stage-mates whose averaging work this server verified; empty:
+        every entry counts in full (the server verified none of them yet).
+    :param own_capped: this server's own samples count within :data:`UNVERIFIED_SHARE` (it is new to an
+        established stage: no stage-mate vouches for it, and some vouch for others)."""
+
+    verified: frozenset = frozenset()
+    own_capped: bool = False
+
+
 Roster = Callable[[], Optional[frozenset]]
 """Returns the progress sub-keys (bytes) of the stage's announced servers, or None while they are unknown."""
+Trust = Callable[[], ProgressTrust]
+"""Returns the :class:`ProgressTrust` of this server now (called at every count: keep it cheap)."""
 Push = Callable[[LocalTrainingProgress], bool]
 """Sends this server's progress to the stage's other servers (called at every report, from any thread; must not
 block); returns whether the last pushes reached every one of them."""
@@ -106,10 +145,12 @@ def progress_signer(dht: hivemind.DHT) -> RSAPrivateKey:
 
 
 def trusted_progress(entries: dict, own: bytes, own_epoch: int, target: int,
-                     roster: Optional[frozenset] = None) -> dict:
+                     roster: Optional[frozenset] = None, trust: ProgressTrust = ProgressTrust()) -> dict:
     """The progress entries (sub-key -> ``ValueWithExpiration`` of a ``LocalTrainingProgress`` dict) that count,
     as the module docstring says: from ``roster`` (or anyone while it is None) plus ``own``, at most one epoch
-    past the lower median of the others' epochs (or ``own_epoch``), samples clipped to ``target``."""
+    past the lower median of the others' epochs (or ``own_epoch``), samples clipped to ``target``; with
+    ``trust.verified``, the unverified entries at ``own_epoch`` and within :data:`UNVERIFIED_SHARE` of ``target``
+    together (*Standing*)."""
     progress = {}
     for subkey, item in entries.items():
         if item is None or item.value is None or (roster is not None and subkey != own and subkey not in roster):
@@ -118,16 +159,32 @@ def trusted_progress(entries: dict, own: bytes, own_epoch: int, target: int,
             progress[subkey] = (LocalTrainingProgress.parse_obj(item.value), item.expiration_time)
         except Exception:  # hivemind's schema validator checked it already; a stray value is skipped
             continue
-    others = sorted(p.epoch for key, (p, _) in progress.items() if key != own and not p.client_mode)
+    full = (lambda k: True) if not trust.verified else (lambda k: k == own or k in trust.verified)
+    others = sorted(p.epoch for key, (p, _) in progress.items() if key != own and full(key) and not p.client_mode)
     ceiling = max(own_epoch, others[(len(others) - 1) // 2] if others else own_epoch) + 1
-    out = {}
+    out, unverified = {}, []
     for subkey, (p, expiration) in progress.items():
         if p.epoch > ceiling:
             continue
         p.samples_accumulated = min(p.samples_accumulated, target)
         p.samples_per_second = min(p.samples_per_second, MAX_SAMPLES_PER_S)
-        out[subkey] = ValueWithExpiration(p.dict(), expiration)
-    return out
+        if not full(subkey) and not p.client_mode:
+            if p.epoch > own_epoch:  # it cannot pull this server on: it finished this epoch, at most
+                p.epoch, p.samples_accumulated = own_epoch, target
+            unverified.append(p)
+        out[subkey] = (p, expiration)
+    _share([p for p in unverified if p.epoch == own_epoch], int(UNVERIFIED_SHARE * target))
+    if trust.own_capped and own in out:
+        _share([out[own][0]], int(UNVERIFIED_SHARE * target))
+    return {subkey: ValueWithExpiration(p.dict(), expiration) for subkey, (p, expiration) in out.items()}
+
+
+def _share(progress: list, cap: int) -> None:
+    """Scale the ``samples_accumulated`` of ``progress`` alike so that they sum to at most ``cap``."""
+    total = sum(p.samples_accumulated for p in progress)
+    if total > cap:
+        for p in progress:
+            p.samples_accumulated = p.samples_accumulated * cap // total
 
 
 class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
@@ -136,7 +193,8 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
     right after its last micro-batch."""
 
     roster: Roster = staticmethod(lambda: None)
-    others_epoch = 0  # the lower median epoch of the other counted servers (0 while none is counted)
+    trust: Trust = staticmethod(ProgressTrust)
+    others_epoch = 0  # the lower median epoch of the other counted (verified, if any) servers (0 while none is)
     per_server_target = 0
     """If set (outer steps, :mod:`swarm.averaging.outer`): an epoch ends after this many samples per server counted
     (``target_batch_size`` follows the count of servers), not after a fixed ``target_batch_size``."""
@@ -199,9 +257,10 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         """This server's sub-key under the progress key (its hivemind RSA public key, in hivemind's format)."""
         return self._local_public_key
 
-    def set_roster(self, roster: Roster) -> None:
-        """Read entries only from the sub-keys ``roster()`` returns (called at every fetch: keep it cheap)."""
-        self.roster = roster
+    def set_roster(self, roster: Roster, trust: Optional[Trust] = None) -> None:
+        """Read entries only from the sub-keys ``roster()`` returns, and count them as ``trust()`` says (module
+        docstring, *Standing*; None: every entry in full). Both are called at every count: keep them cheap."""
+        self.roster, self.trust = roster, trust or ProgressTrust
 
     def read_soon(self) -> None:
         """Read the stage's progress from the DHT now (the roster gained a server, whose pushes may not count yet)."""
@@ -283,14 +342,17 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         # just loaded the stage's state) counted one peer fewer and, seeing "no other peers", stepped alone
         entries[self._local_public_key] = ValueWithExpiration(self.local_progress.dict(),
                                                               get_dht_time() + self.metadata_expiration)
+        roster, trust = self.roster(), self.trust()
         if self.per_server_target:
-            servers = trusted_progress(entries, self._local_public_key, self.local_progress.epoch, 1, self.roster())
-            self.target_batch_size = self.per_server_target * max(1, sum(
-                1 for v in servers.values() if not v.value["client_mode"]))
+            servers = trusted_progress(entries, self._local_public_key, self.local_progress.epoch, 1, roster, trust)
+            self.target_batch_size = self.per_server_target * max(1, sum(  # (Sybils must not raise it either)
+                1 for k, v in servers.items() if not v.value["client_mode"] and
+                (not trust.verified or k == self._local_public_key or k in trust.verified)))
         trusted = trusted_progress(entries, self._local_public_key, self.local_progress.epoch,
-                                   self.target_batch_size, self.roster())
-        others = sorted(v.value["epoch"] for k, v in trusted.items()
-                        if k != self._local_public_key and not v.value["client_mode"])
+                                   self.target_batch_size, roster, trust)
+        others = sorted(v.value["epoch"] for k, v in trusted.items()  # (of the verified ones, if any)
+                        if k != self._local_public_key and not v.value["client_mode"] and
+                        (not trust.verified or k in trust.verified))
         self.others_epoch = others[(len(others) - 1) // 2] if others else 0
         progress = super()._parse_swarm_progress_data(trusted)
         self._count_quiet(progress.epoch, trusted)
@@ -331,5 +393,5 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         )
 
 
-__all__ = ["PUSHED_SLOWDOWN", "Push", "Roster", "SampleCountTracker", "progress_signer", "refresh_periods",
+__all__ = ["PUSHED_SLOWDOWN", "UNVERIFIED_SHARE", "ProgressTrust", "Push", "Roster", "SampleCountTracker", "Trust", "progress_signer", "refresh_periods",
            "trusted_progress"]

@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 from swarm.aio import Submissions, periodic
 from swarm.averaging.membership import MemberTable
 from swarm.averaging.exclusion import AveragingReport
-from swarm.averaging.progress import refresh_periods
+from swarm.averaging.progress import ProgressTrust, refresh_periods
 from swarm.checkpoint.commit import StageCommits
 from swarm.checkpoint.keeper import FragmentKeeper
 from swarm.checkpoint.restore import Lineage, StageRestore
@@ -124,6 +124,16 @@ class StagePlan:
                     peak_flops=self.peak_flops)
 
 
+def progress_trust(mates: list, me: str, weight: Callable[[str], float]) -> ProgressTrust:
+    """Whose progress this server counts in full (:mod:`swarm.averaging.progress`, *Standing*): the stage-mates
+    (their :class:`~swarm.protocol.ServerInfo`, with a progress key) it verified (``weight(libp2p id) > 0``), and
+    whether its own samples count within the unverified share: some stage-mate vouches for a server, none for it
+    (``me``: its libp2p id)."""
+    verified = frozenset(bytes.fromhex(s.progress_key) for s in mates if weight(s.p2p_id) > 0)
+    established = any(s.vouches for s in mates)
+    return ProgressTrust(verified, own_capped=established and not any(me in s.vouches for s in mates))
+
+
 class ServedStage:
     """Stage ``plan.stage`` served with ``module`` and ``optimizer`` (its :class:`~swarm.averaging.optimizer.
     StageOptimizer`, built with this stage's donor-state check); see the module docstring.
@@ -157,6 +167,7 @@ class ServedStage:
         self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before): ServerHistory.history
         self._excluded: set[str] = set()  # libp2p ids already excluded from this stage's averaging
         self._roster: Optional[frozenset] = None  # progress sub-keys of the stage's servers (swarm.averaging.progress)
+        self._trust = ProgressTrust()  # whose progress counts in full (swarm.averaging.progress, Standing)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self.members = MemberTable(self.spec.timeouts.record_ttl_s)  # the stage's averaging members, as read
         self._members_sent: Optional[dict] = None  # the table the averagers last took
@@ -169,7 +180,7 @@ class ServedStage:
         self._servers_read: tuple[float, list] = (float("-inf"), [])  # (time.monotonic(), records) of the last read
         self.pushes = ProgressPusher(ctx.p2p, self.directory.run_id, self.stage,
                                      timeout=refresh_periods(self.spec.averaging.matchmaking_time)["max_refresh_period"])
-        optimizer.set_progress_roster(lambda: self._roster, push=self.pushes.offer)
+        optimizer.set_progress_roster(lambda: self._roster, push=self.pushes.offer, trust=lambda: self._trust)
         self.server.progress_sink = self._progress_pushed
         self.server.gate = ctx.gate
         ctx.authority.serve_stage(self.stage)  # endorse this stage's checkpoints by state only
@@ -268,6 +279,7 @@ class ServedStage:
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
         mates = [s for s in servers if s.progress_key and s.peer_id != self.me]
         known, self._mates = self._mates, {s.p2p_id: bytes.fromhex(s.progress_key) for s in mates}
+        self._trust = progress_trust(mates, self.ctx.identity.p2p_id, self.ctx.weight)
         if self._mates != known:
             self.pushes.set_mates(mates)
             if set(self._mates.values()) - set(known.values()):  # a new one: its pushes may not count yet
