@@ -60,3 +60,40 @@ def test_an_excluded_key_starts_again_from_zero_and_the_heaviest_keys_are_listed
     assert book.weight("a") == 0.0 and "a" not in book.heaviest(5)
     book.credit("a", 2.0)
     assert book.weight("a") == 0.5
+
+
+def test_standing_is_kept_across_a_restart_decayed_by_the_time_down(tmp_path, monkeypatch, caplog):
+    """(Standing.save, load, keep) A server's standing survives a restart: a new Standing on the same path holds the
+    same weights, less what they decayed while the peer was down (wall clock); revoked keys stay revoked; a file
+    it cannot read is logged and the standing starts anew; a save that fails is logged once."""
+    import time
+
+    path = tmp_path / "state" / "standing-run.json"
+    clock = [0.0]
+    before = Standing(half_life_s=100.0, full=8.0, clock=lambda: clock[0], path=path)
+    before.credit("mate", 8.0)
+    before.credit("half", 4.0)
+    before.revoke("liar")
+    before.keep()
+    assert path.exists() and not before.changed
+    wall = time.time()
+    monkeypatch.setattr(time, "time", lambda: wall + 100.0)  # down one half-life
+    after = Standing(half_life_s=100.0, full=8.0, clock=lambda: 5.0, path=path)
+    assert after.weight("mate") == pytest.approx(0.5, rel=1e-3) and after.weight("half") == pytest.approx(0.25, rel=1e-3)
+    after.credit("liar", 8.0)
+    assert after.weight("liar") == 0.0  # revoked for good
+
+    path.write_text("{not json")
+    with caplog.at_level("WARNING"):
+        fresh = Standing(path=path)
+    assert fresh.weight("mate") == 0.0 and "starts anew" in caplog.text and "delete it" in caplog.text
+
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    unwritable = Standing(path=blocked / "standing.json")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            unwritable.credit("mate")
+            unwritable.keep()
+    assert caplog.text.count("could not keep this peer's standing") == 1 and unwritable.weight("mate") > 0

@@ -35,7 +35,7 @@ mates it verified; every other entry is *unverified*:
 A server new to an established stage (one whose records vouch for some server, but none for it) counts its own
 samples within that share too (:attr:`ProgressTrust.own_capped`), as its stage-mates count them, so it does not
 end epochs before them. A server that verified none of its current stage-mates (the stage's first epoch, a
-newcomer, a restart: standing lives in memory) counts every announced server as before: it follows the stage
+newcomer, a server whose standing file was lost) counts every announced server as before: it follows the stage
 until its first round with a mate. Limits: such a server can be pulled ahead by a Sybil's entry until then (the
 stage's established servers are not moved), and a stage with one established server left trusts every entry.
 

@@ -100,7 +100,8 @@ class PeerContext:
     """Checks callers' tickets in a ticketed run (:mod:`swarm.trust.tickets`); None in an open run."""
     standing: Standing = field(default_factory=Standing)
     """The averaging work this peer verified each stage-mate doing, by libp2p id (:mod:`swarm.trust.standing`),
-    kept across the stages it serves: it weighs its stage's servers' rollback orders, state and evidence."""
+    kept across the stages it serves and across restarts (its ``path``): it weighs its stage's servers' progress,
+    rollback orders, state and evidence."""
 
     def weight(self, p2p_id: str) -> float:
         """A server's vote in this peer's decisions, by libp2p id: 1 for itself, else its standing's weight."""
@@ -352,6 +353,7 @@ class ServedStage:
         self._verified = dict(report.verified)
         for p2p in report.excluded:
             standing.reset(p2p)
+        standing.keep()  # (across restarts: swarm.trust.standing)
 
     # ---- where an epoch ends (compute thread) ------------------------------------------------------------
     def _epoch_ended(self, end: EpochEnd) -> None:

@@ -63,6 +63,7 @@ from swarm.kernels.flops import PeakCache, compute_dtype, stage_flops_per_token
 from swarm.logs import PeerLog
 from swarm.model import build_stage
 from swarm.net.dht import close_dht, connect_run, reachability, relay_enabled, visible_maddrs
+from swarm.trust.standing import Standing
 from swarm.trust.tickets import RunTickets
 from swarm.net.directory import AsyncRunDirectory
 from swarm.protocol import ServerHistory, ServerInfo, ServerState, StorageInfo
@@ -221,7 +222,7 @@ class ServerSession:
         self.p2p = await self.dht.replicate_p2p()
         await self.keeper.start(self.p2p)
         self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
-                               self.bans, gate)
+                               self.bans, gate, Standing(path=self.settings.state_path() / f"standing-{run_id}.json"))
         self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol, answers_comparable(self.spec),
                                           serves=self.directory.blocking.seen_serving, vouch=self._vouch)
         await EvidenceService(self.spec, self.convictions, gate=gate).add_p2p_handlers(self.p2p, namespace=run_id)
