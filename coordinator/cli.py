@@ -8,6 +8,7 @@ Examples::
     swarm-coordinator stages|peers <run address> [--json] [--watch 5]
     swarm-coordinator ban <run address> <peer id> --key runs/demo.key [--reason "..."]   # and unban
     swarm-coordinator admit <run address> <peer id> --key runs/demo.key   # [admission] policy = "allowlist"; revoke
+    swarm-coordinator invite <run address> --uses 5 --expires 7d --key runs/demo.key   # policy = "invite"
     swarm-coordinator monitor <run address> --metrics-port 9100   # observer: Prometheus for the whole run
     swarm-coordinator checkpoints <run address> [--json]
     swarm-coordinator export <run address> ./model      # newest complete checkpoint -> PyTorch / transformers
@@ -239,7 +240,7 @@ def unban(address: str = typer.Argument(..., help="Run address."),
 def admit(address: str = typer.Argument(..., help="Run address."),
           peer: str = typer.Argument(..., help="Peer id to admit (a peer prints it at start, and in its refusal)."),
           key: Path = _KEY, timeout: float = _TIMEOUT) -> None:
-    """Admit PEER to a run whose `[admission] policy` is "allowlist": sign its ticket with the run key and store
+    """Admit PEER to a run whose `[admission] policy` is "allowlist" (or "invite"): sign its ticket with the run key and store
     it in the DHT; PEER may then join. `serve` renews it while it runs. Prints {"admitted", "expires"} as JSON."""
     from swarm.trust.tickets import issue_ticket
 
@@ -258,9 +259,47 @@ def admit(address: str = typer.Argument(..., help="Run address."),
         dht.shutdown()
     if ticket is None:
         typer.echo(f"error: run {directory.run_id} is open (any key may join); tickets apply to a run whose spec "
-                   "sets [admission] policy = \"allowlist\"", err=True)
+                   "sets [admission] policy = \"allowlist\" or \"invite\"", err=True)
         raise typer.Exit(1)
     typer.echo(json.dumps({"admitted": peer, "expires": ticket.expires}))
+
+
+_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _duration_s(text: str) -> float:
+    """Seconds of a duration such as ``7d``, ``12h``, ``30m``, ``90s`` or ``3600``."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if found is None or float(found[1]) <= 0:
+        raise typer.BadParameter(f"{text!r} is not a duration (a number with s, m, h or d: 7d, 12h, 30m)")
+    return float(found[1]) * _UNITS_S[found[2] or "s"]
+
+
+@app.command()
+def invite(address: str = typer.Argument(..., help="Run address."),
+           uses: int = typer.Option(1, min=1, max=100_000, help="Peers the code admits at most."),
+           expires: str = typer.Option("7d", help="How long the code can be redeemed: 7d, 12h, 30m, 90s."),
+           key: Path = _KEY, timeout: float = _TIMEOUT) -> None:
+    """Draw an invite code for a run whose `[admission] policy` is "invite": a peer started with `swarm-peer join
+    <address> --invite CODE` gets its own ticket with it (redeemed by `serve`, which must be up then), up to USES
+    peers until it expires; the DHT holds only the code's hash. Prints {"code", "uses", "expires"} as JSON: keep
+    the code secret, as a password."""
+    from swarm.trust.invites import issue_invite
+
+    ttl_s, coordinator = _duration_s(expires), _run_key(key)
+    dht, directory, spec, _ = _connect(address, timeout)
+    try:
+        if spec.admission.policy != "invite":
+            typer.echo(f"error: run {directory.run_id} admits by {spec.admission.policy!r}; invite codes apply to a "
+                       "run whose spec sets [admission] policy = \"invite\"", err=True)
+            raise typer.Exit(1)
+        code, found = issue_invite(directory, coordinator, spec, uses, ttl_s)
+    except (ValueError, RuntimeError) as e:  # ProtocolError (not the run key) is a ValueError
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        dht.shutdown()
+    typer.echo(json.dumps({"code": code, "uses": found.uses, "expires": found.expires}))
 
 
 @app.command()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,6 +31,7 @@ from swarm.net.dht import format_run_address, join_dht, visible_maddrs
 from swarm.net.dht_validation import TicketValidator
 from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.identity import Identity, claim_folder
+from swarm.trust.invites import InviteService
 from swarm.trust.tickets import renew_tickets, ticket_gate
 
 logger = logging.getLogger("swarm.coordinator")
@@ -53,9 +55,10 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
         admission = None
         if spec.admission.policy != "open":  # ticketed records only, its own included (swarm.trust.tickets)
             dht.add_validators([TicketValidator(run_id)])
-            admission = partial(renew_tickets, directory, key, spec)
+            admission = Admission(partial(renew_tickets, directory, key, spec),
+                                  InviteService(directory, key, spec) if spec.admission.policy == "invite" else None)
             try:
-                admission()
+                admission.renew()
             except RuntimeError as e:  # its own ticket: tried again at every tick
                 logger.warning("could not issue the coordinator's own ticket yet: %s", e)
         address = format_run_address(run_id, visible_maddrs(dht))
@@ -91,21 +94,32 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
         dht.shutdown()
 
 
+@dataclass(frozen=True)
+class Admission:
+    """A ticketed run's duties at the coordinator: renew the tickets; redeem invite codes (policy "invite")."""
+
+    renew: Callable[[], list[str]]
+    invites: Optional[InviteService] = None
+
+
 async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes, dht,
-                 observe: Callable[[], None], admission: Optional[Callable[[], list[str]]] = None) -> None:
+                 observe: Callable[[], None], admission: Optional[Admission] = None) -> None:
     """Until SIGTERM/SIGINT, every ``record_ttl_s / 3`` seconds: re-publish the spec, renew the run's tickets
-    (``admission``, a ticketed run), run the keeper's duties, refresh the metrics; then hand the fragments held
-    here to other peers."""
+    (``admission``, a ticketed run, whose invite codes it redeems on request), run the keeper's duties, refresh
+    the metrics; then hand the fragments held here to other peers."""
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await keeper.start(await dht.replicate_p2p())
+    p2p = await dht.replicate_p2p()
+    await keeper.start(p2p)
+    if admission is not None and admission.invites is not None:
+        await admission.invites.add_p2p_handlers(p2p, namespace=directory.run_id)
 
     async def tick() -> None:
         """Each duty on its own: one that fails is logged and the others still run."""
         if not await keeper.directory.publish_spec(sealed):
             logger.warning("could not store the spec in the DHT; retrying in %.0fs", directory.ttl / 3)
-        duties = ((lambda: asyncio.to_thread(admission), "renewing the run's tickets"),) if admission else ()
+        duties = ((lambda: asyncio.to_thread(admission.renew), "renewing the run's tickets"),) if admission else ()
         for duty, what in duties + ((keeper.tick, "fragment keeper tick"),
                                     (lambda: asyncio.to_thread(observe), "updating the run's metrics")):
             try:

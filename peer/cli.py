@@ -48,6 +48,9 @@ def join(
                                     "cover its round trips to the servers (the log says how many)."),
     max_samples: Optional[int] = typer.Option(None, help="Trainer stops after this many samples."),
     loss_log: Optional[Path] = typer.Option(None, help="Trainer appends each micro-batch's loss here (JSON lines)."),
+    invite: Optional[str] = typer.Option(None, help="An invite code of a run that admits by invite (`swarm-coordinator "
+                                         "invite` prints it): redeemed for this peer's ticket if it holds none "
+                                         "(SWARM_INVITE)."),
     log_level: str = typer.Option("INFO", help="Log level."),
 ) -> None:
     """Join the run at ADDRESS and serve or train until SIGTERM/Ctrl-C. Settings: SWARM_* env vars, .env."""
@@ -64,6 +67,8 @@ def join(
             raise typer.BadParameter(f"--share {share} and --shard {shard} disagree; give --share only")
         share = shard
     settings = PeerSettings()
+    if invite is not None:
+        settings = settings.model_copy(update={"invite": invite})
     if settings.client_mode and role == Role.SERVER:
         typer.echo("SWARM_CLIENT_MODE is set: this peer cannot accept connections, so it joins as a trainer", err=True)
         role = Role.TRAINER

@@ -465,10 +465,13 @@ class RecordsSpec(_Section):
 class AdmissionSpec(_Section):
     """Who may take part in the run (:mod:`swarm.trust.tickets`, docs/threat-model.md, "Admission")."""
 
-    policy: Literal["open", "allowlist"] = Field(
+    policy: Literal["open", "invite", "allowlist"] = Field(
         "open", description="'open': any key may join (Sybil keys are weighed by the work they did). 'allowlist': "
         "only peers the run's operator admitted (`swarm-coordinator admit <address> <peer id>`) may publish "
-        "records; every peer refuses the records of a key without a valid ticket signed by the run key.",
+        "records or call a peer; every peer refuses the records and requests of a key without a valid ticket "
+        "signed by the run key. 'invite': the same, and a peer may also get its ticket itself with a code "
+        "(`swarm-coordinator invite <address> --uses N --expires 7d`, then `swarm-peer join <address> --invite "
+        "CODE`), redeemed at the run's coordinator while it runs.",
     )
     ticket_ttl_s: float = Field(
         86400.0, ge=600.0, le=30 * 86400.0, description="Seconds a ticket is valid. The coordinator renews "

@@ -73,6 +73,11 @@ class PeerSettings(BaseSettings):
         "'compiled' adds torch.compile (measure it with bench/kernels.py first: on small CPUs it is slower); "
         "'reference' is the unfused eager code (to rule kernels out when results look wrong). The log says which.",
     )
+    invite: Optional[str] = Field(
+        None, max_length=128, description="An invite code of a run that admits by invite ([admission] policy = "
+        "'invite'; `swarm-coordinator invite` prints it): redeemed at join for this peer's ticket when it holds "
+        "none. `swarm-peer join --invite CODE` sets it.",
+    )
     join_timeout_s: float = Field(
         120.0, ge=0, description="Seconds a server or trainer keeps trying to reach the run address's peers before "
         "giving up (a peer started before its coordinator, or through a peer that just left, gets in when one "

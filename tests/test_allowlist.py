@@ -1,7 +1,9 @@
 """A run that admits only the peers its operator admitted (``[admission] policy = "allowlist"``), used from the CLI as
 a new operator would: a peer without a ticket is told how to get one and exits 7; ``swarm-coordinator admit``
 admits it; the admitted peers train, and keep training across a coordinator restart (their tickets are in the
-DHT and their records carry them)."""
+DHT and their records carry them). And a run that admits by invite (``policy = "invite"``): ``swarm-coordinator
+invite`` prints a code, peers started with ``--invite CODE`` get their own tickets and train, and a peer past the
+code's uses is told so and exits 7."""
 
 from __future__ import annotations
 
@@ -65,3 +67,22 @@ def test_an_allowlist_run_takes_only_admitted_peers_and_outlives_a_coordinator_r
         sc.until_epoch(resumed + 3)
         assert all(p.alive() for p in peers.values()), sc.story()
         assert all(s.state == ServerState.ONLINE for group in sc.directory.all_servers(2).values() for s in group)
+
+
+def test_an_invite_run_takes_the_peers_that_hold_its_code_up_to_its_uses(tmp_path, cache_dir, tiny_dataset):
+    spec = TINY.updated(name="invite", admission={"policy": "invite"})
+    with make_swarm(spec, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
+        answer = _coordinator_cli(sw, "invite", sw.address, "--uses", "3", "--expires", "1h")
+        assert answer["uses"] == 3 and answer["code"].startswith("swarm-invite-")
+        names = {"s0": ("server", "--stage", "0"), "s1": ("server", "--stage", "1"), "t0": ("trainer", "--share", "0")}
+        peers = {name: sw.start_peer(role, *args, "--invite", answer["code"], name=name)
+                 for name, (role, *args) in names.items()}
+        sc.stage_of.update(s0=0, s1=1)
+        sc.until_epoch(2)
+        late = sw.start_peer("server", "--stage", "0", "--invite", answer["code"], name="late")
+        sc.wait(lambda: not late.alive(), 180, "the peer past the code's uses to stop")
+        assert late.proc.returncode == 7, sw.tail(late, 20)
+        assert "used up (3 of 3 peers admitted)" in late.log.read_text()
+        assert all(p.alive() for p in peers.values()), sc.story()
+        listed = {s.peer_id for group in sc.directory.all_servers(2).values() for s in group}
+        assert listed == {peers["s0"].peer_id, peers["s1"].peer_id}

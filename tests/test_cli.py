@@ -6,8 +6,8 @@ from coordinator.cli import app as coordinator_app
 from peer.cli import app as peer_app
 
 EXPECTED = {
-    "swarm-peer join": ["address", "concurrency", "log_level", "loss_log", "max_samples", "role", "shard", "share",
-                        "stage"],  # --shard: the deprecated name of --share
+    "swarm-peer join": ["address", "concurrency", "invite", "log_level", "loss_log", "max_samples", "role", "shard",
+                        "share", "stage"],  # --shard: the deprecated name of --share
     "swarm-peer status": ["as_json", "probe"],
     "swarm-peer check": ["address", "as_json", "timeout"],
     "swarm-peer pause": ["timeout", "wait"],
@@ -22,6 +22,7 @@ EXPECTED = {
     "swarm-coordinator ban": ["address", "key", "peer", "reason", "timeout"],
     "swarm-coordinator unban": ["address", "key", "peer", "timeout"],
     "swarm-coordinator admit": ["address", "key", "peer", "timeout"],
+    "swarm-coordinator invite": ["address", "expires", "key", "timeout", "uses"],
     "swarm-coordinator revoke": ["address", "key", "peer", "timeout"],
     "swarm-coordinator monitor": ["address", "every", "host", "metrics_port", "timeout"],
     "swarm-coordinator checkpoints": ["address", "as_json", "timeout"],

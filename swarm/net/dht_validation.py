@@ -47,6 +47,8 @@ from swarm.protocol import (
     SpecRecord,
     StorageInfo,
     Ticket,
+    Invite,
+    open_run_key_record,
     TrainerInfo,
     accusations_key,
     bans_key,
@@ -55,7 +57,6 @@ from swarm.protocol import (
     history_key,
     open_record,
     open_spec,
-    open_ticket,
     rollback_key,
     spec_key,
     stage_keys,
@@ -63,6 +64,7 @@ from swarm.protocol import (
     stripe_names,
     storage_key,
     tickets_key,
+    invites_key,
     trainers_key,
 )
 
@@ -76,7 +78,8 @@ def run_keys(run_id: str, max_stages: int = MAX_STAGES) -> dict[str, Type[Record
     """The run's DHT keys -> the record kind each holds (every stripe key of every stage's server records)."""
     keys: dict[str, Type[Record]] = {spec_key(run_id): SpecRecord, trainers_key(run_id): TrainerInfo,
                                      storage_key(run_id): StorageInfo, rollback_key(run_id): RollbackOrder,
-                                     bans_key(run_id): BanList, tickets_key(run_id): Ticket}
+                                     bans_key(run_id): BanList, tickets_key(run_id): Ticket,
+                                     invites_key(run_id): Invite}
     for k in range(max_stages):
         keys.update({key: ServerInfo for bits in range(MAX_STAGE_STRIPE_BITS + 1) for key in stage_keys(run_id, k, bits)})
         keys[history_key(run_id, k)] = ServerHistory
@@ -117,9 +120,10 @@ class RunRecordValidator(RecordValidatorBase):
             stripe = self._stripes.get(record.key)
             if stripe is not None and stage_stripe(subkey, len(stripe)) != stripe:
                 return False  # a server record in another stripe than its peer id's (readers of one stripe miss it)
-            if kind is Ticket:  # the run key's only, and kept no longer than it lives (an old ticket stored to
-                # expire late would hide its renewal: hivemind keeps, per sub-key, the value that expires last)
-                return record.expiration_time <= open_ticket(sealed, self.run_id, subkey).expires + EXPIRY_SLACK_S
+            if kind in (Ticket, Invite):  # the run key's only, and kept no longer than it lives (an old ticket
+                # stored to expire late would hide its renewal: hivemind keeps, per sub-key, the value expiring last)
+                found = open_run_key_record(sealed, kind, self.run_id, subkey)
+                return record.expiration_time <= found.expires + EXPIRY_SLACK_S
             open_record(sealed, kind, run_id=self.run_id, subkey=subkey, expiration=record.expiration_time)
             return True
         except (ProtocolError, SpecError, ValueError, TypeError) as e:
@@ -137,7 +141,7 @@ class TicketValidator(RecordValidatorBase):
     list and the tickets are the run key's own (:class:`RunRecordValidator` checks their signer).
     Added to a DHT node once it read the spec (``hivemind.DHT.add_validators``); picklable."""
 
-    EXEMPT = (SpecRecord, BanList, Ticket)
+    EXEMPT = (SpecRecord, BanList, Ticket, Invite)
 
     def __init__(self, run_id: str, max_stages: int = MAX_STAGES):
         self.run_id, self.max_stages = run_id, max_stages

@@ -38,7 +38,8 @@ from swarm.protocol.records import (  # noqa: F401
     Reachability, HISTORY_POINTS, add_history,
     SpecRecord, RestoreReport, ServerInfo, ServerHistory, FragmentEntry, CheckpointManifest, Endorsement,
     check_endorsements, checkpoints_key, manifest_subkey, StorageInfo, storage_key, RollbackOrder, rollback_key,
-    MAX_BANS, BanList, bans_key, Ticket, tickets_key, open_ticket, check_carried, TrainerInfo, open_spec,
+    MAX_BANS, BanList, bans_key, RunKeyRecord, open_run_key_record, Ticket, tickets_key, open_ticket, check_carried,
+    MAX_INVITE_USES, Invite, invites_key, TrainerInfo, open_spec,
 )
 
 from swarm.protocol.statements import (  # noqa: F401
@@ -48,5 +49,5 @@ from swarm.protocol.statements import (  # noqa: F401
 from swarm.protocol.wire import (  # noqa: F401
     ForwardRequest, BackwardRequest, PingRequest, StateDigestRequest, ProgressPush, StageResponse, EvidenceMessage,
     EvidenceRequest, AveragingPart, AveragingReply, StateAgreement, AuditRequest, AuditReply, pack_message,
-    unpack_message, FragmentPut, FragmentGet, ManifestPut, EndorseRequest, FragmentReply,
+    unpack_message, FragmentPut, FragmentGet, ManifestPut, EndorseRequest, FragmentReply, InviteRedeem, InviteReply,
 )

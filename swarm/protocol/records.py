@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from enum import StrEnum
-from typing import Annotated, ClassVar, Literal, Optional
+from typing import Annotated, ClassVar, Literal, Optional, Type, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -370,25 +370,47 @@ def bans_key(run_id: str) -> str:
     return f"{run_id}/bans"
 
 
-class Ticket(Record):
-    """The run key's word that peer ``subject`` may take part until ``expires`` (``[admission] policy =
-    "allowlist"``, :mod:`swarm.trust.tickets`). Signed by the run key, which ``spec_name`` and ``spec_hash`` prove:
-    with them the signer's key derives the run id (:func:`~swarm.identity.derive_run_id`), so any peer checks a
-    ticket without the spec. Stored under :func:`tickets_key`, sub-key ``subject``; its holder carries it in the
-    envelope of every record it seals (:func:`~swarm.protocol.seal`)."""
+class RunKeyRecord(Record):
+    """A record only the run key signs (a ticket, an invite): ``spec_name`` and ``spec_hash`` with the signer's key
+    derive the run id (:func:`~swarm.identity.derive_run_id`), so any peer checks one without the spec
+    (:func:`open_run_key_record`)."""
 
-    kind: Literal["ticket"] = "ticket"
-    subject: str = Field(min_length=1, max_length=128, description="Peer id admitted.")
-    expires: float = Field(ge=0, description="DHT time (seconds) after which records it carries are refused.")
     spec_name: str = Field(max_length=32, description="The run's name, to derive the run id with the signer's key.")
     spec_hash: str = Field(min_length=64, max_length=64, description="The run spec's SHA-256 (hex), likewise.")
-
-    def dht_subkey(self) -> str:
-        return self.subject
+    expires: float = Field(ge=0, description="DHT time (seconds) after which it is void.")
 
     def check_contents(self, run_id: str) -> None:
         if self.expires <= self.time:
-            raise ProtocolError(f"ticket expires ({self.expires:.0f}) before it was issued ({self.time:.0f})")
+            raise ProtocolError(f"{self.kind} expires ({self.expires:.0f}) before it was issued ({self.time:.0f})")
+
+
+RK = TypeVar("RK", bound=RunKeyRecord)
+
+
+def open_run_key_record(sealed: bytes, cls: Type[RK], run_id: str, subkey: Optional[str] = None) -> RK:
+    """Verify a sealed ``cls`` record signed by the key of run ``run_id``.
+
+    :raises ProtocolError: malformed, bad signature, or not signed by the run key."""
+    record, key = open_record(sealed, cls, run_id=run_id, subkey=subkey)
+    if derive_run_id(record.spec_name, key, record.spec_hash) != run_id:
+        raise ProtocolError(f"the {record.kind} is not signed by the run key (its signer and spec do not derive the "
+                            "run id)")
+    return record
+
+
+class Ticket(RunKeyRecord):
+    """The run key's word that peer ``subject`` may take part until ``expires`` (``[admission] policy`` "allowlist"
+    or "invite", :mod:`swarm.trust.tickets`). Stored under :func:`tickets_key`, sub-key ``subject``; its holder
+    carries it in the envelope of every record it seals (:func:`~swarm.protocol.seal`); records it carries dated
+    after ``expires`` are refused."""
+
+    kind: Literal["ticket"] = "ticket"
+    subject: str = Field(min_length=1, max_length=128, description="Peer id admitted.")
+    invite: str = Field("", max_length=64, description="The code hash of the invite it was redeemed with ('' for "
+                        "a peer admitted by name): the invite's uses are its tickets' subjects.")
+
+    def dht_subkey(self) -> str:
+        return self.subject
 
 
 def tickets_key(run_id: str) -> str:
@@ -399,10 +421,30 @@ def open_ticket(sealed: bytes, run_id: str, subkey: Optional[str] = None) -> Tic
     """Verify a sealed ticket: a valid :class:`~swarm.protocol.Ticket` record signed by the key of run ``run_id``.
 
     :raises ProtocolError: malformed, bad signature, or not signed by the run key."""
-    ticket, key = open_record(sealed, Ticket, run_id=run_id, subkey=subkey)
-    if derive_run_id(ticket.spec_name, key, ticket.spec_hash) != run_id:
-        raise ProtocolError("the ticket is not signed by the run key (its signer and spec do not derive the run id)")
-    return ticket
+    return open_run_key_record(sealed, Ticket, run_id, subkey)
+
+
+MAX_INVITE_USES = 100_000
+
+
+class Invite(RunKeyRecord):
+    """A code that admits up to ``uses`` peers until ``expires`` (``[admission] policy = "invite"``,
+    :mod:`swarm.trust.invites`): the run key publishes only the code's hash; a peer that knows the code redeems it
+    for a ticket until ``expires``. Stored under :func:`invites_key`, sub-key ``code_hash``."""
+
+    kind: Literal["invite"] = "invite"
+    code_hash: str = Field(min_length=64, max_length=64, pattern="^[0-9a-f]{64}$",
+                           description="SHA-256 (hex) of the code.")
+    uses: int = Field(ge=1, le=MAX_INVITE_USES, description="Peers it admits at most.")
+    redeemers: list[Annotated[str, Field(max_length=128)]] = Field(
+        min_length=1, max_length=8, description="libp2p ids of the peers that redeem it (the run's coordinator).")
+
+    def dht_subkey(self) -> str:
+        return self.code_hash
+
+
+def invites_key(run_id: str) -> str:
+    return f"{run_id}/invites"
 
 
 def check_carried(sealed_record: bytes, run_id: str, dated: float) -> Ticket:

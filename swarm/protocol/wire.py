@@ -239,3 +239,18 @@ class FragmentReply(Schema):
 
     error: str = Field("", max_length=512)
     sha256: str = Field("", max_length=64)
+
+
+class InviteRedeem(Schema):
+    """A peer redeems an invite code for its own ticket (``rpc_redeem``, :mod:`swarm.trust.invites`): the ticket
+    names the caller's peer id (its libp2p key's)."""
+
+    run_id: str
+    code: str = Field(min_length=1, max_length=128)
+
+
+class InviteReply(Schema):
+    """``error`` empty: ``ticket`` holds the sealed :class:`~swarm.protocol.Ticket`."""
+
+    error: str = Field("", max_length=512)
+    ticket: bytes = Field(b"", max_length=4096)

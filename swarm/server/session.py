@@ -63,6 +63,7 @@ from swarm.kernels.flops import PeakCache, compute_dtype, stage_flops_per_token
 from swarm.logs import PeerLog
 from swarm.model import build_stage
 from swarm.net.dht import close_dht, connect_run, reachability, relay_enabled, visible_maddrs
+from swarm.trust.invites import acquire_ticket
 from swarm.trust.standing import Standing
 from swarm.trust.tickets import RunTickets
 from swarm.net.directory import AsyncRunDirectory
@@ -214,12 +215,12 @@ class ServerSession:
         num_stages, run_id = self.spec.model.num_stages, self.directory.run_id
         if self.pinned is not None and not 0 <= self.pinned < num_stages:
             raise NoSuchStage(f"stage {self.pinned} is out of range: run {run_id} has stages 0..{num_stages - 1}")
-        await asyncio.to_thread(self.tickets.acquire)
+        self.p2p = await self.dht.replicate_p2p()
+        await acquire_ticket(self.tickets, self.p2p, self.settings.invite)
         store = FragmentStore(self.settings.fragment_path(), self.settings.fragment_max_bytes,
                               self.spec.checkpoint.keep, grace_s=2 * self.spec.timeouts.record_ttl_s)
         self.bans, gate = RunBans(self.directory), self.tickets.gate()
         self.keeper = FragmentKeeper(self.spec, self.directory, self.identity, store, bans=self.bans, gate=gate)
-        self.p2p = await self.dht.replicate_p2p()
         await self.keeper.start(self.p2p)
         self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
                                self.bans, gate, Standing(path=self.settings.state_path() / f"standing-{run_id}.json"))

@@ -41,6 +41,7 @@ from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
 from swarm.net.dht import close_dht, connect_run
+from swarm.trust.invites import acquire_ticket
 from swarm.trust.tickets import RunTickets
 from swarm.net.directory import AsyncRunDirectory
 from swarm.net.transport import GLOBAL_COUNTER
@@ -178,7 +179,8 @@ class Trainer:
             identity=self.identity)
         self.directory, self.tickets = AsyncRunDirectory(directory), RunTickets(directory, self.identity, self.spec)
         try:
-            await asyncio.to_thread(self.tickets.acquire)
+            self.p2p = await self.dht.replicate_p2p()
+            await acquire_ticket(self.tickets, self.p2p, self.settings.invite)
             await self._join()
             await self._train(grace_s)
         finally:
@@ -202,7 +204,6 @@ class Trainer:
         self.bans = RunBans(self.directory)
         await self.bans.refresh()
         self.bans.check(me)
-        self.p2p = await self.dht.replicate_p2p()
         self.checker = SpotChecker(spec, self.directory.run_id, self.p2p, log=self.log)
         self.pipeline = self.pipeline_factory(spec, self.directory.run_id, self.directory, self.p2p, bans=self.bans,
                                               log=self.log, listener=self.checker)

@@ -47,15 +47,18 @@ class NotAdmitted(RuntimeError):
     """This peer holds no valid ticket of a run that admits only ticketed peers."""
 
 
-def issue_ticket(directory: RunDirectory, run_key: Identity, subject: str, spec: RunSpec) -> tuple[Ticket, bytes]:
+def issue_ticket(directory: RunDirectory, run_key: Identity, subject: str, spec: RunSpec, invite: str = ""
+                 ) -> tuple[Ticket, bytes]:
     """Sign a ticket for peer ``subject`` with the run key, valid ``spec.admission.ticket_ttl_s`` seconds, and
     store it in the DHT until it expires (blocking: ``swarm-coordinator admit`` runs it). Returns it, and sealed.
+    ``invite``: the code hash of the invite it redeems (:mod:`swarm.trust.invites`), carried by its renewals.
 
     :raises ProtocolError: ``run_key`` is not this run's key (the spec's signer).
     :raises RuntimeError: the DHT did not take the ticket."""
     now = get_dht_time()
     ticket = Ticket(run_id=directory.run_id, peer_id=run_key.peer_id, time=now, subject=subject,
-                    expires=now + spec.admission.ticket_ttl_s, spec_name=spec.name, spec_hash=spec.spec_hash())
+                    expires=now + spec.admission.ticket_ttl_s, spec_name=spec.name, spec_hash=spec.spec_hash(),
+                    invite=invite)
     sealed = seal(ticket, run_key)
     open_ticket(sealed, directory.run_id)  # a wrong key fails here, not at every peer
     if not directory.store_sealed(tickets_key(directory.run_id), ticket.dht_subkey(), sealed, ticket.expires):
@@ -96,7 +99,7 @@ def renew_tickets(directory: RunDirectory, run_key: Identity, spec: RunSpec) -> 
     for subject, (ticket, sealed) in held.items():
         if subject not in banned and ticket.expires - now <= ttl_s / 2:
             try:
-                ticket, sealed = issue_ticket(directory, run_key, subject, spec)
+                ticket, sealed = issue_ticket(directory, run_key, subject, spec, ticket.invite)
                 renewed.append(subject)
             except RuntimeError as e:  # this one is tried again at the next pass; the others go on
                 logger.warning("could not renew the ticket of %s: %s", subject, e)
@@ -120,12 +123,18 @@ class RunTickets:
             return None
         found = fetch_ticket(self.directory, self.identity.peer_id)
         if found is None:
+            invite = (" or for an invite code (join with --invite CODE, or SWARM_INVITE)" if self.policy == "invite"
+                      else "")
             raise NotAdmitted(
                 f"run {self.directory.run_id} admits only the peers its operator admitted (policy "
                 f"{self.policy!r}), and there is no valid ticket for this peer ({self.identity.peer_id}); ask the "
-                f"operator to run `swarm-coordinator admit <run address> {self.identity.peer_id}`")
-        self.ticket, self.identity.ticket = found
-        return self.ticket
+                f"operator to run `swarm-coordinator admit <run address> {self.identity.peer_id}`{invite}")
+        return self.take(*found)
+
+    def take(self, ticket: Ticket, sealed: bytes) -> Ticket:
+        """Carry ``ticket`` (``sealed``: its bytes) from now on; returns it."""
+        self.ticket, self.identity.ticket = ticket, sealed
+        return ticket
 
     def gate(self) -> Optional["TicketGate"]:
         """A :class:`TicketGate` for this peer's RPC handlers in a ticketed run; None in an open one."""

@@ -1,0 +1,193 @@
+"""Admission by invite (``[admission] policy = "invite"``): a peer gets its ticket itself, with a code.
+
+An allowlist (:mod:`swarm.trust.tickets`) needs the operator to name every peer id; an invite lets them hand out
+a code instead, as a closed beta does. ``swarm-coordinator invite <address> --uses N --expires 7d`` draws a secret
+code (:func:`issue_invite`) and publishes only its SHA-256 in an :class:`~swarm.protocol.Invite` signed by the
+run key, with its limits and its *redeemers* (the libp2p ids that redeem it: the run's coordinator, which speaks
+with the run key). A peer started with ``--invite CODE`` (``SWARM_INVITE``) that holds no ticket reads the invite
+by the code's hash and asks a redeemer for its ticket (``rpc_redeem``, :func:`redeem_invite`); the redeemer
+checks the code, the limits and the ban list and issues a ticket naming the *caller's* peer id (its libp2p key's,
+so a code admits whoever presents it, and nobody for someone else), marked with the invite
+(:attr:`~swarm.protocol.Ticket.invite`). The invite's uses are the peers holding such tickets: a peer that
+redeems again (a restart) gets its own renewed, not a second use. From there it is an admitted peer like any
+other: renewed by the coordinator, revoked by ``swarm-coordinator revoke``.
+
+Limits: redemption needs a redeemer up (the coordinator; admitted peers keep working while it is down, as in an
+allowlist run); delegate keys that redeem for the run key are not built. The code is a bearer secret: whoever
+holds it may join, up to its uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+from typing import AsyncIterator, Optional
+
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+from swarm.config import RunSpec
+from swarm.identity import Identity
+from swarm.net.directory import RunDirectory
+from swarm.net.quota import Busy, PeerQuota, TooFast
+from swarm.net.transport import ProtocolServicer, gather, stream_out
+from swarm.protocol import (Invite, InviteRedeem, InviteReply, ProtocolError, Refusal, Ticket, invites_key,
+                            open_run_key_record, open_ticket, pack_message, seal, unpack_message)
+from swarm.trust.authority import peer_of_p2p_id
+from swarm.trust.tickets import NotAdmitted, RunTickets, all_tickets, issue_ticket
+
+logger = logging.getLogger(__name__)
+
+CODE_PREFIX = "swarm-invite-"
+REDEEM_TIMEOUT_S = 30.0
+"""Seconds a joining peer waits for a redeemer's answer."""
+
+
+class InviteRefused(RuntimeError, Refusal):
+    """A redeemer refuses a code (the cause named: unknown or expired, used up, banned)."""
+
+
+def invite_hash(code: str) -> str:
+    """SHA-256 (hex) of an invite code: what the DHT holds of it."""
+    return hashlib.sha256(code.strip().encode()).hexdigest()
+
+
+def issue_invite(directory: RunDirectory, run_key: Identity, spec: RunSpec, uses: int, ttl_s: float
+                 ) -> tuple[str, Invite]:
+    """Draw a code (128 random bits) admitting up to ``uses`` peers for ``ttl_s`` seconds, publish its signed
+    :class:`~swarm.protocol.Invite` (blocking: ``swarm-coordinator invite`` runs it); returns the code and the invite.
+
+    :raises ProtocolError: ``run_key`` is not this run's key, or ``uses`` out of range.
+    :raises RuntimeError: the DHT did not take the invite."""
+    code, now = CODE_PREFIX + secrets.token_urlsafe(16), get_dht_time()
+    try:
+        invite = Invite(run_id=directory.run_id, peer_id=run_key.peer_id, time=now, spec_name=spec.name,
+                        spec_hash=spec.spec_hash(), code_hash=invite_hash(code), uses=uses, expires=now + ttl_s,
+                        redeemers=[run_key.p2p_id])
+    except ValueError as e:
+        raise ProtocolError(f"not a valid invite: {e}") from None
+    sealed = seal(invite, run_key)
+    open_run_key_record(sealed, Invite, directory.run_id)  # a wrong key fails here, not at every joiner
+    if not directory.store_sealed(invites_key(directory.run_id), invite.code_hash, sealed, invite.expires):
+        raise RuntimeError("the DHT did not store the invite (no DHT peer answered); try again")
+    return code, invite
+
+
+def find_invite(directory: RunDirectory, code: str) -> Optional[Invite]:
+    """The run key's invite for ``code`` in the DHT, expired or not; None if there is none (blocking)."""
+    wanted = invite_hash(code)
+    for _, sealed in directory.read_sealed(invites_key(directory.run_id), Invite):
+        try:
+            invite = open_run_key_record(sealed, Invite, directory.run_id)
+        except ProtocolError as e:
+            logger.warning("dropped an invite under %s: %s", invites_key(directory.run_id), e)
+            continue
+        if invite.code_hash == wanted:
+            return invite
+    return None
+
+
+def redeem(directory: RunDirectory, run_key: Identity, spec: RunSpec, code: str, subject: str
+           ) -> tuple[Ticket, bytes]:
+    """The redeemer's part (blocking): a ticket for peer ``subject`` if ``code`` names a live invite with a use
+    left (or one ``subject`` already used), and ``subject`` is not banned.
+
+    :raises InviteRefused: the cause, and what to do.
+    :raises RuntimeError: the DHT did not take the ticket."""
+    now, invite = get_dht_time(), find_invite(directory, code)
+    if invite is None or invite.expires <= now:
+        raise InviteRefused("no live invite of this run has this code (mistyped, expired, or of another run): ask "
+                            "the run's operator for a new one")
+    bans, _ = directory.bans()
+    if bans is not None and subject in bans.banned:
+        raise InviteRefused(f"peer {subject} is banned from this run ({bans.banned[subject]})")
+    holders = {t.subject for t, _ in all_tickets(directory) if t.invite == invite.code_hash and t.expires > now}
+    if subject not in holders and len(holders) >= invite.uses:
+        raise InviteRefused(f"the invite is used up ({len(holders)} of {invite.uses} peers admitted): ask the run's "
+                            "operator for a new one")
+    return issue_ticket(directory, run_key, subject, spec, invite.code_hash)
+
+
+class InviteService(ProtocolServicer):
+    """``rpc_redeem`` on namespace ``run_id``, served by the holder of the run key (the coordinator): one
+    redemption at a time, each caller at most one in flight and a few a minute."""
+
+    wire_name = "InviteService"
+
+    def __init__(self, directory: RunDirectory, run_key: Identity, spec: RunSpec):
+        self.directory, self.run_key, self.spec = directory, run_key, spec
+        self.quota = PeerQuota(max_in_flight=1, rate_per_s=0.1, burst=3)
+        self._one_at_a_time: Optional[asyncio.Lock] = None
+
+    async def rpc_redeem(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                         ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A ticket for the caller, or an error naming why not."""
+        try:
+            with self.quota.hold(str(context.remote_id)):
+                metadata, _ = await gather(stream, max_bytes=0, max_tensors=0, deadline_s=REDEEM_TIMEOUT_S)
+                req = unpack_message(metadata, InviteRedeem)
+                if req.run_id != self.directory.run_id:
+                    raise ProtocolError(f"this peer redeems invites of run {self.directory.run_id}, not {req.run_id}")
+                subject = peer_of_p2p_id(str(context.remote_id))
+                self._one_at_a_time = self._one_at_a_time or asyncio.Lock()
+                async with self._one_at_a_time:  # (two at once could both take an invite's last use)
+                    ticket, sealed = await asyncio.to_thread(redeem, self.directory, self.run_key, self.spec,
+                                                             req.code, subject)
+                logger.info("admitted %s by invite %s..", subject, ticket.invite[:12])
+                reply = InviteReply(ticket=sealed)
+        except (ProtocolError, InviteRefused, Busy, TooFast, RuntimeError) as e:
+            reply = InviteReply(error=str(e)[:512])
+        async for msg in stream_out(runtime_pb2.ExpertResponse, pack_message(reply), []):
+            yield msg
+
+
+async def redeem_invite(p2p: P2P, directory: RunDirectory, code: str) -> tuple[Ticket, bytes]:
+    """The joining peer's part: read the invite of ``code`` and ask its redeemers, in turn, for this peer's
+    ticket (the caller's libp2p key names it). Returns the ticket, verified, and sealed.
+
+    :raises NotAdmitted: no live invite has this code, a redeemer refused it (its reason), or none answered."""
+    invite = await asyncio.to_thread(find_invite, directory, code)
+    if invite is None or invite.expires <= get_dht_time():
+        raise NotAdmitted("no live invite of this run has this code (mistyped, expired, or of another run): ask the "
+                          "run's operator for a new one")
+    request, unreachable = pack_message(InviteRedeem(run_id=directory.run_id, code=code.strip())), []
+    for redeemer in invite.redeemers:
+        stub = InviteService.get_stub(p2p, PeerID.from_base58(redeemer), namespace=directory.run_id)
+        try:
+            metadata, _ = await asyncio.wait_for(gather(await stub.rpc_redeem(
+                stream_out(runtime_pb2.ExpertRequest, request, [])), max_tensors=0), REDEEM_TIMEOUT_S)
+            reply = unpack_message(metadata, InviteReply)
+        except Exception as e:  # unreachable, or not serving invites of this run
+            unreachable.append(f"{redeemer}: {type(e).__name__}")
+            continue
+        if reply.error:
+            raise NotAdmitted(f"the invite was refused: {reply.error}")
+        try:
+            return open_ticket(reply.ticket, directory.run_id), reply.ticket
+        except ProtocolError as e:
+            unreachable.append(f"{redeemer}: a bad ticket ({e})")
+    raise NotAdmitted(f"no redeemer of the invite answered ({'; '.join(unreachable)}): is the run's coordinator "
+                      "up? Try again later")
+
+
+async def acquire_ticket(tickets: RunTickets, p2p: P2P, code: Optional[str]) -> Optional[Ticket]:
+    """This peer's ticket at join: the one in the DHT (:meth:`RunTickets.acquire`), else, in an invite run with
+    ``code``, one redeemed for it. None in an open run.
+
+    :raises NotAdmitted: none (the message says how to get one)."""
+    try:
+        return await asyncio.to_thread(tickets.acquire)
+    except NotAdmitted:
+        if tickets.policy != "invite" or not code:
+            raise
+    ticket, sealed = await redeem_invite(p2p, tickets.directory, code)
+    if ticket.subject != tickets.identity.peer_id:
+        raise NotAdmitted(f"the redeemer issued a ticket for {ticket.subject}, not this peer")
+    return tickets.take(ticket, sealed)
+
+
+__all__ = ["CODE_PREFIX", "InviteRefused", "InviteService", "acquire_ticket", "find_invite", "invite_hash",
+           "issue_invite", "redeem", "redeem_invite"]
