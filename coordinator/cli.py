@@ -337,17 +337,35 @@ def monitor(address: str = typer.Argument(..., help="Run address."),
         dht.shutdown()
 
 
-def _connect(address: str, timeout: float):
+def _connect(address: str, timeout: float, identity: Optional[Identity] = None):
     """``connect_run`` for a CLI command: exit 2 on a bad address, 1 if the run cannot be reached or found."""
     from swarm.logs import configure_logging
     from swarm.net.dht import RunAddressError, RunUnreachable, connect_run
 
     configure_logging("WARNING")
     try:
-        return connect_run(address, PeerSettings(host="127.0.0.1"), timeout=timeout)
+        return connect_run(address, PeerSettings(host="127.0.0.1"), timeout=timeout, identity=identity)
     except (RunAddressError, RunUnreachable, SpecError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2 if isinstance(e, RunAddressError) else 1) from None
+
+
+def _admit_reader(directory, spec: RunSpec, run_key: Optional[Identity], reader: Optional[Identity]) -> None:
+    """In a ticketed run, a ticket for ``reader`` signed with ``run_key`` (holders' gates see it within
+    READ_EVERY_S, waited here); nothing in an open run.
+
+    :raises LookupError: a ticketed run and no ``run_key`` (``--key``)."""
+    import time
+
+    from swarm.trust.tickets import READ_EVERY_S, issue_ticket
+
+    if spec.admission.policy == "open":
+        return
+    if run_key is None or reader is None:
+        raise LookupError(f"run {directory.run_id} admits only ticketed peers: its holders serve no fragments to this "
+                          "command; give the run key (--key) to admit it")
+    issue_ticket(directory, run_key, reader.peer_id, spec)
+    time.sleep(READ_EVERY_S + 1)  # (a holder reads the run's tickets at most that often)
 
 
 @app.command()
@@ -378,6 +396,8 @@ def export(address: str = typer.Argument(..., help="Run address."),
            prompt: str = typer.Option("ROMEO:", help="Text to continue with the exported model."),
            tokens: int = typer.Option(40, min=0, help="Tokens to generate after the prompt."),
            as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+           key: Optional[Path] = typer.Option(None, help="The run key, for a run that admits only ticketed peers: "
+                                              "it admits this command (a ticket for a fresh key) to read fragments."),
            timeout: float = typer.Option(30.0, help="Seconds to find the run.")) -> None:
     """Assemble the newest complete checkpoint into one model directory, reload it with plain PyTorch and
     generate text from it. The mapping to Hugging Face GPT-2 is documented in docs/checkpoints.md."""
@@ -385,12 +405,14 @@ def export(address: str = typer.Argument(..., help="Run address."),
     from swarm.checkpoint import FragmentError
     from swarm.data import prepare_dataset
 
-    dht, directory, spec, _ = _connect(address, timeout)
+    run_key, reader = (_run_key(key), Identity.generate()) if key is not None else (None, None)
+    dht, directory, spec, _ = _connect(address, timeout, reader)
     try:
+        _admit_reader(directory, spec, run_key, reader)
         tokenizer = prepare_dataset(spec, PeerSettings().cache_dir).tokenizer_json
         result = export_and_sample(directory, spec, out_dir, tokenizer, prompt, tokens, epoch,
                                    progress=None if as_json else lambda line: typer.echo(line, err=True))
-    except (LookupError, FragmentError) as e:
+    except (LookupError, FragmentError, ValueError, RuntimeError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     finally:

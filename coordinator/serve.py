@@ -133,3 +133,4 @@ async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes,
         await keeper.hand_off()  # stopping on purpose: copy its fragments to the peers first
     finally:
         await keeper.stop()
+        await p2p.shutdown()  # (its replica of the DHT's libp2p client: removes its Unix socket file)

@@ -26,7 +26,7 @@ EXPECTED = {
     "swarm-coordinator revoke": ["address", "key", "peer", "timeout"],
     "swarm-coordinator monitor": ["address", "every", "host", "metrics_port", "timeout"],
     "swarm-coordinator checkpoints": ["address", "as_json", "timeout"],
-    "swarm-coordinator export": ["address", "as_json", "epoch", "out_dir", "prompt", "timeout", "tokens"],
+    "swarm-coordinator export": ["address", "as_json", "epoch", "key", "out_dir", "prompt", "timeout", "tokens"],
     "swarm-coordinator demo": ["as_json", "keep", "log_level", "precision", "seconds", "servers_per_stage", "spec_path",
                                "trainers"],
 }

@@ -297,20 +297,19 @@ def test_progress_from_any_entries_counts_the_roster_at_most_one_epoch_ahead_wit
 
 @settings(suppress_health_check=[HealthCheck.too_slow], max_examples=200)
 @given(entries=progress_entries, own_epoch=st.integers(0, 10**6),
-       verified=st.frozensets(st.sampled_from([b"a", b"b", b"c"]), min_size=1), own_capped=st.booleans())
-def test_unverified_progress_never_pulls_nor_counts_past_its_share(entries, own_epoch, verified, own_capped):
-    """(swarm.averaging.progress, Standing) With any entries, a server that verified some stage-mates counts no
-    unverified entry past its own epoch, the unverified entries at its epoch at most UNVERIFIED_SHARE of the target
-    together, and its own samples within that share when capped."""
+       trusted=st.frozensets(st.sampled_from([b"a", b"b", b"c"]), min_size=1), follower=st.booleans())
+def test_unverified_progress_never_pulls_nor_counts_past_its_share(entries, own_epoch, trusted, follower):
+    """(swarm.averaging.progress, Standing) With any entries, a server that verified some stage-mates (or follows
+    those its stage-mates vouch for) counts no other entry past its own epoch, the others at its epoch at most
+    UNVERIFIED_SHARE of the target together and with no throughput, whatever client_mode they claim."""
     from hivemind.utils import ValueWithExpiration
 
     from swarm.averaging.progress import UNVERIFIED_SHARE, ProgressTrust, trusted_progress
 
     wrapped = {k: ValueWithExpiration(dict(peer_id=b"x", epoch=e, samples_accumulated=n, samples_per_second=r,
                                            time=0.0, client_mode=c), 1e12) for k, (e, n, r, c) in entries.items()}
-    kept = trusted_progress(wrapped, b"own", own_epoch, 64, None, ProgressTrust(verified, own_capped))
-    unverified = [v.value for k, v in kept.items() if k != b"own" and k not in verified and not v.value["client_mode"]]
-    assert all(u["epoch"] <= own_epoch for u in unverified)
-    assert sum(u["samples_accumulated"] for u in unverified if u["epoch"] == own_epoch) <= UNVERIFIED_SHARE * 64
-    if own_capped and b"own" in kept:
-        assert kept[b"own"].value["samples_accumulated"] <= UNVERIFIED_SHARE * 64
+    trust = ProgressTrust(vouched=trusted, follower=True) if follower else ProgressTrust(trusted)
+    kept = trusted_progress(wrapped, b"own", own_epoch, 64, None, trust)
+    others = [v.value for k, v in kept.items() if k != b"own" and k not in trusted]
+    assert all(u["epoch"] <= own_epoch and not u["client_mode"] and u["samples_per_second"] == 0 for u in others)
+    assert sum(u["samples_accumulated"] for u in others if u["epoch"] == own_epoch) <= UNVERIFIED_SHARE * 64

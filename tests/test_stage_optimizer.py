@@ -140,8 +140,9 @@ def test_unverified_progress_neither_pulls_a_server_on_nor_counts_past_its_share
     """(swarm.averaging.progress, Standing) One fresh key announced as a server, at the stage's epoch + 1 with 10**9
     samples, ended every epoch at once. A server that verified a stage-mate counts the others as unverified: an
     entry ahead counts as one that finished this epoch, and the unverified entries count at most half the target
-    together; a server that verified nobody yet counts every entry in full, as before; a newcomer to an established
-    stage counts its own samples within the share too."""
+    together, whatever client_mode it claims; a server that verified nobody in a stage where nobody vouches for
+    anybody counts every entry in full, as before; a follower (new to an established stage) is pulled only by the
+    servers its stage-mates vouch for."""
     from swarm.averaging.progress import UNVERIFIED_SHARE, ProgressTrust, trusted_progress
 
     entries = {b"own": _entry(5, 10), b"mate": _entry(5, 12), b"sybil": _entry(6, 10**9), b"new": _entry(5, 20)}
@@ -153,6 +154,13 @@ def test_unverified_progress_neither_pulls_a_server_on_nor_counts_past_its_share
     assert {k: (v.value["epoch"], v.value["samples_accumulated"]) for k, v in kept.items()} == {
         b"own": (5, 10), b"mate": (5, 12), b"sybil": (5, 64 * 32 // 84), b"new": (5, 20 * 32 // 84)}
     assert sum(kept[k].value["samples_accumulated"] for k in (b"sybil", b"new")) <= UNVERIFIED_SHARE * 64
+    assert kept[b"sybil"].value["samples_per_second"] == 0.0 and kept[b"mate"].value["samples_per_second"] > 0
+    # an unverified entry claiming client_mode (hivemind counts a client's samples, never its epoch) is a server's
+    client = _entry(5, 10**9)
+    client.value["client_mode"] = True
+    kept = trusted_progress({b"own": _entry(5, 0), b"mate": _entry(5, 0), b"c": client}, b"own", 5, 64,
+                            None, ProgressTrust(frozenset({b"mate"})))
+    assert not kept[b"c"].value["client_mode"] and kept[b"c"].value["samples_accumulated"] == 32
     # within the share, an unverified server's samples count as they are
     few = trusted_progress({b"own": _entry(5, 1), b"new": _entry(5, 9)}, b"own", 5, 64, frozenset({b"new"}),
                            ProgressTrust(frozenset({b"gone"})))
@@ -161,15 +169,16 @@ def test_unverified_progress_neither_pulls_a_server_on_nor_counts_past_its_share
     many = {b"own": _entry(5, 0), b"mate": _entry(5, 0)} | {bytes([i]): _entry(6 + i, 1) for i in range(5)}
     kept = trusted_progress(many, b"own", 5, 64, None, ProgressTrust(frozenset({b"mate"})))
     assert set(kept) == {b"own", b"mate", bytes([0])} and kept[bytes([0])].value["epoch"] == 5
-    # a newcomer to an established stage: its own samples within the share, as its stage-mates count them
-    own = trusted_progress({b"own": _entry(5, 50), b"mate": _entry(5, 3)}, b"own", 5, 64, frozenset({b"mate"}),
-                           ProgressTrust(own_capped=True))
-    assert own[b"own"].value["samples_accumulated"] == 32 and own[b"mate"].value["samples_accumulated"] == 3
+    # a follower: the vouched server one epoch ahead pulls it; another key ahead counts as unverified
+    ahead = {b"own": _entry(5, 40), b"mate": _entry(6, 0), b"other": _entry(6, 0)}
+    kept = trusted_progress(ahead, b"own", 5, 64, None, ProgressTrust(vouched=frozenset({b"mate"}), follower=True))
+    assert kept[b"mate"].value["epoch"] == 6 and kept[b"other"].value["epoch"] == 5
+    assert kept[b"own"].value["samples_accumulated"] == 40  # its own in full (its mates cap it, it waits for them)
 
 
 def test_a_servers_progress_trust_follows_its_standing_and_its_stage_mates_vouches():
-    """(swarm.server.served.progress_trust) Verified: the mates with standing here; own samples capped only for a
-    server no mate vouches for, in a stage where some mate vouches for another."""
+    """(swarm.server.served.progress_trust) Verified: the mates with standing here; vouched: the mates some mate
+    vouches for; a follower: a server that verified none of them while some vouch for others."""
     from types import SimpleNamespace
 
     from swarm.server.served import progress_trust
@@ -178,11 +187,13 @@ def test_a_servers_progress_trust_follows_its_standing_and_its_stage_mates_vouch
         return SimpleNamespace(p2p_id=p2p, progress_key=key, vouches={v: 1.0 for v in vouches})
 
     weight = {"a": 0.5, "b": 0.0}.get
-    fresh = progress_trust([mate("a", "0a"), mate("b", "0b")], "me", lambda p: weight(p, 0.0))
-    assert fresh.verified == frozenset({b"\x0a"}) and not fresh.own_capped
+    fresh = progress_trust([mate("a", "0a"), mate("b", "0b")], lambda p: weight(p, 0.0))
+    assert fresh.verified == frozenset({b"\x0a"}) and not fresh.follower and not fresh.vouched
     established = [mate("a", "0a", vouches=["b"]), mate("b", "0b", vouches=["a"])]
-    assert progress_trust(established, "me", lambda p: 0.0).own_capped
-    assert not progress_trust(established + [mate("c", "0c", vouches=["me"])], "me", lambda p: 0.0).own_capped
+    newcomer = progress_trust(established, lambda p: 0.0)
+    assert newcomer.follower and newcomer.vouched == frozenset({b"\x0a", b"\x0b"})
+    assert not progress_trust(established, lambda p: weight(p, 0.0)).follower  # it verified a
+    assert not progress_trust([mate("a", "0a", vouches=["me"])], lambda p: 0.0).follower  # only itself vouched for
 
 
 @pytest.mark.timeout(180)
@@ -259,6 +270,15 @@ def test_one_fresh_keys_progress_at_the_next_epoch_no_longer_ends_a_verified_ser
             time.sleep(0.2)
         assert tracker.global_epoch == 0 and not tracker.ready_to_update_epoch, tracker.global_progress
         assert tracker.global_progress.samples_accumulated == 1 + int(UNVERIFIED_SHARE * target)
+        # a follower (it verified nobody; its stage-mates vouch for the mate): not pulled by the key either, and it
+        # would end the epoch by its own count only at FOLLOWER_PATIENCE x the target
+        optimizer.set_progress_roster(lambda: roster, trust=lambda: ProgressTrust(vouched=frozenset({mate}),
+                                                                                  follower=True))
+        optimizer.read_progress_soon()
+        until = time.monotonic() + 1.5  # it holds through the next counts
+        while time.monotonic() < until:
+            assert tracker.global_epoch == 0 and not tracker.ready_to_update_epoch, tracker.global_progress
+            time.sleep(0.1)
         optimizer.set_progress_roster(lambda: roster)  # a server that verified nobody: pulled on, as before
         deadline = time.monotonic() + 30
         while not tracker.ready_to_update_epoch:

@@ -15,7 +15,6 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.averaging.averager import RobustGradientAverager
-from swarm.checkpoint.erasure import FragmentError
 from swarm.checkpoint.service import FragmentService, get_fragment
 from swarm.checkpoint.store import FragmentStore
 from swarm.identity import Identity
@@ -41,16 +40,23 @@ class _ShowsItsTicket(RobustGradientAverager):
 
 
 async def _refusals(server: str, run_id: str, admitted, stranger) -> dict[str, list[str]]:
-    """What the fragment holder and the evidence service at ``server`` answer each caller (p2p)."""
+    """What the fragment holder and the evidence service at ``server`` answer each caller (p2p). A refusal whose
+    error frame was lost (the stream closed empty: hivemind closes it right after an error, and p2pd sometimes resets
+    it first; swarm.net.transport.delivering_refusals) is asked once more."""
+    async def answer(call) -> str:
+        for _ in range(3):
+            try:
+                await call()
+                return ""
+            except Exception as e:
+                if "empty message" not in str(e):
+                    return str(e)
+        return "empty message, three times"
+
     out: dict[str, list[str]] = {}
     for name, p2p in (("admitted", admitted), ("stranger", stranger)):
-        answers = out.setdefault(name, [])
-        with pytest.raises(FragmentError) as e:
-            await get_fragment(p2p, server, run_id, 0, 3, 0, "", timeout=20.0)
-        answers.append(str(e.value))
-        with pytest.raises(Exception) as e:
-            await fetch_evidence(p2p, server, SPEC, run_id, "someone")
-        answers.append(str(e.value))
+        out[name] = [await answer(lambda: get_fragment(p2p, server, run_id, 0, 3, 0, "", timeout=20.0)),
+                     await answer(lambda: fetch_evidence(p2p, server, SPEC, run_id, "someone"))]
     return out
 
 
@@ -64,6 +70,16 @@ async def _downloads(server: str, prefix: str, p2p) -> str:
         return ""
     except Exception as e:
         return str(e)
+
+
+async def _joins(server: str, prefix: str, p2p) -> int:
+    """The averager's first matchmaking answer to ``p2p`` asking it to lead a group (its code)."""
+    stub = RobustGradientAverager.get_stub(p2p, PeerID.from_base58(server), namespace=prefix)
+    request = averaging_pb2.JoinRequest(schema_hash=b"x", expiration=1e12, gather=b"", client_mode=False,
+                                        group_key="ticketed.0b0")
+    async for answer in await stub.rpc_join_group(request):
+        return answer.code
+    return -1
 
 
 def test_a_ticketed_servers_services_and_averagers_refuse_strangers_and_take_a_renewed_ticket(tmp_path: Path):
@@ -92,16 +108,21 @@ def test_a_ticketed_servers_services_and_averagers_refuse_strangers_and_take_a_r
             answers = await _refusals(server, run_id, p2ps[1], p2ps[2])
             downloads = {name: await _downloads(server, "ticketed", p2p)
                          for name, p2p in (("admitted", p2ps[1]), ("stranger", p2ps[2]))}
+            joins = {name: await _joins(server, "ticketed", p2p)
+                     for name, p2p in (("admitted", p2ps[1]), ("stranger", p2ps[2]))}
             for p2p in p2ps:
                 await p2p.shutdown()
-            return answers, downloads
+            return answers, downloads, joins
 
-        answers, downloads = asyncio.run(scenario())
+        answers, downloads, joins = asyncio.run(scenario())
         assert all("ticket" not in a for a in answers["admitted"]), answers
         assert "not held here" in answers["admitted"][0] and "no evidence" in answers["admitted"][1], answers
         assert all("hold no valid ticket" in a for a in answers["stranger"]), answers
         assert downloads["admitted"] == "", downloads
         assert "hold no valid ticket" in downloads["stranger"], downloads
+        # matchmaking: the stranger is refused as a protocol violation; the admitted peer gets hivemind's own answer
+        assert joins["stranger"] == averaging_pb2.PROTOCOL_VIOLATION, joins
+        assert joins["admitted"] not in (averaging_pb2.PROTOCOL_VIOLATION, -1), joins
 
         # a renewed ticket: the averager's process signs with it from now on
         assert averager.signing_ticket() == server_id.ticket

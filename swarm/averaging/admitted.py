@@ -17,9 +17,10 @@ refused by every node once the old ticket expired.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import AsyncIterator, Optional
 
 from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.protocol import ProtocolError
@@ -34,7 +35,34 @@ class TicketedCallers:
 
     async def _admit(self, context: P2PContext) -> None:
         """(averager process) :raises ProtocolError: a ticketed run, and the caller holds no valid ticket."""
-        await admit(self.gate, str(context.remote_id), ProtocolError)
+        if self.gate is not None:
+            await admit(self.gate, str(context.remote_id), ProtocolError)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's matchmaking answer (:mod:`swarm.averaging.matchmaking`), to a caller with a ticket only."""
+        refusal = averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        async for message in self._if_admitted(context, refusal, super().rpc_join_group(request, context)):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's part handler (its all-reduce; this project's parts go through ``rpc_robust_part``), still
+        registered: a caller without a ticket is refused before its part is read."""
+        refusal = averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        async for message in self._if_admitted(context, refusal, super().rpc_aggregate_part(stream, context)):
+            yield message
+
+    async def _if_admitted(self, context: P2PContext, refusal, answers: AsyncIterator) -> AsyncIterator:
+        """``answers`` (a handler's, not started yet) if the caller is admitted, else ``refusal`` alone."""
+        try:
+            await self._admit(context)
+        except ProtocolError:
+            await answers.aclose()
+            yield refusal
+            return
+        async for message in answers:
+            yield message
 
     # ---- main-process API -------------------------------------------------------------------------------
     def set_ticket(self, sealed: bytes, timeout: float = 5.0) -> None:

@@ -24,31 +24,25 @@ time passed).
 so one such key naming its progress entry at the stage's epoch + 1 (or with the target's samples) ended every
 epoch of its stage at once (measured: 88 micro-batches per 25 s fell to 4). A server that verified the averaging
 work of at least one of its current stage-mates therefore counts in full only its own entry and those of the
-mates it verified; every other entry is *unverified*:
+mates it verified; every other entry is *unverified* (whatever its ``client_mode`` says):
 
 * an unverified entry ahead of this server's epoch does not move it: it counts as one that finished this epoch
   (the target's samples, within the share below), so it cannot pull the stage to the next epoch;
 * the unverified entries' samples count together at most :data:`UNVERIFIED_SHARE` of the target (each scaled
-  down alike), so an epoch holds at least that share of samples the server verified or made: Sybils can at
-  worst halve a stage's batch, never stop it.
+  down alike), and their throughput not at all: an epoch holds at least that share of samples the server
+  verified or made. Sybils can at worst halve a stage's batch, never stop it.
 
-A server new to an established stage (one whose records vouch for some server, but none for it) counts its own
-samples within that share too (:attr:`ProgressTrust.own_capped`), as its stage-mates count them, so it does not
-end epochs before them. A server that verified none of its current stage-mates (the stage's first epoch, a
-newcomer, a server whose standing file was lost) counts every announced server as before: it follows the stage
-until its first round with a mate. Limits: such a server can be pulled ahead by a Sybil's entry until then (the
-stage's established servers are not moved), and a stage with one established server left trusts every entry.
+A server that verified none of its current stage-mates while some of them vouch for one another
+(:attr:`~swarm.protocol.ServerInfo.vouches`: an established stage, and this server new to it, or back without
+its standing file) is a *follower*: it counts in full the servers its stage-mates vouch for and every other
+entry as unverified, and it ends an epoch only when one of those pulls it on (so it never steps before the
+stage, and meets its established servers in their round, where it earns standing), or once it counted
+:data:`FOLLOWER_PATIENCE` times the target (servers that only vouch for one another and never move, Sybils, cost
+it that much, not a stalled stage). A server of a stage where nobody vouches for anybody (its first epochs)
+counts every announced server's entry as before.
 
-**Pushed progress.** hivemind publishes every count to the DHT and reads the stage's counts back from it, a
-stored and a fetched record (each visiting several DHT nodes) several times a second per server: the largest
-DHT traffic of a training swarm (docs/efficiency.md). The stage's servers push their counts to each other
-instead (``rpc_progress``, :meth:`SampleCountTracker.receive`, sent through :attr:`SampleCountTracker.push`):
-a pushed count is counted with the entries last read from the DHT at once, without a read, and replaces the
-sender's DHT entry when it is newer (by the sender's own clock); it stands until its sender leaves the roster.
-While every other server of the roster's count arrived by push, the DHT is read only every
-:data:`PUSHED_SLOWDOWN` ``x max_refresh_period`` (a quiet stage: every ``metadata_expiration / 4``), and while
-this server's pushes reach every stage-mate, its count is published to the DHT no more often (the DHT stays
-the fallback, and what a joining server reads before its stage-mates count it).
+Limits: keys that vouch for one another (two Sybils) can pull a follower ahead of its stage until it earned
+standing; established servers are not moved.
 """
 
 from __future__ import annotations
@@ -101,19 +95,35 @@ max_refresh_period`` (a whole matchmaking window, 2 s at the demo's spec), not e
 
 UNVERIFIED_SHARE = 0.5
 """At most this fraction of ``target_batch_size`` counts from unverified entries together (module docstring)."""
+FOLLOWER_PATIENCE = 4
+"""A follower ends an epoch by its own count only at this many times the target (module docstring)."""
 
 
 @dataclass(frozen=True)
 class ProgressTrust:
     """Whose progress counts in full for this server (module docstring, *Standing*).
 
-    :param verified: progress sub-keys of the current stage-mates whose averaging work this server verified; empty:
-        every entry counts in full (the server verified none of them yet).
-    :param own_capped: this server's own samples count within :data:`UNVERIFIED_SHARE` (it is new to an
-        established stage: no stage-mate vouches for it, and some vouch for others)."""
+    :param verified: progress sub-keys of the current stage-mates whose averaging work this server verified.
+    :param vouched: progress sub-keys of the current stage-mates that some stage-mate vouches for.
+    :param follower: this server verified none of them, and its stage is established (``vouched`` not empty).
+    Neither (all empty): every entry counts in full."""
 
     verified: frozenset = frozenset()
-    own_capped: bool = False
+    vouched: frozenset = frozenset()
+    follower: bool = False
+
+    def full(self, key: bytes, own: bytes) -> bool:
+        """Whether the entry of sub-key ``key`` counts in full here (``own``: this server's sub-key)."""
+        if self.verified:
+            return key == own or key in self.verified
+        if self.follower:
+            return key == own or key in self.vouched
+        return True
+
+    @property
+    def weighed(self) -> bool:
+        """Entries are told apart (else all count in full, as hivemind counts them)."""
+        return bool(self.verified) or self.follower
 
 
 Roster = Callable[[], Optional[frozenset]]
@@ -148,9 +158,9 @@ def trusted_progress(entries: dict, own: bytes, own_epoch: int, target: int,
                      roster: Optional[frozenset] = None, trust: ProgressTrust = ProgressTrust()) -> dict:
     """The progress entries (sub-key -> ``ValueWithExpiration`` of a ``LocalTrainingProgress`` dict) that count,
     as the module docstring says: from ``roster`` (or anyone while it is None) plus ``own``, at most one epoch
-    past the lower median of the others' epochs (or ``own_epoch``), samples clipped to ``target``; with
-    ``trust.verified``, the unverified entries at ``own_epoch`` and within :data:`UNVERIFIED_SHARE` of ``target``
-    together (*Standing*)."""
+    past the lower median of the epochs of the others counted in full (or ``own_epoch``), samples clipped to
+    ``target``; the entries ``trust`` does not count in full at ``own_epoch`` at most, within
+    :data:`UNVERIFIED_SHARE` of ``target`` together, with no throughput (*Standing*)."""
     progress = {}
     for subkey, item in entries.items():
         if item is None or item.value is None or (roster is not None and subkey != own and subkey not in roster):
@@ -159,8 +169,8 @@ def trusted_progress(entries: dict, own: bytes, own_epoch: int, target: int,
             progress[subkey] = (LocalTrainingProgress.parse_obj(item.value), item.expiration_time)
         except Exception:  # hivemind's schema validator checked it already; a stray value is skipped
             continue
-    full = (lambda k: True) if not trust.verified else (lambda k: k == own or k in trust.verified)
-    others = sorted(p.epoch for key, (p, _) in progress.items() if key != own and full(key) and not p.client_mode)
+    others = sorted(p.epoch for key, (p, _) in progress.items()
+                    if key != own and trust.full(key, own) and not p.client_mode)
     ceiling = max(own_epoch, others[(len(others) - 1) // 2] if others else own_epoch) + 1
     out, unverified = {}, []
     for subkey, (p, expiration) in progress.items():
@@ -168,14 +178,13 @@ def trusted_progress(entries: dict, own: bytes, own_epoch: int, target: int,
             continue
         p.samples_accumulated = min(p.samples_accumulated, target)
         p.samples_per_second = min(p.samples_per_second, MAX_SAMPLES_PER_S)
-        if not full(subkey) and not p.client_mode:
+        if trust.weighed and not trust.full(subkey, own):  # (a server's entry, whatever client_mode it claims)
+            p.client_mode, p.samples_per_second = False, 0.0
             if p.epoch > own_epoch:  # it cannot pull this server on: it finished this epoch, at most
                 p.epoch, p.samples_accumulated = own_epoch, target
             unverified.append(p)
         out[subkey] = (p, expiration)
     _share([p for p in unverified if p.epoch == own_epoch], int(UNVERIFIED_SHARE * target))
-    if trust.own_capped and own in out:
-        _share([out[own][0]], int(UNVERIFIED_SHARE * target))
     return {subkey: ValueWithExpiration(p.dict(), expiration) for subkey, (p, expiration) in out.items()}
 
 
@@ -194,7 +203,7 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
 
     roster: Roster = staticmethod(lambda: None)
     trust: Trust = staticmethod(ProgressTrust)
-    others_epoch = 0  # the lower median epoch of the other counted (verified, if any) servers (0 while none is)
+    others_epoch = 0  # the lower median epoch of the other servers counted in full (0 while none is)
     per_server_target = 0
     """If set (outer steps, :mod:`swarm.averaging.outer`): an epoch ends after this many samples per server counted
     (``target_batch_size`` follows the count of servers), not after a fixed ``target_batch_size``."""
@@ -345,14 +354,16 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         roster, trust = self.roster(), self.trust()
         if self.per_server_target:
             servers = trusted_progress(entries, self._local_public_key, self.local_progress.epoch, 1, roster, trust)
-            self.target_batch_size = self.per_server_target * max(1, sum(  # (Sybils must not raise it either)
+            full = sum(1 for k, v in servers.items() if not v.value["client_mode"] and
+                       trust.full(k, self._local_public_key))  # (unverified servers raise it at most 2x)
+            self.target_batch_size = self.per_server_target * max(1, full + min(full, sum(
                 1 for k, v in servers.items() if not v.value["client_mode"] and
-                (not trust.verified or k == self._local_public_key or k in trust.verified)))
+                not trust.full(k, self._local_public_key))))
         trusted = trusted_progress(entries, self._local_public_key, self.local_progress.epoch,
                                    self.target_batch_size, roster, trust)
-        others = sorted(v.value["epoch"] for k, v in trusted.items()  # (of the verified ones, if any)
+        others = sorted(v.value["epoch"] for k, v in trusted.items()  # (of those counted in full)
                         if k != self._local_public_key and not v.value["client_mode"] and
-                        (not trust.verified or k in trust.verified))
+                        trust.full(k, self._local_public_key))
         self.others_epoch = others[(len(others) - 1) // 2] if others else 0
         progress = super()._parse_swarm_progress_data(trusted)
         self._count_quiet(progress.epoch, trusted)
@@ -386,12 +397,15 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
 
     @property
     def ready_to_update_epoch(self) -> bool:
+        """Pulled on by an entry counted in full, or the target counted (a follower's: :data:`FOLLOWER_PATIENCE`
+        times it)."""
+        target = self.target_batch_size * (FOLLOWER_PATIENCE if self.trust().follower else 1)
         return (
             self.global_epoch > self.local_progress.epoch
-            or self.global_progress.samples_accumulated >= self.target_batch_size
-            or self.local_progress.samples_accumulated >= self.target_batch_size
+            or self.global_progress.samples_accumulated >= target
+            or self.local_progress.samples_accumulated >= target
         )
 
 
-__all__ = ["PUSHED_SLOWDOWN", "UNVERIFIED_SHARE", "ProgressTrust", "Push", "Roster", "SampleCountTracker", "Trust", "progress_signer", "refresh_periods",
+__all__ = ["FOLLOWER_PATIENCE", "PUSHED_SLOWDOWN", "UNVERIFIED_SHARE", "ProgressTrust", "Push", "Roster", "SampleCountTracker", "Trust", "progress_signer", "refresh_periods",
            "trusted_progress"]

@@ -125,14 +125,15 @@ class StagePlan:
                     peak_flops=self.peak_flops)
 
 
-def progress_trust(mates: list, me: str, weight: Callable[[str], float]) -> ProgressTrust:
-    """Whose progress this server counts in full (:mod:`swarm.averaging.progress`, *Standing*): the stage-mates
-    (their :class:`~swarm.protocol.ServerInfo`, with a progress key) it verified (``weight(libp2p id) > 0``), and
-    whether its own samples count within the unverified share: some stage-mate vouches for a server, none for it
-    (``me``: its libp2p id)."""
+def progress_trust(mates: list, weight: Callable[[str], float]) -> ProgressTrust:
+    """Whose progress this server counts in full (:mod:`swarm.averaging.progress`, *Standing*), from its current
+    stage-mates' :class:`~swarm.protocol.ServerInfo` records (with a progress key): those it verified
+    (``weight(libp2p id) > 0``), those some stage-mate vouches for, and whether it follows them (it verified none,
+    and some vouch for others)."""
+    named = {p2p for s in mates for p2p in s.vouches}
     verified = frozenset(bytes.fromhex(s.progress_key) for s in mates if weight(s.p2p_id) > 0)
-    established = any(s.vouches for s in mates)
-    return ProgressTrust(verified, own_capped=established and not any(me in s.vouches for s in mates))
+    vouched = frozenset(bytes.fromhex(s.progress_key) for s in mates if s.p2p_id in named)
+    return ProgressTrust(verified, vouched, follower=not verified and bool(vouched))
 
 
 class ServedStage:
@@ -280,7 +281,7 @@ class ServedStage:
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
         mates = [s for s in servers if s.progress_key and s.peer_id != self.me]
         known, self._mates = self._mates, {s.p2p_id: bytes.fromhex(s.progress_key) for s in mates}
-        self._trust = progress_trust(mates, self.ctx.identity.p2p_id, self.ctx.weight)
+        self._trust = progress_trust(mates, self.ctx.weight)
         if self._mates != known:
             self.pushes.set_mates(mates)
             if set(self._mates.values()) - set(known.values()):  # a new one: its pushes may not count yet

@@ -20,6 +20,8 @@ No peer acts on another's word: each acts on signatures, digests and its own rec
   that key's word where a count of keys would let a Sybil decide.
 * :mod:`swarm.trust.tickets` — admission in a run that takes only the peers its operator admitted: tickets signed
   by the run key, carried in every record a peer seals.
+* :mod:`swarm.trust.invites` — admission by invite: a code whose hash the run key published, redeemed at the
+  coordinator for the presenting peer's own ticket, up to its uses.
 
 Checks of averaging itself (commitments, reduction receipts, audits, accusations, exclusions) live with the
 all-reduce they check, in :mod:`swarm.averaging`. Who may lie about what, and what stops it:

@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
+import time
 from typing import AsyncIterator, Optional
 
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -37,7 +38,7 @@ from swarm.net.transport import ProtocolServicer, gather, stream_out
 from swarm.protocol import (Invite, InviteRedeem, InviteReply, ProtocolError, Refusal, Ticket, invites_key,
                             open_run_key_record, open_ticket, pack_message, seal, unpack_message)
 from swarm.trust.authority import peer_of_p2p_id
-from swarm.trust.tickets import NotAdmitted, RunTickets, all_tickets, issue_ticket
+from swarm.trust.tickets import READ_EVERY_S, NotAdmitted, RunTickets, all_tickets, issue_ticket
 
 logger = logging.getLogger(__name__)
 
@@ -76,51 +77,99 @@ def issue_invite(directory: RunDirectory, run_key: Identity, spec: RunSpec, uses
     return code, invite
 
 
-def find_invite(directory: RunDirectory, code: str) -> Optional[Invite]:
-    """The run key's invite for ``code`` in the DHT, expired or not; None if there is none (blocking)."""
-    wanted = invite_hash(code)
+def all_invites(directory: RunDirectory) -> dict[str, Invite]:
+    """The run key's invites the DHT holds, by code hash (blocking; others are logged and skipped)."""
+    out = {}
     for _, sealed in directory.read_sealed(invites_key(directory.run_id), Invite):
         try:
             invite = open_run_key_record(sealed, Invite, directory.run_id)
         except ProtocolError as e:
             logger.warning("dropped an invite under %s: %s", invites_key(directory.run_id), e)
             continue
-        if invite.code_hash == wanted:
-            return invite
-    return None
+        out[invite.code_hash] = invite
+    return out
 
 
-def redeem(directory: RunDirectory, run_key: Identity, spec: RunSpec, code: str, subject: str
-           ) -> tuple[Ticket, bytes]:
-    """The redeemer's part (blocking): a ticket for peer ``subject`` if ``code`` names a live invite with a use
-    left (or one ``subject`` already used), and ``subject`` is not banned.
+def find_invite(directory: RunDirectory, code: str) -> Optional[Invite]:
+    """The run key's invite for ``code`` in the DHT, expired or not; None if there is none (blocking)."""
+    return all_invites(directory).get(invite_hash(code))
+
+
+NO_INVITE = ("no live invite of this run has this code (mistyped, expired, or of another run): ask the run's "
+             "operator for a new one")
+
+
+def redeem(directory: RunDirectory, run_key: Identity, spec: RunSpec, invite: Invite, subject: str,
+           ledger: Optional[dict[str, set[str]]] = None) -> tuple[Ticket, bytes]:
+    """The redeemer's part (blocking): a ticket for peer ``subject`` under ``invite`` (found by its code) if it
+    is live with a use left (or one ``subject`` already used), and ``subject`` is not banned. ``ledger``: code hash
+    -> the peers this redeemer admitted with it, counted with the tickets the DHT holds (a read that finds fewer
+    does not give a use back) and updated here.
 
     :raises InviteRefused: the cause, and what to do.
     :raises RuntimeError: the DHT did not take the ticket."""
-    now, invite = get_dht_time(), find_invite(directory, code)
-    if invite is None or invite.expires <= now:
-        raise InviteRefused("no live invite of this run has this code (mistyped, expired, or of another run): ask "
-                            "the run's operator for a new one")
+    now, ledger = get_dht_time(), ledger if ledger is not None else {}
+    if invite.expires <= now:
+        raise InviteRefused(NO_INVITE)
     bans, _ = directory.bans()
     if bans is not None and subject in bans.banned:
         raise InviteRefused(f"peer {subject} is banned from this run ({bans.banned[subject]})")
-    holders = {t.subject for t, _ in all_tickets(directory) if t.invite == invite.code_hash and t.expires > now}
+    holders = ledger.setdefault(invite.code_hash, set()) | {
+        t.subject for t, _ in all_tickets(directory) if t.invite == invite.code_hash and t.expires > now}
     if subject not in holders and len(holders) >= invite.uses:
         raise InviteRefused(f"the invite is used up ({len(holders)} of {invite.uses} peers admitted): ask the run's "
                             "operator for a new one")
-    return issue_ticket(directory, run_key, subject, spec, invite.code_hash)
+    found = issue_ticket(directory, run_key, subject, spec, invite.code_hash)
+    ledger[invite.code_hash].add(subject)
+    return found
+
+
+MAX_WAITING = 8
+"""Redemptions an :class:`InviteService` lets wait for the one in progress; the next is refused at once ("busy")."""
 
 
 class InviteService(ProtocolServicer):
-    """``rpc_redeem`` on namespace ``run_id``, served by the holder of the run key (the coordinator): one
-    redemption at a time, each caller at most one in flight and a few a minute."""
+    """``rpc_redeem`` on namespace ``run_id``, served by the holder of the run key (the coordinator): each caller
+    at most one in flight and a few a minute; a code is looked up among the run's invites (read from the DHT at
+    most every :data:`~swarm.trust.tickets.READ_EVERY_S` seconds) before it waits for its turn, and then one
+    redemption at a time, at most :data:`MAX_WAITING` waiting (fresh keys sending junk codes cost one lookup
+    of a cached table each)."""
 
     wire_name = "InviteService"
 
-    def __init__(self, directory: RunDirectory, run_key: Identity, spec: RunSpec):
-        self.directory, self.run_key, self.spec = directory, run_key, spec
+    def __init__(self, directory: RunDirectory, run_key: Identity, spec: RunSpec, clock=time.monotonic):
+        self.directory, self.run_key, self.spec, self.clock = directory, run_key, spec, clock
         self.quota = PeerQuota(max_in_flight=1, rate_per_s=0.1, burst=3)
+        self.ledger: dict[str, set[str]] = {}  # code hash -> peers admitted with it here
+        self._invites: dict[str, Invite] = {}  # code hash -> the run key's invite, as last read
+        self._read_at = float("-inf")
         self._one_at_a_time: Optional[asyncio.Lock] = None
+        self._waiting = 0
+
+    async def _invite(self, code: str) -> Invite:
+        """:raises InviteRefused: no live invite has ``code``."""
+        wanted = invite_hash(code)
+        if wanted not in self._invites and self.clock() - self._read_at >= READ_EVERY_S:
+            self._read_at = self.clock()
+            found = await asyncio.to_thread(all_invites, self.directory)
+            self._invites = {i.code_hash: i for i in self._invites.values() if i.expires > get_dht_time()} | found
+        invite = self._invites.get(wanted)
+        if invite is None or invite.expires <= get_dht_time():
+            raise InviteRefused(NO_INVITE)
+        return invite
+
+    async def _redeem(self, code: str, subject: str) -> tuple[Ticket, bytes]:
+        invite = await self._invite(code)
+        if self._waiting >= MAX_WAITING:
+            raise Busy("busy redeeming other invites; retry in a few seconds")
+        self._one_at_a_time = self._one_at_a_time or asyncio.Lock()
+        self._waiting += 1
+        try:
+            async with self._one_at_a_time:  # (two at once could both take an invite's last use)
+                return await asyncio.to_thread(redeem, self.directory, self.run_key, self.spec, invite, subject,
+                                               self.ledger)
+        finally:
+            self._waiting -= 1
 
     async def rpc_redeem(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                          ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -132,10 +181,7 @@ class InviteService(ProtocolServicer):
                 if req.run_id != self.directory.run_id:
                     raise ProtocolError(f"this peer redeems invites of run {self.directory.run_id}, not {req.run_id}")
                 subject = peer_of_p2p_id(str(context.remote_id))
-                self._one_at_a_time = self._one_at_a_time or asyncio.Lock()
-                async with self._one_at_a_time:  # (two at once could both take an invite's last use)
-                    ticket, sealed = await asyncio.to_thread(redeem, self.directory, self.run_key, self.spec,
-                                                             req.code, subject)
+                ticket, sealed = await self._redeem(req.code, subject)
                 logger.info("admitted %s by invite %s..", subject, ticket.invite[:12])
                 reply = InviteReply(ticket=sealed)
         except (ProtocolError, InviteRefused, Busy, TooFast, RuntimeError) as e:
@@ -146,31 +192,41 @@ class InviteService(ProtocolServicer):
 
 async def redeem_invite(p2p: P2P, directory: RunDirectory, code: str) -> tuple[Ticket, bytes]:
     """The joining peer's part: read the invite of ``code`` and ask its redeemers, in turn, for this peer's
-    ticket (the caller's libp2p key names it). Returns the ticket, verified, and sealed.
+    ticket (the caller's libp2p key names it). Returns the ticket, verified, and sealed. A redeemer that does not
+    know the invite yet (it reads the run's invites at most every :data:`READ_EVERY_S` seconds) is asked again
+    once that passed; a busy one after a few seconds.
 
     :raises NotAdmitted: no live invite has this code, a redeemer refused it (its reason), or none answered."""
     invite = await asyncio.to_thread(find_invite, directory, code)
     if invite is None or invite.expires <= get_dht_time():
-        raise NotAdmitted("no live invite of this run has this code (mistyped, expired, or of another run): ask the "
-                          "run's operator for a new one")
+        raise NotAdmitted(NO_INVITE)
     request, unreachable = pack_message(InviteRedeem(run_id=directory.run_id, code=code.strip())), []
     for redeemer in invite.redeemers:
-        stub = InviteService.get_stub(p2p, PeerID.from_base58(redeemer), namespace=directory.run_id)
-        try:
-            metadata, _ = await asyncio.wait_for(gather(await stub.rpc_redeem(
-                stream_out(runtime_pb2.ExpertRequest, request, [])), max_tensors=0), REDEEM_TIMEOUT_S)
-            reply = unpack_message(metadata, InviteReply)
-        except Exception as e:  # unreachable, or not serving invites of this run
-            unreachable.append(f"{redeemer}: {type(e).__name__}")
-            continue
-        if reply.error:
-            raise NotAdmitted(f"the invite was refused: {reply.error}")
-        try:
-            return open_ticket(reply.ticket, directory.run_id), reply.ticket
-        except ProtocolError as e:
-            unreachable.append(f"{redeemer}: a bad ticket ({e})")
+        for attempt in range(3):
+            try:
+                reply = await _ask(p2p, redeemer, directory.run_id, request)
+            except Exception as e:  # unreachable, or not serving invites of this run
+                unreachable.append(f"{redeemer}: {type(e).__name__}")
+                break
+            if reply.error and attempt < 2 and (reply.error == NO_INVITE or reply.error.startswith("busy")):
+                await asyncio.sleep(READ_EVERY_S + 1 if reply.error == NO_INVITE else 3.0)
+                continue
+            if reply.error:
+                raise NotAdmitted(f"the invite was refused: {reply.error}")
+            try:
+                return open_ticket(reply.ticket, directory.run_id), reply.ticket
+            except ProtocolError as e:
+                unreachable.append(f"{redeemer}: a bad ticket ({e})")
+                break
     raise NotAdmitted(f"no redeemer of the invite answered ({'; '.join(unreachable)}): is the run's coordinator "
                       "up? Try again later")
+
+
+async def _ask(p2p: P2P, redeemer: str, run_id: str, request: bytes) -> InviteReply:
+    stub = InviteService.get_stub(p2p, PeerID.from_base58(redeemer), namespace=run_id)
+    metadata, _ = await asyncio.wait_for(gather(await stub.rpc_redeem(
+        stream_out(runtime_pb2.ExpertRequest, request, [])), max_tensors=0), REDEEM_TIMEOUT_S)
+    return unpack_message(metadata, InviteReply)
 
 
 async def acquire_ticket(tickets: RunTickets, p2p: P2P, code: Optional[str]) -> Optional[Ticket]:
@@ -189,5 +245,6 @@ async def acquire_ticket(tickets: RunTickets, p2p: P2P, code: Optional[str]) -> 
     return tickets.take(ticket, sealed)
 
 
-__all__ = ["CODE_PREFIX", "InviteRefused", "InviteService", "acquire_ticket", "find_invite", "invite_hash",
+__all__ = ["CODE_PREFIX", "MAX_WAITING", "InviteRefused", "InviteService", "acquire_ticket", "all_invites",
+           "find_invite", "invite_hash",
            "issue_invite", "redeem", "redeem_invite"]

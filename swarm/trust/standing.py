@@ -5,7 +5,7 @@ Sybil attack, ``docs/threat-model.md``). A peer therefore weighs what another ke
 *itself* seen that key do right, decaying with time:
 
     standing_k(t) = sum_i u_i * 2^(-(t - t_i) / H)          (units u_i of verified work at times t_i)
-    weight_k(t)   = min(1, standing_k(t) / S)
+    weight_k(t)   = min(1, standing_k(t) / S), or 0 while standing_k(t) < 1/2
 
 ``H`` is the half-life (:data:`HALF_LIFE_S`, an hour) and ``S`` the standing of a full vote
 (:data:`FULL_STANDING`). A unit is one check this peer made and the key passed: for a trainer, a spot-checked call
@@ -45,6 +45,9 @@ HALF_LIFE_S = 3600.0
 """Seconds over which verified work loses half its standing."""
 FULL_STANDING = 8.0
 """Units of (decayed) verified work that make a full vote."""
+MIN_STANDING = 0.5
+"""Units of (decayed) verified work below which a key weighs nothing: one verified check keeps a voice for one
+half-life, not for ever."""
 MAX_KEYS = 4096
 """Keys a :class:`Standing` remembers; past it, the one credited longest ago is forgotten (many keys: a Sybil)."""
 
@@ -115,8 +118,10 @@ class Standing:
         return dict(sorted(((k, w) for k, w in weights.items() if w > 0), key=lambda kw: -kw[1])[:n])
 
     def weight(self, key: str) -> float:
-        """``key``'s vote in ``[0, 1]``: its standing over :attr:`full`, at most 1."""
-        return min(1.0, self.standing(key) / self.full)
+        """``key``'s vote in ``[0, 1]``: its standing over :attr:`full`, at most 1; 0 below :data:`MIN_STANDING`
+        (work verified long ago is no voice now: a key must keep working to keep one)."""
+        standing = self.standing(key)
+        return 0.0 if standing < MIN_STANDING else min(1.0, standing / self.full)
 
     # ---- across restarts ------------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
@@ -174,4 +179,4 @@ class Standing:
         return len(work)
 
 
-__all__ = ["FULL_STANDING", "HALF_LIFE_S", "Standing"]
+__all__ = ["FULL_STANDING", "HALF_LIFE_S", "MIN_STANDING", "Standing"]

@@ -210,7 +210,8 @@ class TicketGate:
         async with self._reading:
             if self._until.get(peer, 0.0) <= get_dht_time() and self.clock() >= self._next_read:
                 self._next_read = self.clock() + READ_EVERY_S
-                until: dict[str, float] = {}
+                now = get_dht_time()  # merged into what it knew (a read that failed or found less forgets nobody;
+                until = {p: t for p, t in self._until.items() if t > now}  # a ticket ends only by expiring)
                 for ticket, _ in await asyncio.to_thread(all_tickets, self.directory):
                     until[ticket.subject] = max(until.get(ticket.subject, 0.0), ticket.expires)
                 self._until = until
