@@ -181,6 +181,7 @@ def test_a_servers_progress_trust_follows_its_standing_and_its_stage_mates_vouch
     vouches for; a follower: a server that verified none of them while some vouch for others."""
     from types import SimpleNamespace
 
+    from swarm.averaging.progress import ProgressTrust
     from swarm.server.served import progress_trust
 
     def mate(p2p: str, key: str, vouches=()):
@@ -194,6 +195,9 @@ def test_a_servers_progress_trust_follows_its_standing_and_its_stage_mates_vouch
     assert newcomer.follower and newcomer.vouched == frozenset({b"\x0a", b"\x0b"})
     assert not progress_trust(established, lambda p: weight(p, 0.0)).follower  # it verified a
     assert not progress_trust([mate("a", "0a", vouches=["me"])], lambda p: 0.0).follower  # only itself vouched for
+    # bounded groups (more servers than group_size): every entry in full (a server verifies its group only)
+    assert progress_trust(established, lambda p: weight(p, 0.0), group_size=2) == ProgressTrust()
+    assert progress_trust(established, lambda p: weight(p, 0.0), group_size=3).verified == frozenset({b"\x0a"})
 
 
 @pytest.mark.timeout(180)

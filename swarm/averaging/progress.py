@@ -42,7 +42,11 @@ it that much, not a stalled stage). A server of a stage where nobody vouches for
 counts every announced server's entry as before.
 
 Limits: keys that vouch for one another (two Sybils) can pull a follower ahead of its stage until it earned
-standing; established servers are not moved.
+standing; established servers are not moved. A stage of more servers than ``[averaging] group_size`` (bounded
+groups) counts every entry as before (:func:`swarm.server.served.progress_trust`): a server verifies only the
+members of its first hop's group, so servers that verified different groups would end their epochs apart (later
+hops' parts, which cross groups, earn no standing yet); so Sybils can turn this off by outnumbering a stage past
+``group_size`` (8 keys against two honest servers at the default).
 """
 
 from __future__ import annotations

@@ -125,11 +125,15 @@ class StagePlan:
                     peak_flops=self.peak_flops)
 
 
-def progress_trust(mates: list, weight: Callable[[str], float]) -> ProgressTrust:
+def progress_trust(mates: list, weight: Callable[[str], float], group_size: int = 0) -> ProgressTrust:
     """Whose progress this server counts in full (:mod:`swarm.averaging.progress`, *Standing*), from its current
     stage-mates' :class:`~swarm.protocol.ServerInfo` records (with a progress key): those it verified
     (``weight(libp2p id) > 0``), those some stage-mate vouches for, and whether it follows them (it verified none,
-    and some vouch for others)."""
+    and some vouch for others). Every entry in full in a stage of more servers than ``group_size`` (bounded groups:
+    a server verifies only its first hop's group-mates, and servers that verified different groups would end
+    their epochs apart; measured, tests/test_scale.py)."""
+    if group_size and len(mates) + 1 > group_size:
+        return ProgressTrust()
     named = {p2p for s in mates for p2p in s.vouches}
     verified = frozenset(bytes.fromhex(s.progress_key) for s in mates if weight(s.p2p_id) > 0)
     vouched = frozenset(bytes.fromhex(s.progress_key) for s in mates if s.p2p_id in named)
@@ -281,7 +285,7 @@ class ServedStage:
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
         mates = [s for s in servers if s.progress_key and s.peer_id != self.me]
         known, self._mates = self._mates, {s.p2p_id: bytes.fromhex(s.progress_key) for s in mates}
-        self._trust = progress_trust(mates, self.ctx.weight)
+        self._trust = progress_trust(mates, self.ctx.weight, self.spec.averaging.group_size)
         if self._mates != known:
             self.pushes.set_mates(mates)
             if set(self._mates.values()) - set(known.values()):  # a new one: its pushes may not count yet
