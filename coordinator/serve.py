@@ -7,7 +7,8 @@ Its fragment store (``SWARM_FRAGMENT_DIR``, default ``<SWARM_STATE_DIR>/fragment
 so a restarted coordinator re-announces its fragments and their manifests. With
 ``SWARM_METRICS_PORT`` (or ``serve --metrics-port``) it serves the whole run's Prometheus metrics
 (:class:`coordinator.monitor.RunMetrics`), refreshed every ``record_ttl_s / 3`` seconds. In a run that admits
-only ticketed peers it renews their tickets (:mod:`swarm.trust.tickets`).
+only ticketed peers it renews their tickets (:mod:`swarm.trust.tickets`). It publishes the run key's recognition
+of the servers that earned standing (:mod:`swarm.trust.recognition`, kept in ``<state>/recognition-<run>.json``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from swarm.net.directory import AsyncRunDirectory, RunDirectory
 from swarm.identity import Identity, claim_folder
 from swarm.trust.invites import InviteService
 from swarm.trust.tickets import renew_tickets, ticket_gate
+from swarm.trust.recognition import RecognitionBook, publish_recognition
 
 logger = logging.getLogger("swarm.coordinator")
 
@@ -89,7 +91,10 @@ def serve(spec: RunSpec, key: Identity, settings: PeerSettings, initial_peers: l
             if metrics is not None:
                 metrics.update(snapshot(directory, spec))
 
-        asyncio.run(_serve(directory, keeper, sealed, dht, observe, admission))
+        book = RecognitionBook(settings.state_path() / f"recognition-{run_id}.json")
+        duties = [(partial(publish_recognition, directory, key, spec, book), "recognizing the run's servers"),
+                  (observe, "updating the run's metrics")]
+        asyncio.run(_serve(directory, keeper, sealed, dht, duties, admission))
     finally:
         dht.shutdown()
 
@@ -103,10 +108,11 @@ class Admission:
 
 
 async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes, dht,
-                 observe: Callable[[], None], admission: Optional[Admission] = None) -> None:
+                 duties: list[tuple[Callable[[], object], str]], admission: Optional[Admission] = None) -> None:
     """Until SIGTERM/SIGINT, every ``record_ttl_s / 3`` seconds: re-publish the spec, renew the run's tickets
-    (``admission``, a ticketed run, whose invite codes it redeems on request), run the keeper's duties, refresh
-    the metrics; then hand the fragments held here to other peers."""
+    (``admission``, a ticketed run, whose invite codes it redeems on request), run the keeper's duties, then each
+    of ``duties`` (blocking calls, each with what it does: the recognition, the metrics); then hand the fragments held
+    here to other peers."""
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -119,9 +125,9 @@ async def _serve(directory: RunDirectory, keeper: FragmentKeeper, sealed: bytes,
         """Each duty on its own: one that fails is logged and the others still run."""
         if not await keeper.directory.publish_spec(sealed):
             logger.warning("could not store the spec in the DHT; retrying in %.0fs", directory.ttl / 3)
-        duties = ((lambda: asyncio.to_thread(admission.renew), "renewing the run's tickets"),) if admission else ()
-        for duty, what in duties + ((keeper.tick, "fragment keeper tick"),
-                                    (lambda: asyncio.to_thread(observe), "updating the run's metrics")):
+        renew = ((lambda: asyncio.to_thread(admission.renew), "renewing the run's tickets"),) if admission else ()
+        blocking = tuple((partial(asyncio.to_thread, call), what) for call, what in duties)
+        for duty, what in renew + ((keeper.tick, "fragment keeper tick"),) + blocking:
             try:
                 await duty()
             except Exception:

@@ -29,7 +29,7 @@ def _stage(quiet: bool) -> SimpleNamespace:
     the rollback orders."""
     stage = SimpleNamespace(spec=TINY, stage=0, optimizer=SimpleNamespace(stage_quiet=quiet), _mates={},
                             _roster_due=False, _ran_at={}, _servers_read=(float("-inf"), []),
-                            directory=_Directory(), reads=[], orders=[])
+                            directory=_Directory(), reads=[], orders=[], ctx=SimpleNamespace(recognition=None))
 
     async def read_roster() -> None:
         stage.reads.append(1)

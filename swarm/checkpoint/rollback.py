@@ -70,7 +70,8 @@ class LossSpikeDetector:
 
 def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[int, list[ServerInfo]], *,
                    applied: int, lr_factor: float, authority: Optional[str] = None,
-                   weight: Optional[Callable[[ServerInfo], float]] = None) -> Optional[tuple[RollbackOrder, bytes]]:
+                   weight: Optional[Callable[[ServerInfo], float]] = None, me: str = ""
+                   ) -> Optional[tuple[RollbackOrder, bytes]]:
     """The rollback order to apply next, or None: of the newest generation above ``applied`` that is in force.
 
     An order of generation ``g`` is in force when its ``lr_scale`` is ``lr_factor ** g`` (each rollback scales
@@ -80,15 +81,19 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
     2. it was issued by one of the last stage's online servers, and a strict majority of them issued orders of
        generation ``g`` (they see the loss; a stage of one server is its own majority): for a deciding server
        that gives some of them a ``weight`` (a last-stage server: itself, and the mates whose averaging work it
-       verified, :mod:`swarm.trust.standing`), a majority of those; else of them all (a server of another stage);
+       verified, :mod:`swarm.trust.standing`, and those the run key recognizes: a server of another stage weighs
+       them by the recognition alone), a majority of those; else of them all (neither);
     3. a strict majority of all online servers already applied generation ``g`` or later
        (:attr:`ServerInfo.rollback_generation`) and some applied this very order
-       (:attr:`ServerInfo.rollback_issuer`): the swarm rolled back, a server that missed it follows.
+       (:attr:`ServerInfo.rollback_issuer`): the swarm rolled back, a server that missed it follows. Of the other
+       servers (``me``: the deciding server's peer id) that ``weight`` gives a weight, if it gives any (its own
+       standing, and the run key's recognition, :mod:`swarm.trust.recognition`: keys that only announce that they
+       rolled back are no majority).
 
     Of the orders in force, the one naming the earliest good epoch is returned (the most cautious). An
     outsider's order is none of these. Keys that run most of the last stage's servers without doing the stage's
-    averaging work carry no weight with an honest server of that stage; with a server of another stage they
-    still count by head (docs/threat-model.md).
+    averaging work carry no weight with an honest server of that stage, nor, while the run key recognizes some of
+    the stage's servers, with a server of another stage; else they count by head there (docs/threat-model.md).
 
     :param orders: verified ``(order, sealed)`` pairs (:meth:`~swarm.net.directory.RunDirectory.rollback_orders`).
     :param online: stage -> its servers announced online now (the last stage is the highest key).
@@ -97,11 +102,13 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
     last_servers = online.get(max(online), []) if online else []
     last = {s.peer_id for s in last_servers}
     everyone = [s for servers in online.values() for s in servers]
+    others = [s for s in everyone if s.peer_id != me]
+    electorate = [s for s in others if weight is not None and weight(s) > 0] or others
     for generation in sorted({o.generation for o, _ in orders if o.generation > applied}, reverse=True):
         same = [(o, b) for o, b in orders
                 if o.generation == generation and math.isclose(o.lr_scale, lr_factor ** generation, rel_tol=1e-9)]
         by_last = [(o, b) for o, b in same if o.peer_id in last]
-        went = [s for s in everyone if s.rollback_generation >= generation]
+        went = [s for s in electorate if s.rollback_generation >= generation]
         followed = {s.rollback_issuer for s in went if s.rollback_generation == generation}
         chosen = [(o, b) for o, b in same if authority is not None and o.peer_id == authority]
         if not chosen and _majority({o.peer_id for o, _ in by_last}, last_servers, weight):
@@ -109,7 +116,7 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
             # same generation could name an earlier epoch, the one chosen
             voices = {s.peer_id for s in last_servers if weight is None or weight(s) > 0}
             chosen = [(o, b) for o, b in by_last if o.peer_id in voices] or by_last
-        if not chosen and 2 * len(went) > len(everyone):
+        if not chosen and 2 * len(went) > len(electorate):
             chosen = [(o, b) for o, b in same if o.peer_id in followed]
         if chosen:
             return min(chosen, key=lambda ob: (ob[0].epoch, ob[0].peer_id))
@@ -237,7 +244,8 @@ class Rollbacks:
         online = {k: await self.directory.fresh_servers(k) for k in range(self.spec.model.num_stages)}
         run_key = self.directory.run_key
         return order_in_force(orders, online, applied=self.generation, lr_factor=self.spec.rollback.lr_factor,
-                              authority=peer_id_of(run_key) if run_key is not None else None, weight=self.weight)
+                              authority=peer_id_of(run_key) if run_key is not None else None, weight=self.weight,
+                              me=self.identity.peer_id)
 
     async def apply(self, order: RollbackOrder, sealed: bytes) -> None:
         """Restore the newest checkpoint at or before ``order.epoch`` and scale the learning rate."""

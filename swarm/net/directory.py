@@ -17,7 +17,7 @@ import math
 import random
 import time
 from concurrent.futures import CancelledError
-from typing import Any, Optional, Sequence, Type, TypeVar
+from typing import Any, Callable, Optional, Sequence, Type, TypeVar
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -168,6 +168,7 @@ class RunDirectory:
         self._roster_reads: dict[int, int] = {}  # stage -> reads of its records so far
         self._refused_manifests: set[str] = set()  # (logged once each)
         self._manifest_expiry: dict[int, dict[str, float]] = {}  # stage -> manifest sub-key -> DHT expiration
+        self.recognized: Callable[[int], Optional[frozenset[str]]] = lambda stage: None  # (:meth:`entitled`)
 
     # ---- bounded DHT calls -----------------------------------------------------------------------------
     def _get(self, key: str) -> Any:
@@ -239,10 +240,8 @@ class RunDirectory:
                 except (ProtocolError, SpecError) as e:
                     last_error = str(e)
             if time.monotonic() > deadline:
-                raise SpecError(
-                    f"could not fetch the spec of run {self.run_id}: {last_error}; check the run address and that "
-                    "the coordinator or a peer of the run is reachable"
-                )
+                raise SpecError(f"could not fetch the spec of run {self.run_id}: {last_error}; check the run address "
+                                "and that the coordinator or a peer of the run is reachable")
             time.sleep(1.0)
 
     def verify_spec(self, sealed: bytes) -> RunSpec:
@@ -388,11 +387,15 @@ class RunDirectory:
         return self._manifest_expiry.get(manifest.stage, {}).get(manifest.dht_subkey(), 0.0)
 
     def entitled(self, manifest: CheckpointManifest) -> Optional[str]:
-        """(blocking: may read the stage records) None if the manifest's writer and an endorser may commit it,
-        else why not: the writer must be a server of the stage this directory has seen announced, and one
-        endorser a server of the stage (``same_state``) or a witness (the run key, or a server of another
-        stage). Until this directory has seen any server of the run (a swarm restarting after every peer died),
-        the endorsements alone decide (:func:`~swarm.protocol.check_endorsements`, checked on read)."""
+        """(blocking: may read the stage records) None if the manifest's writer and an endorser may commit it, else
+        why not: by the run key's recognition where :attr:`recognized` returns the peer ids it names on the stage (a
+        server sets :meth:`~swarm.trust.recognition.RecognitionReader.read_recognized`; :func:`recognized_refusal`), else the writer must be a server
+        of the stage this directory has seen announced, and one endorser a server of the stage (``same_state``) or a
+        witness (the run key, or a server of another stage); until this directory has seen any server of the run (a
+        swarm restarting after every peer died), the endorsements alone decide (checked on read)."""
+        named = self.recognized(manifest.stage)
+        if named is not None:
+            return recognized_refusal(manifest, named, self.run_id, self._is_run_key)
         writer_serves = self.seen_serving(manifest.peer_id, manifest.stage)
         if not any(self.roster.values()):
             return None
@@ -442,6 +445,21 @@ class RunDirectory:
         """Verified rollback orders, newest generation first."""
         return sorted(self.read_sealed(rollback_key(self.run_id), RollbackOrder),
                       key=lambda ob: (-ob[0].generation, -ob[0].time))
+
+
+def recognized_refusal(manifest: CheckpointManifest, named: frozenset[str], run_id: str,
+                      is_run_key: Callable[[str], bool]) -> Optional[str]:
+    """None if the run key's recognition (``named``: the peer ids it names on the manifest's stage,
+    :mod:`swarm.trust.recognition`) entitles the manifest: its writer is named, or an endorser is (``same_state``: a
+    named server whose own state had that digest; ``witness``: the run key, or a named server), else why not: keys
+    that only announced commit nothing."""
+    if manifest.peer_id in named:
+        return None
+    for sealed in manifest.endorsements:
+        e, _ = open_record(sealed, Endorsement, run_id=run_id)  # (checked on read: cannot fail here)
+        if e.peer_id in named or (e.basis == "witness" and is_run_key(e.peer_id)):
+            return None
+    return "neither its writer nor an endorser is a server the run key recognizes"
 
 
 class AsyncRunDirectory:

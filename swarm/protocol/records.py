@@ -447,6 +447,30 @@ def invites_key(run_id: str) -> str:
     return f"{run_id}/invites"
 
 
+MAX_RECOGNIZED = 1024
+"""Servers per stage a :class:`Recognition` lists at most."""
+
+
+class Recognition(RunKeyRecord):
+    """The run key's word on which servers earned standing (:mod:`swarm.trust.recognition`): per stage, the peer ids
+    of its online servers that a recognized server vouches for, from the stage's first servers that verified each
+    other. Peers weigh by it decisions about servers they have not verified themselves (another stage's rollback
+    orders, manifests, throughput claims). Stored under :func:`recognition_key`, sub-key ``recognition``, renewed by
+    the coordinator while it is up; void after ``expires``."""
+
+    kind: Literal["recognition"] = "recognition"
+    servers: dict[Annotated[int, Field(ge=0, lt=4096)], Annotated[list[Annotated[str, Field(max_length=128)]],
+                                                                  Field(max_length=MAX_RECOGNIZED)]] = Field(
+        default_factory=dict, max_length=256, description="Stage -> peer ids of its recognized servers.")
+
+    def dht_subkey(self) -> str:
+        return "recognition"
+
+
+def recognition_key(run_id: str) -> str:
+    return f"{run_id}/recognition"
+
+
 def check_carried(sealed_record: bytes, run_id: str, dated: float) -> Ticket:
     """The ticket a sealed record carries, checked for that record (module docstring).
 

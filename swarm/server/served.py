@@ -35,13 +35,15 @@ from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
 from swarm.net.directory import AsyncRunDirectory, read_period_s
-from swarm.protocol import MAX_VOUCHES, ProgressPush, add_history
+from swarm.protocol import MAX_VOUCHES, ProgressPush, ProtocolError, ServerInfo, add_history
 from swarm.server.progress_push import ProgressPusher
+from swarm.server.rebalance import choose_stage
 from swarm.server.stage import EpochEnd, StageError, StageServer
-from swarm.trust.authority import CheckpointAuthority
+from swarm.trust.authority import CheckpointAuthority, peer_of_p2p_id
 from swarm.trust.banlist import RunBans
 from swarm.trust.standing import Standing
 from swarm.trust.tickets import TicketGate
+from swarm.trust.recognition import RecognitionReader
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +104,53 @@ class PeerContext:
     """The averaging work this peer verified each stage-mate doing, by libp2p id (:mod:`swarm.trust.standing`),
     kept across the stages it serves and across restarts (its ``path``): it weighs its stage's servers' progress,
     rollback orders, state and evidence."""
+    recognition: Optional[RecognitionReader] = None
+    """The run key's recognition of which servers earned standing (:mod:`swarm.trust.recognition`): it weighs what
+    this peer's own standing cannot (another stage's servers)."""
 
     def weight(self, p2p_id: str) -> float:
         """A server's vote in this peer's decisions, by libp2p id: 1 for itself, else its standing's weight."""
         return 1.0 if p2p_id == self.identity.p2p_id else self.standing.weight(p2p_id)
+
+    def voice(self, server: ServerInfo) -> float:
+        """A server's vote in a decision about servers of any stage: its :meth:`weight`, or 1 if the run key's
+        recognition (as last read: :meth:`~swarm.trust.recognition.RecognitionReader.current`) names it."""
+        named = self.recognition.recognized(server.stage) if self.recognition is not None else None
+        return max(self.weight(server.p2p_id), 1.0 if named is not None and server.peer_id in named else 0.0)
+
+    def vote(self, stage: int, p2p_id: str) -> float:
+        """:meth:`voice` of a server of ``stage`` by its libp2p id alone (the state check's answers)."""
+        named = self.recognition.recognized(stage) if self.recognition is not None else None
+        if named is not None and self.weight(p2p_id) == 0:
+            try:
+                return 1.0 if peer_of_p2p_id(p2p_id) in named else 0.0
+            except ProtocolError:
+                return 0.0
+        return self.weight(p2p_id)
+
+    async def bottleneck(self) -> int:
+        """The stage a joining server takes (:func:`~swarm.server.rebalance.choose_stage` on the :meth:`claims`)."""
+        servers = await self.directory.all_servers(self.spec.model.num_stages)
+        return choose_stage(self.spec.model, await self.claims(servers))
+
+    async def claims(self, servers: dict[int, list[ServerInfo]]) -> dict[int, list[ServerInfo]]:
+        """``servers`` (stage -> records) with the throughput rebalancing counts of each (:func:`counted_claims`, on
+        the run key's recognition, read now when due: :mod:`swarm.trust.recognition`)."""
+        if self.recognition is None or await self.recognition.current() is None:
+            return servers
+        return {k: counted_claims(group, self.recognition.recognized(k)) for k, group in servers.items()}
+
+
+def counted_claims(group: list[ServerInfo], recognized: Optional[frozenset[str]]) -> list[ServerInfo]:
+    """A stage's records with the throughput (samples/s) rebalancing and a joiner's stage choice count: where some of
+    them are servers the run key recognizes (``recognized``: their peer ids; None: none), their claims, the others
+    (fresh keys, and honest newcomers until a recognized stage-mate verified them: a round or two, then the
+    coordinator's next read) as 0; else every claim as announced. The same for every server of the stage
+    (:func:`~swarm.server.rebalance.choose_mover` needs it). The price: joiners within that time see none of each
+    other on a recognized stage and may pick the same one (rebalancing moves them later)."""
+    if recognized is None or not any(s.peer_id in recognized for s in group):
+        return group  # (none of them online: newcomers to a stage its recognized servers left are all it has)
+    return [s if s.peer_id in recognized else s.model_copy(update={"throughput": 0.0}) for s in group]
 
 
 @dataclass(frozen=True)
@@ -166,7 +211,7 @@ class ServedStage:
         self.commits = StageCommits(ctx.keeper, ctx.authority, optimizer, stage=self.stage,
                                     lineage=self.lineage, log=self.log)
         self.rollbacks = Rollbacks(self.restore, optimizer, self.server.compute, ctx.identity,
-                                   is_last=self.server.is_last, log=self.log, weight=lambda s: ctx.weight(s.p2p_id))
+                                   is_last=self.server.is_last, log=self.log, weight=ctx.voice)
         self._verified: dict[str, int] = {}  # libp2p id -> the verified rounds this stage's averager last reported
         self._ticket = ctx.identity.ticket  # the ticket the averager processes sign with (they forked with it)
         self.background = Submissions(asyncio.get_running_loop())
@@ -256,6 +301,8 @@ class ServedStage:
 
     async def _orders_tick(self) -> None:
         if not self._quiet_skip("orders"):
+            if self.ctx.recognition is not None:
+                await self.ctx.recognition.current()
             await self.rollbacks.follow()
 
     async def _roster_tick(self) -> None:

@@ -66,10 +66,11 @@ from swarm.net.dht import close_dht, connect_run, reachability, relay_enabled, v
 from swarm.trust.invites import acquire_ticket
 from swarm.trust.standing import Standing
 from swarm.trust.tickets import RunTickets
+from swarm.trust.recognition import RecognitionReader
 from swarm.net.directory import AsyncRunDirectory
 from swarm.protocol import ServerHistory, ServerInfo, ServerState, StorageInfo
 from swarm.server.compute import measure_throughput
-from swarm.server.rebalance import MovePlanner, choose_stage
+from swarm.server.rebalance import MovePlanner
 from swarm.server.served import PeerContext, ServedStage, StagePlan, StageServerFactory
 from swarm.server.stage import StageServer
 from swarm.trust.banlist import RunBans
@@ -197,7 +198,7 @@ class ServerSession:
                     if self._pause.is_set():
                         await self._paused()
                         continue
-                    stage = stage if stage is not None else await self._choose_stage()
+                    stage = stage if stage is not None else await self.ctx.bottleneck()
                     moved = await self._serve(stage)
                     stage = moved if moved is not None else self.pinned
                 drained = True
@@ -223,7 +224,9 @@ class ServerSession:
         self.keeper = FragmentKeeper(self.spec, self.directory, self.identity, store, bans=self.bans, gate=gate)
         await self.keeper.start(self.p2p)
         self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
-                               self.bans, gate, Standing(path=self.settings.state_path() / f"standing-{run_id}.json"))
+                               self.bans, gate, Standing(path=self.settings.state_path() / f"standing-{run_id}.json"),
+                               RecognitionReader(self.directory.blocking))
+        self.directory.blocking.recognized = self.ctx.recognition.read_recognized
         self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol, answers_comparable(self.spec),
                                           serves=self.directory.blocking.seen_serving, vouch=self._vouch)
         await EvidenceService(self.spec, self.convictions, gate=gate).add_p2p_handlers(self.p2p, namespace=run_id)
@@ -261,9 +264,6 @@ class ServerSession:
         self.log.warning("verified the evidence a stage-mate lists against %s: %s", peer_id, reason)
         self._changed.set()  # announce (listing it) and exclude it now, not at the next period
 
-    async def _choose_stage(self) -> int:
-        return choose_stage(self.spec.model, await self.directory.all_servers(self.spec.model.num_stages))
-
     # ---- one stage ---------------------------------------------------------------------------------------
     async def _serve(self, stage: int) -> Optional[int]:
         """Serve ``stage`` until :meth:`stop` (returns None) or a planned move (returns the new stage)."""
@@ -288,11 +288,12 @@ class ServerSession:
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: self.epoch)
         plan = self._plan = await self._measure(stage, module)
         await self._announce(ServerState.JOINING)
+        await self.ctx.recognition.current()  # (weighs the donors' state and the checkpoints it may restore)
         self.log.info("joining run %s, throughput %.1f samples/s, device %s, kernels %s, precision %s, peak %.1f "
                       "GFLOP/s", run_id, plan.throughput, self.device, self.kernels.name, spec.training.precision,
                       plan.peak_flops / 1e9)
         check = DonorStateCheck(self.p2p, run_id, partial(self.directory.fresh_servers, stage), partial(
-            self.keeper.known_manifests, stage), me=str(self.dht.peer_id), weight=self.ctx.standing.weight)
+            self.keeper.known_manifests, stage), me=str(self.dht.peer_id), weight=partial(self.ctx.vote, stage))
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
         optimizer = self.optimizer_factory(spec, run_id, stage, self.dht, module, identity=self.identity,
                                            state_check=check.blocking(asyncio.get_running_loop()))
@@ -363,7 +364,7 @@ class ServerSession:
             return None
         servers = {k: await self.directory.fresh_servers(k, self.directory.ttl / 3, SUPPLY_STATES)
                    for k in range(self.spec.model.num_stages)}
-        target = planner.check(self.me, self.stage, servers)
+        target = planner.check(self.me, self.stage, await self.ctx.claims(servers))
         if target is not None:
             self.log.info("rebalancing: moving to stage %d, which lacks throughput", target)
         return target

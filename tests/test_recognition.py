@@ -1,0 +1,231 @@
+"""The run key's recognition (:mod:`swarm.trust.recognition`): which servers the coordinator saw earn standing from a
+stage's founders, published signed by the run key, and the cross-stage decisions it weighs (issue 29: with bench/sybil.py
+four idle keys per stage made every honest server of a 2 x 2 swarm apply 17 rollbacks in 90 s)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+
+from swarm.checkpoint.rollback import order_in_force
+from swarm.identity import Identity
+from swarm.net.dht_validation import RunRecordValidator
+from swarm.net.directory import RunDirectory, recognized_refusal
+from swarm.protocol import (CheckpointManifest, Endorsement, FragmentEntry, RollbackOrder, ServerInfo, ServerState,
+                            Recognition, recognition_key, seal)
+from swarm.server.served import PeerContext, counted_claims
+from swarm.trust.recognition import LAPSE_S, RESEED_S, RecognitionBook, RecognitionReader, publish_recognition, read_recognition
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def server(who: Identity, stage: int, vouches=(), excluded=(), generation: int = 0, throughput: float = 10.0,
+           state=ServerState.ONLINE) -> ServerInfo:
+    return ServerInfo(run_id="r", peer_id=who.peer_id, time=get_dht_time(), stage=stage, state=state,
+                      throughput=throughput, p2p_id=who.p2p_id, vouches={v.p2p_id: 1.0 for v in vouches},
+                      excluded={e.p2p_id: "a wrong aggregate" for e in excluded}, rollback_generation=generation,
+                      rollback_issuer="x" if generation else "")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_servers_are_recognized_from_a_stages_founders_along_verified_work_and_a_sybil_clique_never_is(tmp_path):
+    a, b, c, *sybils = (Identity.generate() for _ in range(8))
+    clock = Clock()
+    book = RecognitionBook(tmp_path / "recognition.json", clock=clock)
+    listed = lambda: sorted(book.listed().get(0, []))  # noqa: E731
+    assert not book.update({0: [server(a, 0), server(b, 0)]}) and listed() == []  # nobody verified anybody
+    clock.now += 5
+    # the bench's first try: five keys that vouch for one another, and name a and b excluded, turned up in the very
+    # read where a and b first vouched for each other; the book saw a and b first, so they found the stage
+    clique = [server(s, 0, [t for t in sybils if t is not s], excluded=[a, b]) for s in sybils]
+    assert book.update({0: [server(a, 0, [b]), server(b, 0, [a]), *clique]})
+    assert listed() == sorted([a.peer_id, b.peer_id])
+    book.update({0: [server(a, 0, [b]), server(b, 0, [a]), *clique]})
+    assert listed() == sorted([a.peer_id, b.peer_id])  # no recognized server vouches for them
+    # c did averaging work a verified: recognized, and kept across the coordinator's restart
+    book.update({0: [server(a, 0, [b, c]), server(b, 0, [a]), server(c, 0), *clique]})
+    assert c.peer_id in listed()
+    again = RecognitionBook(tmp_path / "recognition.json", clock=clock)
+    assert sorted(again.listed()[0]) == sorted([a.peer_id, b.peer_id, c.peer_id])
+    # one recognized stage-mate listing c excluded is not enough; two of its three recognized mates are
+    d = Identity.generate()
+    book.update({0: [server(a, 0, [b, d], excluded=[c]), server(b, 0, [a]), server(c, 0), server(d, 0)]})
+    assert c.peer_id in listed() and d.peer_id in listed()
+    book.update({0: [server(a, 0, [b, d], excluded=[c]), server(b, 0, [a], excluded=[c]), server(c, 0),
+                     server(d, 0)]})
+    assert c.peer_id not in listed()
+    # two recognized servers listing each other: neither is a majority of the other's mates
+    book.update({0: [server(a, 0, [b], excluded=[b]), server(b, 0, [a], excluded=[a])]})
+    assert {a.peer_id, b.peer_id} <= set(listed())
+    # nobody vouched for d for LAPSE_S: no longer recognized (one stretch of work does not buy it for good)
+    clock.now += LAPSE_S + 1
+    book.update({0: [server(a, 0, [b]), server(b, 0, [a]), server(d, 0)]})
+    assert listed() == sorted([a.peer_id, b.peer_id])
+    # no recognized server online for RESEED_S: the stage takes new founders (the price, in the module docstring)
+    clock.now += RESEED_S + 1
+    book.update({0: [server(s, 0, [t for t in sybils[:2] if t is not s]) for s in sybils[:2]]})
+    assert listed() == sorted(s.peer_id for s in sybils[:2])
+
+
+def test_keys_paired_before_a_stages_first_two_servers_pair_found_nothing():
+    """Fresh keys vouch for one another at once; honest servers only after averaging rounds. Keys seen after the
+    stage's first two servers found nothing while those two have not paired."""
+    a, b, s1, s2 = (Identity.generate() for _ in range(4))
+    clock = Clock()
+    book = RecognitionBook(clock=clock)
+    book.update({0: [server(a, 0), server(b, 0)]})
+    clock.now += 5
+    assert not book.update({0: [server(a, 0), server(b, 0), server(s1, 0, [s2]), server(s2, 0, [s1])]})
+    assert book.listed() == {}
+    clock.now += 5
+    book.update({0: [server(a, 0, [b]), server(b, 0, [a]), server(s1, 0, [s2]), server(s2, 0, [s1])]})
+    assert sorted(book.listed()[0]) == sorted([a.peer_id, b.peer_id])
+
+
+def _node(initial_peers=(), validators=()):
+    return hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers),
+                        use_relay=False, use_auto_relay=False, record_validators=list(validators))
+
+
+def test_the_recognition_is_published_by_the_run_key_and_a_strangers_is_neither_stored_nor_read():
+    run_key, a, b, stranger = (Identity.generate() for _ in range(4))
+    run_id, sealed_spec = RunDirectory.seal_spec(TINY, run_key)
+    first = _node(validators=[RunRecordValidator(run_id)])
+    second = _node([str(m) for m in first.get_visible_maddrs()], [RunRecordValidator(run_id)])
+    try:
+        directory = RunDirectory(second, run_id, ttl=60)
+        directory.verify_spec(sealed_spec)
+        for who, mate in ((a, b), (b, a)):
+            info = server(who, 0, [mate]).model_copy(update={"run_id": run_id})
+            assert directory.announce_server(info, who)
+        book = RecognitionBook()
+        assert publish_recognition(directory, run_key, TINY, book) is not None
+        found = read_recognition(RunDirectory(first, run_id, ttl=60))
+        assert found is not None and sorted(found.servers[0]) == sorted([a.peer_id, b.peer_id])
+        now = get_dht_time()
+        forged = Recognition(run_id=run_id, peer_id=stranger.peer_id, time=now + 1, spec_name=TINY.name,
+                         spec_hash=TINY.spec_hash(), expires=now + 300, servers={0: [stranger.peer_id]})
+        assert not second.store(recognition_key(run_id), seal(forged, stranger), now + 300, subkey="recognition")
+        assert sorted(read_recognition(directory).servers[0]) == sorted([a.peer_id, b.peer_id])
+        reader = RecognitionReader(directory)
+        assert asyncio.run(reader.current()) is not None and reader.recognized(0) == {a.peer_id, b.peer_id}
+        assert reader.recognized(1) is None
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def _order(issuer: Identity, generation: int) -> tuple[RollbackOrder, bytes]:
+    order = RollbackOrder(run_id="r", peer_id=issuer.peer_id, time=0, epoch=0, detected_epoch=3,
+                          lr_scale=0.5 ** generation, generation=generation)
+    return order, issuer.peer_id.encode()
+
+
+def test_another_stages_server_weighs_rollbacks_by_the_recognition_not_by_head():
+    """The bench's finding: idle keys announced on both stages, each claiming the rollback applied, issue last-stage
+    orders. By head they are in force for a stage-0 server (rule 2) and for everybody (rule 3); by the
+    recognition, for nobody, while the honest last stage's own orders still are."""
+    h0, h1, l0, l1, me = (Identity.generate() for _ in range(5))
+    sybils = {k: [Identity.generate() for _ in range(4)] for k in (0, 1)}
+    online = {0: [server(me, 0), server(h0, 0)] + [server(s, 0, generation=1) for s in sybils[0]],
+              1: [server(l0, 1), server(l1, 1)] + [server(s, 1, generation=1) for s in sybils[1]]}
+    orders = [_order(s, 1) for s in sybils[1]]
+    assert order_in_force(orders, online, applied=0, lr_factor=0.5) is not None  # head count: the finding
+    named = {p.peer_id for p in (h0, h1, l0, l1, me)}
+    voice = lambda s: 1.0 if s.peer_id in named else 0.0  # noqa: E731  (what PeerContext.voice gives)
+    assert order_in_force(orders, online, applied=0, lr_factor=0.5, weight=voice) is None
+    honest = [_order(l0, 1), _order(l1, 1)]
+    assert order_in_force(orders + honest, online, applied=0, lr_factor=0.5, weight=voice)[0].peer_id in {
+        l0.peer_id, l1.peer_id}
+
+
+def test_a_server_that_missed_a_rollback_follows_the_others_that_applied_it():
+    """Rule 3 counts the *other* servers: a server that verified nobody, with no recognition, follows an order the
+    rest of the swarm applied (its own weight of 1 once made it an electorate of one that never went)."""
+    me, a, b, issuer = (Identity.generate() for _ in range(4))
+    online = {0: [server(me, 0), server(a, 0, generation=1)], 1: [server(b, 1, generation=1), server(issuer, 1)]}
+    online = {k: [s.model_copy(update={"rollback_issuer": issuer.peer_id}) if s.rollback_generation else s
+                  for s in g] for k, g in online.items()}
+    mine = lambda s: 1.0 if s.peer_id == me.peer_id else 0.0  # noqa: E731  (PeerContext.voice, nobody verified)
+    found = order_in_force([_order(issuer, 1)], online, applied=0, lr_factor=0.5, weight=mine, me=me.peer_id)
+    assert found is not None and found[0].peer_id == issuer.peer_id
+
+
+def test_a_manifest_counts_by_the_recognition_when_there_is_one():
+    writer, endorser, named = Identity.generate(), Identity.generate(), Identity.generate()
+
+    def manifest(by: Identity, endorsed_by: Identity, basis="same_state") -> CheckpointManifest:
+        e = seal(Endorsement(run_id="r", peer_id=endorsed_by.peer_id, time=0, stage=1, epoch=5, state_sha256="c" * 64,
+                             writer=by.peer_id, basis=basis), endorsed_by)
+        return CheckpointManifest(run_id="r", peer_id=by.peer_id, time=0, stage=1, epoch=5, shard_sha256="a" * 64,
+                                  size=1, k=1, n=1, fragments=[FragmentEntry(index=0, sha256="b" * 64)],
+                                  state_sha256="c" * 64, endorsements=[e])
+
+    names = frozenset({named.peer_id})
+    never = lambda peer: False  # noqa: E731
+    assert "recognizes" in recognized_refusal(manifest(writer, endorser), names, "r", never)  # two fresh keys
+    assert recognized_refusal(manifest(named, endorser), names, "r", never) is None  # a recognized writer
+    assert recognized_refusal(manifest(writer, named), names, "r", never) is None  # its state matched a recognized one
+    run_key = Identity.generate()
+    is_run_key = lambda peer: peer == run_key.peer_id  # noqa: E731
+    assert recognized_refusal(manifest(writer, run_key, "witness"), names, "r", is_run_key) is None
+
+
+class _Reader:
+    """A RecognitionReader's answers, without the DHT: ``names`` (stage -> peer ids) or None (no recognition)."""
+
+    def __init__(self, names):
+        self._names = names
+
+    async def current(self):
+        return self._names
+
+    def recognized(self, stage):
+        return self._names.get(stage) if self._names is not None else None
+
+
+def test_rebalancing_counts_only_the_throughput_of_servers_the_run_key_recognizes_or_this_server_verified():
+    """Fresh keys claiming 10^4 samples/s each on stage 0 made it look served: a joiner went to stage 1 and the
+    rebalancer would move stage 0's honest servers away. Where the run key recognizes servers only theirs, verified and own claims count."""
+    from swarm.server.rebalance import choose_stage
+    from swarm.trust.standing import Standing
+
+    me, honest, other, sybils = Identity.generate(), Identity.generate(), Identity.generate(), [
+        Identity.generate() for _ in range(4)]
+    servers = {0: [server(me, 0), server(honest, 0)] + [server(s, 0, throughput=1e4) for s in sybils],
+               1: [server(other, 1, throughput=30.0)]}
+
+    def ctx(names) -> PeerContext:
+        return PeerContext(TINY, None, me, None, None, None, None, standing=Standing(), recognition=_Reader(names))
+
+    assert asyncio.run(ctx(None).claims(servers)) == servers  # no recognition: every claim (as before)
+    assert choose_stage(TINY.model, servers) == 1  # the Sybils' claims: stage 0 (20 samples/s real) looks served
+    counted = asyncio.run(ctx({0: frozenset({honest.peer_id}), 1: frozenset({other.peer_id})}).claims(servers))
+    # the unrecognized claims of stage 0 (me, a newcomer, and the four keys) count nothing there
+    assert [s.throughput for s in counted[0]] == [0.0, 10.0, 0.0, 0.0, 0.0, 0.0] and counted[1] == servers[1]
+    assert choose_stage(TINY.model, counted) == 0  # 10 < 30 samples/s: the bottleneck (20 really)
+    # the same view for every server of the stage (choose_mover needs it): nothing depends on who reads
+    assert asyncio.run(ctx({0: frozenset({honest.peer_id}), 1: frozenset({other.peer_id})}).claims(servers)) == counted
+    # a stage the recognition names nobody on (one server: nobody verified it) counts every claim, not none (all four
+    # servers of the bench's first try joined stage 1: an empty recognition made every stage look empty)
+    partial = asyncio.run(ctx({0: frozenset({honest.peer_id})}).claims(servers))
+    assert partial[1] == servers[1] and choose_stage(TINY.model, partial) == 0
+    assert asyncio.run(ctx({}).claims(servers)) == servers
+    # recognized claims count in full, a fast honest server's too (a recognized majority sets the median)
+    fast = Identity.generate()
+    servers[1] += [server(fast, 1, throughput=100.0)]
+    named = {0: frozenset({honest.peer_id}), 1: frozenset({other.peer_id, fast.peer_id})}
+    assert [s.throughput for s in asyncio.run(ctx(named).claims(servers))[1]] == [30.0, 100.0]
+    # a stage whose recognized servers all left: its newcomers' claims count as announced, not as nothing
+    assert counted_claims(servers[0], frozenset({Identity.generate().peer_id})) == servers[0]
