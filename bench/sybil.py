@@ -19,8 +19,8 @@ Sybil keys attack until the end, K from ``--ks`` (``1``: one key, ``2x``: twice 
   servers' first vouches (standing earned by real work), then stopped together, their keys running every record
   attack of ``idle`` (the false throughput claimed on the last stage).
 
-The attack begins once the run key's recognition names every honest (and patient) server. A ``clean``
-configuration (no Sybil) runs first: its validation loss is the baseline of ``val_loss_ratio``.
+The attack begins ``--settle`` seconds after the run key's recognition names every honest (and patient) server. A
+``clean`` configuration (no Sybil) runs first: its validation loss is the baseline of ``val_loss_ratio``.
 Harms, read from the honest peers' records and logs through the attack and a joiner started at its end:
 
 * ``checkpoint_committed``: a reader following the run's rules (this bench's :class:`RunDirectory`, reading the run
@@ -239,6 +239,7 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
             time.sleep(args.tenure if kind == "patient" else 0.0)
             wait(lambda: watch.recognized() >= honest | {p.peer_id for p in patient}, 120,
                  "the run key to recognize every honest (and patient) server", every_s=2.0)
+            time.sleep(args.settle)  # the servers' own reads of the recognition (every 10 s) take it up
             sybils, stage, sybil_p2p = attack(kind, k, swarm, spec, directory, patient) if kind != "clean" \
                 else (None, stages - 1, set())
             watch.read()
@@ -283,6 +284,9 @@ def main() -> None:
                         "tokens to the validation loss (the same in every configuration)")
     parser.add_argument("--min-window", type=float, default=45.0, help="seconds of attack at least (the training is "
                         "longer if the honest servers took long to verify each other)")
+    parser.add_argument("--settle", type=float, default=15.0, help="seconds between the recognition naming every "
+                        "honest server and the attack (the servers re-read it every 10 s; 0: attack at once, in the "
+                        "window where a server may still count another stage by head)")
     parser.add_argument("--tenure", type=float, default=60.0, help="seconds patient Sybils work before attacking")
     parser.add_argument("--logs", type=Path, default=None, help="copy each configuration's logs into this folder")
     args = parser.parse_args()

@@ -142,15 +142,16 @@ class PeerContext:
 
 
 def counted_claims(group: list[ServerInfo], recognized: Optional[frozenset[str]]) -> list[ServerInfo]:
-    """A stage's records with the throughput (samples/s) rebalancing and a joiner's stage choice count: where some of
-    them are servers the run key recognizes (``recognized``: their peer ids; None: none), their claims, the others
-    (fresh keys, and honest newcomers until a recognized stage-mate verified them: a round or two, then the
-    coordinator's next read) as 0; else every claim as announced. The same for every server of the stage
-    (:func:`~swarm.server.rebalance.choose_mover` needs it). The price: joiners within that time see none of each
-    other on a recognized stage and may pick the same one (rebalancing moves them later)."""
+    """The records of a stage whose throughput (samples/s) rebalancing and a joiner's stage choice count: where some
+    of them are servers the run key recognizes (``recognized``: their peer ids; None: none), only theirs (fresh keys
+    neither add throughput nor make a lone recognized server look accompanied; honest newcomers count once a
+    recognized stage-mate verified them: a round or two, then the coordinator's next read); else all of them. The
+    same for every server of the stage (:func:`~swarm.server.rebalance.choose_mover` needs it); a server left out
+    plans no move. The price: joiners within that time see none of each other on a recognized stage and may pick
+    the same one (rebalancing moves them later)."""
     if recognized is None or not any(s.peer_id in recognized for s in group):
         return group  # (none of them online: newcomers to a stage its recognized servers left are all it has)
-    return [s if s.peer_id in recognized else s.model_copy(update={"throughput": 0.0}) for s in group]
+    return [s for s in group if s.peer_id in recognized]
 
 
 @dataclass(frozen=True)
