@@ -1,4 +1,4 @@
-"""Sybil keys against a live local swarm: which of the decisions of issue 29 they win, and the validation loss.
+"""Sybil keys against a live local swarm: which decisions that count keys they win, and the validation loss.
 
     python bench/sybil.py [--kinds idle,lazy,patient] [--ks 1,2x,3x] [--honest 2] [--train-s 180] [--tenure 60]
                           [--min-window 45] [--logs DIR]

@@ -1,5 +1,5 @@
 """Sybil keys that attack a run through its records only: well-formed, signed, announced by keys that do no work
-(issue 29's outsider; ``bench/sybil.py`` and the Sybil tests start them).
+(an outsider with fresh keys, or the keys of servers that once worked; ``bench/sybil.py`` starts them).
 
 :class:`RecordSybils` re-announces, every ``period_s`` seconds and for each key it holds on a stage, everything a
 key may say about itself that steers a decision other peers make:
