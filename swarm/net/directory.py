@@ -388,11 +388,10 @@ class RunDirectory:
 
     def entitled(self, manifest: CheckpointManifest) -> Optional[str]:
         """(blocking: may read the stage records) None if the manifest's writer and an endorser may commit it, else
-        why not: by the run key's recognition where :attr:`recognized` returns the peer ids it names on the stage (a
-        server sets :meth:`~swarm.trust.recognition.RecognitionReader.read_recognized`; :func:`recognized_refusal`), else the writer must be a server
-        of the stage this directory has seen announced, and one endorser a server of the stage (``same_state``) or a
-        witness (the run key, or a server of another stage); until this directory has seen any server of the run (a
-        swarm restarting after every peer died), the endorsements alone decide (checked on read)."""
+        why not: by the run key's recognition where :attr:`recognized` names peers of the stage (a server sets it:
+        :func:`recognized_refusal`), else the writer must be a server of the stage seen announced and one endorser a
+        server of the stage (``same_state``) or a witness (the run key, or another stage's server); a directory that
+        has seen no server of the run (all died), the endorsements alone (checked on read)."""
         named = self.recognized(manifest.stage)
         if named is not None:
             return recognized_refusal(manifest, named, self.run_id, self._is_run_key)

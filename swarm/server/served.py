@@ -134,8 +134,8 @@ class PeerContext:
         return choose_stage(self.spec.model, await self.claims(servers))
 
     async def claims(self, servers: dict[int, list[ServerInfo]]) -> dict[int, list[ServerInfo]]:
-        """``servers`` (stage -> records) with the throughput rebalancing counts of each (:func:`counted_claims`, on
-        the run key's recognition, read now when due: :mod:`swarm.trust.recognition`)."""
+        """Of ``servers`` (stage -> records), those whose throughput rebalancing counts (:func:`counted_claims`, on the
+        run key's recognition, read now when due: :mod:`swarm.trust.recognition`)."""
         if self.recognition is None or await self.recognition.current() is None:
             return servers
         return {k: counted_claims(group, self.recognition.recognized(k)) for k, group in servers.items()}
