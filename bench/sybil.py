@@ -19,7 +19,9 @@ Sybil keys attack until the end, K from ``--ks`` (``1``: one key, ``2x``: twice 
   servers' first vouches (standing earned by real work), then stopped together, their keys running every record
   attack of ``idle`` (the false throughput claimed on the last stage).
 
-The attack begins ``--settle`` seconds after the run key's recognition names every honest (and patient) server. A
+The attack begins ``--settle`` seconds after the run key's recognition names every honest server (and the patient
+ones, or as many as it named within 120 s: ``patient_recognized``). A configuration that never got going (no
+tokens, honest servers that never verified each other) is a row with its ``error``. A
 ``clean`` configuration (no Sybil) runs first: its validation loss is the baseline of ``val_loss_ratio``.
 Harms, read from the honest peers' records and logs through the attack and a joiner started at its end:
 
@@ -38,13 +40,14 @@ Harms, read from the honest peers' records and logs through the attack and a joi
   Sybils claim 10^4 samples/s each on stage 0, patient ones on the last stage, the others the honest mean).
 
 Prints one JSON line per configuration on stderr and last, on stdout, ``{"results": [{"kind", "k", "harms": {name:
-bool}, "val_loss", "val_loss_ratio", "samples_per_epoch", "sybil_ids"}, ...]}``.
+bool}, "val_loss", "val_loss_ratio", "samples_per_epoch", "sybil_ids", "patient_recognized"}, ...]}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -237,8 +240,12 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
             wait(lambda: len(watch.servers()) == len(honest) and all(s.vouches for s in watch.servers().values()),
                  300, "every honest server to vouch for a stage-mate", every_s=2.0)
             time.sleep(args.tenure if kind == "patient" else 0.0)
-            wait(lambda: watch.recognized() >= honest | {p.peer_id for p in patient}, 120,
-                 "the run key to recognize every honest (and patient) server", every_s=2.0)
+            wait(lambda: watch.recognized() >= honest, 120, "the run key to recognize every honest server", every_s=2.0)
+            patient_ids = {p.peer_id for p in patient}
+            with contextlib.suppress(TimeoutError):  # they attack with what they earned: say how many were named
+                wait(lambda: watch.recognized() >= patient_ids, 120, "the run key to recognize every patient server",
+                     every_s=2.0)
+            patient_named = len(watch.recognized() & patient_ids)
             time.sleep(args.settle)  # the servers' own reads of the recognition (every 10 s) take it up
             sybils, stage, sybil_p2p = attack(kind, k, swarm, spec, directory, patient) if kind != "clean" \
                 else (None, stages - 1, set())
@@ -259,6 +266,7 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
             watch.harms["epoch_moved"] = any(v < PULLED * spec.training.target_batch_size for v in per_epoch.values())
             watch.harms["joiner_state_taken"] = joiner_took_sybil_state(swarm, directory, stage, sybil_p2p, watch)
             return {"kind": kind, "k": k, "harms": watch.harms, "val_loss": round(val_loss, 4),
+                    "patient_recognized": patient_named,
                     "samples_per_epoch": {str(s): round(v, 1) for s, v in per_epoch.items()},
                     "sybil_ids": sorted(sybils.sybil_ids) if sybils is not None else []}
         finally:
@@ -301,7 +309,10 @@ def main() -> None:
         print(json.dumps(clean), file=sys.stderr, flush=True)
         for kind in args.kinds.split(","):
             for k in parse_ks(args.ks, args.honest):
-                row = run_one(path, spec, kind, k, args)
+                try:
+                    row = run_one(path, spec, kind, k, args)
+                except (TimeoutError, RuntimeError) as e:  # one configuration that never got going: say so, go on
+                    row = {"kind": kind, "k": k, "error": f"{type(e).__name__}: {e}"[:500], "val_loss": None}
                 if row["val_loss"] is not None and clean["val_loss"]:
                     row["val_loss_ratio"] = round(row["val_loss"] / clean["val_loss"], 3)
                 print(json.dumps(row), file=sys.stderr, flush=True)

@@ -11,9 +11,11 @@ and split ``excluded`` off ``banned``)::
 
     {"run": {"run_id", "name", "spec_hash", "num_stages", "epoch", "total_epochs", "progress", "eta_s",
              "tokens", "samples_per_s", "loss", "train_loss", "val_loss", "loss_history": [[epoch, loss]],
-             "peers": {"online", "joining", "lagging", "paused", "draining", "trainers", "banned", "excluded"}},
+             "peers": {"online", "joining", "lagging", "paused", "draining", "trainers", "banned", "excluded"},
+             "recognition_age_s" (seconds since the coordinator signed the recognition; None: none valid)},
      "stages": [{"stage", "servers_online", "servers", "throughput", "demand", "epoch", "lagging",
-                 "samples", "samples_dropped", "last_round": {"group_size", "round_s"}}],
+                 "samples", "samples_dropped", "last_round": {"group_size", "round_s"},
+                 "recognized" (its online servers the run key recognizes; None: no recognition)}],
      "peers": [{"peer_id", "name", "version", "role", "stage", "state", "reachability", "epoch",
                 "throughput", "samples_per_s", "samples", "contribution", "last_seen_s", "lagging", "loss",
                 "rejected_parts", "flagged_parts", "banned", "ban_reason", "excluded",
@@ -24,7 +26,9 @@ and split ``excluded`` off ``banned``)::
                 #   "vouched_by" (servers of its stage that verified its averaging work, ServerInfo.vouches),
                 #   "standing" (the lower median of the weights its online stage-mates give it, 0..1; None alone),
                 #   "peak_flops" (its device's measured FLOP/s), "model_flops" (model FLOP/s while computing),
-                #   "mfu" (their ratio, None if unknown: swarm.kernels.flops)
+                #   "mfu" (their ratio, None if unknown: swarm.kernels.flops),
+                #   "recognized" (the run key's recognition names it, swarm.trust.recognition; None: no
+                #   recognition is published)
                 # trainers also: "tokens", "initial_loss", "val_loss", "share", "failures",
                 #   "bytes_sent", "bytes_received"
                 }],
@@ -53,6 +57,7 @@ from swarm.net.directory import RunDirectory
 from swarm.protocol import ServerInfo, ServerState, TrainerInfo
 from swarm.server.rebalance import stage_demand
 from swarm.trainer.routing import excluded_by_stage
+from swarm.trust.recognition import read_recognition
 
 
 def _lag(directory: RunDirectory, record_time: float, now: float, slack_s: float = 2.0) -> bool:
@@ -75,7 +80,8 @@ def _lower_median(values: list) -> Any:
 
 
 def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], excluded_by_most: set[str], stage_samples: int,
-                stage_epoch: int, banned: dict[str, str], now: float, directory: RunDirectory) -> dict[str, Any]:
+                stage_epoch: int, banned: dict[str, str], now: float, directory: RunDirectory,
+                recognized: Optional[frozenset[str]] = None) -> dict[str, Any]:
     others = [o for o in online if o.p2p_id != s.p2p_id]
     return {
         "peer_id": s.peer_id, "name": s.name, "version": s.version, "role": "server", "stage": k,
@@ -96,6 +102,7 @@ def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], excluded_by_mos
         "standing": _lower_median([o.vouches.get(s.p2p_id, 0.0) for o in others]) if others else None,
         "peak_flops": s.peak_flops, "model_flops": round(s.achieved_flops, 1),
         "mfu": round(s.mfu, 4) if s.mfu is not None else None,
+        "recognized": s.peer_id in recognized if recognized is not None else None,
     }
 
 
@@ -132,9 +139,11 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         reading = {k: pool.submit(directory.servers, k) for k in stage_ids}
         reading_histories = {k: pool.submit(directory.histories, k) for k in stage_ids}
         reading_trainers, reading_bans = pool.submit(directory.trainers), pool.submit(directory.bans)
+        reading_recognition = pool.submit(read_recognition, directory)
         servers = {k: f.result() for k, f in reading.items()}
         histories = {k: f.result() for k, f in reading_histories.items()}
         trainers, (ban_list, _) = reading_trainers.result(), reading_bans.result()
+        recognition = reading_recognition.result()
     banned = dict(ban_list.banned) if ban_list is not None else {}
     now = get_dht_time()
     demand = stage_demand(spec.model)
@@ -144,7 +153,8 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         epoch = _lower_median([s.epoch for s in online or group])  # one key's record cannot move it
         stage_samples = sum(s.samples for s in group if s.state != ServerState.PAUSED)
         excluded_by_most = excluded_by_stage(group)
-        rows = [_server_row(s, k, online, excluded_by_most, stage_samples, epoch, banned, now, directory)
+        named = frozenset(recognition.servers.get(k, ())) if recognition is not None else None
+        rows = [_server_row(s, k, online, excluded_by_most, stage_samples, epoch, banned, now, directory, named)
                 for s in group]
         peers += rows
         stage_rates = [r for r in (_epoch_rate(histories[k].get(s.peer_id, [])) for s in online) if r]
@@ -156,6 +166,7 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
             "samples": sum(s.samples for s in group), "samples_dropped": sum(s.samples_dropped for s in group),
             "last_round": {"group_size": max((s.peers_in_last_round for s in online), default=0),
                            "round_s": round(sum(s.round_s for s in online) / len(online), 3) if online else None},
+            "recognized": sum(s.peer_id in named for s in online) if named is not None else None,
         })
     total_rate = sum(t.samples_per_s for t in trainers)
     peers += [_trainer_row(t, total_rate, banned, now, directory) for t in trainers]
@@ -168,6 +179,7 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
     last = [s for s in servers.get(spec.model.num_stages - 1, []) if s.state == ServerState.ONLINE]
     run = _run_summary(directory, spec, trainers, stages, peers, rates, banned)
     run.update(_losses(last, histories[spec.model.num_stages - 1], trainers))
+    run["recognition_age_s"] = round(max(0.0, now - recognition.time), 1) if recognition is not None else None
     return {"run": run, "stages": stages, "peers": peers, "healthy": all(s["servers_online"] > 0 for s in stages)}
 
 

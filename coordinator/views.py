@@ -36,14 +36,21 @@ def summary_line(snap: dict[str, Any]) -> str:
 
 def stages_table(snap: dict[str, Any]) -> Table:
     table = Table("stage", "online", "servers", "lagging", "throughput (samples/s)", "demand", "epoch",
-                  "last round: group", "round (s)", "samples dropped", title="stages")
+                  "last round: group", "round (s)", "samples dropped", "recognized", title="stages")
     for s in snap["stages"]:
         r = s["last_round"]
         dropped = f"{s['samples_dropped']} ({s['samples_dropped'] / s['samples']:.1%})" if s["samples"] else "0"
         table.add_row(str(s["stage"]), str(s["servers_online"]), str(s["servers"]), str(s["lagging"]),
                       str(s["throughput"]), str(s["demand"]), str(s["epoch"]), str(r["group_size"]),
-                      _f(r["round_s"], ".2f"), dropped)
+                      _f(r["round_s"], ".2f"), dropped, _yes(s.get("recognized")))
     return table
+
+
+def _yes(value: Optional[Any]) -> str:
+    """A table cell of an optional flag or count: "-" for None (no recognition published, or a trainer)."""
+    if value is None:
+        return "-"
+    return ("yes" if value else "no") if isinstance(value, bool) else str(value)
 
 
 def _attention(p: dict[str, Any]) -> tuple:
@@ -63,7 +70,7 @@ def peers_table(snap: dict[str, Any], top: int = 0) -> Table:
                "--json prints every field" if len(rows) < len(snap["peers"]) else None)
     table = Table("peer", "name", "version", "role", "stage", "state", "link", "samples/s", "MFU", "contribution",
                   "seen",
-                  "loss", "flagged/rejected", "banned/excluded", title="peers", caption=caption)
+                  "loss", "flagged/rejected", "banned/excluded", "recognized", title="peers", caption=caption)
     for p in rows:
         if p["banned"]:
             refused = f"[red]BANNED[/] ({p['ban_reason']})"
@@ -79,7 +86,7 @@ def peers_table(snap: dict[str, Any], top: int = 0) -> Table:
                       str(p["samples_per_s"]), "-" if p.get("mfu") is None else f"{100 * p['mfu']:.1f}%",
                       f"{100 * p['contribution']:.0f}%",
                       "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.0f}s ago",
-                      _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", refused)
+                      _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", refused, _yes(p.get("recognized")))
     return table
 
 

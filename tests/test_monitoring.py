@@ -130,6 +130,9 @@ class _Records:
     def bans(self):
         return self._bans, None
 
+    def read_sealed(self, key, cls):
+        return []  # no recognition published (test_status_shows_which_servers_the_run_key_recognizes patches one in)
+
 
 def test_a_run_of_hundreds_of_peers_is_summarised_whole_and_its_table_shows_the_peers_that_need_attention():
     """``status --json`` lists every peer of a run of 2 x 300 servers and 100 trainers; the table shows ``--top``
@@ -190,3 +193,36 @@ def test_one_key_at_the_edge_of_the_allowed_ranges_does_not_move_a_stage_in_stat
     assert snap["run"]["epoch"] == 5 and snap["run"]["progress"] < 1.0 and snap["run"]["eta_s"] > 0
     lagging = [p["peer_id"] for p in snap["peers"] if p["lagging"]]
     assert lagging == [], lagging  # the honest servers are where their stage is
+
+
+def test_status_shows_which_servers_the_run_key_recognizes(monkeypatch):
+    """``status`` and ``peers`` say which servers the run key's recognition names (swarm.trust.recognition): per
+    server, per stage (its online ones) and the recognition's age; ``None`` / "-" while none is published."""
+    from hivemind.utils import get_dht_time
+    from rich.console import Console
+
+    import coordinator.status as status
+    from coordinator.views import peers_table, stages_table
+    from swarm.config import RunSpec
+    from swarm.protocol import Recognition, ServerInfo, ServerState
+
+    spec = RunSpec.from_toml("runs/tiny.toml")
+    now, run = get_dht_time(), "tiny-aaaaaaaaaaaaaaaa"
+    servers = {k: [ServerInfo(run_id=run, peer_id=f"s{k}-{i}", time=now - 1, stage=k, state=ServerState.ONLINE,
+                              throughput=1.0, p2p_id=f"p{k}-{i}", epoch=5, samples=10) for i in range(3)]
+               for k in range(2)}
+    records = _Records(servers, {k: {} for k in range(2)}, [])
+    without = status.snapshot(records, spec)
+    assert without["run"]["recognition_age_s"] is None and [s["recognized"] for s in without["stages"]] == [None] * 2
+    assert {p["recognized"] for p in without["peers"]} == {None}
+    recognition = Recognition.model_construct(servers={0: ["s0-0", "s0-1", "gone"], 1: ["s1-2"]}, time=now - 3)
+    monkeypatch.setattr(status, "read_recognition", lambda directory: recognition)
+    snap = status.snapshot(records, spec)
+    assert [s["recognized"] for s in snap["stages"]] == [2, 1]  # online servers only ("gone" has no record)
+    assert {p["peer_id"] for p in snap["peers"] if p["recognized"]} == {"s0-0", "s0-1", "s1-2"}
+    assert 2.0 <= snap["run"]["recognition_age_s"] <= 10.0
+    console = Console(width=300, record=True)
+    console.print(stages_table(snap), peers_table(snap))
+    text = console.export_text()
+    rows = {line.split()[1]: line for line in text.splitlines() if line.startswith("│ s")}
+    assert rows["s0-0"].rstrip(" │").endswith("yes") and rows["s0-2"].rstrip(" │").endswith("no")

@@ -36,6 +36,24 @@ def test_a_majority_of_the_other_servers_vouches_for_the_state():
     assert judge_donor_state(9, A, {"x": (9, A), "late": (12, "")}, []).ok
 
 
+def test_holders_that_differ_among_themselves_leave_the_donor_unverified_not_contradicted():
+    """Between two state rounds the honest servers of a stage averaging in bounded groups hold different states
+    (each group applied its own average): no majority holds the donor's state, nor any one other, so the donor is
+    retried soon (RETRY_S) rather than shunned (REFUSAL_S) -- by count and by weight alike."""
+    C, D = "c" * 64, "d" * 64
+    unsettled = {"x": (9, B), "y": (9, C), "z": (9, D)}
+    by_count = judge_donor_state(9, A, unsettled, [])
+    assert not by_count.ok and not by_count.contradicted
+    by_weight = judge_donor_state(9, A, unsettled, [], weight=lambda p: 1.0, donor="d")
+    assert not by_weight.ok and not by_weight.contradicted
+    # one other state held by most of them (count or weight) is a contradiction
+    assert judge_donor_state(9, A, {"x": (9, B), "y": (9, B), "z": (9, C)}, []).contradicted
+    heavy = {"x": 1.0, "y": 0.1, "z": 0.1}
+    assert judge_donor_state(9, A, unsettled, [], weight=lambda p: heavy[p], donor="d").contradicted  # B: 1.0 of 1.2
+    assert not judge_donor_state(9, A, unsettled | {"w": (9, C)}, [], weight=lambda p: heavy.get(p, 1.0),
+                                 donor="d").contradicted  # B: 1.0, C: 1.1 of 2.2
+
+
 def test_keys_that_never_averaged_with_the_receiver_are_no_majority_for_or_against_a_state():
     """A server that reloads its stage's state weighs the answers by the averaging work it verified each server
     doing (swarm.trust.standing): three fresh keys answering another digest are no majority against an honest donor
@@ -52,7 +70,7 @@ def test_keys_that_never_averaged_with_the_receiver_are_no_majority_for_or_again
     assert not judge_donor_state(9, A, sybils, []).ok, "by head count the three keys win"
     # a lying donor of theirs (weightless, their digest) is refused by the one mate it verified
     lie = judge_donor_state(9, B, {"s2": (9, B), "s3": (9, B), "mate": (9, A)}, [], weight=weight, donor="s1")
-    assert not lie.ok and lie.contradicted and "0.50 of the 0.50 standing" in lie.why
+    assert not lie.ok and lie.contradicted and "0.50 of the 0.50 weight" in lie.why
     # standing decides between verified holders: the heavier side wins
     assert judge_donor_state(9, A, {"honest": (9, A), "mate": (9, B)}, [], weight=weight, donor="d").ok
     # nobody verified (a fresh joiner): rule 2 by count, as without weights

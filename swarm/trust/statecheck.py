@@ -12,19 +12,21 @@ their state's SHA-256 at the donor's epoch (``rpc_state_digest``; each keeps its
 1. a state older than the stage's newest checkpoint is refused; one at a checkpoint's epoch must match that
    checkpoint's endorsed state digest (``CheckpointManifest.state_sha256``);
 2. otherwise a strict majority of the other servers that hold a digest for that epoch must hold this one: a
-   majority of their standing with the receiver (:mod:`swarm.trust.standing`) where it verified any of them;
-   where it verified none of them but the donor, the donor's state is kept (keys that never averaged with it do
-   not outvote a server that did); else a majority of their count (a fresh joiner has verified nobody: keys that
-   never averaged are a majority of heads to it);
+   majority of their weight with the receiver (its standing, :mod:`swarm.trust.standing`, or the run key's
+   recognition, :mod:`swarm.trust.recognition`) where any of them has some; where none has but the donor does,
+   the donor's state is kept (keys that never averaged with it do not outvote a server that did); else a majority
+   of their count (a fresh joiner has verified nobody: keys that never averaged are a majority of heads to it);
 3. if other servers are listed but none holds a digest for that epoch (within ``wait_s``: they are behind it,
    between two epochs, loaded their own state, or do not answer), the state is refused as unverifiable (a donor
    claiming an epoch nobody else has is refused this way);
 4. if no other server is listed, the donor is the stage's only server and its state is kept, unverified, and
    said so in the log: with one server per stage nothing can contradict it (docs/threat-model.md).
 
-A refused donor is skipped for a while, longer if rule 1 or 2 contradicted it than if nobody could vouch for it
-(:data:`~swarm.averaging.donors.REFUSAL_S`, :data:`~swarm.averaging.donors.RETRY_S`), and the next one tried; the
-server keeps its previous state meanwhile (:meth:`swarm.averaging.optimizer.StageOptimizer.load_state_from_peers`).
+A refused donor is skipped for a while, longer if rule 1 or 2 contradicted it (a checkpoint, or a majority holding
+one other state) than if nobody could vouch for it (nor when the holders differ among themselves, as honest servers
+of a stage averaging in bounded groups do between two state rounds) (:data:`~swarm.averaging.donors.REFUSAL_S`,
+:data:`~swarm.averaging.donors.RETRY_S`), and the next one tried; the server keeps its previous state meanwhile
+(:meth:`swarm.averaging.optimizer.StageOptimizer.load_state_from_peers`).
 """
 
 from __future__ import annotations
@@ -84,8 +86,9 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
     if held:
         if 2 * agree > len(held):
             return Verdict(True, f"{agree} of the {len(held)} other servers with epoch {epoch} hold the same state")
+        contradicted = _contradicted(digest, held, lambda p: 1.0)
         return Verdict(False, f"{len(held) - agree} of the {len(held)} other servers with epoch {epoch} hold another "
-                              f"state (received {digest[:16]})", contradicted=2 * (len(held) - agree) > len(held))
+                              f"state (received {digest[:16]}){_UNSETTLED * (not contradicted)}", contradicted)
     if listed:
         epochs = sorted({e for e, _ in answers.values()})
         return Verdict(False, f"none of the {listed} other servers vouches for epoch {epoch} ({len(answers)} answered, "
@@ -108,10 +111,27 @@ def _by_standing(digest: str, held: dict[str, str], weight: Callable[[str], floa
         return None
     agree = sum(w for peer, w in weights.items() if held[peer] == digest)
     if 2 * agree > total:
-        return Verdict(True, f"servers holding {agree:.2f} of the {total:.2f} standing this server verified hold "
+        return Verdict(True, f"servers holding {agree:.2f} of the {total:.2f} weight this server gives them hold "
                              "the same state")
-    return Verdict(False, f"servers holding {total - agree:.2f} of the {total:.2f} standing this server verified hold "
-                          f"another state (received {digest[:16]})", contradicted=2 * (total - agree) > total)
+    contradicted = _contradicted(digest, held, weight)
+    return Verdict(False, f"servers holding {total - agree:.2f} of the {total:.2f} weight this server gives them hold "
+                          f"another state (received {digest[:16]}){_UNSETTLED * (not contradicted)}", contradicted)
+
+
+_UNSETTLED = ", not one state among them either (bounded groups between two state rounds?): retried soon"
+
+
+def _contradicted(digest: str, held: dict[str, str], weight: Callable[[str], float]) -> bool:
+    """Whether a strict majority of the holders' ``weight`` holds one and the same state other than ``digest``: a
+    contradiction. Holders that differ among themselves are not one: in a stage averaging in bounded groups
+    (``[averaging] group_size``) honest servers hold different states between two state rounds (each group applied
+    its own average), so no donor's state verifies there until the next state round, and its donor is retried
+    after :data:`~swarm.averaging.donors.RETRY_S`, not shunned for :data:`~swarm.averaging.donors.REFUSAL_S`."""
+    weights: dict[str, float] = {}
+    for peer, held_digest in held.items():
+        weights[held_digest] = weights.get(held_digest, 0.0) + weight(peer)
+    total = sum(weights.values())
+    return any(2 * w > total for d, w in weights.items() if d != digest)
 
 
 class DonorStateCheck:
