@@ -39,8 +39,9 @@ Harms, read from the honest peers' records and logs through the attack and a joi
   on the records as the run's peers weigh them) differs from the one on the honest servers' records alone (idle
   Sybils claim 10^4 samples/s each on stage 0, patient ones on the last stage, the others the honest mean).
 
-Prints one JSON line per configuration on stderr and last, on stdout, ``{"results": [{"kind", "k", "harms": {name:
-bool}, "val_loss", "val_loss_ratio", "samples_per_epoch", "sybil_ids", "patient_recognized"}, ...]}``.
+Prints one JSON line per configuration on stderr and last, on stdout, ``{"clean": {...}, "results": [{"kind", "k",
+"harms": {name: bool}, "val_loss", "val_loss_ratio", "samples_per_epoch", "sybil_ids", "patient_recognized"}
+(or {"kind", "k", "error"}), ...]}``.
 """
 
 from __future__ import annotations

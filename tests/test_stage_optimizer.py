@@ -200,6 +200,40 @@ def test_a_servers_progress_trust_follows_its_standing_and_its_stage_mates_vouch
     assert progress_trust(established, lambda p: weight(p, 0.0), group_size=3).verified == frozenset({b"\x0a"})
 
 
+def test_where_the_run_key_recognizes_stage_mates_their_progress_alone_counts_and_a_fresh_keys_not_at_all():
+    """(swarm.server.served.progress_trust, swarm.averaging.progress) With the run key's recognition naming some of
+    a server's stage-mates, every server of the stage counts the same entries in full (the recognized mates' and
+    its own), bounded groups included, and the others' samples not at all: a fresh key's 10**9 samples one epoch
+    ahead neither pull nor end the epoch (with standing alone they still counted half the target)."""
+    from types import SimpleNamespace
+
+    from swarm.averaging.progress import UNVERIFIED_SHARE, ProgressTrust, trusted_progress
+    from swarm.server.served import progress_trust
+
+    from swarm.protocol import ServerState
+
+    def mate(peer: str, key: str, state=ServerState.ONLINE):
+        return SimpleNamespace(peer_id=peer, p2p_id="p" + peer, progress_key=key, vouches={}, state=state)
+
+    mates = [mate("a", "0a"), mate("b", "0b"), mate("sybil", "0c"), mate("p", "0d", ServerState.PAUSED)]
+    named = frozenset({"a", "b", "p", "gone"})
+    trust = progress_trust(mates, lambda p: 0.0, group_size=2, recognized=named | {"me"}, me=("me", b"\x01"))
+    assert trust == ProgressTrust(frozenset({b"\x0a", b"\x0b", b"\x01"}), share=0.0)  # online mates and its own
+    # a server the recognition does not name (a newcomer) follows the recognized ones: it never steps before them
+    newcomer = progress_trust(mates, lambda p: 0.0, recognized=named, me=("new", b"\x02"))
+    assert newcomer == ProgressTrust(vouched=frozenset({b"\x0a", b"\x0b"}), follower=True, share=0.0)
+    # recognized alone (its founding mate left): still only its own samples, not every key's
+    assert progress_trust(mates[2:], lambda p: 0.0, group_size=2, recognized=named | {"me"},
+                          me=("me", b"\x01")) == ProgressTrust(frozenset({b"\x01"}), share=0.0)
+    # the recognition names neither it nor an online mate (a stage not founded yet): the rules without it
+    assert progress_trust(mates[2:], lambda p: 0.0, recognized=named, me=("new", b"\x02")) == ProgressTrust()
+    assert progress_trust(mates, lambda p: 1.0, recognized=None).share == UNVERIFIED_SHARE
+    entries = {b"own": _entry(5, 10), b"\x0a": _entry(5, 12), b"\x0c": _entry(6, 10**9), b"new": _entry(5, 20)}
+    kept = trusted_progress(entries, b"own", 5, 64, None, trust)
+    assert {k: (v.value["epoch"], v.value["samples_accumulated"]) for k, v in kept.items()} == {
+        b"own": (5, 10), b"\x0a": (5, 12), b"\x0c": (5, 0), b"new": (5, 0)}
+
+
 @pytest.mark.timeout(180)
 def test_a_strangers_progress_record_neither_moves_the_stages_epoch_nor_ends_it():
     """A peer with nothing but a fresh RSA key stores progress under the stage's key (hivemind lets anyone):

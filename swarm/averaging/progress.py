@@ -41,12 +41,20 @@ stage, and meets its established servers in their round, where it earns standing
 it that much, not a stalled stage). A server of a stage where nobody vouches for anybody (its first epochs)
 counts every announced server's entry as before.
 
-Limits: keys that vouch for one another (two Sybils) can pull a follower ahead of its stage until it earned
-standing; established servers are not moved. A stage of more servers than ``[averaging] group_size`` (bounded
-groups) counts every entry as before (:func:`swarm.server.served.progress_trust`): a server verifies only the
-members of its first hop's group, so servers that verified different groups would end their epochs apart (later
-hops' parts, which cross groups, earn no standing yet); so Sybils can turn this off by outnumbering a stage past
-``group_size`` (8 keys against two honest servers at the default).
+Where the run key's recognition (:mod:`swarm.trust.recognition`) names this server or some of its online
+stage-mates, it decides instead, one view for the whole stage: the recognized online mates' entries and the
+server's own count in full, every other entry as unverified with a share of 0 (a fresh key's samples end no
+epoch); a server the recognition does not name follows the recognized mates (as a follower above, with a share of
+0): it meets them in their round, where they verify it, and counts once the coordinator's next read named it and
+its mates re-read the recognition (a round or two, then up to ~10 s). That holds in a stage of bounded groups too,
+so keys that outnumber a stage no longer turn it off.
+
+Limits: without a recognition (coordinator down, a stage not founded yet), keys that vouch for one another (two
+Sybils) can pull a follower ahead of its stage until it earned standing (established servers are not moved), and a
+stage of more servers than ``[averaging] group_size`` (bounded groups) counts every entry as before
+(:func:`swarm.server.served.progress_trust`): a server verifies only the members of its first hop's group, so
+servers that verified different groups would end their epochs apart; so Sybils can turn it off by outnumbering a
+stage past ``group_size``. A recognized key (one that did real work first) counts in full.
 """
 
 from __future__ import annotations
@@ -110,11 +118,14 @@ class ProgressTrust:
     :param verified: progress sub-keys of the current stage-mates whose averaging work this server verified.
     :param vouched: progress sub-keys of the current stage-mates that some stage-mate vouches for.
     :param follower: this server verified none of them, and its stage is established (``vouched`` not empty).
+    :param share: the fraction of ``target_batch_size`` the other entries count together at most
+        (:data:`UNVERIFIED_SHARE`; 0 where the run key's recognition names the stage-mates in ``verified``).
     Neither (all empty): every entry counts in full."""
 
     verified: frozenset = frozenset()
     vouched: frozenset = frozenset()
     follower: bool = False
+    share: float = UNVERIFIED_SHARE
 
     def full(self, key: bytes, own: bytes) -> bool:
         """Whether the entry of sub-key ``key`` counts in full here (``own``: this server's sub-key)."""
@@ -163,8 +174,8 @@ def trusted_progress(entries: dict, own: bytes, own_epoch: int, target: int,
     """The progress entries (sub-key -> ``ValueWithExpiration`` of a ``LocalTrainingProgress`` dict) that count,
     as the module docstring says: from ``roster`` (or anyone while it is None) plus ``own``, at most one epoch
     past the lower median of the epochs of the others counted in full (or ``own_epoch``), samples clipped to
-    ``target``; the entries ``trust`` does not count in full at ``own_epoch`` at most, within
-    :data:`UNVERIFIED_SHARE` of ``target`` together, with no throughput (*Standing*)."""
+    ``target``; the entries ``trust`` does not count in full at ``own_epoch`` at most, within ``trust.share``
+    (:data:`UNVERIFIED_SHARE`) of ``target`` together, with no throughput (*Standing*)."""
     progress = {}
     for subkey, item in entries.items():
         if item is None or item.value is None or (roster is not None and subkey != own and subkey not in roster):
@@ -188,7 +199,7 @@ def trusted_progress(entries: dict, own: bytes, own_epoch: int, target: int,
                 p.epoch, p.samples_accumulated = own_epoch, target
             unverified.append(p)
         out[subkey] = (p, expiration)
-    _share([p for p in unverified if p.epoch == own_epoch], int(UNVERIFIED_SHARE * target))
+    _share([p for p in unverified if p.epoch == own_epoch], int(trust.share * target))
     return {subkey: ValueWithExpiration(p.dict(), expiration) for subkey, (p, expiration) in out.items()}
 
 
@@ -359,10 +370,11 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         if self.per_server_target:
             servers = trusted_progress(entries, self._local_public_key, self.local_progress.epoch, 1, roster, trust)
             full = sum(1 for k, v in servers.items() if not v.value["client_mode"] and
-                       trust.full(k, self._local_public_key))  # (unverified servers raise it at most 2x)
-            self.target_batch_size = self.per_server_target * max(1, full + min(full, sum(
-                1 for k, v in servers.items() if not v.value["client_mode"] and
-                not trust.full(k, self._local_public_key))))
+                       trust.full(k, self._local_public_key))  # (unverified servers raise it at most 2x, and not
+            unverified = sum(1 for k, v in servers.items() if not v.value["client_mode"] and  # at all where their
+                             not trust.full(k, self._local_public_key))  # samples count for nothing)
+            self.target_batch_size = self.per_server_target * max(1, full + (min(full, unverified) if trust.share
+                                                                              else 0))
         trusted = trusted_progress(entries, self._local_public_key, self.local_progress.epoch,
                                    self.target_batch_size, roster, trust)
         others = sorted(v.value["epoch"] for k, v in trusted.items()  # (of those counted in full)

@@ -35,7 +35,7 @@ from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
 from swarm.net.directory import AsyncRunDirectory, read_period_s
-from swarm.protocol import MAX_VOUCHES, ProgressPush, ProtocolError, ServerInfo, add_history
+from swarm.protocol import MAX_VOUCHES, ProgressPush, ProtocolError, ServerInfo, ServerState, add_history
 from swarm.server.progress_push import ProgressPusher
 from swarm.server.rebalance import choose_stage
 from swarm.server.stage import EpochEnd, StageError, StageServer
@@ -171,13 +171,24 @@ class StagePlan:
                     peak_flops=self.peak_flops)
 
 
-def progress_trust(mates: list, weight: Callable[[str], float], group_size: int = 0) -> ProgressTrust:
-    """Whose progress this server counts in full (:mod:`swarm.averaging.progress`, *Standing*), from its current
-    stage-mates' :class:`~swarm.protocol.ServerInfo` records (with a progress key): those it verified
-    (``weight(libp2p id) > 0``), those some stage-mate vouches for, and whether it follows them (it verified none,
-    and some vouch for others). Every entry in full in a stage of more servers than ``group_size`` (bounded groups:
-    a server verifies only its first hop's group-mates, and servers that verified different groups would end
-    their epochs apart; measured, tests/test_scale.py)."""
+def progress_trust(mates: list, weight: Callable[[str], float], group_size: int = 0,
+                   recognized: Optional[frozenset[str]] = None, me: tuple[str, bytes] = ("", b"")) -> ProgressTrust:
+    """Whose progress this server (``me``: its peer id and progress sub-key) counts in full
+    (:mod:`swarm.averaging.progress`, *Standing*), from its current stage-mates' :class:`~swarm.protocol.ServerInfo`
+    records (with a progress key). Where the run key's recognition (``recognized``: peer ids it names on this
+    stage) names this server or some of its online mates: those mates, and nothing from the others; a server it
+    does not name follows them (the same view on every server of the stage, bounded groups included). Else those
+    it verified (``weight(libp2p id) > 0``), those some stage-mate vouches for, and whether it follows them (it
+    verified none, and some vouch for others); every entry in full in a stage of more servers than ``group_size``
+    (bounded groups: a server verifies only its first hop's group-mates, and servers that verified different groups
+    would end their epochs apart; measured, tests/test_scale.py)."""
+    if recognized:
+        named = frozenset(bytes.fromhex(s.progress_key) for s in mates
+                          if s.peer_id in recognized and s.state == ServerState.ONLINE)
+        if me[0] in recognized:
+            return ProgressTrust(named | {me[1]}, share=0.0)
+        if named:
+            return ProgressTrust(vouched=named, follower=True, share=0.0)
     if group_size and len(mates) + 1 > group_size:
         return ProgressTrust()
     named = {p2p for s in mates for p2p in s.vouches}
@@ -333,7 +344,9 @@ class ServedStage:
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
         mates = [s for s in servers if s.progress_key and s.peer_id != self.me]
         known, self._mates = self._mates, {s.p2p_id: bytes.fromhex(s.progress_key) for s in mates}
-        self._trust = progress_trust(mates, self.ctx.weight, self.spec.averaging.group_size)
+        recognized = self.ctx.recognition.recognized(self.stage) if self.ctx.recognition is not None else None
+        self._trust = progress_trust(mates, self.ctx.weight, self.spec.averaging.group_size, recognized,
+                                     me=(self.me, bytes.fromhex(self.optimizer.progress_key)))
         if self._mates != known:
             self.pushes.set_mates(mates)
             if set(self._mates.values()) - set(known.values()):  # a new one: its pushes may not count yet

@@ -64,7 +64,8 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
         its digest at ``epoch`` or "").
     :param checkpoints: the stage's committed checkpoints (manifests) known to this server.
     :param listed: how many other servers the stage lists online, answering or not (-1: ``len(answers)``).
-    :param weight: libp2p id -> its standing's weight with this server, in ``[0, 1]``; None counts heads.
+    :param weight: libp2p id -> its weight with this server, in ``[0, 1]`` (its standing, or 1 where the run key
+        recognizes it: :meth:`swarm.server.served.PeerContext.vote`); None counts heads.
     :param donor: the donor's libp2p id (its weight counts for the state it sent).
     """
     listed = len(answers) if listed < 0 else listed
@@ -142,7 +143,7 @@ class DonorStateCheck:
     :param me: this server's libp2p id.
     :param wait_s: seconds to wait for servers behind the donor's epoch to reach it.
     :param timeout_s: seconds one server has to answer.
-    :param weight: libp2p id -> its standing's weight with this server (:func:`judge_donor_state`); None counts
+    :param weight: libp2p id -> its weight with this server (:func:`judge_donor_state`); None counts
         heads.
     """
 
