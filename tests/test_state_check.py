@@ -36,6 +36,27 @@ def test_a_majority_of_the_other_servers_vouches_for_the_state():
     assert judge_donor_state(9, A, {"x": (9, A), "late": (12, "")}, []).ok
 
 
+def test_the_run_keys_recognition_weighs_the_answers_only_where_the_servers_standing_knows_none_of_them():
+    """A fresh joiner (no standing) weighs the answers by the run key's recognition: two recognized servers outvote
+    three fresh keys. A server that reloads and verified the donor but none of the holders keeps the donor's state
+    as before the recognition existed: the recognized holders, which differ among themselves between two state
+    rounds of a stage in bounded groups, do not stop it re-syncing (a lagging server of tests/test_scale.py never
+    re-synced when they did)."""
+    recognized = {"r1", "r2", "donor"}
+    named = lambda peer: 1.0 if peer in recognized else 0.0  # noqa: E731
+    joiner = judge_donor_state(9, A, {"r1": (9, A), "r2": (9, A), "s1": (9, B), "s2": (9, B), "s3": (9, B)}, [],
+                               weight=lambda p: 0.0, donor="x", named=named)
+    assert joiner.ok and "the run key recognizes" in joiner.why
+    C = "c" * 64
+    standing = {"donor": 1.0}
+    reloading = judge_donor_state(9, A, {"r1": (9, B), "r2": (9, C)}, [], weight=lambda p: standing.get(p, 0.0),
+                                  donor="donor", named=named)
+    assert reloading.ok and "this server verified the donor" in reloading.why
+    # by the recognition alone those two would leave the donor unverified (no majority either way)
+    assert not judge_donor_state(9, A, {"r1": (9, B), "r2": (9, C)}, [], weight=lambda p: 0.0, donor="x",
+                                 named=named).ok
+
+
 def test_holders_that_differ_among_themselves_leave_the_donor_unverified_not_contradicted():
     """Between two state rounds the honest servers of a stage averaging in bounded groups hold different states
     (each group applied its own average): no majority holds the donor's state, nor any one other, so the donor is
@@ -63,7 +84,7 @@ def test_keys_that_never_averaged_with_the_receiver_are_no_majority_for_or_again
     weight = lambda peer: standing.get(peer, 0.0)  # noqa: E731
     # the honest donor it verified, against three weightless keys holding another state
     kept = judge_donor_state(9, A, sybils, [], weight=weight, donor="honest")
-    assert kept.ok and "the donor's averaging work was verified here" in kept.why
+    assert kept.ok and "this server verified the donor" in kept.why
     # ... but a donor's word alone never vouches for an epoch nobody else holds (rule 3), nor outvotes a verified mate
     assert not judge_donor_state(9, A, {"s1": (8, "")}, [], weight=weight, donor="honest").ok
     assert not judge_donor_state(9, A, {"mate": (9, B)}, [], weight=weight, donor="honest").ok

@@ -118,15 +118,17 @@ class PeerContext:
         named = self.recognition.recognized(server.stage) if self.recognition is not None else None
         return max(self.weight(server.p2p_id), 1.0 if named is not None and server.peer_id in named else 0.0)
 
-    def vote(self, stage: int, p2p_id: str) -> float:
-        """:meth:`voice` of a server of ``stage`` by its libp2p id alone (the state check's answers)."""
+    def named(self, stage: int, p2p_id: str) -> float:
+        """1 if the run key's recognition (as last read) names the server of ``stage`` with libp2p id ``p2p_id``,
+        else 0: the state check's weight where this server verified none of the servers answering (a fresh
+        joiner; :func:`~swarm.trust.statecheck.judge_donor_state`)."""
         named = self.recognition.recognized(stage) if self.recognition is not None else None
-        if named is not None and self.weight(p2p_id) == 0:
-            try:
-                return 1.0 if peer_of_p2p_id(p2p_id) in named else 0.0
-            except ProtocolError:
-                return 0.0
-        return self.weight(p2p_id)
+        if not named:
+            return 0.0
+        try:
+            return 1.0 if peer_of_p2p_id(p2p_id) in named else 0.0
+        except ProtocolError:
+            return 0.0
 
     async def bottleneck(self) -> int:
         """The stage a joining server takes (:func:`~swarm.server.rebalance.choose_stage` on the :meth:`claims`)."""

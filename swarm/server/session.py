@@ -293,7 +293,8 @@ class ServerSession:
                       "GFLOP/s", run_id, plan.throughput, self.device, self.kernels.name, spec.training.precision,
                       plan.peak_flops / 1e9)
         check = DonorStateCheck(self.p2p, run_id, partial(self.directory.fresh_servers, stage), partial(
-            self.keeper.known_manifests, stage), me=str(self.dht.peer_id), weight=partial(self.ctx.vote, stage))
+            self.keeper.known_manifests, stage), me=str(self.dht.peer_id), weight=self.ctx.standing.weight,
+            named=partial(self.ctx.named, stage))
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
         optimizer = self.optimizer_factory(spec, run_id, stage, self.dht, module, identity=self.identity,
                                            state_check=check.blocking(asyncio.get_running_loop()))

@@ -12,10 +12,10 @@ their state's SHA-256 at the donor's epoch (``rpc_state_digest``; each keeps its
 1. a state older than the stage's newest checkpoint is refused; one at a checkpoint's epoch must match that
    checkpoint's endorsed state digest (``CheckpointManifest.state_sha256``);
 2. otherwise a strict majority of the other servers that hold a digest for that epoch must hold this one: a
-   majority of their weight with the receiver (its standing, :mod:`swarm.trust.standing`, or the run key's
-   recognition, :mod:`swarm.trust.recognition`) where any of them has some; where none has but the donor does,
-   the donor's state is kept (keys that never averaged with it do not outvote a server that did); else a majority
-   of their count (a fresh joiner has verified nobody: keys that never averaged are a majority of heads to it);
+   majority of their standing with the receiver (:mod:`swarm.trust.standing`) where any of them has some; where
+   none has but the donor does, the donor's state is kept (keys that never averaged with it do not outvote a
+   server that did); where the receiver verified none of them nor the donor (a fresh joiner), the same by the run
+   key's recognition (:mod:`swarm.trust.recognition`); else a majority of their count;
 3. if other servers are listed but none holds a digest for that epoch (within ``wait_s``: they are behind it,
    between two epochs, loaded their own state, or do not answer), the state is refused as unverifiable (a donor
    claiming an epoch nobody else has is refused this way);
@@ -55,7 +55,8 @@ class Verdict:
 
 def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str]],
                       checkpoints: Sequence[CheckpointManifest], listed: int = -1,
-                      weight: Optional[Callable[[str], float]] = None, donor: str = "") -> Verdict:
+                      weight: Optional[Callable[[str], float]] = None, donor: str = "",
+                      named: Optional[Callable[[str], float]] = None) -> Verdict:
     """Judge a donor's state (rules in the module docstring).
 
     :param epoch: the donor's epoch (the state is the one after that epoch's step).
@@ -64,9 +65,10 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
         its digest at ``epoch`` or "").
     :param checkpoints: the stage's committed checkpoints (manifests) known to this server.
     :param listed: how many other servers the stage lists online, answering or not (-1: ``len(answers)``).
-    :param weight: libp2p id -> its weight with this server, in ``[0, 1]`` (its standing, or 1 where the run key
-        recognizes it: :meth:`swarm.server.served.PeerContext.vote`); None counts heads.
+    :param weight: libp2p id -> its standing's weight with this server, in ``[0, 1]``; None counts heads.
     :param donor: the donor's libp2p id (its weight counts for the state it sent).
+    :param named: libp2p id -> 1 if the run key's recognition names it, else 0
+        (:meth:`swarm.server.served.PeerContext.named`): weighs where ``weight`` gives nobody any (a fresh joiner).
     """
     listed = len(answers) if listed < 0 else listed
     newest = max(checkpoints, key=lambda m: m.epoch, default=None)
@@ -80,7 +82,9 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
         return Verdict(False, f"it differs from the stage's checkpoint of epoch {epoch} "
                               f"({same[0].state_sha256[:16]}, received {digest[:16]})", contradicted=True)
     held = {peer: d for peer, (_, d) in answers.items() if d}
-    weighed = _by_standing(digest, held, weight, donor) if weight is not None else None
+    weighed = _by_weight(digest, held, weight, donor, "this server verified") if weight is not None else None
+    if weighed is None and named is not None:
+        weighed = _by_weight(digest, held, named, donor, "the run key recognizes")
     if weighed is not None:
         return weighed
     agree = sum(d == digest for d in held.values())
@@ -97,25 +101,27 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
     return Verdict(True, "unverified: the donor is the stage's only other server")
 
 
-def _by_standing(digest: str, held: dict[str, str], weight: Callable[[str], float], donor: str) -> Optional[Verdict]:
-    """Rule 2 by standing: a majority of the holders' weight; or, where no holder has any, the donor's own if it
-    has some (weightless keys holding another state do not outvote a donor this server verified). None (rule 2
-    by count) if nobody holds the epoch or this server verified none of them nor the donor."""
+def _by_weight(digest: str, held: dict[str, str], weight: Callable[[str], float], donor: str,
+               basis: str) -> Optional[Verdict]:
+    """Rule 2 by ``weight`` (standing, or the recognition: ``basis`` says which, for the log): a majority of the
+    holders' weight; or, where no holder has any, the donor's own if it has some (weightless keys holding another
+    state do not outvote a donor this server verified). None (the next weight, or rule 2 by count) if nobody holds
+    the epoch or none of them nor the donor has any."""
     if not held:
         return None  # rules 3 and 4: a donor's word alone never vouches for an epoch others do not hold
     weights = {peer: weight(peer) for peer in held}
     total = sum(weights.values())
     if total <= 0:
         if donor and weight(donor) > 0:
-            return Verdict(True, f"the donor's averaging work was verified here, and none of the {len(held)} other "
-                                 "servers holding this epoch (another state or not) was")
+            return Verdict(True, f"{basis} the donor, and none of the {len(held)} other servers holding this epoch "
+                                 "(another state or not)")
         return None
     agree = sum(w for peer, w in weights.items() if held[peer] == digest)
     if 2 * agree > total:
-        return Verdict(True, f"servers holding {agree:.2f} of the {total:.2f} weight this server gives them hold "
-                             "the same state")
+        return Verdict(True, f"servers holding {agree:.2f} of the {total:.2f} weight of those {basis} hold the "
+                             "same state")
     contradicted = _contradicted(digest, held, weight)
-    return Verdict(False, f"servers holding {total - agree:.2f} of the {total:.2f} weight this server gives them hold "
+    return Verdict(False, f"servers holding {total - agree:.2f} of the {total:.2f} weight of those {basis} hold "
                           f"another state (received {digest[:16]}){_UNSETTLED * (not contradicted)}", contradicted)
 
 
@@ -143,15 +149,17 @@ class DonorStateCheck:
     :param me: this server's libp2p id.
     :param wait_s: seconds to wait for servers behind the donor's epoch to reach it.
     :param timeout_s: seconds one server has to answer.
-    :param weight: libp2p id -> its weight with this server (:func:`judge_donor_state`); None counts
+    :param weight: libp2p id -> its standing's weight with this server (:func:`judge_donor_state`); None counts
         heads.
+    :param named: libp2p id -> whether the run key's recognition names it, 1 or 0 (:func:`judge_donor_state`).
     """
 
     def __init__(self, p2p, run_id: str, servers: Callable[[], Awaitable[list[ServerInfo]]],
                  checkpoints: Callable[[], Awaitable[list[CheckpointManifest]]], me: str, wait_s: float = 10.0,
-                 timeout_s: float = 3.0, weight: Optional[Callable[[str], float]] = None):
+                 timeout_s: float = 3.0, weight: Optional[Callable[[str], float]] = None,
+                 named: Optional[Callable[[str], float]] = None):
         self.p2p, self.run_id, self.servers, self.checkpoints, self.me = p2p, run_id, servers, checkpoints, me
-        self.wait_s, self.timeout_s, self.weight = wait_s, timeout_s, weight
+        self.wait_s, self.timeout_s, self.weight, self.named = wait_s, timeout_s, weight, named
 
     async def judge(self, epoch: int, digest: str, donor: str) -> Verdict:
         """Ask the stage's other servers for their digest at ``epoch`` (again every 0.5 s while some are behind
@@ -167,7 +175,8 @@ class DonorStateCheck:
             if not waiting or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
-        return judge_donor_state(epoch, digest, answers, await self.checkpoints(), len(others), self.weight, donor)
+        return judge_donor_state(epoch, digest, answers, await self.checkpoints(), len(others), self.weight, donor,
+                                 self.named)
 
     def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Optional[tuple[str, bool]]]:
         """A :data:`swarm.averaging.optimizer.StateCheck` for threads other than ``loop``'s: runs :meth:`judge`
