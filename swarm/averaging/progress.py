@@ -119,7 +119,8 @@ class ProgressTrust:
     :param vouched: progress sub-keys of the current stage-mates that some stage-mate vouches for.
     :param follower: this server verified none of them, and its stage is established (``vouched`` not empty).
     :param share: the fraction of ``target_batch_size`` the other entries count together at most
-        (:data:`UNVERIFIED_SHARE`; 0 where the run key's recognition names the stage-mates in ``verified``).
+        (:data:`UNVERIFIED_SHARE`; 0 where the run key's recognition decides: :func:`~swarm.server.served.
+        progress_trust`).
     Neither (all empty): every entry counts in full."""
 
     verified: frozenset = frozenset()

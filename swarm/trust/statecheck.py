@@ -131,8 +131,9 @@ _UNSETTLED = ", not one state among them either (bounded groups between two stat
 def _contradicted(digest: str, held: dict[str, str], weight: Callable[[str], float]) -> bool:
     """Whether a strict majority of the holders' ``weight`` holds one and the same state other than ``digest``: a
     contradiction. Holders that differ among themselves are not one: in a stage averaging in bounded groups
-    (``[averaging] group_size``) honest servers hold different states between two state rounds (each group applied
-    its own average), so no donor's state verifies there until the next state round, and its donor is retried
+    (``[averaging] group_size``) honest servers were seen holding different states between two state rounds
+    (tests/test_scale.py: seven servers, seven digests at every odd epoch), so no donor's state verifies there
+    until the next state round, and its donor is retried
     after :data:`~swarm.averaging.donors.RETRY_S`, not shunned for :data:`~swarm.averaging.donors.REFUSAL_S`."""
     weights: dict[str, float] = {}
     for peer, held_digest in held.items():
