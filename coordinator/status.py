@@ -135,7 +135,7 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
     """Read every stage's servers and their histories, the trainers and the ban list once and summarise them
     (shape above)."""
     stage_ids = range(spec.model.num_stages)
-    with ThreadPoolExecutor(2 * len(stage_ids) + 2) as pool:  # (one DHT lookup each, all in flight at once)
+    with ThreadPoolExecutor(2 * len(stage_ids) + 3) as pool:  # (one DHT lookup each, all in flight at once)
         reading = {k: pool.submit(directory.servers, k) for k in stage_ids}
         reading_histories = {k: pool.submit(directory.histories, k) for k in stage_ids}
         reading_trainers, reading_bans = pool.submit(directory.trainers), pool.submit(directory.bans)

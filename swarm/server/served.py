@@ -185,12 +185,12 @@ def progress_trust(mates: list, weight: Callable[[str], float], group_size: int 
     (bounded groups: a server verifies only its first hop's group-mates, and servers that verified different groups
     would end their epochs apart; measured, tests/test_scale.py)."""
     if recognized:
-        named = frozenset(bytes.fromhex(s.progress_key) for s in mates
-                          if s.peer_id in recognized and s.state == ServerState.ONLINE)
+        keys = frozenset(bytes.fromhex(s.progress_key) for s in mates
+                         if s.peer_id in recognized and s.state == ServerState.ONLINE)
         if me[0] in recognized:
-            return ProgressTrust(named | {me[1]}, share=0.0)
-        if named:
-            return ProgressTrust(vouched=named, follower=True, share=0.0)
+            return ProgressTrust(keys | {me[1]}, share=0.0)
+        if keys:
+            return ProgressTrust(vouched=keys, follower=True, share=0.0)
     if group_size and len(mates) + 1 > group_size:
         return ProgressTrust()
     named = {p2p for s in mates for p2p in s.vouches}
