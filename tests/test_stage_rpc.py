@@ -359,3 +359,65 @@ def test_a_pushed_progress_reaches_the_sink_only_from_a_sender_it_counts(dhts, e
         asyncio.run(main())
     finally:
         server.shutdown()
+
+
+
+class _Stepper:
+    """An optimizer whose every accumulated micro-batch ends the epoch (the parameters move on inside the call)."""
+
+    epoch, synced = 0, True
+
+    def step(self, grads, samples, trainer) -> bool:
+        self.epoch += 1
+        return False
+
+    def trainer_exclusion(self, trainer: str):
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_a_retried_training_call_is_labelled_with_the_parameters_that_computed_it(dhts, exact_spec_path):
+    """A micro-batch that ends the epoch is answered with the parameters before the step; its retry, answered from
+    the finished micro-batches, says so (epoch 0), not the epoch the server moved on to. Labelled with now's epoch,
+    a spot check compared it with answers on the stepped parameters and convicted an honest server (test_scale)."""
+    server_dht, client_dht = dhts
+    spec = RunSpec.from_toml(exact_spec_path)
+    servers = [StageServer(spec, RUN, k, optimizer=_Stepper()) for k in range(2)]
+
+    async def main():
+        p2p_server = await server_dht.replicate_p2p()
+        for s in servers:
+            await s.add_p2p_handlers(p2p_server, namespace=f"{RUN}/{s.stage}")
+        p2p = await client_dht.replicate_p2p()
+        pipe = RemotePipeline(spec, RUN, AsyncRunDirectory(RunDirectory(client_dht, RUN)), p2p)
+
+        async def call(stage, method, msg, tensors):
+            pipe.run_id = f"{RUN}/{stage}"
+            try:
+                reply = await pipe.call(info(server_dht, stage), method, msg, tensors, 20)
+                return reply.msg, reply.tensors
+            finally:
+                pipe.run_id = RUN
+
+        tokens = torch.randint(0, spec.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+
+        def fwd(stage, mb):
+            return ForwardRequest(run_id=RUN, stage=stage, mb_id=mb, mode="train")
+
+        bwd = BackwardRequest(run_id=RUN, stage=0, mb_id="mb1")
+        first, (h,) = await call(0, "rpc_forward", fwd(0, "mb1"), [x])
+        assert first.epoch == 0 and servers[0].epoch == 0  # a middle stage's forward accumulates nothing
+        reply, (g,) = await call(1, "rpc_forward", fwd(1, "mb1"), [h, y])
+        assert reply.epoch == 0 and servers[1].epoch == 1  # this micro-batch ended the epoch
+        again, (g2,) = await call(1, "rpc_forward", fwd(1, "mb1"), [h, y])
+        assert again.epoch == 0 and torch.equal(g, g2) and again.loss == reply.loss
+        fresh, _ = await call(1, "rpc_forward", fwd(1, "mb2"), [h, y])
+        assert fresh.epoch == 1
+        back, _ = await call(0, "rpc_backward", bwd, [g])
+        again, _ = await call(0, "rpc_backward", bwd, [g])
+        assert back.epoch == again.epoch == 0 and servers[0].epoch == 1
+        forward_again, (h2,) = await call(0, "rpc_forward", fwd(0, "mb1"), [x])  # recomputed, not the cached grad
+        assert forward_again.epoch == 1 and h2.shape == h.shape
+
+    asyncio.run(main())

@@ -158,9 +158,10 @@ class StageCompute:
         self.is_last = stage == spec.model.num_stages - 1
         self.optimizer, self.on_epoch, self.bans, self.cache_size = optimizer, on_epoch, bans, cache_size
         self._cache: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = OrderedDict()
-        # results of micro-batches already accumulated: a retried request (the reply was lost) gets the same
-        # reply again instead of counting the micro-batch twice
-        self._done: OrderedDict[tuple[str, str], tuple[Optional[torch.Tensor], Optional[float]]] = OrderedDict()
+        # results of micro-batches already accumulated, with the (epoch, synced) of the parameters they were computed
+        # with: a retried request (the reply was lost) gets the same reply again, labelled as it was the first time,
+        # instead of counting the micro-batch twice
+        self._done: OrderedDict[tuple[str, str], tuple[tuple, tuple[int, bool]]] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         self.throughput = PerformanceEMA(alpha=0.1)
         self.samples = 0
@@ -198,9 +199,9 @@ class StageCompute:
                 if self.is_last:
                     return None, self._finite(self.module.loss(x, targets.to(self.device)))
                 return self._host(self.module(x)), None
-        if key in self._done:
-            return self._done[key]
-        start = time.perf_counter()
+        if self.is_last and key in self._done:
+            return self._done[key][0]
+        start, params = time.perf_counter(), self._params()
         leaf = self._leaf(x)
         with torch.enable_grad(), self._counted():
             if not self.is_last:
@@ -214,14 +215,14 @@ class StageCompute:
         self.meter.losses.append(value)
         grad = self._host(leaf.grad) if leaf.requires_grad else None
         self._accumulate(key[0], x.shape[0], time.perf_counter() - start)
-        self._finish(key, (grad, value))
+        self._finish(key, (grad, value), params)
         return grad, value
 
     def backward(self, key: tuple[str, str], grad_out: torch.Tensor, x: Optional[torch.Tensor]):
         """Backpropagate ``grad_out`` for micro-batch ``key``; returns the input gradient (None for stage 0)."""
         if key in self._done:
-            return self._done[key][0]
-        start = time.perf_counter()
+            return self._done[key][0][0]
+        start, params = time.perf_counter(), self._params()
         entry = self._cache.pop(key, None)
         if entry is not None and entry[2] != self._param_versions():
             # an optimizer step changed the parameters in place since the forward: the saved graph is stale,
@@ -241,7 +242,7 @@ class StageCompute:
             out.backward(grad_out.to(self.device))
             grad = self._host(leaf.grad) if leaf.requires_grad else None
         self._accumulate(key[0], grad_out.shape[0], time.perf_counter() - start)
-        self._finish(key, (grad, None))
+        self._finish(key, (grad, None), params)
         return grad
 
     def _finite(self, loss: torch.Tensor) -> float:
@@ -283,10 +284,24 @@ class StageCompute:
         """Whether the parameters are the stage's shared ones (:attr:`~swarm.averaging.StageOptimizer.synced`)."""
         return self.optimizer.synced if self.optimizer is not None else True
 
+    def _params(self) -> tuple[int, bool]:
+        return self.epoch, self.synced
+
     def _at_epoch(self, fn, *args):
         """(compute thread) ``((epoch, synced) of the parameters fn computes with, fn(*args))``."""
-        params = (self.epoch, self.synced)
+        params = self._params()
         return params, fn(*args)
+
+    def _trained_at(self, fn, key: tuple[str, str], *args):
+        """(compute thread) :meth:`_at_epoch` for a call that finishes micro-batch ``key`` (the last stage's training
+        :meth:`forward`, :meth:`backward`): a repeat answered from the finished micro-batches carries the
+        ``(epoch, synced)`` of its first answer. That micro-batch may have ended the epoch (the optimizer stepped
+        inside the call, and a trainer whose call timed out meanwhile retries it): labelled with now's epoch, the
+        answer would be compared in a spot check with answers computed on the stepped parameters, and convict an
+        honest server."""
+        params, out = self._at_epoch(fn, key, *args)
+        done = self._done.get(key)
+        return (done[1] if done is not None else params), out
 
     @contextmanager
     def _counted(self):
@@ -297,8 +312,8 @@ class StageCompute:
         finally:
             self.compute_s += time.thread_time() - start
 
-    def _finish(self, key, result) -> None:
-        self._done[key] = result
+    def _finish(self, key, result, params: tuple[int, bool]) -> None:
+        self._done[key] = (result, params)
         while len(self._done) > self.cache_size:
             self._done.popitem(last=False)
 

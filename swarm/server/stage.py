@@ -144,9 +144,10 @@ class StageServer(StageCompute, StageRPC):
             if req.mode == "check":
                 params, (out, loss) = await self.compute(self._at_epoch, self.check_forward, tensors[0], targets)
             else:
-                key = (str(context.remote_id), req.mb_id)
-                params, (out, loss) = await self.compute(self._at_epoch, self.forward, key, tensors[0], targets,
-                                                         req.mode == "train")
+                key, train = (str(context.remote_id), req.mb_id), req.mode == "train"
+                # the last stage's training forward finishes the micro-batch (a retry is answered as the first time)
+                labelled = self._trained_at if train and self.is_last else self._at_epoch
+                params, (out, loss) = await self.compute(labelled, self.forward, key, tensors[0], targets, train)
             receipt = dict(mb_id=req.mb_id, call="forward", request_sha256=digest)
             async for msg in self._respond(out, loss, params=params, receipt=receipt):
                 yield msg
@@ -168,7 +169,7 @@ class StageServer(StageCompute, StageRPC):
                 params, grad = await self.compute(self._at_epoch, self.check_backward, tensors[0], tensors[1])
             else:
                 key = (str(context.remote_id), req.mb_id)
-                params, grad = await self.compute(self._at_epoch, self.backward, key, tensors[0],
+                params, grad = await self.compute(self._trained_at, self.backward, key, tensors[0],
                                                    tensors[1] if req.with_inputs else None)
             receipt = dict(mb_id=req.mb_id, call="backward", request_sha256=digest)
             async for msg in self._respond(grad, params=params, receipt=receipt):
