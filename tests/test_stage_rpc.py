@@ -379,7 +379,7 @@ class _Stepper:
 def test_a_retried_training_call_is_labelled_with_the_parameters_that_computed_it(dhts, exact_spec_path):
     """A micro-batch that ends the epoch is answered with the parameters before the step; its retry, answered from
     the finished micro-batches, says so (epoch 0), not the epoch the server moved on to. Labelled with now's epoch,
-    a spot check compared it with answers on the stepped parameters and convicted an honest server (test_scale)."""
+    a spot check compared it with answers on the stepped parameters and convicted an honest server."""
     server_dht, client_dht = dhts
     spec = RunSpec.from_toml(exact_spec_path)
     servers = [StageServer(spec, RUN, k, optimizer=_Stepper()) for k in range(2)]

@@ -15,7 +15,7 @@ from swarm.averaging.averager import TransitionInFlight
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.model import build_stage
 from swarm.protocol import CheckpointManifest
-from swarm.trust.statecheck import judge_donor_state
+from swarm.trust.statecheck import Verdict, judge_donor_state
 from tests.conftest import TINY, keyed_dhts
 
 A, B = "a" * 64, "b" * 64
@@ -27,7 +27,8 @@ def _manifest(epoch: int, state: str) -> CheckpointManifest:
 
 
 def test_a_majority_of_the_other_servers_vouches_for_the_state():
-    assert judge_donor_state(9, A, {"x": (9, A), "y": (10, A), "z": (9, B)}, []).ok
+    vouched = judge_donor_state(9, A, {"x": (9, A), "y": (10, A), "z": (9, B)}, [])
+    assert vouched.ok and vouched.shared
     refused = judge_donor_state(9, A, {"x": (9, B), "y": (10, B), "z": (9, A)}, [])
     assert not refused.ok and refused.contradicted and "2 of the 3 other servers" in refused.why
     tie = judge_donor_state(9, A, {"x": (9, A), "y": (9, B)}, [])
@@ -52,6 +53,7 @@ def test_the_run_keys_recognition_weighs_the_answers_only_where_the_servers_stan
     reloading = judge_donor_state(9, A, {"r1": (9, B), "r2": (9, C)}, [], weight=lambda p: standing.get(p, 0.0),
                                   donor="donor", named=named)
     assert reloading.ok and "this server verified the donor" in reloading.why
+    assert not reloading.shared, "kept on the donor's word, against holders of other states: out of sync"
     # by the recognition alone those two would leave the donor unverified (no majority either way)
     assert not judge_donor_state(9, A, {"r1": (9, B), "r2": (9, C)}, [], weight=lambda p: 0.0, donor="x",
                                  named=named).ok
@@ -85,6 +87,9 @@ def test_keys_that_never_averaged_with_the_receiver_are_no_majority_for_or_again
     # the honest donor it verified, against three weightless keys holding another state
     kept = judge_donor_state(9, A, sybils, [], weight=weight, donor="honest")
     assert kept.ok and "this server verified the donor" in kept.why
+    assert not kept.shared  # maybe the donor's own state (its round failed): its receiver says it is out of sync
+    alike = judge_donor_state(9, A, {"s1": (9, A), "s2": (9, A), "s3": (9, B)}, [], weight=weight, donor="honest")
+    assert alike.ok and alike.shared  # most holders hold the state kept: the stage's
     # ... but a donor's word alone never vouches for an epoch nobody else holds (rule 3), nor outvotes a verified mate
     assert not judge_donor_state(9, A, {"s1": (8, "")}, [], weight=weight, donor="honest").ok
     assert not judge_donor_state(9, A, {"mate": (9, B)}, [], weight=weight, donor="honest").ok
@@ -188,7 +193,7 @@ def test_a_lying_donor_is_refused_and_the_state_comes_from_an_honest_one():
     """An honest server trains two epochs; a lying donor (a state averager that adds noise to the parameters it
     hands out and declares a priority 1000 epochs ahead, so it is asked first) loads the state from it; a third
     server loads the stage's state with a check: it refuses the liar, takes the honest server's state, and
-    names the liar."""
+    names the liar; kept on the donor's word alone (not as the stage's), it says its parameters are out of sync."""
     nodes = keyed_dhts(3)
     modules = [build_stage(TINY.model, 0) for _ in nodes]
     optimizers = []
@@ -213,7 +218,9 @@ def test_a_lying_donor_is_refused_and_the_state_comes_from_an_honest_one():
 
         def check(epoch: int, digest: str, donor: str):
             asked.append((epoch, donor))
-            return None if digest == truth else ("another state than the stage's", True)
+            # kept on the donor's word alone (holders of other states had no standing with the joiner)
+            return Verdict(True, "the donor's word", shared=False) if digest == truth else \
+                Verdict(False, "another state than the stage's", contradicted=True)
 
         joiner = StageOptimizer(TINY, "donors", 0, d2, modules[2], identity=k2, state_check=check)
         optimizers.append(joiner)
@@ -222,6 +229,7 @@ def test_a_lying_donor_is_refused_and_the_state_comes_from_an_honest_one():
         assert joiner.donors_refused.keys() == {str(d1.peer_id)}
         mine, theirs = joiner.state(), honest.state()
         assert not [k for k in theirs if not torch.equal(mine[k], theirs[k])], "the joiner kept another state"
+        assert not joiner.synced, "a state nobody vouched for as the stage's may be its donor's own: out of sync"
     finally:
         for o in optimizers:
             o.shutdown()
@@ -247,7 +255,7 @@ def test_a_refused_state_is_undone_when_no_donor_verifies():
             assert time.monotonic() < deadline, "the liar never declared itself a donor"
             time.sleep(0.2)
         joiner = StageOptimizer(TINY, "alone", 0, d1, modules[1], identity=k1,
-                                state_check=lambda epoch, digest, donor: (f"refused {donor}", True))
+                                state_check=lambda epoch, digest, donor: Verdict(False, f"refused {donor}", True))
         optimizers.append(joiner)
         before, lr = joiner.state(), joiner.lr
         assert joiner.load_state_from_peers() == 0

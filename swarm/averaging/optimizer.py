@@ -43,16 +43,17 @@ from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
 from swarm.net.directory import RunDirectory
 from swarm.protocol import ProgressPush
+from swarm.trust.statecheck import Verdict
 from swarm.trust.tickets import ticket_gate
 
 logger = logging.getLogger(__name__)
 
-StateCheck = Callable[[int, str, str], Optional[tuple[str, bool]]]
-"""Judges a state loaded from a donor: ``(epoch, SHA-256 of the loaded state, the donor's libp2p id)`` -> None to
-keep it, else ``(why it is refused, whether the stage's checkpoint or servers contradicted it)``: a contradicted
-donor is skipped for :data:`~swarm.averaging.donors.REFUSAL_S`, one nobody vouched for for
-:data:`~swarm.averaging.donors.RETRY_S` (blocking; may raise, which refuses it for ``RETRY_S``;
-:class:`swarm.trust.statecheck.DonorStateCheck`)."""
+StateCheck = Callable[[int, str, str], Verdict]
+"""Judges a state loaded from a donor: ``(epoch, SHA-256 of the loaded state, the donor's libp2p id)`` -> a
+:class:`~swarm.trust.statecheck.Verdict`: kept (``ok``; ``shared``: as the stage's state, else kept but out of sync)
+or refused, why, and whether the stage's checkpoint or servers contradicted it: a contradicted donor is skipped for
+:data:`~swarm.averaging.donors.REFUSAL_S`, one nobody vouched for for :data:`~swarm.averaging.donors.RETRY_S`
+(blocking; may raise, which refuses it for ``RETRY_S``; :class:`swarm.trust.statecheck.DonorStateCheck`)."""
 MAX_DONORS_TRIED = 3
 AveragerFactory = Callable[..., RobustGradientAverager]
 """Builds the stage's gradient averager (keyword arguments of :class:`RobustGradientAverager`); tests and
@@ -357,19 +358,19 @@ class StageOptimizer:
             if not donor:
                 return self.epoch  # no donor answered (or none is left that was not refused)
             if epoch < before[0]:  # hivemind loads no state from a donor behind this server
-                refusal: Optional[tuple[str, bool]] = (f"its epoch {epoch} is behind this server's", False)
+                verdict = Verdict(False, f"its epoch {epoch} is behind this server's")
             else:
                 try:
-                    refusal = self.state_check(epoch, self.state_digest(), donor)
+                    verdict = self.state_check(epoch, self.state_digest(), donor)
                 except Exception as e:  # the check itself failed (timeout, DHT): nothing vouched for the state
-                    refusal = (f"the check failed ({type(e).__name__}: {e})", False)
-                if refusal is None:
+                    verdict = Verdict(False, f"the check failed ({type(e).__name__}: {e})")
+                if verdict.ok:
                     self.set_lr_scale(self.schedule.scale)  # the schedule at the new epoch, with this run's scale
-                    self._opt.synced = True
+                    self._opt.synced = verdict.shared  # kept on the donor's word alone: maybe its own state
                     return self.epoch
             self._restore(before)
-            why, contradicted = refusal
-            seconds = REFUSAL_S if contradicted else RETRY_S
+            why = verdict.why
+            seconds = REFUSAL_S if verdict.contradicted else RETRY_S
             logger.warning("refused the state of donor %s at epoch %d: %s", donor, epoch, why)
             self.donors_refused = dict(list(self.donors_refused.items())[-31:]) | {donor: why[:200]}
             try:

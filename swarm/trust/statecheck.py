@@ -46,11 +46,17 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Verdict:
     """Whether a donor's state is kept (``ok``) and why, in words for the log; ``contradicted``: refused because
-    the stage's checkpoint or servers hold another state (not merely because nobody could vouch for it)."""
+    the stage's checkpoint or servers hold another state (not merely because nobody could vouch for it); ``shared``:
+    kept as the stage's state, a checkpoint or most holders of its epoch holding it (or no other server listed).
+    A state kept on the donor's standing alone, where holders without any hold another one, may be the donor's own
+    (a donor whose round failed steps on its own gradient): the receiver keeps it but says its parameters are out
+    of sync with the stage (:attr:`swarm.averaging.StageOptimizer.synced`) until its next state round, so that spot
+    checks do not compare its answers with the stage's."""
 
     ok: bool
     why: str
     contradicted: bool = False
+    shared: bool = False
 
 
 def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str]],
@@ -78,7 +84,7 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
     same = [m for m in checkpoints if m.epoch == epoch]
     if same:
         if any(m.state_sha256 == digest for m in same):
-            return Verdict(True, f"it is the stage's checkpoint of epoch {epoch}")
+            return Verdict(True, f"it is the stage's checkpoint of epoch {epoch}", shared=True)
         return Verdict(False, f"it differs from the stage's checkpoint of epoch {epoch} "
                               f"({same[0].state_sha256[:16]}, received {digest[:16]})", contradicted=True)
     held = {peer: d for peer, (_, d) in answers.items() if d}
@@ -90,7 +96,8 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
     agree = sum(d == digest for d in held.values())
     if held:
         if 2 * agree > len(held):
-            return Verdict(True, f"{agree} of the {len(held)} other servers with epoch {epoch} hold the same state")
+            return Verdict(True, f"{agree} of the {len(held)} other servers with epoch {epoch} hold the same state",
+                           shared=True)
         contradicted = _contradicted(digest, held, lambda p: 1.0)
         return Verdict(False, f"{len(held) - agree} of the {len(held)} other servers with epoch {epoch} hold another "
                               f"state (received {digest[:16]}){_UNSETTLED * (not contradicted)}", contradicted)
@@ -98,7 +105,7 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
         epochs = sorted({e for e, _ in answers.values()})
         return Verdict(False, f"none of the {listed} other servers vouches for epoch {epoch} ({len(answers)} answered, "
                               f"at epochs {epochs})")
-    return Verdict(True, "unverified: the donor is the stage's only other server")
+    return Verdict(True, "unverified: the donor is the stage's only other server", shared=True)
 
 
 def _by_weight(digest: str, held: dict[str, str], weight: Callable[[str], float], donor: str,
@@ -113,13 +120,14 @@ def _by_weight(digest: str, held: dict[str, str], weight: Callable[[str], float]
     total = sum(weights.values())
     if total <= 0:
         if donor and weight(donor) > 0:
+            agree = sum(d == digest for d in held.values())
             return Verdict(True, f"{basis} the donor, and none of the {len(held)} other servers holding this epoch "
-                                 "(another state or not)")
+                                 f"({agree} of them hold this state)", shared=2 * agree > len(held))
         return None
     agree = sum(w for peer, w in weights.items() if held[peer] == digest)
     if 2 * agree > total:
         return Verdict(True, f"servers holding {agree:.2f} of the {total:.2f} weight of those {basis} hold the "
-                             "same state")
+                             "same state", shared=True)
     contradicted = _contradicted(digest, held, weight)
     return Verdict(False, f"servers holding {total - agree:.2f} of the {total:.2f} weight of those {basis} hold "
                           f"another state (received {digest[:16]}){_UNSETTLED * (not contradicted)}", contradicted)
@@ -179,20 +187,20 @@ class DonorStateCheck:
         return judge_donor_state(epoch, digest, answers, await self.checkpoints(), len(others), self.weight, donor,
                                  self.named)
 
-    def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Optional[tuple[str, bool]]]:
+    def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Verdict]:
         """A :data:`swarm.averaging.optimizer.StateCheck` for threads other than ``loop``'s: runs :meth:`judge`
-        on ``loop`` and logs its verdict. :raises TimeoutError: no verdict within ``wait_s`` + 60 s."""
+        on ``loop`` and logs a kept state's verdict. :raises TimeoutError: no verdict within ``wait_s`` + 60 s."""
 
-        def check(epoch: int, digest: str, donor: str) -> Optional[tuple[str, bool]]:
+        def check(epoch: int, digest: str, donor: str) -> Verdict:
             future = asyncio.run_coroutine_threadsafe(self.judge(epoch, digest, donor), loop)
             try:
                 verdict = future.result(self.wait_s + 4 * self.timeout_s + 60)
             finally:
                 future.cancel()
             if verdict.ok:
-                logger.info("kept the state of donor %s at epoch %d: %s", donor, epoch, verdict.why)
-                return None
-            return verdict.why, verdict.contradicted
+                logger.info("kept the state of donor %s at epoch %d: %s%s", donor, epoch, verdict.why,
+                            "" if verdict.shared else "; out of sync with the stage until its next state round")
+            return verdict
 
         return check
 
