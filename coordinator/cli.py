@@ -342,12 +342,16 @@ def _connect(address: str, timeout: float, identity: Optional[Identity] = None):
     from swarm.logs import configure_logging
     from swarm.net.dht import RunAddressError, RunUnreachable, connect_run
 
+    from swarm.trust.recognition import follow_recognition
+
     configure_logging("WARNING")
     try:
-        return connect_run(address, PeerSettings(host="127.0.0.1"), timeout=timeout, identity=identity)
+        found = connect_run(address, PeerSettings(host="127.0.0.1"), timeout=timeout, identity=identity)
     except (RunAddressError, RunUnreachable, SpecError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2 if isinstance(e, RunAddressError) else 1) from None
+    follow_recognition(found[1])  # checkpoints listed and exported: those the run's servers would restore
+    return found
 
 
 def _admit_reader(directory, spec: RunSpec, run_key: Optional[Identity], reader: Optional[Identity]) -> None:

@@ -13,11 +13,13 @@ from hivemind.utils import get_dht_time
 from swarm.checkpoint.rollback import order_in_force
 from swarm.identity import Identity
 from swarm.net.dht_validation import RunRecordValidator
-from swarm.net.directory import RunDirectory, recognized_refusal
+from swarm.net.directory import AsyncRunDirectory, RunDirectory, recognized_refusal
 from swarm.protocol import (CheckpointManifest, Endorsement, FragmentEntry, RollbackOrder, ServerInfo, ServerState,
                             Recognition, recognition_key, seal)
 from swarm.server.served import PeerContext, counted_claims
-from swarm.trust.recognition import LAPSE_S, RESEED_S, RecognitionBook, RecognitionReader, publish_recognition, read_recognition
+from swarm.trainer.session import resume_position
+from swarm.trust.recognition import (LAPSE_S, RESEED_S, RecognitionBook, RecognitionReader, follow_recognition,
+                                     publish_recognition, read_recognition)
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,6 +123,46 @@ def test_the_recognition_is_published_by_the_run_key_and_a_strangers_is_neither_
         reader = RecognitionReader(directory)
         assert asyncio.run(reader.current()) is not None and reader.recognized(0) == {a.peer_id, b.peer_id}
         assert reader.recognized(1) is None
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_trainers_and_the_checkpoint_commands_read_manifests_by_the_recognition():
+    """Two fresh keys announced as stage-0 servers write and endorse a manifest that says data share 0 is consumed
+    up to sample 10^6: a directory counting heads takes it (a trainer would skip its share's data to there); one
+    that follows the run key's recognition (:func:`follow_recognition`: trainers and the coordinator's checkpoint
+    commands now, as servers before) refuses it and resumes at 0."""
+    run_key, a, b, s1, s2 = (Identity.generate() for _ in range(5))
+    run_id, sealed_spec = RunDirectory.seal_spec(TINY, run_key)
+    first = _node(validators=[RunRecordValidator(run_id)])
+    second = _node([str(m) for m in first.get_visible_maddrs()], [RunRecordValidator(run_id)])
+    try:
+        directory = RunDirectory(second, run_id, ttl=60)
+        directory.verify_spec(sealed_spec)
+        for who, mate in ((a, b), (b, a)):
+            assert directory.announce_server(server(who, 0, [mate]).model_copy(update={"run_id": run_id}), who)
+        assert publish_recognition(directory, run_key, TINY, RecognitionBook()) is not None
+        for who in (s1, s2):  # announced after the recognition: fresh keys it does not name
+            assert directory.announce_server(server(who, 0).model_copy(update={"run_id": run_id}), who)
+        endorsement = seal(Endorsement(run_id=run_id, peer_id=s2.peer_id, time=get_dht_time(), stage=0, epoch=5,
+                                       state_sha256="c" * 64, writer=s1.peer_id, basis="same_state"), s2)
+        forged = CheckpointManifest(run_id=run_id, peer_id=s1.peer_id, time=get_dht_time(), stage=0, epoch=5,
+                                    shard_sha256="a" * 64, size=1, k=1, n=1,
+                                    fragments=[FragmentEntry(index=0, sha256="b" * 64)], state_sha256="c" * 64,
+                                    endorsements=[endorsement], data_position={0: 10**6})
+        assert directory.publish_manifest(forged, seal(forged, s1))
+
+        def resumed(follow: bool) -> int:
+            reader = RunDirectory(first, run_id, ttl=60)
+            reader.verify_spec(sealed_spec)
+            reader.servers(0)  # the stage's records, as a trainer's routing reads them
+            if follow:
+                follow_recognition(reader)
+            return asyncio.run(resume_position(AsyncRunDirectory(reader), 0, 1))
+
+        assert resumed(follow=False) == 10**6, "by head count the two keys' manifest is entitled"
+        assert resumed(follow=True) == 0
     finally:
         first.shutdown()
         second.shutdown()

@@ -66,7 +66,7 @@ from swarm.net.dht import close_dht, connect_run, reachability, relay_enabled, v
 from swarm.trust.invites import acquire_ticket
 from swarm.trust.standing import Standing
 from swarm.trust.tickets import RunTickets
-from swarm.trust.recognition import RecognitionReader
+from swarm.trust.recognition import follow_recognition
 from swarm.net.directory import AsyncRunDirectory
 from swarm.protocol import ServerHistory, ServerInfo, ServerState, StorageInfo
 from swarm.server.compute import measure_throughput
@@ -225,8 +225,7 @@ class ServerSession:
         await self.keeper.start(self.p2p)
         self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
                                self.bans, gate, Standing(path=self.settings.state_path() / f"standing-{run_id}.json"),
-                               RecognitionReader(self.directory.blocking))
-        self.directory.blocking.recognized = self.ctx.recognition.read_recognized
+                               follow_recognition(self.directory.blocking))
         self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol, answers_comparable(self.spec),
                                           serves=self.directory.blocking.seen_serving, vouch=self._vouch)
         await EvidenceService(self.spec, self.convictions, gate=gate).add_p2p_handlers(self.p2p, namespace=run_id)

@@ -42,6 +42,7 @@ from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
 from swarm.net.dht import close_dht, connect_run
 from swarm.trust.invites import acquire_ticket
+from swarm.trust.recognition import follow_recognition
 from swarm.trust.tickets import RunTickets
 from swarm.net.directory import AsyncRunDirectory
 from swarm.net.transport import GLOBAL_COUNTER
@@ -178,6 +179,7 @@ class Trainer:
             connect_run, self.address, self.settings, client_mode=True, join_timeout_s=self.settings.join_timeout_s,
             identity=self.identity)
         self.directory, self.tickets = AsyncRunDirectory(directory), RunTickets(directory, self.identity, self.spec)
+        follow_recognition(directory)  # the newest manifests it resumes its data position from: entitled ones
         try:
             self.p2p = await self.dht.replicate_p2p()
             await acquire_ticket(self.tickets, self.p2p, self.settings.invite)

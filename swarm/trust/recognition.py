@@ -301,3 +301,14 @@ class RecognitionReader:
                 logger.info("the run key recognizes %d servers: other stages' servers and checkpoints count by it",
                             sum(len(v) for v in r.servers.values()))
         return r
+
+
+def follow_recognition(directory) -> RecognitionReader:
+    """A :class:`RecognitionReader` of ``directory`` (a blocking :class:`~swarm.net.directory.RunDirectory`), which
+    the directory's reads of checkpoint manifests then follow (:attr:`~swarm.net.directory.RunDirectory.recognized`):
+    a manifest counts only if the run key recognizes its writer or an endorser, where it names servers of its stage.
+    Servers, trainers (whose data position resumes from the newest manifests) and the coordinator's checkpoint
+    commands alike; without a recognition (no coordinator yet, or it is down) a manifest counts as before."""
+    reader = RecognitionReader(directory)
+    directory.recognized = reader.read_recognized
+    return reader
