@@ -5,6 +5,7 @@ four idle keys per stage made every honest server of a 2 x 2 swarm apply 17 roll
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import hivemind
 import pytest
@@ -100,8 +101,10 @@ def _node(initial_peers=(), validators=()):
                         use_relay=False, use_auto_relay=False, record_validators=list(validators))
 
 
-def test_the_recognition_is_published_by_the_run_key_and_a_strangers_is_neither_stored_nor_read():
-    run_key, a, b, stranger = (Identity.generate() for _ in range(4))
+@contextlib.contextmanager
+def _recognized_pair(run_key: Identity, a: Identity, b: Identity):
+    """Two DHT nodes of a run under ``run_key``'s spec, where ``a`` and ``b`` announced themselves as stage-0 servers
+    vouching for each other: ``(run_id, sealed_spec, first node, directory on the second)``."""
     run_id, sealed_spec = RunDirectory.seal_spec(TINY, run_key)
     first = _node(validators=[RunRecordValidator(run_id)])
     second = _node([str(m) for m in first.get_visible_maddrs()], [RunRecordValidator(run_id)])
@@ -109,8 +112,17 @@ def test_the_recognition_is_published_by_the_run_key_and_a_strangers_is_neither_
         directory = RunDirectory(second, run_id, ttl=60)
         directory.verify_spec(sealed_spec)
         for who, mate in ((a, b), (b, a)):
-            info = server(who, 0, [mate]).model_copy(update={"run_id": run_id})
-            assert directory.announce_server(info, who)
+            assert directory.announce_server(server(who, 0, [mate]).model_copy(update={"run_id": run_id}), who)
+        yield run_id, sealed_spec, first, directory
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_the_recognition_is_published_by_the_run_key_and_a_strangers_is_neither_stored_nor_read():
+    run_key, a, b, stranger = (Identity.generate() for _ in range(4))
+    with _recognized_pair(run_key, a, b) as (run_id, _, first, directory):
+        second = directory.dht
         book = RecognitionBook()
         assert publish_recognition(directory, run_key, TINY, book) is not None
         found = read_recognition(RunDirectory(first, run_id, ttl=60))
@@ -123,9 +135,6 @@ def test_the_recognition_is_published_by_the_run_key_and_a_strangers_is_neither_
         reader = RecognitionReader(directory)
         assert asyncio.run(reader.current()) is not None and reader.recognized(0) == {a.peer_id, b.peer_id}
         assert reader.recognized(1) is None
-    finally:
-        first.shutdown()
-        second.shutdown()
 
 
 def test_trainers_and_the_checkpoint_commands_read_manifests_by_the_recognition():
@@ -134,14 +143,7 @@ def test_trainers_and_the_checkpoint_commands_read_manifests_by_the_recognition(
     that follows the run key's recognition (:func:`follow_recognition`: trainers and the coordinator's checkpoint
     commands now, as servers before) refuses it and resumes at 0."""
     run_key, a, b, s1, s2 = (Identity.generate() for _ in range(5))
-    run_id, sealed_spec = RunDirectory.seal_spec(TINY, run_key)
-    first = _node(validators=[RunRecordValidator(run_id)])
-    second = _node([str(m) for m in first.get_visible_maddrs()], [RunRecordValidator(run_id)])
-    try:
-        directory = RunDirectory(second, run_id, ttl=60)
-        directory.verify_spec(sealed_spec)
-        for who, mate in ((a, b), (b, a)):
-            assert directory.announce_server(server(who, 0, [mate]).model_copy(update={"run_id": run_id}), who)
+    with _recognized_pair(run_key, a, b) as (run_id, sealed_spec, first, directory):
         assert publish_recognition(directory, run_key, TINY, RecognitionBook()) is not None
         for who in (s1, s2):  # announced after the recognition: fresh keys it does not name
             assert directory.announce_server(server(who, 0).model_copy(update={"run_id": run_id}), who)
@@ -163,9 +165,6 @@ def test_trainers_and_the_checkpoint_commands_read_manifests_by_the_recognition(
 
         assert resumed(follow=False) == 10**6, "by head count the two keys' manifest is entitled"
         assert resumed(follow=True) == 0
-    finally:
-        first.shutdown()
-        second.shutdown()
 
 
 def _order(issuer: Identity, generation: int) -> tuple[RollbackOrder, bytes]:
