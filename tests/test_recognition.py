@@ -19,7 +19,7 @@ from swarm.protocol import (CheckpointManifest, Endorsement, FragmentEntry, Roll
                             Recognition, recognition_key, seal)
 from swarm.server.served import PeerContext, counted_claims
 from swarm.trainer.session import resume_position
-from swarm.trust.recognition import (LAPSE_S, RESEED_S, RecognitionBook, RecognitionReader, follow_recognition,
+from swarm.trust.recognition import (FOUND_ALONE_S, LAPSE_S, RESEED_S, RecognitionBook, RecognitionReader, follow_recognition,
                                      publish_recognition, read_recognition)
 from tests.conftest import TINY
 
@@ -94,6 +94,31 @@ def test_keys_paired_before_a_stages_first_two_servers_pair_found_nothing():
     clock.now += 5
     book.update({0: [server(a, 0, [b]), server(b, 0, [a]), server(s1, 0, [s2]), server(s2, 0, [s1])]})
     assert sorted(book.listed()[0]) == sorted([a.peer_id, b.peer_id])
+
+
+def test_a_stage_served_by_one_server_alone_is_founded_by_it_and_keys_that_come_later_are_not():
+    """Nobody can verify a stage's only server: after FOUND_ALONE_S alone (no other server online on the stage in
+    any read) it founds the stage, and stays recognized while alone (no lapse); fresh keys that come later found
+    nothing and are recognized only once it vouches for them. Keys announcing beside it before that keep the stage
+    unfounded (head count, as before)."""
+    a, b, s1, s2 = (Identity.generate() for _ in range(4))
+    clock = Clock()
+    book = RecognitionBook(clock=clock)
+    book.update({0: [server(a, 0)], 1: [server(s1, 1)]})
+    clock.now += FOUND_ALONE_S / 2
+    assert not book.update({0: [server(a, 0)], 1: [server(s1, 1), server(s2, 1)]})
+    clock.now += FOUND_ALONE_S / 2
+    assert book.update({0: [server(a, 0)], 1: [server(s1, 1), server(s2, 1)]})
+    assert book.listed() == {0: [a.peer_id]}  # stage 1 had two keys online: not alone, and they never paired
+    clock.now += 5
+    book.update({0: [server(a, 0), server(s1, 0, [s2]), server(s2, 0, [s1])]})
+    assert book.listed() == {0: [a.peer_id]}, "keys that came after the founder found nothing"
+    book.update({0: [server(a, 0, [b]), server(b, 0, [a])]})
+    assert sorted(book.listed()[0]) == sorted([a.peer_id, b.peer_id])  # a vouched for b: the usual growth
+    for _ in range(2):
+        clock.now += LAPSE_S + 1
+        book.update({0: [server(a, 0)]})
+        assert book.listed() == {0: [a.peer_id]}, "alone, nobody can vouch for it: it does not lapse"
 
 
 def _node(initial_peers=(), validators=()):

@@ -13,7 +13,9 @@ coordinator stops):
 
 * a stage's **founders** are the first servers the coordinator sees verifying each other (each names the other in
   ``ServerInfo.vouches``), of those it saw first: keys that announce themselves once a pair has formed found
-  nothing (the servers a run's creator starts are the founders);
+  nothing (the servers a run's creator starts are the founders); a stage served by one server alone for
+  :data:`FOUND_ALONE_S` is founded by that server (nobody can verify its work; it stays recognized while it stays
+  alone, as nobody can vouch for it either), and a server that averages with it is then recognized by its vouch;
 * a server is **recognized** once a recognized server of its stage vouches for it (it verified that server's
   averaging parts, accepted unflagged by robust aggregation), and stays so while it comes back within
   :data:`FORGET_S`; its exclusion or conviction by most of its recognized stage-mates ends it;
@@ -21,9 +23,11 @@ coordinator stops):
 
 What a Sybil must spend to be recognized: averaging work a recognized server verified, i.e. an honest server's
 compute for the stage, for as long as it wants to stay vouched for (a vouch needs half a unit of decayed standing:
-one verified round keeps it an hour). The prices: a stage of one server is never founded (nobody verifies it); a
-stage none of whose recognized servers came back within :data:`RESEED_S` takes new founders (an attacker present
-then, alone, founds it).
+one verified round keeps it an hour). The prices: an attacker alone on a stage before anyone else, for
+:data:`FOUND_ALONE_S`, or with a second key paired with it first, founds the stage; a stage none of whose
+recognized servers came back within :data:`RESEED_S` takes new founders (an attacker present then, alone, founds
+it); keys that keep announcing on a stage of one server keep it from being founded (it then counts by head, as
+without a recognition).
 
 Peers read it with :class:`RecognitionReader` and weigh by it what their own standing cannot: on a stage it names
 somebody on, a key it does not name has no voice. A stage it names nobody on, or every stage without a valid one
@@ -55,6 +59,9 @@ FORGET_S = 7 * 24 * 3600.0
 """Seconds a recognized server may stay away and still be recognized when it comes back."""
 RESEED_S = 600.0
 """Seconds without any recognized server of a stage online after which the stage takes new founders."""
+FOUND_ALONE_S = 60.0
+"""Seconds a stage must be served by one and the same server alone (no other server online on it in any read)
+before that server founds it."""
 RECOGNITION_TTL_S = 300.0
 """Seconds a published recognition stays valid (the coordinator renews it every few seconds)."""
 LAPSE_S = 2 * 3600.0
@@ -78,6 +85,7 @@ class RecognitionBook:
         self.vouched: dict[str, float] = {}  # recognized peer id -> when a recognized server last vouched for it
         self.last_online: dict[int, float] = {}  # stage -> when a recognized server of it was last seen online
         self.first_seen: dict[str, float] = {}  # peer id -> when this book first read a record of it
+        self.alone: dict[int, tuple[str, float]] = {}  # stage -> its only online server, and since when (this run)
         if path is not None and path.exists():
             self._load(path)
 
@@ -88,13 +96,19 @@ class RecognitionBook:
             for s in records:
                 if s.peer_id not in self.first_seen and len(self.first_seen) < MAX_FIRST_SEEN:
                     self.first_seen[s.peer_id] = now
+        for stage in set(self.alone) - set(servers):
+            del self.alone[stage]
         for stage, records in servers.items():
             online = {s.p2p_id: s for s in records if s.state == ServerState.ONLINE}
             known = self.seen.setdefault(stage, {})
             if any(s.peer_id in known for s in online.values()):
                 self.last_online[stage] = now
             if now - self.last_online.get(stage, float("-inf")) > RESEED_S:
-                changed |= self._found(stage, online, known, now)
+                changed |= self._found(stage, online, known, now) or \
+                    self._found_alone(stage, self._alone(stage, online, now), known, now)
+            only = {s.peer_id for s in online.values()}
+            if len(only) == 1 and only <= known.keys():
+                self.vouched[next(iter(only))] = now  # nobody can vouch for a stage's only server: no lapse alone
             changed |= self._grow(stage, online, known, now)
             changed |= self._remove(stage, online, known)
             for peer in [p for p, t in known.items() if now - t > FORGET_S or now - self.vouched.get(p, t) > LAPSE_S]:
@@ -118,6 +132,28 @@ class RecognitionBook:
             known[peer] = self.vouched[peer] = now
             logger.info("recognition: %s founds stage %d (it and a stage-mate verified each other)", peer, stage)
         self.last_online[stage] = now
+        return True
+
+    def _alone(self, stage: int, online: dict[str, ServerInfo], now: float) -> Optional[str]:
+        """The peer id of the stage's only online server if it has been so in every read for :data:`FOUND_ALONE_S`,
+        else None."""
+        ids = {s.peer_id for s in online.values()}
+        if len(ids) != 1:
+            self.alone.pop(stage, None)
+            return None
+        (peer,) = ids
+        if self.alone.get(stage, ("", 0.0))[0] != peer:
+            self.alone[stage] = (peer, now)
+        return peer if now - self.alone[stage][1] >= FOUND_ALONE_S else None
+
+    def _found_alone(self, stage: int, lone: Optional[str], known: dict[str, float], now: float) -> bool:
+        """A stage served by ``lone`` alone for :data:`FOUND_ALONE_S`: it founds the stage."""
+        if lone is None:
+            return False
+        known.clear()
+        known[lone] = self.vouched[lone] = now
+        self.last_online[stage] = now
+        logger.info("recognition: %s founds stage %d (its only server for %.0f s)", lone, stage, FOUND_ALONE_S)
         return True
 
     def _grow(self, stage: int, online: dict[str, ServerInfo], known: dict[str, float], now: float) -> bool:
