@@ -40,6 +40,11 @@ def test_a_noisy_server_is_excluded_by_its_stage_and_routed_around(tmp_path, cac
                             for s in sc.directory.servers(0) if s.peer_id != bad.peer_id), 120,
                 "each honest server to vouch for the other")
         assert not any(bad_p2p() in s.vouches for s in sc.directory.servers(0))
+        # ... and says at which of its epochs it last did (ServerInfo.last_verified: rebalancing counts a recognized
+        # server's throughput only while its work is verified lately, swarm.server.served.still_working)
+        mates = [s for s in sc.directory.servers(0) if s.peer_id != bad.peer_id]
+        assert all(0 <= s.last_verified.get(m.p2p_id, -1) <= s.epoch for s in mates for m in mates if m is not s)
+        assert not any(bad_p2p() in s.last_verified for s in mates)
 
         done = subprocess.run([sys.executable, "-m", "coordinator", "status", sw.address, "--json"],
                               capture_output=True, text=True, timeout=120)

@@ -17,7 +17,7 @@ from swarm.net.dht_validation import RunRecordValidator
 from swarm.net.directory import AsyncRunDirectory, RunDirectory, recognized_refusal
 from swarm.protocol import (CheckpointManifest, Endorsement, FragmentEntry, RollbackOrder, ServerInfo, ServerState,
                             Recognition, recognition_key, seal)
-from swarm.server.served import PeerContext, counted_claims
+from swarm.server.served import FRESH_EPOCHS, PeerContext, counted_claims
 from swarm.trainer.session import resume_position
 from swarm.trust.recognition import (FOUND_ALONE_S, LAPSE_S, RESEED_S, RecognitionBook, RecognitionReader, follow_recognition,
                                      publish_recognition, read_recognition)
@@ -296,3 +296,38 @@ def test_rebalancing_counts_only_the_throughput_of_servers_the_run_key_recognize
     assert [s.throughput for s in asyncio.run(ctx(named).claims(servers))[1]] == [30.0, 100.0]
     # a stage whose recognized servers all left: its newcomers' claims count as announced, not as nothing
     assert counted_claims(servers[0], frozenset({Identity.generate().peer_id})) == servers[0]
+
+
+def test_a_recognized_server_that_stopped_averaging_claims_no_throughput_while_its_mates_verify_each_other():
+    """bench/sybil.py's patient key: recognized for its real work, then stopped, its record claiming 10^4 samples/s on
+    the last stage, so a joiner saw that stage served and rebalancing planned moves to it. Its recognized stage-mates
+    verify each other's averaging every epoch (ServerInfo.last_verified) but no longer its own: its claim stops
+    counting FRESH_EPOCHS after its last verified work. With no witness (one recognized server, or rounds that all
+    fail) every recognized claim counts, as before."""
+    from swarm.server.rebalance import choose_stage
+
+    a, b, patient, other = (Identity.generate() for _ in range(4))
+
+    def rec(who, stage, epoch, verified, throughput=10.0):
+        return server(who, stage, throughput=throughput).model_copy(
+            update={"epoch": epoch, "last_verified": {v.p2p_id: e for v, e in verified.items()}})
+
+    named = {0: frozenset({other.peer_id}), 1: frozenset({a.peer_id, b.peer_id, patient.peer_id})}
+    working = {0: [rec(other, 0, 20, {}, throughput=25.0)],
+               1: [rec(a, 1, 20, {b: 20, patient: 19}), rec(b, 1, 20, {a: 20, patient: 20}),
+                   rec(patient, 1, 20, {a: 19, b: 20}, throughput=10.0)]}
+    assert [len(counted_claims(g, named[k])) for k, g in working.items()] == [1, 3]
+    stopped = {0: working[0],
+               1: [rec(a, 1, 24, {b: 24, patient: 20}), rec(b, 1, 24, {a: 24, patient: 20}),
+                   rec(patient, 1, 24, {a: 20, b: 20}, throughput=1e4)]}
+    counted = {k: counted_claims(g, named[k]) for k, g in stopped.items()}
+    assert [s.peer_id for s in counted[1]] == [a.peer_id, b.peer_id]
+    # a joiner: to stage 0 by the claims as announced (stage 1 looks served), to stage 1 by the counted ones (20 < 25)
+    assert choose_stage(TINY.model, stopped) == 0 and choose_stage(TINY.model, counted) == 1
+    # within FRESH_EPOCHS of its last verified work it still counts (a round or two may fail for anyone)
+    recent = [rec(a, 1, 20 + FRESH_EPOCHS, {b: 22, patient: 20}), rec(b, 1, 22, {a: 22}), stopped[1][2]]
+    assert len(counted_claims(recent, named[1])) == 3
+    # no witness: rounds that kept failing (nobody verified anybody lately), or a stage of one recognized server
+    failing = [rec(a, 1, 30, {b: 20, patient: 20}), rec(b, 1, 30, {a: 20}), stopped[1][2]]
+    assert len(counted_claims(failing, named[1])) == 3
+    assert counted_claims([stopped[1][2]], frozenset({patient.peer_id})) == [stopped[1][2]]

@@ -181,6 +181,11 @@ class ServerInfo(AnnouncedRecord):
     vouches: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(
         default_factory=dict, max_length=MAX_VOUCHES, description="libp2p ids of stage-mates whose averaging work "
         "this server verified -> their standing's weight with it (swarm.trust.standing), at most 16, the heaviest.")
+    last_verified: dict[str, Epoch] = Field(
+        default_factory=dict, max_length=MAX_VOUCHES, description="libp2p ids of stage-mates -> this server's epoch "
+        "when it last verified their averaging work (a part its reducer accepted unflagged), at most 16, the most "
+        "recent: whether a recognized server still works, for the throughput rebalancing counts "
+        "(swarm.server.served.counted_claims).")
     progress_key: str = Field("", max_length=2048, pattern=r"^([0-9a-f]{2})*$", description="Hex of its sub-key "
                               "in the stage's hivemind progress records: the stage's servers count only the progress "
                               "of sub-keys their records name (swarm.averaging.progress).")

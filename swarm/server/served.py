@@ -143,17 +143,43 @@ class PeerContext:
         return {k: counted_claims(group, self.recognition.recognized(k)) for k, group in servers.items()}
 
 
+FRESH_EPOCHS = 2
+"""Epochs (of the witness) within which a recognized server's averaging work must have been verified by a recognized
+stage-mate for its throughput claim to count (:func:`counted_claims`)."""
+
+
 def counted_claims(group: list[ServerInfo], recognized: Optional[frozenset[str]]) -> list[ServerInfo]:
     """The records of a stage whose throughput (samples/s) rebalancing and a joiner's stage choice count: where some
     of them are servers the run key recognizes (``recognized``: their peer ids; None: none), only theirs (fresh keys
     neither add throughput nor make a lone recognized server look accompanied; honest newcomers count once a
-    recognized stage-mate verified them: a round or two, then the coordinator's next read); else all of them. The
-    same for every server of the stage (:func:`~swarm.server.rebalance.choose_mover` needs it); a server left out
-    plans no move. The price: joiners within that time see none of each other on a recognized stage and may pick
-    the same one (rebalancing moves them later)."""
+    recognized stage-mate verified them: a round or two, then the coordinator's next read), and of those only the
+    ones still working (:func:`still_working`: a recognized key that stopped averaging and claims 10^4 samples/s
+    does not count); else all of them. The same for every server of the stage
+    (:func:`~swarm.server.rebalance.choose_mover` needs it); a server left out plans no move. The price: joiners
+    within that time see none of each other on a recognized stage and may pick the same one (rebalancing moves
+    them later)."""
     if recognized is None or not any(s.peer_id in recognized for s in group):
         return group  # (none of them online: newcomers to a stage its recognized servers left are all it has)
-    return [s for s in group if s.peer_id in recognized]
+    named = [s for s in group if s.peer_id in recognized]
+    return [s for s in named if still_working(s, named)]
+
+
+def latest_verified(verified_at: dict[str, int], mates) -> dict[str, int]:
+    """Of ``verified_at`` (libp2p id -> this server's epoch when it last verified that server's averaging work), the
+    :data:`~swarm.protocol.MAX_VOUCHES` entries of ``mates`` verified last (:attr:`ServerInfo.last_verified`)."""
+    return dict(sorted((kv for kv in verified_at.items() if kv[0] in mates), key=lambda kv: kv[1])[-MAX_VOUCHES:])
+
+
+def still_working(server: ServerInfo, named: list[ServerInfo]) -> bool:
+    """Whether ``server``'s averaging work was verified lately by another of ``named`` (its stage's recognized
+    records): one of them that verified somebody's within :data:`FRESH_EPOCHS` of its own epoch
+    (:attr:`~swarm.protocol.ServerInfo.last_verified`, a *witness*) verified ``server``'s within that too. True where
+    there is no witness (a stage of one recognized server, or rounds that kept failing: no evidence either way).
+    Several recognized keys that stopped together still vouch for one another here: the bound is the recognition's
+    (recognized Sybils past the aggregators' fraction of a stage, docs/threat-model.md)."""
+    witnesses = [w for w in named if w is not server and w.state == ServerState.ONLINE and w.last_verified
+                 and max(w.last_verified.values()) >= w.epoch - FRESH_EPOCHS]
+    return not witnesses or any(w.last_verified.get(server.p2p_id, -1) >= w.epoch - FRESH_EPOCHS for w in witnesses)
 
 
 @dataclass(frozen=True)
@@ -227,6 +253,7 @@ class ServedStage:
         self.rollbacks = Rollbacks(self.restore, optimizer, self.server.compute, ctx.identity,
                                    is_last=self.server.is_last, log=self.log, weight=ctx.voice)
         self._verified: dict[str, int] = {}  # libp2p id -> the verified rounds this stage's averager last reported
+        self._verified_at: dict[str, int] = {}  # libp2p id -> this server's epoch when those rounds last grew
         self._ticket = ctx.identity.ticket  # the ticket the averager processes sign with (they forked with it)
         self.background = Submissions(asyncio.get_running_loop())
         self.history: list = []  # (epoch, DHT time it began, mean loss of the epoch before): ServerHistory.history
@@ -391,7 +418,7 @@ class ServedStage:
         server, rollbacks = self.server, self.rollbacks
         report = self.optimizer.report() if serving else None
         if report is not None and report.answered:
-            self._credit(report)
+            self._credit(report, server.epoch)
         renewed = self.ctx.identity.ticket
         if serving and renewed and renewed != self._ticket and self.optimizer.set_ticket(renewed):
             self._ticket = renewed  # (a ticketed run: the peer took a renewed ticket; else tried again next time)
@@ -409,16 +436,18 @@ class ServedStage:
             progress_key=self.optimizer.progress_key if serving else "",
             donors_refused=dict(self.optimizer.donors_refused) if serving else {},
             vouches=self.ctx.standing.heaviest(MAX_VOUCHES, self._mates),
+            last_verified=latest_verified(self._verified_at, self._mates),
         )
 
-    def _credit(self, report: AveragingReport) -> None:
-        """Credit each stage-mate's rounds verified since the last report to the peer's standing; an exclusion
-        zeroes its standing."""
+    def _credit(self, report: AveragingReport, epoch: int) -> None:
+        """Credit each stage-mate's newly verified rounds to the standing, at ``epoch``; an exclusion zeroes it."""
         standing = self.ctx.standing
         for p2p, rounds in report.verified.items():
             if rounds > self._verified.get(p2p, 0):
                 standing.credit(p2p, rounds - self._verified.get(p2p, 0))
+                self._verified_at[p2p] = epoch
         self._verified = dict(report.verified)
+        self._verified_at = {p2p: e for p2p, e in self._verified_at.items() if p2p in self._verified}
         for p2p in report.excluded:
             standing.reset(p2p)
         standing.keep()  # (across restarts: swarm.trust.standing)
