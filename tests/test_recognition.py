@@ -17,7 +17,8 @@ from swarm.net.dht_validation import RunRecordValidator
 from swarm.net.directory import AsyncRunDirectory, RunDirectory, recognized_refusal
 from swarm.protocol import (CheckpointManifest, Endorsement, FragmentEntry, RollbackOrder, ServerInfo, ServerState,
                             Recognition, recognition_key, seal)
-from swarm.server.served import FRESH_EPOCHS, PeerContext, counted_claims
+from swarm.protocol import MAX_VOUCHES
+from swarm.server.served import FRESH_EPOCHS, PeerContext, counted_claims, latest_verified
 from swarm.trainer.session import resume_position
 from swarm.trust.recognition import (FOUND_ALONE_S, LAPSE_S, RESEED_S, RecognitionBook, RecognitionReader, follow_recognition,
                                      publish_recognition, read_recognition)
@@ -331,3 +332,20 @@ def test_a_recognized_server_that_stopped_averaging_claims_no_throughput_while_i
     failing = [rec(a, 1, 30, {b: 20, patient: 20}), rec(b, 1, 30, {a: 20}), stopped[1][2]]
     assert len(counted_claims(failing, named[1])) == 3
     assert counted_claims([stopped[1][2]], frozenset({patient.peer_id})) == [stopped[1][2]]
+    # the stopped key cannot silence an honest mate by naming somebody else as verified lately: an entry that names
+    # no other recognized server of the stage makes no witness (before, a and its claim dropped, its own counted)
+    junk = Identity.generate()
+    pair = [rec(a, 1, 24, {}), rec(patient, 1, 24, {junk: 24}, throughput=1e4)]
+    assert len(counted_claims(pair, frozenset({a.peer_id, patient.peer_id}))) == 2  # no witness: as before
+    assert [s.peer_id for s in counted_claims([rec(b, 1, 24, {a: 24}), *pair], named[1])] == [b.peer_id, a.peer_id]
+
+
+def test_each_server_lists_another_sample_of_the_mates_it_verified_at_one_epoch():
+    """ServerInfo.last_verified holds MAX_VOUCHES entries: where more mates were verified at one epoch (one group of
+    a large stage), ties break by a hash of the lister's id, so the same mates (the first verified: the founders) are
+    not left out of every list."""
+    mates = {f"m{i}": 7 for i in range(40)}
+    lists = [set(latest_verified(mates | {"old": 3}, mates.keys() | {"old"}, me)) for me in ("x", "y", "z")]
+    assert all(len(listed) == MAX_VOUCHES and "old" not in listed for listed in lists)
+    assert len(set.union(*lists)) > MAX_VOUCHES and lists[0] != lists[1]
+    assert latest_verified({"a": 1, "b": 2}, {"a"}) == {"a": 1}  # only current mates

@@ -419,5 +419,6 @@ def test_a_retried_training_call_is_labelled_with_the_parameters_that_computed_i
         assert back.epoch == again.epoch == 0 and servers[0].epoch == 1
         forward_again, (h2,) = await call(0, "rpc_forward", fwd(0, "mb1"), [x])  # recomputed, not the cached grad
         assert forward_again.epoch == 1 and h2.shape == h.shape
+        assert not servers[0]._cache, "kept for a backward that is answered from the finished micro-batches"
 
     asyncio.run(main())

@@ -206,7 +206,8 @@ class StageCompute:
         with torch.enable_grad(), self._counted():
             if not self.is_last:
                 out = self.module(leaf)
-                self._remember(key, leaf, out)
+                if key not in self._done:  # (a repeat after its backward: that backward is answered from _done)
+                    self._remember(key, leaf, out)
                 return self._host(out), None
             loss = self.module.loss(leaf, targets.to(self.device))
             value = self._finite(loss)

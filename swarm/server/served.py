@@ -14,6 +14,7 @@ this server counts, which are donors) and keeps excluded servers out of its aver
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -164,22 +165,32 @@ def counted_claims(group: list[ServerInfo], recognized: Optional[frozenset[str]]
     return [s for s in named if still_working(s, named)]
 
 
-def latest_verified(verified_at: dict[str, int], mates) -> dict[str, int]:
+def latest_verified(verified_at: dict[str, int], mates, me: str = "") -> dict[str, int]:
     """Of ``verified_at`` (libp2p id -> this server's epoch when it last verified that server's averaging work), the
-    :data:`~swarm.protocol.MAX_VOUCHES` entries of ``mates`` verified last (:attr:`ServerInfo.last_verified`)."""
-    return dict(sorted((kv for kv in verified_at.items() if kv[0] in mates), key=lambda kv: kv[1])[-MAX_VOUCHES:])
+    :data:`~swarm.protocol.MAX_VOUCHES` entries of ``mates`` verified last (:attr:`ServerInfo.last_verified`); ties
+    (more mates verified at one epoch than fit) broken by a hash of this server's id (``me``), the mate and the
+    epoch, so that each server lists another sample of them and every epoch another."""
+    def order(kv):
+        return kv[1], hashlib.blake2b(f"{me}|{kv[0]}|{kv[1]}".encode(), digest_size=8).digest()
+
+    return dict(sorted((kv for kv in verified_at.items() if kv[0] in mates), key=order)[-MAX_VOUCHES:])
 
 
 def still_working(server: ServerInfo, named: list[ServerInfo]) -> bool:
     """Whether ``server``'s averaging work was verified lately by another of ``named`` (its stage's recognized
-    records): one of them that verified somebody's within :data:`FRESH_EPOCHS` of its own epoch
-    (:attr:`~swarm.protocol.ServerInfo.last_verified`, a *witness*) verified ``server``'s within that too. True where
-    there is no witness (a stage of one recognized server, or rounds that kept failing: no evidence either way).
-    Several recognized keys that stopped together still vouch for one another here: the bound is the recognition's
-    (recognized Sybils past the aggregators' fraction of a stage, docs/threat-model.md)."""
-    witnesses = [w for w in named if w is not server and w.state == ServerState.ONLINE and w.last_verified
-                 and max(w.last_verified.values()) >= w.epoch - FRESH_EPOCHS]
-    return not witnesses or any(w.last_verified.get(server.p2p_id, -1) >= w.epoch - FRESH_EPOCHS for w in witnesses)
+    records): of the *witnesses* (the others of them online that verified some other of ``named`` within
+    :data:`FRESH_EPOCHS` of their own epoch, :attr:`~swarm.protocol.ServerInfo.last_verified`; entries naming
+    anyone else do not make a witness), one verified ``server``'s within that too. True where there is no witness
+    (a stage of one recognized server, or rounds that kept failing: no evidence either way). Several recognized keys
+    that stopped together still vouch for one another here: the bound is the recognition's (recognized Sybils past
+    the aggregators' fraction of a stage, docs/threat-model.md)."""
+    ids = {s.p2p_id for s in named}
+
+    def fresh(w: ServerInfo) -> set[str]:
+        return {p for p, e in w.last_verified.items() if p in ids and p != w.p2p_id and e >= w.epoch - FRESH_EPOCHS}
+
+    witnessed = [fresh(w) for w in named if w is not server and w.state == ServerState.ONLINE]
+    return not any(witnessed) or any(server.p2p_id in seen for seen in witnessed)
 
 
 @dataclass(frozen=True)
@@ -436,7 +447,7 @@ class ServedStage:
             progress_key=self.optimizer.progress_key if serving else "",
             donors_refused=dict(self.optimizer.donors_refused) if serving else {},
             vouches=self.ctx.standing.heaviest(MAX_VOUCHES, self._mates),
-            last_verified=latest_verified(self._verified_at, self._mates),
+            last_verified=latest_verified(self._verified_at, self._mates, self.ctx.identity.p2p_id),
         )
 
     def _credit(self, report: AveragingReport, epoch: int) -> None:

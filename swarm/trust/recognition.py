@@ -103,9 +103,9 @@ class RecognitionBook:
             known = self.seen.setdefault(stage, {})
             if any(s.peer_id in known for s in online.values()):
                 self.last_online[stage] = now
+            lone = self._alone(stage, online, now)
             if now - self.last_online.get(stage, float("-inf")) > RESEED_S:
-                changed |= self._found(stage, online, known, now) or \
-                    self._found_alone(stage, self._alone(stage, online, now), known, now)
+                changed |= self._found(stage, online, known, now) or self._found_alone(stage, lone, known, now)
             only = {s.peer_id for s in online.values()}
             if len(only) == 1 and only <= known.keys():
                 self.vouched[next(iter(only))] = now  # nobody can vouch for a stage's only server: no lapse alone
