@@ -33,10 +33,10 @@ SPEC = TINY.updated(model={"n_layers": 3, "stage_layers": [1, 1, 1]}, spot_check
 
 
 @contextlib.asynccontextmanager
-async def serving(layout, trainers: int = 1, spec=SPEC):
+async def serving(layout, trainers: int = 1, spec=SPEC, recognized=None):
     """Start ``layout`` = [(stage, server factory)] each on its own DHT node and key, announced ONLINE and
     serving evidence (each its own :class:`ConvictionBook`, ``server.book``); yields ``(servers, pipeline)``, or
-    ``(servers, [pipelines])`` for several ``trainers``."""
+    ``(servers, [pipelines])`` for several ``trainers`` (their checkers given ``recognized``)."""
     nodes = keyed_dhts(len(layout) + trainers)
     try:
         servers = []
@@ -53,7 +53,8 @@ async def serving(layout, trainers: int = 1, spec=SPEC):
         for i, (_, dht) in enumerate(nodes[len(layout):]):
             p2p = await dht.replicate_p2p()
             pipes.append(RemotePipeline(spec, RUN, AsyncRunDirectory(RunDirectory(dht, RUN, ttl=600)), p2p,
-                                        listener=SpotChecker(spec, RUN, p2p, rng=random.Random(i))))
+                                        listener=SpotChecker(spec, RUN, p2p, rng=random.Random(i),
+                                                             recognized=recognized)))
         yield servers, (pipes[0] if trainers == 1 else pipes)
         for pipe in pipes:
             await pipe.listener.drain()
@@ -167,6 +168,32 @@ def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_datase
             assert set(pipe.listener.convicted) == {lying.peer_id}
 
     asyncio.run(main())
+
+
+def test_two_servers_answering_alike_frame_no_server_the_run_key_recognizes(tiny_dataset):
+    """The threat model's open row: two colluding servers of a stage answering a check alike (here: the same
+    parameters, 50% off the stage's) frame a third. Where the run key's recognition names servers of the stage, a
+    trainer asks those first and convicts only on two agreeing answers of servers it names: the honest server is
+    not convicted. Without a recognition it is (the contrast)."""
+    layout = [(0, StageServer), (1, StageServer), (1, _perturbed(0.5)), (1, _perturbed(0.5)), (2, StageServer)]
+
+    async def run(recognition: bool) -> dict:
+        names: dict[int, frozenset] = {}
+        async with serving(layout, recognized=names.get) as (servers, pipe):
+            if recognition:  # each stage's honest server (stage 1's two others only announced themselves)
+                names.update({k: frozenset({servers[i].peer_id}) for k, i in ((0, 0), (1, 1), (2, 4))})
+            for batch in _batches(tiny_dataset, 16):
+                await pipe.forward_loss(batch, train=True)
+                await pipe.listener.drain()
+                if servers[1].peer_id in pipe.listener.convicted:
+                    break
+            return dict(convicted=set(pipe.listener.convicted), honest=servers[1].peer_id,
+                        inconclusive=pipe.listener.counts["inconclusive"])
+
+    framed = asyncio.run(run(recognition=False))
+    assert framed["honest"] in framed["convicted"], "two colluding servers frame the honest one by head count"
+    kept = asyncio.run(run(recognition=True))
+    assert kept["honest"] not in kept["convicted"] and kept["inconclusive"] > 0, kept
 
 
 def test_an_unsigned_reply_convicts_and_two_disagreeing_servers_convict_no_one(tiny_dataset):
@@ -446,3 +473,12 @@ def test_a_stage_mate_weighs_the_witnesses_by_the_averaging_work_it_verified():
     assert book(1).add(evidence([mate, other]))[1], "two verified witnesses convict"
     standing.clear()
     assert book(1).add(framed)[1], "a server that verified none of them goes by serves"
+    # ... or, where the run key recognizes servers of the stage, by the recognition: a trainer, another stage's
+    # server, a server that verified none of them (the threat model's open row: two fresh keys framed a third)
+    named = {1: frozenset({mate.peer_id, other.peer_id, honest.peer_id})}
+    recognizing = ConvictionBook(RUN, Identity.generate().peer_id, 0.05, serves=lambda peer, k: True,
+                                 recognized=named.get)
+    with pytest.raises(ProtocolError, match=f"signed by {fresh.peer_id}, which the run key does not recognize"):
+        recognizing.add(framed)
+    assert recognizing.add(evidence([mate, other]))[1], "two recognized witnesses convict"
+    assert ConvictionBook(RUN, "x", 0.05, serves=lambda peer, k: True, recognized=lambda k: None).add(framed)[1]

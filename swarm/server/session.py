@@ -227,7 +227,8 @@ class ServerSession:
                                self.bans, gate, Standing(path=self.settings.state_path() / f"standing-{run_id}.json"),
                                follow_recognition(self.directory.blocking))
         self.convictions = ConvictionBook(run_id, self.me, self.spec.spot_checks.rtol, answers_comparable(self.spec),
-                                          serves=self.directory.blocking.seen_serving, vouch=self._vouch)
+                                          serves=self.directory.blocking.seen_serving, vouch=self._vouch,
+                                          recognized=self.ctx.recognition.recognized)
         await EvidenceService(self.spec, self.convictions, gate=gate).add_p2p_handlers(self.p2p, namespace=run_id)
         self._following: set[asyncio.Task] = set()  # evidence fetched from stage-mates' listings
         self.follower = ConvictionFollower(self.convictions, self.p2p, self.spec, run_id, spawn=self._follow,

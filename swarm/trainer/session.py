@@ -179,7 +179,8 @@ class Trainer:
             connect_run, self.address, self.settings, client_mode=True, join_timeout_s=self.settings.join_timeout_s,
             identity=self.identity)
         self.directory, self.tickets = AsyncRunDirectory(directory), RunTickets(directory, self.identity, self.spec)
-        follow_recognition(directory)  # the newest manifests it resumes its data position from: entitled ones
+        # the newest manifests it resumes its data position from, and its spot checks' witnesses: by the recognition
+        self.recognition = follow_recognition(directory)
         try:
             self.p2p = await self.dht.replicate_p2p()
             await acquire_ticket(self.tickets, self.p2p, self.settings.invite)
@@ -206,7 +207,8 @@ class Trainer:
         self.bans = RunBans(self.directory)
         await self.bans.refresh()
         self.bans.check(me)
-        self.checker = SpotChecker(spec, self.directory.run_id, self.p2p, log=self.log)
+        self.checker = SpotChecker(spec, self.directory.run_id, self.p2p, log=self.log,
+                                   recognized=self.recognition.recognized)
         self.pipeline = self.pipeline_factory(spec, self.directory.run_id, self.directory, self.p2p, bans=self.bans,
                                               log=self.log, listener=self.checker)
 
@@ -327,6 +329,7 @@ class Trainer:
                 return
             self.threads.update(self.log)
             await asyncio.to_thread(self.tickets.refresh)
+            await self.recognition.current()  # (read when due: the spot checks' witnesses)
             info = self.info()
             await self.directory.announce_trainer(info, self.identity)
             if self.on_announce is not None:

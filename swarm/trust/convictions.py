@@ -64,14 +64,19 @@ class ConvictionBook:
         work it verified, :mod:`swarm.trust.standing`), or None if it does not serve ``stage``. A server that
         serves the accused's stage and verified the accused or a witness requires both witnesses to have weight
         with it: two keys announced as servers without doing the stage's averaging work frame nobody to the
-        servers that average with the accused (and so exclude it). Otherwise ``serves`` decides.
+        servers that average with the accused (and so exclude it). Otherwise the recognition decides, then ``serves``.
+    :param recognized: ``recognized(stage)``: the peer ids the run key's recognition names on ``stage``, or None
+        (:meth:`~swarm.trust.recognition.RecognitionReader.recognized`). Where ``vouch`` gives no weight and the
+        recognition names servers on the accused's stage, both agreeing answers must be signed by servers it names:
+        two keys announced as servers (``serves``: free) frame nobody to a trainer or another stage's server.
     """
 
     def __init__(self, run_id: str, me: str, min_tolerance: float, accepts: bool = True,
                  serves: Optional[Callable[[str, int], bool]] = None,
-                 vouch: Optional[Callable[[int, str], Optional[float]]] = None):
+                 vouch: Optional[Callable[[int, str], Optional[float]]] = None,
+                 recognized: Optional[Callable[[int], Optional[frozenset[str]]]] = None):
         self.run_id, self.me, self.min_tolerance, self.accepts = run_id, me, min_tolerance, accepts
-        self.serves, self.vouch = serves, vouch
+        self.serves, self.vouch, self.recognized = serves, vouch, recognized
         self._known: OrderedDict[str, tuple[str, SpotEvidence, StageReceipt]] = OrderedDict()
 
     def __contains__(self, peer_id: str) -> bool:
@@ -118,7 +123,8 @@ class ConvictionBook:
 
     def _check_witnesses(self, evidence: SpotEvidence, accused: StageReceipt) -> None:
         """:raises ProtocolError: an agreeing answer's signer has no standing with this server where it weighs
-        them (see ``vouch``), or was never seen serving the stage (see ``serves``)."""
+        them (see ``vouch``), is not named by the run key's recognition where it names servers of the stage (see
+        ``recognized``), or was never seen serving the stage (see ``serves``)."""
         stage = accused.stage
         witnesses = [open_record(sealed, StageReceipt, run_id=self.run_id)[0]
                      for i, (sealed, _) in enumerate(evidence.answers) if i != evidence.accused]
@@ -129,6 +135,14 @@ class ConvictionBook:
                 raise ProtocolError(f"the agreeing answers are signed by {', '.join(p[:64] for p in weightless)}, "
                                     f"whose averaging work this stage {stage} server never verified: keys that did "
                                     "not average with it convict nobody here")
+            return
+        named = self.recognized(stage) if self.recognized is not None else None
+        if named:
+            unnamed = [r.peer_id for r in witnesses if r.peer_id not in named]
+            if unnamed:
+                raise ProtocolError(f"the agreeing answers are signed by {', '.join(p[:64] for p in unnamed)}, which "
+                                    f"the run key does not recognize on stage {stage}: keys that only announced "
+                                    "themselves convict nobody")
             return
         if self.serves is None:
             return

@@ -53,7 +53,7 @@ import random
 import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 from hivemind.p2p import P2P
@@ -124,8 +124,10 @@ class SpotChecker:
     """
 
     def __init__(self, spec: RunSpec, run_id: str, p2p: Optional[P2P], *, rng: Optional[random.Random] = None,
-                 log: Optional[logging.Logger | logging.LoggerAdapter] = None):
+                 log: Optional[logging.Logger | logging.LoggerAdapter] = None,
+                 recognized: Optional[Callable[[int], Optional[frozenset[str]]]] = None):
         self.spec, self.run_id, self.p2p, self.cfg = spec, run_id, p2p, spec.spot_checks
+        self.recognized = recognized if recognized is not None else (lambda stage: None)
         self.rng = rng or random.Random()
         self.log = log if log is not None else logger
         self.convicted: dict[str, str] = {}  # peer id -> reason
@@ -139,7 +141,7 @@ class SpotChecker:
         self._handed: OrderedDict[str, tuple[SpotEvidence, set[str]]] = OrderedDict()  # accused -> (its evidence,
         # the servers it was handed to): servers first seen later get it then (_hand)
         self.book = ConvictionBook(run_id, me="", min_tolerance=spec.spot_checks.rtol,
-                                   accepts=answers_comparable(spec))
+                                   accepts=answers_comparable(spec), recognized=self.recognized)
         self.follower = ConvictionFollower(self.book, p2p, spec, run_id, spawn=self.spawn, on_adopted=self.adopt,
                                            log=self.log)
 
@@ -295,6 +297,8 @@ class SpotChecker:
                 continue  # other parameters: its answer says nothing about this one
             answers.append((reply, receipt))
             verdict = self._judge(stage, call, answers, tolerance)
+            if verdict is not None and verdict >= 0 and not self._named_witnesses(stage, answers, verdict):
+                return
             if verdict is not None:
                 if verdict >= 0:
                     self._convicted_by(sampled, answers, verdict, tolerance)
@@ -303,12 +307,27 @@ class SpotChecker:
         self.counts["inconclusive"] += 1
 
     async def _witnesses(self, sampled: SampledCall, epoch: int) -> list[ServerInfo]:
-        """Other servers of the stage to re-run the call on (up to four tries for two answers), those announcing
-        ``epoch`` first."""
-        exclude, caller = sampled.primary.server.peer_id, sampled.caller
+        """Other servers of the stage to re-run the call on (up to four tries for two answers), those the run key's
+        recognition names first (where it names some on the stage), then those announcing ``epoch``."""
+        exclude, caller, named = sampled.primary.server.peer_id, sampled.caller, self.recognized(sampled.stage)
         found = [s for s in await caller.servers(sampled.stage) if s.peer_id != exclude]
-        found.sort(key=lambda s: (s.epoch != epoch, caller.is_backed_off(s.peer_id), self.rng.random()))
+        found.sort(key=lambda s: (bool(named) and s.peer_id not in named, s.epoch != epoch,
+                                  caller.is_backed_off(s.peer_id), self.rng.random()))
         return found[:4]
+
+    def _named_witnesses(self, stage: int, answers: list, accused: int) -> bool:
+        """Whether the two agreeing answers against answer ``accused`` may convict its server: where the run key's
+        recognition names servers of ``stage``, only if it names both of theirs (two fresh keys announced as servers
+        would otherwise frame any server they were asked beside); counted inconclusive and logged if not."""
+        named = self.recognized(stage)
+        unnamed = [r.server.peer_id for i, (r, _) in enumerate(answers) if i != accused and named
+                   and r.server.peer_id not in named]
+        if unnamed:
+            self.counts["inconclusive"] += 1
+            self.log.warning("spot check of stage %d: %s's answer differs from two that agree, but the run key does "
+                             "not recognize %s: no conviction", stage, answers[accused][0].server.peer_id,
+                             ", ".join(unnamed))
+        return not unnamed
 
     def _judge(self, stage: int, call: str, answers: list, tolerance: float) -> Optional[int]:
         """None: ask another server; -1: settled without a conviction; i >= 0: answer i lied."""
