@@ -29,7 +29,7 @@ Harms, read from the honest peers' records and logs through the attack and a joi
   key's recognition as a restoring server does) counts a manifest written by a Sybil key;
 * ``rollback_obeyed``: an honest server applied a rollback (generation above 0, or a learning-rate scale below 1);
 * ``joiner_state_taken``: a server joining the Sybils' stage at the end kept the state of a Sybil donor that no
-  honest server of the stage held;
+  honest server of the stage held (in its last 8 epochs' digests) nor a checkpoint the run's rules count;
 * ``epoch_moved``: an honest stage ended its epochs on under 40% of the target batch of samples (pulled);
 * ``honest_excluded``: an honest server or trainer listed an honest server as excluded or convicted;
 * ``honest_unrecognized``: at the end, the run key's recognition does not name every honest server (Sybils that
@@ -171,7 +171,8 @@ def start_honest(swarm: LocalSwarm, directory, stages: int, per_stage: int) -> l
 
 def joiner_took_sybil_state(swarm: LocalSwarm, directory, stage: int, sybil_p2p: set[str], watch: Watch) -> bool:
     """Start a server pinned to ``stage``; whether it kept a Sybil donor's state that no honest server of the stage
-    held (downloaded, not refused, and its digest at that epoch unlike every honest server's)."""
+    held (downloaded, not refused, and its digest at that epoch unlike every honest server's and the stage's
+    counted checkpoint's there)."""
     peer = swarm.start_peer("server", "--stage", str(stage), name="joiner")
 
     def online() -> Optional[ServerInfo]:
@@ -189,8 +190,16 @@ def joiner_took_sybil_state(swarm: LocalSwarm, directory, stage: int, sybil_p2p:
     if not taken:
         return False
     honest = [s for s in directory.servers(stage) if s.peer_id in watch.honest]
-    return any(info is None or info.state_digests.get(epoch) not in {s.state_digests.get(epoch) for s in honest}
-               for _, epoch in taken)
+    checkpoints = directory.manifests(stage)
+
+    def held(epoch: int) -> set[str]:
+        """The stage's state at ``epoch``: an honest server's digest (its last 8 epochs), or a checkpoint the run's
+        rules count (an honest one: a Sybil donor that serves the stage's committed state harms nobody)."""
+        found = {s.state_digests.get(epoch) for s in honest} | {m.state_sha256 for m, _ in checkpoints
+                                                               if m.epoch == epoch}
+        return found - {None}
+
+    return any(info is None or info.state_digests.get(epoch) not in held(epoch) for _, epoch in taken)
 
 
 def attack(kind: str, k: int, swarm: LocalSwarm, spec: RunSpec, directory, patient: list[Peer]) -> tuple:

@@ -422,3 +422,18 @@ def test_a_retried_training_call_is_labelled_with_the_parameters_that_computed_i
         assert not servers[0]._cache, "kept for a backward that is answered from the finished micro-batches"
 
     asyncio.run(main())
+
+
+def test_an_out_of_sync_server_keeps_no_state_digest_for_its_epoch(exact_spec_path):
+    """A server whose round failed (or ran in a minority group) holds its own state, not the stage's: it keeps no
+    digest for that epoch, so it neither vouches for nor contradicts a donor's state, nor endorses a checkpoint."""
+    opt = _Stepper()
+    opt.state_digest = lambda: f"{opt.epoch:064d}"
+    server = StageServer(RunSpec.from_toml(exact_spec_path), RUN, 0, optimizer=opt)
+    server.note_state_digest()
+    opt.epoch, opt.synced = 1, False
+    server.note_state_digest()
+    assert server.state_digests == {0: f"{0:064d}"}
+    opt.epoch = 0  # (the same epoch, out of sync since: its digest is dropped)
+    server.note_state_digest()
+    assert server.state_digests == {}

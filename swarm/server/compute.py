@@ -375,7 +375,13 @@ class StageCompute:
         """(compute thread) Keep the digest of the state at the current epoch, which stage-mates ask for
         (``rpc_state_digest``): after each epoch's step, and once the state a server starts from is in place (the
         initial, restored or downloaded one; without it a stage that has not stepped yet vouches for nobody, and
-        every joiner waited out each donor's check, 10 s apiece, measured: 37 s per join at 7 servers a stage)."""
+        every joiner waited out each donor's check, 10 s apiece, measured: 37 s per join at 7 servers a stage).
+        Out of sync (:attr:`synced` false) it keeps none for the epoch: its state is its own, not the stage's, so it
+        neither vouches for nor contradicts a donor's, and endorses no checkpoint of that epoch (a server whose round
+        ran in another group than its stage-mates' contradicted every honest donor of theirs, bench/sybil.py)."""
+        if not self.synced:
+            self.state_digests.pop(self.optimizer.epoch, None)
+            return
         self.state_digests[self.optimizer.epoch] = self.optimizer.state_digest()
         for old in sorted(self.state_digests)[:-DIGESTS_KEPT]:
             del self.state_digests[old]
