@@ -377,3 +377,35 @@ def test_the_state_a_donor_hands_out_is_a_copy_its_next_steps_leave_alone():
     finally:
         opt.shutdown()
         d0.shutdown()
+
+
+def test_the_check_stops_waiting_for_servers_behind_once_the_weighed_holders_settle_it(monkeypatch):
+    """A server behind the donor's epoch may reach it and vouch, so the check asks again every 0.5 s for up to
+    wait_s; once holders with weight (standing or recognition) settled it, it asks no more. Joiners that reloaded
+    together in a fast stage each waited 10 s for the others (behind, reloading too) and fell behind again: the
+    patient servers of bench/sybil.py never caught up, never averaged, and were never recognized."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import swarm.trust.statecheck as statecheck
+
+    asked: list[str] = []
+
+    async def ask(p2p, server, run_id, epoch, timeout):
+        asked.append(server.p2p_id)
+        return (epoch, A) if server.p2p_id == "mate" else (epoch - 3, "")  # "late" is behind, reloading
+
+    async def servers():
+        return [SimpleNamespace(p2p_id=p) for p in ("mate", "late", "donor")]
+
+    async def checkpoints():
+        return []
+
+    monkeypatch.setattr(statecheck, "ask_state_digest", ask)
+    weighed = statecheck.DonorStateCheck(None, "r", servers, checkpoints, "me", wait_s=3.0,
+                                         weight=lambda p: 1.0 if p == "mate" else 0.0)
+    verdict = asyncio.run(weighed.judge(9, A, "donor"))
+    assert verdict.ok and verdict.settled and asked == ["mate", "late"]
+    asked.clear()
+    by_head = statecheck.DonorStateCheck(None, "r", servers, checkpoints, "me", wait_s=1.2)
+    assert asyncio.run(by_head.judge(9, A, "donor")).ok and len(asked) > 2  # counted by head: it waited for "late"

@@ -57,6 +57,9 @@ class Verdict:
     why: str
     contradicted: bool = False
     shared: bool = False
+    settled: bool = False
+    """Kept by a checkpoint, or by a majority of the weight (standing or recognition) of holders that answered:
+    servers still behind the donor's epoch would not change it, so :meth:`DonorStateCheck.judge` waits no longer."""
 
 
 def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str]],
@@ -84,7 +87,7 @@ def judge_donor_state(epoch: int, digest: str, answers: dict[str, tuple[int, str
     same = [m for m in checkpoints if m.epoch == epoch]
     if same:
         if any(m.state_sha256 == digest for m in same):
-            return Verdict(True, f"it is the stage's checkpoint of epoch {epoch}", shared=True)
+            return Verdict(True, f"it is the stage's checkpoint of epoch {epoch}", shared=True, settled=True)
         return Verdict(False, f"it differs from the stage's checkpoint of epoch {epoch} "
                               f"({same[0].state_sha256[:16]}, received {digest[:16]})", contradicted=True)
     held = {peer: d for peer, (_, d) in answers.items() if d}
@@ -127,7 +130,7 @@ def _by_weight(digest: str, held: dict[str, str], weight: Callable[[str], float]
     agree = sum(w for peer, w in weights.items() if held[peer] == digest)
     if 2 * agree > total:
         return Verdict(True, f"servers holding {agree:.2f} of the {total:.2f} weight of those {basis} hold the "
-                             "same state", shared=True)
+                             "same state", shared=True, settled=True)
     contradicted = _contradicted(digest, held, weight)
     return Verdict(False, f"servers holding {total - agree:.2f} of the {total:.2f} weight of those {basis} hold "
                           f"another state (received {digest[:16]}){_UNSETTLED * (not contradicted)}", contradicted)
@@ -173,19 +176,21 @@ class DonorStateCheck:
     async def judge(self, epoch: int, digest: str, donor: str) -> Verdict:
         """Ask the stage's other servers for their digest at ``epoch`` (again every 0.5 s while some are behind
         it, for at most ``wait_s`` seconds), then judge."""
-        deadline = time.monotonic() + self.wait_s
+        deadline, checkpoints = time.monotonic() + self.wait_s, await self.checkpoints()
         while True:
             others = [s for s in await self.servers() if s.p2p_id not in (donor, self.me)]
             replies = await asyncio.gather(*(ask_state_digest(self.p2p, s, self.run_id, epoch, self.timeout_s)
                                              for s in others), return_exceptions=True)
             answers = {s.p2p_id: r for s, r in zip(others, replies) if isinstance(r, tuple)}
-            # one at the epoch without its digest is between two epochs (the digest follows the step)
+            verdict = judge_donor_state(epoch, digest, answers, checkpoints, len(others), self.weight, donor,
+                                        self.named)
+            # one at the epoch without its digest is between two epochs (the digest follows the step); one behind
+            # may reach it: waited for, unless the weighed holders already settled it (joiners that reload together
+            # in a fast stage each waited for the others, behind, and fell behind again: bench/sybil.py, patient)
             waiting = [e for e, d in answers.values() if not d and e <= epoch]
-            if not waiting or time.monotonic() > deadline:
-                break
+            if not waiting or verdict.settled or time.monotonic() > deadline:
+                return verdict
             await asyncio.sleep(0.5)
-        return judge_donor_state(epoch, digest, answers, await self.checkpoints(), len(others), self.weight, donor,
-                                 self.named)
 
     def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Verdict]:
         """A :data:`swarm.averaging.optimizer.StateCheck` for threads other than ``loop``'s: runs :meth:`judge`
