@@ -103,10 +103,10 @@ class RecognitionBook:
             known = self.seen.setdefault(stage, {})
             if any(s.peer_id in known for s in online.values()):
                 self.last_online[stage] = now
-            lone = self._alone(stage, online, now)
+            only = {s.peer_id for s in online.values()}
+            lone = self._alone(stage, only, now)
             if now - self.last_online.get(stage, float("-inf")) > RESEED_S:
                 changed |= self._found(stage, online, known, now) or self._found_alone(stage, lone, known, now)
-            only = {s.peer_id for s in online.values()}
             if len(only) == 1 and only <= known.keys():
                 self.vouched[next(iter(only))] = now  # nobody can vouch for a stage's only server: no lapse alone
             changed |= self._grow(stage, online, known, now)
@@ -134,10 +134,9 @@ class RecognitionBook:
         self.last_online[stage] = now
         return True
 
-    def _alone(self, stage: int, online: dict[str, ServerInfo], now: float) -> Optional[str]:
-        """The peer id of the stage's only online server if it has been so in every read for :data:`FOUND_ALONE_S`,
-        else None."""
-        ids = {s.peer_id for s in online.values()}
+    def _alone(self, stage: int, ids: set[str], now: float) -> Optional[str]:
+        """The peer id of the stage's only online server (``ids``: the peer ids online now) if it has been so in
+        every read for :data:`FOUND_ALONE_S`, else None."""
         if len(ids) != 1:
             self.alone.pop(stage, None)
             return None
