@@ -22,7 +22,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Wire and record protocol version; peers refuse records, messages and specs of another version (2: records
 name exclusions and distrust apart from bans, servers publish state digests; 3: a peer's libp2p id is its
 signing key's, and records naming another libp2p id are refused; 4: announcements carry their lifetime, and
@@ -30,7 +30,9 @@ rollback orders and ban lists live one version per DHT sub-key; 5: signed stage 
 convictions; 6: servers answer ``rpc_state_digest`` and a state loaded from a live server is verified; 7: a
 trainer's data share is ``share``; 8: a server's history lives in its own ServerHistory record, which only monitors
 read; 9: a server record says since when its server serves its stage, and averaging members are decided from it,
-swarm.averaging.membership; 10: a stage's server records may be spread over stripes, ``[records]``)."""
+swarm.averaging.membership; 10: a stage's server records may be spread over stripes, ``[records]``; 11: only
+servers online are averaging members, ``online_since`` counts from a server's first announcement online, and a
+server behind its stage that no donor's state verified announces itself joining)."""
 MAX_STAGE_STRIPE_BITS = 4
 """At most ``2^4`` = 16 DHT keys per stage's server records (``[records] stage_stripe_bits``): every DHT node's
 validator lists every stripe key of 256 stages (7,936 keys, 0.05 s to build)."""

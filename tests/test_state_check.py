@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from swarm.attacks import LyingDonorAverager
+from swarm.averaging import optimizer as optimizer_module
 from swarm.averaging.averager import TransitionInFlight
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.model import build_stage
@@ -238,8 +239,11 @@ def test_a_lying_donor_is_refused_and_the_state_comes_from_an_honest_one():
 
 
 @pytest.mark.timeout(240)
-def test_a_refused_state_is_undone_when_no_donor_verifies():
-    """The only donor lies: the joiner refuses it and keeps the state, epoch and schedule it had."""
+def test_a_refused_state_is_undone_when_no_donor_verifies(monkeypatch):
+    """The only donor lies: the joiner refuses it and keeps the state, epoch and schedule it had. Behind the stage,
+    it is catching up: it drops micro-batches instead of reloading on each, tries a load again after ``RETRY_S``
+    from its idle-epoch tick, and is no longer catching up once a load is kept."""
+    monkeypatch.setattr(optimizer_module, "RETRY_S", 2.0)
     nodes = keyed_dhts(2)
     modules = [build_stage(TINY.model, 0) for _ in nodes]
     optimizers = []
@@ -254,14 +258,31 @@ def test_a_refused_state_is_undone_when_no_donor_verifies():
         while not _declared(d1, "alone-stage0_state_averager"):
             assert time.monotonic() < deadline, "the liar never declared itself a donor"
             time.sleep(0.2)
+        verdicts = [Verdict(False, "nobody vouches for it")]  # (not contradicted: retried after RETRY_S)
         joiner = StageOptimizer(TINY, "alone", 0, d1, modules[1], identity=k1,
-                                state_check=lambda epoch, digest, donor: Verdict(False, f"refused {donor}", True))
+                                state_check=lambda epoch, digest, donor: verdicts[0])
         optimizers.append(joiner)
+        joiner.catch_up.retry_s = 2.0
+        deadline = time.monotonic() + 60
+        while joiner.stage_epoch < 2:
+            assert time.monotonic() < deadline, "the joiner never counted the stage's progress"
+            time.sleep(0.2)
         before, lr = joiner.state(), joiner.lr
         assert joiner.load_state_from_peers() == 0
         after = joiner.state()
         assert all(torch.equal(before[k], after[k]) for k in before) and joiner.lr == lr
         assert list(joiner.donors_refused) == [str(d0.peer_id)]
+        assert joiner.catch_up.active, "behind the stage with no state kept: catching up"
+        dropped, reloads = joiner.samples_dropped, joiner.reloads
+        assert joiner.step(_gradients(modules[1], 0), TINY.training.micro_batch_size, "trainer0") is False
+        assert (joiner.samples_dropped - dropped, joiner.reloads) == (TINY.training.micro_batch_size, reloads)
+        verdicts[0] = Verdict(True, "vouched for", shared=True)
+        deadline = time.monotonic() + 60
+        while joiner.catch_up.active:
+            assert time.monotonic() < deadline, "the joiner never loaded the state again from its idle-epoch tick"
+            joiner.finish_epoch_if_ready()
+            time.sleep(0.2)
+        assert joiner.epoch == 2 and joiner.reloads > reloads
     finally:
         for o in optimizers:
             o.shutdown()

@@ -10,8 +10,9 @@ servers that leave during a round (docs/scaling.md).
 
 Here a member is decided from what the records themselves say, at a moment every server rounds alike:
 
-* every server record carries ``online_since``, the DHT time of its server's first announcement on its stage;
-  a record's ``time`` is its last announcement;
+* every server record carries ``online_since``, the DHT time of its server's first announcement ``online`` on
+  its stage since it last (re)joined; a record's ``time`` is its last announcement. A server ``joining`` (loading
+  the stage's state, or catching up with a stage it fell behind: it could join none of its rounds) is no member;
 * at DHT time ``now`` a server evaluates the stage at ``ref = floor(now / Q) * Q``, ``Q = ttl / 6``;
 * a server is a member at ``ref`` if ``online_since <= ref - ttl / 2`` (*settled*: every server has read the
   stage at least once since it appeared, reads being at most ``ttl / 3`` apart) and its newest announcement seen
@@ -20,8 +21,8 @@ Here a member is decided from what the records themselves say, at a moment every
 
 Two servers then disagree only when their rounds begin on both sides of a quantum's boundary (their clocks and
 epoch ends a fraction of a second apart, against ``Q`` seconds) and a member settles or expires at that very
-boundary; a record announcing a pause or a drain takes its server out at once (a rare, graceful leave). A newcomer
-averages from at most ``ttl / 2 + Q = 2 ttl / 3`` seconds after its first announcement.
+boundary; a record announcing a pause, a drain or a catch-up takes its server out at once (a rare leave). A
+newcomer averages from at most ``ttl / 2 + Q = 2 ttl / 3`` seconds after its first announcement online.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ class MemberTable:
 
     def observe(self, servers: Iterable[ServerInfo], now: float) -> bool:
         """Note one read of the stage's records at DHT time ``now``; True if the table changed. A record without
-        a progress key does not count (its server cannot be counted); one that pauses or drains leaves at once."""
+        a progress key does not count (its server cannot be counted); one not online (joining, catching up,
+        pausing, draining) leaves at once."""
         before = dict(self.entries)
         for s in servers:
-            if s.progress_key and s.state in (ServerState.JOINING, ServerState.ONLINE):
+            if s.progress_key and s.state == ServerState.ONLINE:
                 since, newest = self.entries.get(s.p2p_id, (s.online_since, s.time))
                 self.entries[s.p2p_id] = (s.online_since, max(newest, s.time)) if since == s.online_since \
                     else (s.online_since, s.time)  # a new placement of the same peer starts over

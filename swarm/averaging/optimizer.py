@@ -31,6 +31,7 @@ import hivemind
 import torch
 
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager, RobustStateAverager
+from swarm.averaging.catchup import CatchUp
 from swarm.averaging.compression import spec_compressor
 from swarm.averaging.donors import REFUSAL_S, RETRY_S
 from swarm.averaging.exclusion import AveragingReport
@@ -203,7 +204,59 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         )
 
 
-class StageOptimizer:
+class _StageProgress:
+    """The stage's view of this server, and this server's of the stage: its progress as hivemind's progress tracker
+    counts and publishes it (:mod:`swarm.averaging.progress`); :class:`StageOptimizer`'s, kept apart."""
+
+    _opt: _CollaborativeOptimizer
+
+    def announce_progress(self) -> None:
+        """Publish this server's progress now (its epoch, no sample): counted before the first epoch ends."""
+        self._opt.tracker.report_local_progress(self._opt.local_epoch, 0)
+
+    @property
+    def peers(self) -> int:
+        """Servers of the stage (this one included) that the progress tracker counts."""
+        return self._opt.tracker.global_progress.num_peers
+
+    def wait_until_counted(self, expected: int, timeout: float = 5.0) -> bool:
+        """Wait (blocking, at most ``timeout`` seconds) until the tracker counts ``expected`` servers."""
+        deadline = time.monotonic() + timeout
+        while self.peers < expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.peers >= expected
+
+    @property
+    def progress_key(self) -> str:
+        """This server's sub-key in the stage's progress records, hex (announced as ``ServerInfo.progress_key``)."""
+        return self._opt.tracker.progress_key.hex()
+
+    def set_progress_roster(self, roster: Roster, push: Optional[Push] = None, trust: Optional[Trust] = None) -> None:
+        """Count progress only from the sub-keys ``roster()`` returns, as ``trust()`` says (None: all in full); push
+        this server's count to its stage-mates through ``push`` (None: the DHT only). :mod:`~.progress`."""
+        self._opt.tracker.set_roster(roster, trust)
+        self._opt.tracker.push = push
+
+    def receive_progress(self, subkey: bytes, push: ProgressPush, sender: bytes = b"") -> None:
+        """Count a stage-mate's pushed count (any thread) as that of ``subkey`` (:meth:`SampleCountTracker.receive`)."""
+        self._opt.tracker.receive(subkey, push, sender)
+
+    @property
+    def stage_quiet(self) -> bool:
+        """No server of the stage counted a sample in the last few progress reads (``tracker.reading_slowly``)."""
+        return self._opt.tracker.reading_slowly
+
+    def read_progress_soon(self) -> None:
+        """Read the stage's progress from the DHT now (a server joined the roster: its pushes may not count yet)."""
+        self._opt.tracker.read_soon()
+
+    @property
+    def stage_epoch(self) -> int:
+        """The lower median of the epochs of the stage's other servers it counts in full; 0 while none."""
+        return self._opt.tracker.others_epoch
+
+
+class StageOptimizer(_StageProgress):
     """The collaborative optimizer of one server of stage ``stage`` (see the module docstring).
 
     :param module: the stage's parameters (the server's copy; stepped in place once per epoch).
@@ -229,6 +282,7 @@ class StageOptimizer:
         self.state_check = state_check
         self.donors_refused: dict[str, str] = {}  # libp2p id -> why its state was refused (the last 32)
         self.reloads = 0  # loads of the stage's state from live servers (not epochs this server stepped)
+        self.catch_up = CatchUp()  # behind the stage with no state kept (swarm.averaging.catchup)
         with _sigint_kept():
             self._opt = _start_optimizer(self, spec, run_id, dht, identity, (averager_factory, state_averager_factory))
         self._opt.reload = self.load_state_from_peers
@@ -248,6 +302,9 @@ class StageOptimizer:
         takes an inner step every ``target_batch_size`` samples and an epoch is an outer step
         (:mod:`swarm.averaging.outer`). Returns True if an epoch ended."""
         epoch, reloads = self.epoch, self.reloads
+        if self.catch_up.behind(epoch, self.stage_epoch) and not self.catch_up.load_due():
+            self._opt.samples_dropped += samples  # computed with parameters behind the stage's: not averaged
+            return False
         self._opt.contribute(gradients, samples, contributor)
         return self.epoch != epoch and self.reloads == reloads  # a load from peers moves the epoch without a step
 
@@ -257,6 +314,10 @@ class StageOptimizer:
         One that computed nothing this epoch joins with weight 0 (no vote, :mod:`swarm.averaging.reducer`);
         waiting for a sample, it let the others' round time out (tests/test_pause_resume.py). True if it ended one."""
         opt = self._opt
+        if self.catch_up.behind(self.epoch, self.stage_epoch):
+            if self.catch_up.load_due():
+                self.load_state_from_peers()
+            return False
         behind = opt.local_epoch < opt.tracker.others_epoch or (
             opt.grad_averager.local_samples_accumulated == 0 and opt.tracker.global_epoch > opt.local_epoch)
         if behind or not opt.tracker.ready_to_update_epoch:  # behind: its next micro-batch reloads the state;
@@ -340,8 +401,13 @@ class StageOptimizer:
         :attr:`state_check` accepts it; a refused donor is skipped and the next one tried (at most
         :data:`MAX_DONORS_TRIED`), and this server's previous state, epoch and schedule are put back. Blocking
         (downloads, and the check's questions to the stage's servers). Returns the epoch after it (unchanged if
-        no donor gave a state that verified)."""
+        no donor gave a state that verified; behind the stage, it is then catching up: :attr:`catch_up`)."""
         self.reloads += 1
+        before = self.epoch
+        self.catch_up.loaded(before, self._load_verified(), self.stage_epoch)
+        return self.epoch
+
+    def _load_verified(self) -> int:
         if self.state_check is None:
             self._opt.load_state_from_peers()
             self.set_lr_scale(self.schedule.scale)  # the optimizer's settings were reloaded: the schedule's lr
@@ -398,47 +464,6 @@ class StageOptimizer:
     def state_digest(self) -> str:
         """SHA-256 of :meth:`state` (:func:`swarm.checkpoint.state.state_digest`), read in place, without copies."""
         return state_digest(named_state(self.module, self._opt.opt, copy=False))
-
-    # ---- the stage's view of this server -----------------------------------------------------------------
-    def announce_progress(self) -> None:
-        """Publish this server's progress now (its epoch, no sample): counted before the first epoch ends."""
-        self._opt.tracker.report_local_progress(self._opt.local_epoch, 0)
-
-    @property
-    def peers(self) -> int:
-        """Servers of the stage (this one included) that the progress tracker counts."""
-        return self._opt.tracker.global_progress.num_peers
-
-    def wait_until_counted(self, expected: int, timeout: float = 5.0) -> bool:
-        """Wait (blocking, at most ``timeout`` seconds) until the tracker counts ``expected`` servers."""
-        deadline = time.monotonic() + timeout
-        while self.peers < expected and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return self.peers >= expected
-
-    @property
-    def progress_key(self) -> str:
-        """This server's sub-key in the stage's progress records, hex (announced as ``ServerInfo.progress_key``)."""
-        return self._opt.tracker.progress_key.hex()
-
-    def set_progress_roster(self, roster: Roster, push: Optional[Push] = None, trust: Optional[Trust] = None) -> None:
-        """Count progress only from the sub-keys ``roster()`` returns, as ``trust()`` says (None: all in full); push
-        this server's count to its stage-mates through ``push`` (None: the DHT only). :mod:`~.progress`."""
-        self._opt.tracker.set_roster(roster, trust)
-        self._opt.tracker.push = push
-
-    def receive_progress(self, subkey: bytes, push: ProgressPush, sender: bytes = b"") -> None:
-        """Count a stage-mate's pushed count (any thread) as that of ``subkey`` (:meth:`SampleCountTracker.receive`)."""
-        self._opt.tracker.receive(subkey, push, sender)
-
-    @property
-    def stage_quiet(self) -> bool:
-        """No server of the stage counted a sample in the last few progress reads (``tracker.reading_slowly``)."""
-        return self._opt.tracker.reading_slowly
-
-    def read_progress_soon(self) -> None:
-        """Read the stage's progress from the DHT now (a server joined the roster: its pushes may not count yet)."""
-        self._opt.tracker.read_soon()
 
     def set_donor_roster(self, p2p_ids: frozenset[str]) -> bool:
         """(blocking, not on the event loop) Download the stage's state from these libp2p ids (its announced servers)

@@ -56,7 +56,7 @@ def history_key(run_id: str, stage: int) -> str:
 
 
 class ServerState(StrEnum):
-    JOINING = "joining"  # announced, loading state; not routed to
+    JOINING = "joining"  # announced, loading state (or catching up with its stage); not routed to, not averaging
     ONLINE = "online"  # serving forward/backward
     DRAINING = "draining"  # finishing in-flight work; not routed to
     PAUSED = "paused"  # paused by its operator (``swarm-peer pause``): holds fragments, serves nothing
@@ -131,9 +131,9 @@ class ServerInfo(AnnouncedRecord):
     peak_flops: float = Field(0.0, ge=0, le=MAX_FLOPS, description="FLOP/s of this server's device measured by a "
                               "matmul microbenchmark in the run's compute dtype; 0 if unknown.")
     epoch: Epoch = 0
-    online_since: float = Field(0.0, ge=0, description="DHT time of this server's first announcement on this stage "
-                                "(seconds): when it becomes an averaging member for everyone alike "
-                                "(swarm.averaging.membership); 0 if unknown.")
+    online_since: float = Field(0.0, ge=0, description="DHT time of this server's first announcement online on "
+                                "this stage since it last joined or caught up (seconds): when it becomes an averaging "
+                                "member for everyone alike (swarm.averaging.membership); 0 while joining or unknown.")
     samples: Count = Field(0, description="Samples processed since the server started.")
     compute_s: float = Field(0.0, ge=0, le=MAX_COUNT, description="CPU seconds this server spent in the stage's "
                              "training forward and backward since it started (its compute thread's CPU time): the "

@@ -274,7 +274,7 @@ class ServedStage:
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self.members = MemberTable(self.spec.timeouts.record_ttl_s)  # the stage's averaging members, as read
         self._members_sent: Optional[dict] = None  # the table the averagers last took
-        self.online_since: Optional[float] = None  # DHT time of this placement's first announcement
+        self.online_since: Optional[float] = None  # DHT time of its first announcement online since it last joined
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
         self._restored = False  # an epoch that ends before the state is restored starts nothing
         self._mates: dict[str, bytes] = {}  # libp2p id -> progress sub-key of the stage's other counted servers
@@ -423,20 +423,20 @@ class ServedStage:
                 if await asyncio.to_thread(self.optimizer.exclude, p2p, reason):
                     self._excluded.add(p2p)
 
-    def record(self, serving: bool) -> dict:
-        """The fields of this server's :class:`~swarm.protocol.ServerInfo` the stage fills; ``serving``: online or
-        joining (else leaving or left: no work, no progress, nothing asked of the optimizer)."""
-        server, rollbacks = self.server, self.rollbacks
+    def record(self, state: ServerState) -> dict:
+        """The fields of this server's :class:`~swarm.protocol.ServerInfo` the stage fills for a record saying
+        ``state`` (leaving or left: no work, no progress, nothing asked of the optimizer)."""
+        server, rollbacks, serving = self.server, self.rollbacks, state in (ServerState.ONLINE, ServerState.JOINING)
         report = self.optimizer.report() if serving else None
         if report is not None and report.answered:
             self._credit(report, server.epoch)
         renewed = self.ctx.identity.ticket
         if serving and renewed and renewed != self._ticket and self.optimizer.set_ticket(renewed):
             self._ticket = renewed  # (a ticketed run: the peer took a renewed ticket; else tried again next time)
-        if self.online_since is None:
-            self.online_since = get_dht_time()
+        # joining again (catching up), it is an averaging member anew once back online (swarm.averaging.membership)
+        self.online_since = (self.online_since or get_dht_time()) if state == ServerState.ONLINE else None
         return dict(
-            self.plan.record(), online_since=self.online_since,
+            self.plan.record(), online_since=self.online_since or 0.0,
             throughput=server.throughput.samples_per_second if serving else 0.0,
             epoch=server.epoch, samples=server.samples, compute_s=server.compute_s, loss=server.loss_ema,
             peers_in_last_round=report.peers if report else 0, state_digests=server.recent_digests(8),

@@ -322,7 +322,8 @@ class ServerSession:
         try:
             while target is None and not self._stop.is_set() and not self._pause.is_set():
                 await self._apply_bans()
-                await self._announce(ServerState.ONLINE)
+                behind = self.served.optimizer.catch_up.active  # (swarm.averaging.catchup)
+                await self._announce(ServerState.JOINING if behind else ServerState.ONLINE)
                 await self.directory.publish_spec(self.sealed_spec)
                 if self.pinned is None and time.monotonic() >= next_check:
                     next_check = time.monotonic() + self.spec.rebalance.period_s
@@ -389,8 +390,7 @@ class ServerSession:
     def _record(self, state: ServerState) -> ServerInfo:
         """This server's signed record as of now (blocking: the stage's part asks the averager for its report)."""
         self.tickets.refresh()  # (a ticketed run: renewed once due)
-        serving = state in (ServerState.ONLINE, ServerState.JOINING)  # else leaving or left: no work, no progress
-        stage = self.served.record(serving) if self.served is not None else self._plan.record()
+        stage = self.served.record(state) if self.served is not None else self._plan.record()
         return ServerInfo(
             run_id=self.directory.run_id, peer_id=self.me, time=get_dht_time(), state=state,
             p2p_id=str(self.dht.peer_id), maddrs=self.maddrs, samples_dropped=self.samples_dropped,
