@@ -17,7 +17,7 @@ import math
 import random
 import time
 from concurrent.futures import CancelledError
-from typing import Any, Callable, Optional, Sequence, Type, TypeVar
+from typing import Any, Callable, Iterable, Optional, Sequence, Type, TypeVar
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -392,15 +392,14 @@ class RunDirectory:
         :func:`recognized_refusal`), else the writer must be a server of the stage seen announced and one endorser a
         server of the stage (``same_state``) or a witness (the run key, or another stage's server); a directory that
         has seen no server of the run (all died), the endorsements alone (checked on read)."""
-        named = self.recognized(manifest.stage)
-        if named is not None:
-            return recognized_refusal(manifest, named, self.run_id, self._is_run_key)
+        stages = range(self.num_stages) if self.num_stages is not None else list(self.roster)  # (spec unknown)
+        if self.recognized(manifest.stage) is not None:
+            return recognized_refusal(manifest, self.recognized, stages, self.run_id, self._is_run_key)
         writer_serves = self.seen_serving(manifest.peer_id, manifest.stage)
         if not any(self.roster.values()):
             return None
         if not writer_serves:
             return f"its writer was never seen announced as a server of stage {manifest.stage}"
-        stages = range(self.num_stages) if self.num_stages is not None else list(self.roster)  # (spec unknown)
         for sealed in manifest.endorsements:
             e, _ = open_record(sealed, Endorsement, run_id=self.run_id)  # (checked on read: cannot fail here)
             if e.basis == "same_state" and self.seen_serving(e.peer_id, manifest.stage):
@@ -446,19 +445,36 @@ class RunDirectory:
                       key=lambda ob: (-ob[0].generation, -ob[0].time))
 
 
-def recognized_refusal(manifest: CheckpointManifest, named: frozenset[str], run_id: str,
-                      is_run_key: Callable[[str], bool]) -> Optional[str]:
-    """None if the run key's recognition (``named``: the peer ids it names on the manifest's stage,
-    :mod:`swarm.trust.recognition`) entitles the manifest: its writer is named, or an endorser is (``same_state``: a
-    named server whose own state had that digest; ``witness``: the run key, or a named server), else why not: keys
-    that only announced commit nothing."""
-    if manifest.peer_id in named:
-        return None
+RECOGNIZED_SIGNERS = 2
+"""Servers the run key recognizes on a stage that must vouch for a checkpoint's state there (writer and endorsers
+with the same state): one recognized key (patient: its averaging was verified first) with a fresh key beside it
+committed its own state as the stage's before (``bench/sybil.py``, patient keys at 1 a stage)."""
+
+
+def recognized_refusal(manifest: CheckpointManifest, named: Callable[[int], Optional[frozenset[str]]],
+                       stages: Iterable[int], run_id: str, is_run_key: Callable[[str], bool]) -> Optional[str]:
+    """None if the run key's recognition entitles the manifest, else why not. ``named(k)``: the peer ids the
+    recognition names on stage ``k`` (None: nobody, :mod:`swarm.trust.recognition`); ``stages``: the run's.
+
+    Entitled: :data:`RECOGNIZED_SIGNERS` servers it names on the manifest's stage vouch for the state (its writer,
+    and endorsers of basis ``same_state``: a server whose own state had that digest); or a witness (a peer that saw
+    the writer as the stage's only online server) is the run key, or is named on another stage while the writer is
+    named on this one (a stage of one recognized server). Keys that only announced, or one recognized key with
+    fresh keys beside it, commit nothing."""
+    mine = named(manifest.stage) or frozenset()
+    vouching = {manifest.peer_id} & mine
     for sealed in manifest.endorsements:
         e, _ = open_record(sealed, Endorsement, run_id=run_id)  # (checked on read: cannot fail here)
-        if e.peer_id in named or (e.basis == "witness" and is_run_key(e.peer_id)):
+        if e.basis == "same_state" and e.peer_id in mine:
+            vouching.add(e.peer_id)
+        elif e.basis == "witness" and (is_run_key(e.peer_id) or manifest.peer_id in mine and any(
+                e.peer_id in (named(k) or ()) for k in stages if k != manifest.stage)):
             return None
-    return "neither its writer nor an endorser is a server the run key recognizes"
+    if len(vouching) >= RECOGNIZED_SIGNERS:
+        return None
+    return (f"{len(vouching)} server(s) the run key recognizes on stage {manifest.stage} vouch for its state "
+            f"({RECOGNIZED_SIGNERS} needed: the writer and endorsers holding the same state), and no witness is the "
+            "run key or a recognized server of another stage endorsing a recognized writer")
 
 
 class AsyncRunDirectory:
