@@ -254,10 +254,13 @@ def test_a_manifest_counts_by_the_recognition_when_there_is_one():
     run_key = Identity.generate()
     is_run_key = lambda peer: peer == run_key.peer_id  # noqa: E731
     assert refusal(manifest(writer, run_key, basis="witness"), is_run_key) is None
-    # a stage of one recognized server: a witness recognized on another stage endorses it, not a fresh writer
-    assert refusal(manifest(named, other, basis="witness"), never) is None
+    # a witness recognized on another stage counts only for the stage's only recognized server (its basis, the
+    # writer alone on the stage, is the witness's own word: two patient keys on two stages would commit anything)
+    assert "witness" in refusal(manifest(named, other, basis="witness"), never)
     assert "witness" in refusal(manifest(writer, other, basis="witness"), never)
     assert "witness" in refusal(manifest(named, endorser, basis="witness"), never)
+    names[1] = frozenset({named.peer_id})  # the only server recognized on its stage: another stage's witness counts
+    assert refusal(manifest(named, other, basis="witness"), never) is None
 
 
 class _Reader:

@@ -459,15 +459,15 @@ def recognized_refusal(manifest: CheckpointManifest, named: Callable[[int], Opti
     Entitled: :data:`RECOGNIZED_SIGNERS` servers it names on the manifest's stage vouch for the state (its writer,
     and endorsers of basis ``same_state``: a server whose own state had that digest); or a witness (a peer that saw
     the writer as the stage's only online server) is the run key, or is named on another stage while the writer is
-    named on this one (a stage of one recognized server). Keys that only announced, or one recognized key with
-    fresh keys beside it, commit nothing."""
+    the only server named on this one (a stage of one recognized server: the witness's basis is its own word). Keys
+    that only announced, or one recognized key with fresh keys beside it, commit nothing."""
     mine = named(manifest.stage) or frozenset()
     vouching = {manifest.peer_id} & mine
     for sealed in manifest.endorsements:
         e, _ = open_record(sealed, Endorsement, run_id=run_id)  # (checked on read: cannot fail here)
         if e.basis == "same_state" and e.peer_id in mine:
             vouching.add(e.peer_id)
-        elif e.basis == "witness" and (is_run_key(e.peer_id) or manifest.peer_id in mine and any(
+        elif e.basis == "witness" and (is_run_key(e.peer_id) or mine == {manifest.peer_id} and any(
                 e.peer_id in (named(k) or ()) for k in stages if k != manifest.stage)):
             return None
     if len(vouching) >= RECOGNIZED_SIGNERS:

@@ -341,7 +341,8 @@ class RecognitionReader:
 def follow_recognition(directory) -> RecognitionReader:
     """A :class:`RecognitionReader` of ``directory`` (a blocking :class:`~swarm.net.directory.RunDirectory`), which
     the directory's reads of checkpoint manifests then follow (:attr:`~swarm.net.directory.RunDirectory.recognized`):
-    a manifest counts only if the run key recognizes its writer or an endorser, where it names servers of its stage.
+    a manifest counts only if two servers the run key recognizes vouch for its state, where it names servers of its
+    stage (:func:`~swarm.net.directory.recognized_refusal`).
     Servers, trainers (whose data position resumes from the newest manifests) and the coordinator's checkpoint
     commands alike; without a recognition (no coordinator yet, or it is down) a manifest counts as before."""
     reader = RecognitionReader(directory)
