@@ -5,6 +5,7 @@ and tasks kept from the garbage collector."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from concurrent.futures import Future
 from typing import Awaitable, Callable, Coroutine, Optional, Union
@@ -85,3 +86,9 @@ def hold_current_task() -> None:
     if task is not None and task not in _HELD:
         _HELD.add(task)
         task.add_done_callback(_HELD.discard)
+
+
+def set_threadsafe(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    """Set ``event``, which belongs to ``loop``, from another thread; nothing once the loop is closed."""
+    with contextlib.suppress(RuntimeError):  # (the loop closed: nobody waits on the event any more)
+        loop.call_soon_threadsafe(event.set)

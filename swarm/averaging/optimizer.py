@@ -314,8 +314,8 @@ class StageOptimizer(_StageProgress):
         One that computed nothing this epoch joins with weight 0 (no vote, :mod:`swarm.averaging.reducer`);
         waiting for a sample, it let the others' round time out (tests/test_pause_resume.py). True if it ended one."""
         opt = self._opt
-        if self.catch_up.behind(self.epoch, self.stage_epoch):
-            if self.catch_up.load_due():
+        if self.catch_up.behind(self.epoch, self.stage_epoch) or opt.local_epoch < self.stage_epoch:
+            if self.catch_up.load_due():  # (behind with no micro-batch coming: it would never load, nor catch up)
                 self.load_state_from_peers()
             return False
         behind = opt.local_epoch < opt.tracker.others_epoch or (
@@ -403,26 +403,28 @@ class StageOptimizer(_StageProgress):
         (downloads, and the check's questions to the stage's servers). Returns the epoch after it (unchanged if
         no donor gave a state that verified; behind the stage, it is then catching up: :attr:`catch_up`)."""
         self.reloads += 1
-        before = self.epoch
-        self.catch_up.loaded(before, self._load_verified(), self.stage_epoch)
+        self.catch_up.loaded(self._load_verified(), self.epoch, self.stage_epoch)
         return self.epoch
 
-    def _load_verified(self) -> int:
+    def _load_verified(self) -> bool:
+        """:meth:`load_state_from_peers`; True if a donor's state was kept (hivemind may move the epoch without)."""
         if self.state_check is None:
             self._opt.load_state_from_peers()
             self.set_lr_scale(self.schedule.scale)  # the optimizer's settings were reloaded: the schedule's lr
             try:
-                self._opt.synced = self._opt.synced or bool(self._opt.state_averager.last_donor()[0])
+                kept = bool(self._opt.state_averager.last_donor()[0])
             except Exception as e:  # the averager process is busy: synced again at the next state round
                 logger.debug("could not ask the averager for its last donor: %r", e)
-            return self.epoch
+                kept = False
+            self._opt.synced = self._opt.synced or kept
+            return kept
         averager = self._opt.state_averager
         for _ in range(MAX_DONORS_TRIED):
             before = self._snapshot()
             self._opt.load_state_from_peers()
             donor, epoch = averager.last_donor()
             if not donor:
-                return self.epoch  # no donor answered (or none is left that was not refused)
+                return False  # no donor answered (or none is left that was not refused)
             if epoch < before[0]:  # hivemind loads no state from a donor behind this server
                 verdict = Verdict(False, f"its epoch {epoch} is behind this server's")
             else:
@@ -433,7 +435,7 @@ class StageOptimizer(_StageProgress):
                 if verdict.ok:
                     self.set_lr_scale(self.schedule.scale)  # the schedule at the new epoch, with this run's scale
                     self._opt.synced = verdict.shared  # kept on the donor's word alone: maybe its own state
-                    return self.epoch
+                    return True
             self._restore(before)
             why = verdict.why
             seconds = REFUSAL_S if verdict.contradicted else RETRY_S
@@ -443,7 +445,7 @@ class StageOptimizer(_StageProgress):
                 averager.refuse_donor(donor, why, seconds)
             except Exception as e:  # the averager process is busy: the next try may ask this donor again
                 logger.debug("could not tell the averager to skip donor %s: %r", donor, e)
-        return self.epoch
+        return False
 
     def _snapshot(self) -> tuple[int, dict, dict[str, torch.Tensor]]:
         scheduler = self._opt.state_averager.scheduler

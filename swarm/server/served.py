@@ -437,7 +437,7 @@ class ServedStage:
         self.online_since = (self.online_since or get_dht_time()) if state == ServerState.ONLINE else None
         return dict(
             self.plan.record(), online_since=self.online_since or 0.0,
-            throughput=server.throughput.samples_per_second if serving else 0.0,
+            throughput=server.throughput.samples_per_second if serving and not self.optimizer.catch_up.active else 0.0,
             epoch=server.epoch, samples=server.samples, compute_s=server.compute_s, loss=server.loss_ema,
             peers_in_last_round=report.peers if report else 0, state_digests=server.recent_digests(8),
             round_s=server.meter.mean_round_s, rounds=server.meter.rounds,

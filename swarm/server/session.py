@@ -50,7 +50,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm import __version__
-from swarm.aio import sleep_or_stop
+from swarm.aio import set_threadsafe, sleep_or_stop
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.checkpoint import FragmentStore
 from swarm.checkpoint.keeper import FragmentKeeper
@@ -318,6 +318,8 @@ class ServerSession:
         self.log.info("online")
         tasks = self.served.duties(leave)
         online_since, next_check, target = time.monotonic(), time.monotonic() + self.spec.rebalance.period_s, None
+        # catching up or caught up (on the compute thread): announced at once, not at the next period
+        self.served.optimizer.catch_up.on_change = partial(set_threadsafe, asyncio.get_running_loop(), self._changed)
         planner = MovePlanner(self.spec.rebalance.min_gain, confirm_s=2 * self.directory.ttl / 3)
         try:
             while target is None and not self._stop.is_set() and not self._pause.is_set():
