@@ -24,9 +24,11 @@ def test_sixteen_peers_average_in_bounded_groups_and_survive_losing_a_quarter_of
         sc.servers(per_stage=PER_STAGE, timeout=180).trainers(2).until_epoch(4, timeout=300)
         for k in range(sc.num_stages):
             epoch, _ = sc.stage_in_sync(k, min_epoch=2)
-            # a record is re-announced every record_ttl_s / 3: wait for the servers' counters to show their rounds
+            # a record is re-announced every record_ttl_s / 3: wait for the servers' counters to show their rounds (on
+            # 2 cores a server that joined last had completed none 60 s after the stage agreed, twice in four runs:
+            # its rounds ran out of averaging_timeout; it completes one a few epochs later)
             sc.wait(lambda k=k: sum(s.averaging.get("rounds", 0) >= 1 for s in sc.directory.servers(k)) >= PER_STAGE - 1,
-                    60, f"the rounds of stage {k}'s servers announced")
+                    180, f"the rounds of stage {k}'s servers announced")
             servers = sc.directory.servers(k)
             assert len(servers) == PER_STAGE
             hops = [s.averaging.get("groups", 0) / max(1, s.averaging.get("rounds", 0)) for s in servers]
