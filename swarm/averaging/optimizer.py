@@ -116,8 +116,13 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
             self.synced = False  # it stepped on its own gradient (or, late, on none) while its stage-mates did not
 
     def _load_local_gradients_into_optimizer(self):
-        """hivemind's fallback when its round failed (or it was alone): this server's own gradient."""
+        """hivemind's fallback when its round failed (or it was alone): this server's own gradient. hivemind logs a
+        round that did not complete within ``averaging_timeout`` at its status level only (debug): said here once."""
         self._own_step = True
+        if self.tracker.global_progress.num_peers > 1:
+            logger.warning("epoch %d: stepping on this server's own gradient, its gradient round did not complete "
+                           "(it failed, or ran past averaging_timeout=%.0f s): out of sync until the next state round",
+                           self.local_epoch, self.averaging_timeout)
         super()._load_local_gradients_into_optimizer()
 
     def drop_accumulated(self) -> None:
