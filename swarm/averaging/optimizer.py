@@ -38,12 +38,12 @@ from swarm.averaging.exclusion import AveragingReport
 from swarm.averaging.membership import MemberTable
 from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
 from swarm.averaging.overlap import OverlappedRounds
-from swarm.averaging.progress import Push, Roster, SampleCountTracker, Trust, progress_signer, refresh_periods
+from swarm.averaging.progress import SampleCountTracker, progress_signer, refresh_periods
+from swarm.averaging.progress_view import StageProgressView
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer, schedule_moves_quietly
 from swarm.checkpoint.state import load_named_state, named_state, state_digest
 from swarm.config import RunSpec
 from swarm.net.directory import RunDirectory
-from swarm.protocol import ProgressPush
 from swarm.trust.statecheck import Verdict
 from swarm.trust.tickets import ticket_gate
 
@@ -209,59 +209,7 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         )
 
 
-class _StageProgress:
-    """The stage's view of this server, and this server's of the stage: its progress as hivemind's progress tracker
-    counts and publishes it (:mod:`swarm.averaging.progress`); :class:`StageOptimizer`'s, kept apart."""
-
-    _opt: _CollaborativeOptimizer
-
-    def announce_progress(self) -> None:
-        """Publish this server's progress now (its epoch, no sample): counted before the first epoch ends."""
-        self._opt.tracker.report_local_progress(self._opt.local_epoch, 0)
-
-    @property
-    def peers(self) -> int:
-        """Servers of the stage (this one included) that the progress tracker counts."""
-        return self._opt.tracker.global_progress.num_peers
-
-    def wait_until_counted(self, expected: int, timeout: float = 5.0) -> bool:
-        """Wait (blocking, at most ``timeout`` seconds) until the tracker counts ``expected`` servers."""
-        deadline = time.monotonic() + timeout
-        while self.peers < expected and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return self.peers >= expected
-
-    @property
-    def progress_key(self) -> str:
-        """This server's sub-key in the stage's progress records, hex (announced as ``ServerInfo.progress_key``)."""
-        return self._opt.tracker.progress_key.hex()
-
-    def set_progress_roster(self, roster: Roster, push: Optional[Push] = None, trust: Optional[Trust] = None) -> None:
-        """Count progress only from the sub-keys ``roster()`` returns, as ``trust()`` says (None: all in full); push
-        this server's count to its stage-mates through ``push`` (None: the DHT only). :mod:`~.progress`."""
-        self._opt.tracker.set_roster(roster, trust)
-        self._opt.tracker.push = push
-
-    def receive_progress(self, subkey: bytes, push: ProgressPush, sender: bytes = b"") -> None:
-        """Count a stage-mate's pushed count (any thread) as that of ``subkey`` (:meth:`SampleCountTracker.receive`)."""
-        self._opt.tracker.receive(subkey, push, sender)
-
-    @property
-    def stage_quiet(self) -> bool:
-        """No server of the stage counted a sample in the last few progress reads (``tracker.reading_slowly``)."""
-        return self._opt.tracker.reading_slowly
-
-    def read_progress_soon(self) -> None:
-        """Read the stage's progress from the DHT now (a server joined the roster: its pushes may not count yet)."""
-        self._opt.tracker.read_soon()
-
-    @property
-    def stage_epoch(self) -> int:
-        """The lower median of the epochs of the stage's other servers it counts in full; 0 while none."""
-        return self._opt.tracker.others_epoch
-
-
-class StageOptimizer(_StageProgress):
+class StageOptimizer(StageProgressView):
     """The collaborative optimizer of one server of stage ``stage`` (see the module docstring).
 
     :param module: the stage's parameters (the server's copy; stepped in place once per epoch).
