@@ -333,6 +333,11 @@ class AveragingSpec(_Section):
         if self.mode == "outer" and self.overlap_rounds:
             raise ValueError("overlap_rounds applies to mode = 'per_epoch'; outer steps already average rarely "
                              "(every inner_steps): turn one of them off")
+        if self.averaging_timeout <= self.matchmaking_time:
+            raise ValueError(f"averaging_timeout={self.averaging_timeout} s does not exceed matchmaking_time="
+                             f"{self.matchmaking_time} s: a round gathers its group first, then averages; raise "
+                             "averaging_timeout (3x the round's bytes over the slowest upload, and more than "
+                             "matchmaking_time)")
         if self.compression == "chunk_topk" and self.aggregator in ("median", "trimmed_mean"):
             raise ValueError(f"compression = 'chunk_topk' with aggregator = '{self.aggregator}': each peer sends its "
                              "own coordinates, so a coordinate-wise rule zeroes those fewer than half of the peers "

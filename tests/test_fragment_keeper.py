@@ -172,6 +172,14 @@ def test_commit_restore_repair_and_ban(swarm_of_keepers):
         assert gone.me not in view.holders and view.alive[gone_index]
         assert sum(n.repairs for n in alive) >= 1
 
+        # holders would refuse the manifest (the run key recognizes the writer alone on its stage, and its witness on
+        # no stage): the writer says so before it sends a fragment
+        writer.directory.blocking.recognized = lambda k: frozenset({writer.me}) if k == 1 else None
+        with pytest.raises(CheckpointError, match="would be refused: 1 server\\(s\\) the run key recognizes"):
+            await write_checkpoint(writer, _shard(spec, epoch=15))
+        assert not [h for n in alive for h in n.store.held() if h.epoch == 15], "no fragment was sent"
+        writer.directory.blocking.recognized = lambda k: None
+
         # not enough room anywhere: nothing is committed
         for node in alive:
             node.store.max_bytes = 10

@@ -371,7 +371,9 @@ def test_a_server_that_rejoins_in_the_same_process_is_counted_and_still_stops_on
 def test_a_server_whose_gradient_round_failed_says_it_is_out_of_sync():
     """Two servers of a stage, the second counted but never averaging: the first's round finds no group and it
     steps on its own gradient, so its parameters are no longer the stage's (``synced`` False, which its receipts
-    then say: :mod:`swarm.trust.spotcheck`). A jump to the stage's epoch (a restore) is out of sync too."""
+    then say: :mod:`swarm.trust.spotcheck`), and its round ends there: hivemind left it retrying its matchmaking
+    with no deadline, and no later round of that server found a group. A jump to the stage's epoch (a restore) is
+    out of sync too."""
     with _two_servers("failed") as (alone, idle):
         micro = TINY.training.micro_batch_size
         idle.step(_gradients(idle.module, 99), micro, "trainer1")  # its progress is stored, then it idles
@@ -382,6 +384,9 @@ def test_a_server_whose_gradient_round_failed_says_it_is_out_of_sync():
             if alone.step(_gradients(alone.module, i), micro, "trainer0"):
                 break
         assert alone.epoch == 1 and not alone.synced, "it stepped on its own gradient while the stage had two"
+        round_ = alone._opt.scheduled_grads
+        assert round_ is not None and round_.done(), "the failed round still runs (and holds the averager's search)"
+        assert round_.deadline < float("inf"), "a gradient round has a deadline"
         assert idle.synced and idle.jump_to_epoch(5) == 5 and not idle.synced
 
 

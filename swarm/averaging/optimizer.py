@@ -185,12 +185,28 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         self._late = self.overlap_rounds
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        """hivemind's, with a deadline on the round: a round hivemind starts here (none was scheduled ahead: always
+        so with ``early_start``) has none, so one that failed retried its matchmaking for as long as the process
+        lived, holding the averager's one search, and no later round of this server found a group (a stage of 7
+        servers completed no round after its first failure: tests/test_scale.py, kept logs)."""
         stale = self.scheduled_grads
         if stale is not None and (stale.triggered or stale.done()):
             self.scheduled_grads = None
+        if self.scheduled_grads is None and self.tracker.global_progress.num_peers > 1:
+            self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
         began = super()._begin_averaging_gradients(grad_scaler)
         self._own_step = self._own_step or not began  # hivemind then steps on the accumulated gradient
         return began
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
+        """hivemind's, then the round cancelled if it did not complete: hivemind stops waiting for it after
+        ``averaging_timeout`` and steps on this server's own gradient, but leaves it running (retrying its
+        matchmaking, and blocking this averager's next search, until its deadline)."""
+        try:
+            super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        finally:
+            if maybe_step_control is not None and not maybe_step_control.done():
+                maybe_step_control.cancel()
 
     def _make_state_averager(self, **kwargs) -> RobustStateAverager:
         return self._state_averager_factory(

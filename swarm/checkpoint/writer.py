@@ -35,8 +35,10 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
     """Commit ``shard`` (see the module docstring); returns the manifest and its sealed bytes.
 
     :param parent: ``(shard sha256, epoch)`` of the checkpoint the state descends from (hash chain).
-    :raises CheckpointError: no peer endorsed it, or fewer than ``k`` fragments were placed with their manifest;
-        nothing is published.
+    :raises CheckpointError: no peer endorsed it, this peer's directory finds the writer and endorsers not entitled
+        to commit it (holders would refuse its manifest: :meth:`~swarm.net.directory.RunDirectory.entitled`; checked
+        before any fragment is sent), or fewer than ``k`` fragments were placed with their manifest; nothing is
+        published.
     """
     ckpt = keeper.spec.checkpoint
     start = time.perf_counter()
@@ -48,6 +50,19 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
         raise CheckpointError(str(e)) from None
     blob, sha = await asyncio.to_thread(encode_shard, shard)
     fragments = await asyncio.to_thread(split_into_fragments, blob, ckpt.fragments_needed, ckpt.fragments_total)
+
+    def manifest_with(placed: dict[int, str]) -> CheckpointManifest:
+        return CheckpointManifest(
+            run_id=keeper.run_id, peer_id=keeper.me, time=get_dht_time(), stage=shard.stage, epoch=shard.epoch,
+            shard_sha256=sha, size=len(blob), k=ckpt.fragments_needed, n=ckpt.fragments_total,
+            fragments=[FragmentEntry(index=f.index, sha256=f.sha256, holders=[placed[f.index]] if f.index in placed
+                                     else []) for f in fragments],
+            parent=parent[0], parent_epoch=parent[1], loss=loss, data_position=dict(data_position or {}),
+            state_sha256=state_sha, endorsements=endorsements)
+
+    refusal = await keeper.directory.entitled(manifest_with({}))
+    if refusal is not None:  # the holders would take the fragments, then refuse the manifest
+        raise CheckpointError(f"the checkpoint of stage {shard.stage} epoch {shard.epoch} would be refused: {refusal}")
     storage = [s for s in await keeper.directory.storage() if s.peer_id != keeper.me]
     storage.append(await asyncio.to_thread(keeper.storage_info))
     placed = await keeper.transfers.place(shard.stage, shard.epoch, fragments, storage=storage)
@@ -55,31 +70,31 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
         raise CheckpointError(f"only {len(placed)} of {len(fragments)} fragments of stage {shard.stage} epoch "
                               f"{shard.epoch} found a holder ({ckpt.fragments_needed} needed); start more peers or "
                               "raise their SWARM_FRAGMENT_MAX_BYTES")
-    manifest = CheckpointManifest(
-        run_id=keeper.run_id, peer_id=keeper.me, time=get_dht_time(), stage=shard.stage, epoch=shard.epoch,
-        shard_sha256=sha, size=len(blob), k=ckpt.fragments_needed, n=ckpt.fragments_total,
-        fragments=[FragmentEntry(index=f.index, sha256=f.sha256, holders=[placed[f.index]] if f.index in placed else [])
-                   for f in fragments],
-        parent=parent[0], parent_epoch=parent[1], loss=loss, data_position=dict(data_position or {}),
-        state_sha256=state_sha, endorsements=endorsements,
-    )
+    manifest = manifest_with(placed)
     sealed = seal(manifest, keeper.identity)
-    by_peer: dict[str, StorageInfo] = {s.peer_id: s for s in storage}
-    holders = sorted(set(placed.values()))
-    took = await keeper.transfers.hand_manifests([by_peer[p] for p in holders], manifest, sealed)
-    committed = sum(1 for holder in placed.values() if holder in took)
-    if committed < ckpt.fragments_needed:
-        raise CheckpointError(f"only {committed} fragments of stage {shard.stage} epoch {shard.epoch} sit on holders "
-                              f"that took the manifest ({ckpt.fragments_needed} needed)")
-    if not await keeper.directory.publish_manifest(manifest, sealed):
-        keeper.log.warning("could not store the manifest of stage %d epoch %d in the DHT; its holders will "
-                           "re-publish it", shard.stage, shard.epoch)
-    await keeper.announce()
+    await _hand_over(keeper, manifest, sealed, placed, storage)
     keeper.log.info("checkpoint of stage %d epoch %d committed: %d bytes sha256=%s, %d/%d fragments on %d peers "
                     "(%d needed), parent %s, %.2f s", shard.stage, shard.epoch, len(blob), sha[:16], len(placed),
-                    len(fragments), len(holders), ckpt.fragments_needed, parent[0][:16] or "-",
+                    len(fragments), len(set(placed.values())), ckpt.fragments_needed, parent[0][:16] or "-",
                     time.perf_counter() - start)
     return manifest, sealed
+
+
+async def _hand_over(keeper: FragmentKeeper, manifest: CheckpointManifest, sealed: bytes, placed: dict[int, str],
+                     storage: list[StorageInfo]) -> None:
+    """Hand the sealed manifest to the fragments' holders, then publish it in the DHT and announce.
+
+    :raises CheckpointError: fewer than ``k`` fragments sit on holders that took the manifest."""
+    by_peer: dict[str, StorageInfo] = {s.peer_id: s for s in storage}
+    took = await keeper.transfers.hand_manifests([by_peer[p] for p in sorted(set(placed.values()))], manifest, sealed)
+    committed = sum(1 for holder in placed.values() if holder in took)
+    if committed < manifest.k:
+        raise CheckpointError(f"only {committed} fragments of stage {manifest.stage} epoch {manifest.epoch} sit on "
+                              f"holders that took the manifest ({manifest.k} needed)")
+    if not await keeper.directory.publish_manifest(manifest, sealed):
+        keeper.log.warning("could not store the manifest of stage %d epoch %d in the DHT; its holders will "
+                           "re-publish it", manifest.stage, manifest.epoch)
+    await keeper.announce()
 
 
 __all__ = ["CheckpointError", "write_checkpoint"]
