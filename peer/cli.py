@@ -151,7 +151,10 @@ def _command(command: str, wait: bool, timeout: float) -> None:
         return
     done, state = wait_for(cache_dir, command, timeout, since)
     if not done:
-        typer.echo(f"error: peer {beat.get('peer_id')} is still {state} after {timeout:.0f} s", err=True)
+        hint = ("; a server joining still loads its stage's state, or catches up with a stage whose state it could "
+                "not yet verify (its log says 'announces itself joining' and it retries every 15 s): wait, or see "
+                "docs/troubleshooting.md" if command == "resume" and state == "joining" else "")
+        typer.echo(f"error: peer {beat.get('peer_id')} is still {state} after {timeout:.0f} s{hint}", err=True)
         raise typer.Exit(1)
     typer.echo(f"peer {beat.get('peer_id')} is {state}")
 
