@@ -12,7 +12,7 @@ GROUP_SIZE = 4  # 7 servers of a stage: two hops, groups of at most 4 voters
 
 
 @pytest.mark.scenario
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_sixteen_peers_average_in_bounded_groups_and_survive_losing_a_quarter_of_a_stage(tiny_spec, tmp_path,
                                                                                          cache_dir):
     # 16 peers' DHT lookups on 2 cores take seconds (bench/scale.py, docs/scaling.md): the tiny spec's 1.5 s window
@@ -46,9 +46,10 @@ def test_sixteen_peers_average_in_bounded_groups_and_survive_losing_a_quarter_of
             sc.stage_in_sync(k, min_epoch=reached + 1)
             # and the stage still averages: equal digests alone do not show it (servers that step alone on equal
             # gradients from the same state stay equal for a while; before, no gradient round of either stage
-            # completed after the kill's first failed round, and this test passed)
+            # completed after the kill's first failed round, and this test passed). Two rounds: the counters read
+            # before the kill may be a re-announcement period (record_ttl_s / 3) old
             left = PER_STAGE - (2 if k == 0 else 0)
-            sc.wait(lambda k=k: sum(s.averaging.get("rounds", 0) > rounds.get(s.peer_id, 1 << 30)
+            sc.wait(lambda k=k: sum(s.averaging.get("rounds", 0) >= rounds.get(s.peer_id, 1 << 30) + 2
                                     for s in sc.directory.servers(k)) >= left - 1,
                     180, f"rounds of stage {k}'s servers completed after the kill")
         sc.until_loss_falls(0.25, trainers=2)

@@ -193,7 +193,10 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         if stale is not None and (stale.triggered or stale.done()):
             self.scheduled_grads = None
         if self.scheduled_grads is None and self.tracker.global_progress.num_peers > 1:
-            self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+            try:
+                self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+            except Exception as e:  # the averager process is gone: hivemind's own try below logs it and steps alone
+                logger.warning("could not schedule a gradient round (%s: %s)", type(e).__name__, e)
         began = super()._begin_averaging_gradients(grad_scaler)
         self._own_step = self._own_step or not began  # hivemind then steps on the accumulated gradient
         return began
