@@ -26,7 +26,8 @@ tokens, honest servers that never verified each other) is a row with its ``error
 Harms, read from the honest peers' records and logs through the attack and a joiner started at its end:
 
 * ``checkpoint_committed``: a reader following the run's rules (this bench's :class:`RunDirectory`, reading the run
-  key's recognition as a restoring server does) counts a manifest written by a Sybil key;
+  key's recognition as a restoring server does) counts a manifest a Sybil key wrote once the attack began (a patient
+  key's checkpoint of its honest tenure, endorsed by an honest stage-mate's same state, is none);
 * ``rollback_obeyed``: an honest server applied a rollback (generation above 0, or a learning-rate scale below 1);
 * ``joiner_state_taken``: a server joining the Sybils' stage at the end kept the state of a Sybil donor that no
   honest server of the stage held (in its last 8 epochs' digests) nor a checkpoint the run's rules count;
@@ -37,7 +38,9 @@ Harms, read from the honest peers' records and logs through the attack and a joi
 * ``rebalanced``: at a read through the attack, the stage a joiner would choose or a move an honest server would plan
   (the library's own rules, :meth:`swarm.server.served.PeerContext.claims` then ``choose_stage`` / ``plan_move``,
   on the records as the run's peers weigh them) differs from the one on the honest servers' records alone (idle
-  Sybils claim 10^4 samples/s each on stage 0, patient ones on the last stage, the others the honest mean).
+  Sybils claim 10^4 samples/s each on stage 0, patient ones on the last stage, the others the honest mean);
+  ``steered_s`` lists the seconds into the attack of each read it steered (patient keys: the claims of stopped keys
+  count until no recognized stage-mate verified their work within 2 epochs, ``served.FRESH_EPOCHS``).
 
 Prints one JSON line per configuration on stderr and last, on stdout, ``{"clean": {...}, "results": [{"kind", "k",
 "harms": {name: bool}, "val_loss", "val_loss_ratio", "samples_per_epoch", "sybil_ids", "patient_recognized"}
@@ -59,6 +62,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
+
+from hivemind.utils import get_dht_time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -108,6 +113,8 @@ class Watch:
         self.first: dict[str, ServerInfo] = {}
         self.last: dict[str, ServerInfo] = {}
         self.harms = {name: False for name in HARMS}
+        self.attack_began: Optional[float] = None  # monotonic s
+        self.steered_s: list[float] = []  # seconds into the attack of each read it steered
 
     def recognized(self) -> set[str]:
         """Peer ids the run key's recognition names now, on any stage."""
@@ -133,6 +140,8 @@ class Watch:
                 self.harms["honest_excluded"] = True
         if self.steered():
             self.harms["rebalanced"] = True
+            if self.attack_began is not None:
+                self.steered_s.append(round(time.monotonic() - self.attack_began, 1))
 
     def steered(self) -> bool:
         """Whether the records as the run's peers weigh them steer a joiner's stage or a server's move elsewhere
@@ -257,6 +266,7 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
                      every_s=2.0)
             patient_named = len(watch.recognized() & patient_ids)
             time.sleep(args.settle)  # the servers' own reads of the recognition (every 10 s) take it up
+            watch.attack_began, began_dht = time.monotonic(), get_dht_time()
             sybils, stage, sybil_p2p = attack(kind, k, swarm, spec, directory, patient) if kind != "clean" \
                 else (None, stages - 1, set())
             watch.read()
@@ -269,14 +279,15 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
                 sybils.stop()  # (their records expire within a TTL; the validation's calls retry past them)
             val_loss = validation(dht, directory, spec, args.dataset)
             if sybils is not None:
-                watch.harms["checkpoint_committed"] = any(m.peer_id in sybils.sybil_ids for k in range(stages)
-                                                          for m, _ in directory.manifests(k))
+                # (a patient key's checkpoint of its honest tenure, endorsed by an honest stage-mate, is no harm)
+                watch.harms["checkpoint_committed"] = any(m.peer_id in sybils.sybil_ids and m.time >= began_dht
+                                                          for k in range(stages) for m, _ in directory.manifests(k))
             watch.harms["honest_unrecognized"] = not watch.recognized() >= honest
             per_epoch = watch.samples_per_epoch()
             watch.harms["epoch_moved"] = any(v < PULLED * spec.training.target_batch_size for v in per_epoch.values())
             watch.harms["joiner_state_taken"] = joiner_took_sybil_state(swarm, directory, stage, sybil_p2p, watch)
             return {"kind": kind, "k": k, "harms": watch.harms, "val_loss": round(val_loss, 4),
-                    "patient_recognized": patient_named,
+                    "patient_recognized": patient_named, "steered_s": watch.steered_s,
                     "samples_per_epoch": {str(s): round(v, 1) for s, v in per_epoch.items()},
                     "sybil_ids": sorted(sybils.sybil_ids) if sybils is not None else []}
         finally:

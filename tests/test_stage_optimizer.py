@@ -204,7 +204,8 @@ def test_where_the_run_key_recognizes_stage_mates_their_progress_alone_counts_an
     """(swarm.server.served.progress_trust, swarm.averaging.progress) With the run key's recognition naming some of
     a server's stage-mates, every server of the stage counts the same entries in full (the recognized mates' and
     its own), bounded groups included, and the others' samples not at all: a fresh key's 10**9 samples one epoch
-    ahead neither pull nor end the epoch (with standing alone they still counted half the target)."""
+    ahead neither pull nor end the epoch (with standing alone they still counted half the target); nor does a
+    recognized key's that stopped working."""
     from types import SimpleNamespace
 
     from swarm.averaging.progress import UNVERIFIED_SHARE, ProgressTrust, trusted_progress
@@ -212,8 +213,9 @@ def test_where_the_run_key_recognizes_stage_mates_their_progress_alone_counts_an
 
     from swarm.protocol import ServerState
 
-    def mate(peer: str, key: str, state=ServerState.ONLINE):
-        return SimpleNamespace(peer_id=peer, p2p_id="p" + peer, progress_key=key, vouches={}, state=state)
+    def mate(peer: str, key: str, state=ServerState.ONLINE, verified=None):
+        return SimpleNamespace(peer_id=peer, p2p_id="p" + peer, progress_key=key, vouches={}, state=state, epoch=5,
+                               last_verified=verified or {})
 
     mates = [mate("a", "0a"), mate("b", "0b"), mate("sybil", "0c"), mate("p", "0d", ServerState.PAUSED)]
     named = frozenset({"a", "b", "p", "gone"})
@@ -225,6 +227,13 @@ def test_where_the_run_key_recognizes_stage_mates_their_progress_alone_counts_an
     # recognized alone (its founding mate left): still only its own samples, not every key's
     assert progress_trust(mates[2:], lambda p: 0.0, group_size=2, recognized=named | {"me"},
                           me=("me", b"\x01")) == ProgressTrust(frozenset({b"\x01"}), share=0.0)
+    # a recognized key that stopped working (patient: nobody verified its parts within 2 epochs, while the others
+    # verified one another's) counts no more: its entry one epoch ahead pulled every epoch of its stage
+    working = [mate("a", "0a", verified={"pb": 5, "pme": 5}), mate("b", "0b", verified={"pa": 4}),
+               mate("s", "0e", verified={"pa": 5})]
+    own = mate("me", "01", verified={"pa": 5})
+    assert progress_trust(working, lambda p: 0.0, recognized=frozenset({"a", "b", "s", "me"}), me=("me", b"\x01"),
+                          own=own) == ProgressTrust(frozenset({b"\x0a", b"\x0b", b"\x01"}), share=0.0)
     # the recognition names neither it nor an online mate (a stage not founded yet): the rules without it
     assert progress_trust(mates[2:], lambda p: 0.0, recognized=named, me=("new", b"\x02")) == ProgressTrust()
     assert progress_trust(mates, lambda p: 1.0, recognized=None).share == UNVERIFIED_SHARE
@@ -650,3 +659,40 @@ def test_a_pushed_count_is_counted_without_a_dht_read_and_slows_the_dht_while_pu
     finally:
         tracker.shutdown()
         dht.shutdown()
+
+
+class _Round:
+    """A hivemind ``StepControl`` as :func:`finish_running_round` sees it: its stage, and what each wait gives."""
+
+    def __init__(self, stage, outcomes):
+        self.stage, self.outcomes, self.waits, self.cancelled, self.ended = stage, list(outcomes), [], False, False
+
+    def result(self, timeout):
+        self.waits.append(timeout)
+        outcome = self.outcomes.pop(0)
+        self.ended = not isinstance(outcome, TimeoutError)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def done(self):
+        return self.ended or self.cancelled
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_round_whose_all_reduce_runs_at_the_timeout_is_waited_for_and_one_still_matching_is_cancelled():
+    from hivemind.averaging.control import AveragingStage
+
+    from swarm.averaging.overlap import finish_running_round
+
+    running = _Round(AveragingStage.RUNNING_ALLREDUCE, [TimeoutError(), "group"])
+    finish_running_round(running, 15.0, 20.0)
+    assert running.waits == [15.0, 20.0] and not running.cancelled, "the group's result is used, not given up"
+    matching = _Round(AveragingStage.LOOKING_FOR_GROUP, [TimeoutError(), "never"])
+    finish_running_round(matching, 15.0, 20.0)
+    assert matching.waits == [15.0] and matching.cancelled, "a round still matching at the timeout stops retrying"
+    failed = _Round(AveragingStage.FINISHED, [RuntimeError("hop 1: no group formed")])
+    finish_running_round(failed, 15.0, 20.0)
+    assert failed.waits == [15.0] and not failed.cancelled

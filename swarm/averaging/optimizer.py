@@ -37,7 +37,7 @@ from swarm.averaging.donors import REFUSAL_S, RETRY_S
 from swarm.averaging.exclusion import AveragingReport
 from swarm.averaging.membership import MemberTable
 from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
-from swarm.averaging.overlap import OverlappedRounds
+from swarm.averaging.overlap import OverlappedRounds, finish_running_round
 from swarm.averaging.progress import SampleCountTracker, progress_signer, refresh_periods
 from swarm.averaging.progress_view import StageProgressView
 from swarm.averaging.schedule import Schedule, make_scheduler, make_stage_torch_optimizer, schedule_moves_quietly
@@ -202,9 +202,13 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         return began
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
-        """hivemind's, then the round cancelled if it did not complete: hivemind stops waiting for it after
-        ``averaging_timeout`` and steps on this server's own gradient, but leaves it running (retrying its
-        matchmaking, and blocking this averager's next search, until its deadline)."""
+        """hivemind's, after waiting out an all-reduce already running at ``averaging_timeout`` (up to
+        ``allreduce_timeout`` more: hivemind gave it up, then waited that long anyway for the averaged buffers' lock
+        to write this server's own gradient over the group's result, out of sync for nothing); then the round
+        cancelled if it did not complete (hivemind leaves it running: retrying its matchmaking, and blocking this
+        averager's next search, until its deadline)."""
+        if maybe_step_control is not None:
+            finish_running_round(maybe_step_control, self.averaging_timeout, self.allreduce_timeout)
         try:
             super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         finally:

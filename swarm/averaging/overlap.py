@@ -179,4 +179,25 @@ class OverlappedRounds:
             self.state_averager.state_sharing_priority = self.local_epoch
             self.grad_averager.state_sharing_priority = self.local_epoch
 
-__all__ = ["OverlappedRounds"]
+
+
+def finish_running_round(control, timeout: float, allreduce_timeout: float) -> None:
+    """Wait for ``control``'s round (a hivemind ``StepControl``) ``timeout`` seconds, and up to
+    ``allreduce_timeout`` more if its all-reduce is running by then; cancel it if it did not complete (hivemind's
+    own wait on it then returns at once). Its failure is left for hivemind to read."""
+    for wait in (timeout, allreduce_timeout):
+        try:
+            control.result(wait)
+        except TimeoutError:
+            if control.stage == AveragingStage.RUNNING_ALLREDUCE:
+                continue
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # the round's failure (hivemind reads it next)
+            pass
+        break
+    if not control.done():
+        control.cancel()
+
+
+__all__ = ["OverlappedRounds", "finish_running_round"]

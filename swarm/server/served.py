@@ -211,19 +211,23 @@ class StagePlan:
 
 
 def progress_trust(mates: list, weight: Callable[[str], float], group_size: int = 0,
-                   recognized: Optional[frozenset[str]] = None, me: tuple[str, bytes] = ("", b"")) -> ProgressTrust:
+                   recognized: Optional[frozenset[str]] = None, me: tuple[str, bytes] = ("", b""),
+                   own: Optional[ServerInfo] = None) -> ProgressTrust:
     """Whose progress this server (``me``: its peer id and progress sub-key) counts in full
     (:mod:`swarm.averaging.progress`, *Standing*), from its current stage-mates' :class:`~swarm.protocol.ServerInfo`
     records (with a progress key). Where the run key's recognition (``recognized``: peer ids it names on this
-    stage) names this server or some of its online mates: those mates, and nothing from the others; a server it
-    does not name follows them (the same view on every server of the stage, bounded groups included). Else those
+    stage) names this server or some of its online mates: those mates still working (:func:`still_working`, judged
+    with this server's ``own`` record among theirs: a recognized key that stopped and announces its progress one
+    epoch ahead pulled the stage's epochs, ``bench/sybil.py`` patient keys), and nothing from the others; a server
+    it does not name follows them (the same view on every server of the stage, bounded groups included). Else those
     it verified (``weight(libp2p id) > 0``), those some stage-mate vouches for, and whether it follows them (it
     verified none, and some vouch for others); every entry in full in a stage of more servers than ``group_size``
     (bounded groups: a server verifies only its first hop's group-mates, and servers that verified different groups
     would end their epochs apart; measured, tests/test_scale.py)."""
     if recognized:
-        keys = frozenset(bytes.fromhex(s.progress_key) for s in mates
-                         if s.peer_id in recognized and s.state == ServerState.ONLINE)
+        named = [s for s in [*mates, *([own] if own is not None else [])] if s.peer_id in recognized]
+        keys = frozenset(bytes.fromhex(s.progress_key) for s in mates if s.peer_id in recognized
+                         and s.state == ServerState.ONLINE and still_working(s, named))
         if me[0] in recognized:
             return ProgressTrust(keys | {me[1]}, share=0.0)
         if keys:
@@ -385,8 +389,9 @@ class ServedStage:
         mates = [s for s in servers if s.progress_key and s.peer_id != self.me]
         known, self._mates = self._mates, {s.p2p_id: bytes.fromhex(s.progress_key) for s in mates}
         recognized = self.ctx.recognition.recognized(self.stage) if self.ctx.recognition is not None else None
+        own = next((s for s in servers if s.peer_id == self.me), None)
         self._trust = progress_trust(mates, self.ctx.weight, self.spec.averaging.group_size, recognized,
-                                     me=(self.me, bytes.fromhex(self.optimizer.progress_key)))
+                                     me=(self.me, bytes.fromhex(self.optimizer.progress_key)), own=own)
         if self._mates != known:
             self.pushes.set_mates(mates)
             if set(self._mates.values()) - set(known.values()):  # a new one: its pushes may not count yet
