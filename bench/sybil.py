@@ -22,7 +22,8 @@ Sybil keys attack until the end, K from ``--ks`` (``1``: one key, ``2x``: twice 
 The attack begins ``--settle`` seconds after the run key's recognition names every honest server (and the patient
 ones, or as many as it named within 120 s: ``patient_recognized``). A configuration that never got going (no
 tokens, honest servers that never verified each other) is a row with its ``error``. A
-``clean`` configuration (no Sybil) runs first: its validation loss is the baseline of ``val_loss_ratio``.
+``clean`` configuration (no Sybil) runs first: its validation loss is the baseline of ``val_loss_ratio``, but for
+patient rows, whose baseline is the same configuration with its servers honest to the end (:data:`CONTROL`).
 Harms, read from the honest peers' records and logs through the attack and a joiner started at its end:
 
 * ``checkpoint_committed``: a reader following the run's rules (this bench's :class:`RunDirectory`, reading the run
@@ -88,6 +89,10 @@ logger = logging.getLogger("bench.sybil")
 HARMS = ("checkpoint_committed", "rollback_obeyed", "joiner_state_taken", "epoch_moved", "honest_excluded",
          "rebalanced", "honest_unrecognized")
 DONOR = re.compile(r"downloaded the state of donor (\S+) \(epoch (\d+)\)")
+CONTROL = "patient_control"
+"""The patient configuration without its attack (its K servers honest to the end): the baseline of a patient row's
+``val_loss_ratio`` (on 2 cores K more servers cost the trainer half its samples: measured, patient keys at 1 a stage
+trained on 1,828 samples in the window and the clean run on 3,888)."""
 PULLED = 0.4
 """An epoch of fewer samples than this share of the target batch was pulled to its end."""
 
@@ -251,14 +256,14 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
         try:
             honest = {p.peer_id for p in start_honest(swarm, directory, stages, args.honest)}
             patient = [swarm.start_peer("server", "--stage", str(stages - 1), name=f"patient{i}")
-                       for i in range(k)] if kind == "patient" else []
+                       for i in range(k)] if kind in ("patient", CONTROL) else []
             trainer = swarm.start_peer("trainer", "--share", "0")
             wait(lambda: any(t.tokens > 0 for t in directory.trainers()), 300, "the trainer's first tokens")
             end = time.monotonic() + args.train_s
             watch = Watch(directory, spec, honest)
             wait(lambda: len(watch.servers()) == len(honest) and all(s.vouches for s in watch.servers().values()),
                  300, "every honest server to vouch for a stage-mate", every_s=2.0)
-            time.sleep(args.tenure if kind == "patient" else 0.0)
+            time.sleep(args.tenure if kind in ("patient", CONTROL) else 0.0)
             wait(lambda: watch.recognized() >= honest, 120, "the run key to recognize every honest server", every_s=2.0)
             patient_ids = {p.peer_id for p in patient}
             with contextlib.suppress(TimeoutError):  # they attack with what they earned: say how many were named
@@ -267,7 +272,8 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
             patient_named = len(watch.recognized() & patient_ids)
             time.sleep(args.settle)  # the servers' own reads of the recognition (every 10 s) take it up
             watch.attack_began, began_dht = time.monotonic(), get_dht_time()
-            sybils, stage, sybil_p2p = attack(kind, k, swarm, spec, directory, patient) if kind != "clean" \
+            attacking = kind not in ("clean", CONTROL)
+            sybils, stage, sybil_p2p = attack(kind, k, swarm, spec, directory, patient) if attacking \
                 else (None, stages - 1, set())
             watch.read()
             end = max(end, time.monotonic() + args.min_window)
@@ -334,8 +340,13 @@ def main() -> None:
                     row = run_one(path, spec, kind, k, args)
                 except (TimeoutError, RuntimeError) as e:  # one configuration that never got going: say so, go on
                     row = {"kind": kind, "k": k, "error": f"{type(e).__name__}: {e}"[:500], "val_loss": None}
-                if row["val_loss"] is not None and clean["val_loss"]:
-                    row["val_loss_ratio"] = round(row["val_loss"] / clean["val_loss"], 3)
+                baseline = clean
+                if kind == "patient":  # the same servers, honest to the end: the clean run had K fewer on 2 cores
+                    baseline = run_one(path, spec, CONTROL, k, args)
+                    print(json.dumps(baseline), file=sys.stderr, flush=True)
+                    row["control_val_loss"] = baseline["val_loss"]
+                if row["val_loss"] is not None and baseline["val_loss"]:
+                    row["val_loss_ratio"] = round(row["val_loss"] / baseline["val_loss"], 3)
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 results.append(row)
     print(json.dumps({"clean": clean, "results": results}), flush=True)
