@@ -379,19 +379,18 @@ class ServedStage:
         return self._servers_read[1]
 
     async def _read_roster(self) -> None:
-        """Keep the progress sub-keys the stage's servers announce, the only progress this server counts
-        (:mod:`swarm.averaging.progress`; None, counting every entry, until a record names one), and tell the
-        optimizer which declared donors are the stage's servers and (``[averaging] early_start``) which servers make
-        a complete group."""
+        """Keep the progress sub-keys the stage's servers announce, the only progress counted (None, counting every
+        entry, until a record names one: :mod:`swarm.averaging.progress`), and tell the optimizer which declared
+        donors are the stage's servers and (``[averaging] early_start``) which servers make a complete group."""
         servers = await self.directory.servers(self.stage)
         self._servers_read = (time.monotonic(), servers)
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
         mates = [s for s in servers if s.progress_key and s.peer_id != self.me]
         known, self._mates = self._mates, {s.p2p_id: bytes.fromhex(s.progress_key) for s in mates}
         recognized = self.ctx.recognition.recognized(self.stage) if self.ctx.recognition is not None else None
-        own = next((s for s in servers if s.peer_id == self.me), None)
         self._trust = progress_trust(mates, self.ctx.weight, self.spec.averaging.group_size, recognized,
-                                     me=(self.me, bytes.fromhex(self.optimizer.progress_key)), own=own)
+                                     me=(self.me, bytes.fromhex(self.optimizer.progress_key)),
+                                     own=next((s for s in servers if s.peer_id == self.me), None))
         if self._mates != known:
             self.pushes.set_mates(mates)
             if set(self._mates.values()) - set(known.values()):  # a new one: its pushes may not count yet
