@@ -180,7 +180,6 @@ class OverlappedRounds:
             self.grad_averager.state_sharing_priority = self.local_epoch
 
 
-
 def finish_running_round(control, timeout: float, allreduce_timeout: float) -> None:
     """Wait for ``control``'s round (a hivemind ``StepControl``) ``timeout`` seconds, and up to
     ``allreduce_timeout`` more if its all-reduce is running by then; cancel it if it did not complete (hivemind's
