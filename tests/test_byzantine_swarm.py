@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from hivemind.utils import get_dht_time
 
+from swarm.averaging.membership import QUANTUM, SETTLE
 from swarm.protocol import ServerState
 from tests.conftest import TINY
 from tests.scenario import Scenario, make_swarm
@@ -20,7 +22,16 @@ ONE_STAGE = TINY.updated(model={"stage_layers": [2]},
 @pytest.mark.scenario  # ~150 s; the exclusion logic is checked in the default suite by tests/test_robust_allreduce.py
 def test_a_noisy_server_is_excluded_by_its_stage_and_routed_around(tmp_path, cache_dir, tiny_dataset):
     with make_swarm(ONE_STAGE, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
-        sc.servers(per_stage=3, byzantine="noise").trainers(1, "--concurrency", "2")
+        sc.servers(per_stage=3, byzantine="noise")
+        # the noisy server must be in its mates' rounds to be rejected: started last, it became an averaging member
+        # (swarm.averaging.membership) after the first epochs of 2 s had ended without it, each of its rounds then
+        # blocked it averaging_timeout and it fell behind, and loaded its mates' state epoch after epoch (7 of 10
+        # runs; it was in rounds before only because its first failed round, with no deadline, kept retrying its
+        # matchmaking into later ones). So every server is a member before the trainer starts the first epoch
+        settled = ONE_STAGE.timeouts.record_ttl_s * (SETTLE + QUANTUM)
+        sc.wait(lambda: sum(s.state == ServerState.ONLINE and s.online_since <= get_dht_time() - settled
+                            for s in sc.directory.servers(0)) == 3, 120, "the three servers to be averaging members")
+        sc.trainers(1, "--concurrency", "2")
         bad = next(p for p in sw.peers if p.name.startswith("byzantine"))
         bad_p2p = lambda: next(s.p2p_id for s in sc.directory.servers(0) if s.peer_id == bad.peer_id)
 

@@ -195,6 +195,14 @@ def test_a_servers_progress_trust_follows_its_standing_and_its_stage_mates_vouch
     assert newcomer.follower and newcomer.vouched == frozenset({b"\x0a", b"\x0b"})
     assert not progress_trust(established, lambda p: weight(p, 0.0)).follower  # it verified a
     assert not progress_trust([mate("a", "0a", vouches=["me"])], lambda p: 0.0).follower  # only itself vouched for
+    # unvouched: it verified a, but its mates vouch only for each other (they count it within the share: by its own
+    # count it stepped before them, alone, every epoch); vouched for, or in a stage where nobody vouches, it is not
+    me = mate("me", "01")
+    assert progress_trust(established, lambda p: weight(p, 0.0), own=me).unvouched
+    assert not progress_trust(established, lambda p: weight(p, 0.0)).unvouched  # (its own record not read yet)
+    assert not progress_trust([mate("a", "0a", vouches=["b", "me"]), mate("b", "0b", vouches=["a"])],
+                              lambda p: weight(p, 0.0), own=me).unvouched
+    assert not progress_trust([mate("a", "0a"), mate("b", "0b", vouches=["gone"])], lambda p: 0.5, own=me).unvouched
     # bounded groups (more servers than group_size): every entry in full (a server verifies its group only)
     assert progress_trust(established, lambda p: weight(p, 0.0), group_size=2) == ProgressTrust()
     assert progress_trust(established, lambda p: weight(p, 0.0), group_size=3).verified == frozenset({b"\x0a"})
@@ -287,6 +295,38 @@ def test_a_strangers_progress_record_neither_moves_the_stages_epoch_nor_ends_it(
             optimizer.shutdown()
         for d in (other_dht, mate_dht, stranger_dht, dht):
             d.shutdown()
+
+
+def test_an_unvouched_server_ends_its_epoch_when_pulled_or_at_the_followers_patience():
+    """A server that verified its mates while none of them vouches for it (a noisy server, its parts rejected)
+    counted its own samples in full, they counted them within the share: with most of the trainer's samples it
+    ended its epochs before them (up to 34 s in tests/test_byzantine_swarm.py), alone, and met none of their rounds
+    again, so it was never excluded. Now it counts its own entry as they do, within the share, and its local count
+    alone ends an epoch only at FOLLOWER_PATIENCE x the target; a mate counted in full that moved on still pulls
+    it."""
+    from types import SimpleNamespace
+
+    from swarm.averaging.progress import FOLLOWER_PATIENCE, ProgressTrust, SampleCountTracker
+
+    def ready(trust: ProgressTrust, local: int, total: int, epoch: int = 3) -> bool:
+        tracker = SimpleNamespace(target_batch_size=64, trust=lambda: trust, global_epoch=epoch,
+                                  global_progress=SimpleNamespace(samples_accumulated=total),
+                                  local_progress=SimpleNamespace(epoch=3, samples_accumulated=local))
+        return SampleCountTracker.ready_to_update_epoch.fget(tracker)
+
+    vouched, unvouched = ProgressTrust(frozenset({b"mate"})), ProgressTrust(frozenset({b"mate"}), unvouched=True)
+    assert ready(vouched, 50, 70) and ready(vouched, 64, 64)
+    assert ready(unvouched, 50, 70) and not ready(unvouched, 64, 40)  # the count, as its mates count, ends it
+    assert ready(unvouched, 0, 0, epoch=4)  # a mate counted in full moved on: it is pulled on
+    # mates that never move cost it that much
+    assert ready(unvouched, FOLLOWER_PATIENCE * 64, 40) and not ready(unvouched, 64, 40)
+    # its own entry counts as its mates count it: within the unverified share
+    from swarm.averaging.progress import UNVERIFIED_SHARE, trusted_progress
+    entries = {b"own": _entry(3, 60), b"mate": _entry(3, 10)}
+    assert trusted_progress(entries, b"own", 3, 64, None, vouched)[b"own"].value["samples_accumulated"] == 60
+    kept = trusted_progress(entries, b"own", 3, 64, None, unvouched)
+    assert kept[b"own"].value["samples_accumulated"] == int(UNVERIFIED_SHARE * 64)
+    assert kept[b"mate"].value["samples_accumulated"] == 10
 
 
 @pytest.mark.timeout(180)

@@ -220,8 +220,9 @@ def progress_trust(mates: list, weight: Callable[[str], float], group_size: int 
     with this server's ``own`` record among theirs: a recognized key that stopped and announces its progress one
     epoch ahead pulled the stage's epochs, ``bench/sybil.py`` patient keys), and nothing from the others; a server
     it does not name follows them (the same view on every server of the stage, bounded groups included). Else those
-    it verified (``weight(libp2p id) > 0``), those some stage-mate vouches for, and whether it follows them (it
-    verified none, and some vouch for others); every entry in full in a stage of more servers than ``group_size``
+    it verified (``weight(libp2p id) > 0``), those some stage-mate vouches for, whether it follows them (it
+    verified none, and some vouch for others), and whether it is unvouched (they do, none of them for it: ``own``'s
+    libp2p id); every entry in full in a stage of more servers than ``group_size``
     (bounded groups: a server verifies only its first hop's group-mates, and servers that verified different groups
     would end their epochs apart; measured, tests/test_scale.py)."""
     if recognized:
@@ -237,7 +238,8 @@ def progress_trust(mates: list, weight: Callable[[str], float], group_size: int 
     named = {p2p for s in mates for p2p in s.vouches}
     verified = frozenset(bytes.fromhex(s.progress_key) for s in mates if weight(s.p2p_id) > 0)
     vouched = frozenset(bytes.fromhex(s.progress_key) for s in mates if s.p2p_id in named)
-    return ProgressTrust(verified, vouched, follower=not verified and bool(vouched))
+    unvouched = bool(vouched) and own is not None and own.p2p_id not in named
+    return ProgressTrust(verified, vouched, follower=not verified and bool(vouched), unvouched=unvouched)
 
 
 class ServedStage:
