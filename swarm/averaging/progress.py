@@ -23,8 +23,9 @@ time passed).
 **Standing** (:class:`ProgressTrust`, :mod:`swarm.trust.standing`). Announcing a server costs a fresh key nothing,
 so one such key naming its progress entry at the stage's epoch + 1 (or with the target's samples) ended every
 epoch of its stage at once (measured: 88 micro-batches per 25 s fell to 4). A server that verified the averaging
-work of at least one of its current stage-mates therefore counts in full only its own entry and those of the
-mates it verified; every other entry is *unverified* (whatever its ``client_mode`` says):
+work of at least one of its current stage-mates therefore counts in full only its own entry (unless it is
+*unvouched*, below) and those of the mates it verified; every other entry is *unverified* (whatever its
+``client_mode`` says):
 
 * an unverified entry ahead of this server's epoch does not move it: it counts as one that finished this epoch
   (the target's samples, within the share below), so it cannot pull the stage to the next epoch;
@@ -59,7 +60,9 @@ Sybils) can pull a follower ahead of its stage until it earned standing (establi
 stage of more servers than ``[averaging] group_size`` (bounded groups) counts every entry as before
 (:func:`swarm.server.served.progress_trust`): a server verifies only the members of its first hop's group, so
 servers that verified different groups would end their epochs apart; so Sybils can turn it off by outnumbering a
-stage past ``group_size``. A recognized key (one that did real work first) counts in full.
+stage past ``group_size``. Sybil mates that averaged with an honest server and then stop vouching for it make
+it unvouched: its own samples alone then end an epoch only at :data:`FOLLOWER_PATIENCE` times the target. A
+recognized key (one that did real work first) counts in full.
 """
 
 from __future__ import annotations
@@ -424,8 +427,9 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
 
     @property
     def ready_to_update_epoch(self) -> bool:
-        """Pulled on by an entry counted in full, or the target counted (a follower's, or an unvouched server's:
-        :data:`FOLLOWER_PATIENCE` times it)."""
+        """Pulled on by an entry counted in full, or the target counted (a follower's: :data:`FOLLOWER_PATIENCE`
+        times it), or the target counted by this server alone (a follower's or an unvouched server's: that many
+        times it)."""
         trust = self.trust()
         target = self.target_batch_size * (FOLLOWER_PATIENCE if trust.follower else 1)
         alone = self.target_batch_size * (FOLLOWER_PATIENCE if trust.follower or trust.unvouched else 1)
