@@ -229,9 +229,18 @@ def test_where_the_run_key_recognizes_stage_mates_their_progress_alone_counts_an
     named = frozenset({"a", "b", "p", "gone"})
     trust = progress_trust(mates, lambda p: 0.0, group_size=2, recognized=named | {"me"}, me=("me", b"\x01"))
     assert trust == ProgressTrust(frozenset({b"\x0a", b"\x0b", b"\x01"}), share=0.0)  # online mates and its own
-    # a server the recognition does not name (a newcomer) follows the recognized ones: it never steps before them
+    # a server the recognition does not name (a newcomer) counts as the recognized ones count: their entries in
+    # full, its own not at all, so it ends the epoch with them and meets them in their round (a follower, pulled
+    # on once they had stepped, came to each of their rounds after it ended: tests/test_scale.py, kept logs)
     newcomer = progress_trust(mates, lambda p: 0.0, recognized=named, me=("new", b"\x02"))
-    assert newcomer == ProgressTrust(vouched=frozenset({b"\x0a", b"\x0b"}), follower=True, share=0.0)
+    assert newcomer == ProgressTrust(frozenset({b"\x0a", b"\x0b"}), share=0.0, unvouched=True)
+    seen = {b"\x01": _entry(5, 20), b"\x0a": _entry(5, 30), b"\x0b": _entry(5, 14), b"\x02": _entry(5, 40)}
+
+    def counted(trust: ProgressTrust, own: bytes) -> int:
+        return sum(v.value["samples_accumulated"] for v in trusted_progress(seen, own, 5, 64, None, trust).values())
+
+    beside = progress_trust([*mates, mate("me", "01")], lambda p: 0.0, recognized=named | {"me"}, me=("new", b"\x02"))
+    assert counted(beside, b"\x02") == counted(trust, b"\x01") == 64  # one view: both end epoch 5 now
     # recognized alone (its founding mate left): still only its own samples, not every key's
     assert progress_trust(mates[2:], lambda p: 0.0, group_size=2, recognized=named | {"me"},
                           me=("me", b"\x01")) == ProgressTrust(frozenset({b"\x01"}), share=0.0)

@@ -50,10 +50,14 @@ anybody (its first epochs) counts every announced server's entry as before.
 Where the run key's recognition (:mod:`swarm.trust.recognition`) names this server or some of its online
 stage-mates, it decides instead, one view for the whole stage: the recognized online mates' entries and the
 server's own count in full, every other entry as unverified with a share of 0 (a fresh key's samples end no
-epoch); a server the recognition does not name follows the recognized mates (as a follower above, with a share of
-0): it meets them in their round, where they verify it, and counts once the coordinator's next read named it and
-its mates re-read the recognition (a round or two, then up to ~10 s). That holds in a stage of bounded groups too,
-so keys that outnumber a stage no longer turn it off.
+epoch); a server the recognition does not name counts as they do: their entries in full, its own as unverified
+(*unvouched*, with a share of 0; its own count alone ends an epoch only at the patience above). It so ends each
+epoch when they do and meets them in their round, where they verify it, and counts once the coordinator's next
+read named it and its mates re-read the recognition (a round or two, then up to ~10 s). As a follower (pulled on
+only once they had stepped, after their round) it came to every round of theirs too late, was never verified, and
+with bounded groups the lanes it held failed their round too: three servers of a stage of seven stayed unnamed
+for the whole of a tests/test_scale.py run, and the stage's rounds failed every epoch (kept logs). That holds in a
+stage of bounded groups too, so keys that outnumber a stage no longer turn it off.
 
 Limits: without a recognition (coordinator down, a stage not founded yet), keys that vouch for one another (two
 Sybils) can pull a follower ahead of its stage until it earned standing (established servers are not moved), and a
@@ -126,9 +130,10 @@ class ProgressTrust:
     :param verified: progress sub-keys of the current stage-mates whose averaging work this server verified.
     :param vouched: progress sub-keys of the current stage-mates that some stage-mate vouches for.
     :param follower: this server verified none of them, and its stage is established (``vouched`` not empty).
-    :param unvouched: none of its current stage-mates vouches for this server while some vouch for others: they
-        count its entry as unverified, and so does it where it verified some of them (one view of the epoch's end
-        on every server of the stage); its local count alone ends an epoch only at :data:`FOLLOWER_PATIENCE` times
+    :param unvouched: none of its current stage-mates vouches for this server while some vouch for others (or the
+        run key's recognition names some of them, not it): they count its entry as unverified, and so does it
+        where it verified some of them (one view of the epoch's end on every server of the stage); its local count
+        alone ends an epoch only at :data:`FOLLOWER_PATIENCE` times
         the target (module docstring, *Standing*).
     :param share: the fraction of ``target_batch_size`` the other entries count together at most
         (:data:`UNVERIFIED_SHARE`; 0 where the run key's recognition decides: :func:`~swarm.server.served.

@@ -219,7 +219,10 @@ def progress_trust(mates: list, weight: Callable[[str], float], group_size: int 
     stage) names this server or some of its online mates: those mates still working (:func:`still_working`, judged
     with this server's ``own`` record among theirs: a recognized key that stopped and announces its progress one
     epoch ahead pulled the stage's epochs, ``bench/sybil.py`` patient keys), and nothing from the others; a server
-    it does not name follows them (the same view on every server of the stage, bounded groups included). Else those
+    it does not name counts as they do, its own entry not at all (*unvouched*), so that it ends each epoch with them
+    and meets them in their round, where they verify it (the same view on every server of the stage, bounded
+    groups included; a follower, pulled on only once they had stepped, came to each round after it ended, and
+    with bounded groups its lanes failed theirs: tests/test_scale.py, kept logs). Else those
     it verified (``weight(libp2p id) > 0``), those some stage-mate vouches for, whether it follows them (it
     verified none, and some vouch for others), and whether it is unvouched (they do, none of them for it: ``own``'s
     libp2p id); every entry in full in a stage of more servers than ``group_size``
@@ -231,8 +234,8 @@ def progress_trust(mates: list, weight: Callable[[str], float], group_size: int 
                          and s.state == ServerState.ONLINE and still_working(s, named))
         if me[0] in recognized:
             return ProgressTrust(keys | {me[1]}, share=0.0)
-        if keys:
-            return ProgressTrust(vouched=keys, follower=True, share=0.0)
+        if keys:  # counts as they count: their entries in full, its own not at all (one view of the epoch's end)
+            return ProgressTrust(keys, share=0.0, unvouched=True)
     if group_size and len(mates) + 1 > group_size:
         return ProgressTrust()
     named = {p2p for s in mates for p2p in s.vouches}
