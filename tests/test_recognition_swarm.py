@@ -20,7 +20,7 @@ ONE_STAGE = TINY.updated(model={"stage_layers": [2]}, training={"target_batch_si
 
 
 @pytest.mark.scenario  # ~100 s
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_server_joining_a_recognized_stage_meets_its_rounds_and_is_named(tmp_path, cache_dir, tiny_dataset):
     with make_swarm(ONE_STAGE, tmp_path, cache_dir) as sw, Scenario(sw) as sc:
         sc.servers(per_stage=2).trainers(1)
@@ -29,7 +29,13 @@ def test_a_server_joining_a_recognized_stage_meets_its_rounds_and_is_named(tmp_p
             recognition = read_recognition(sc.directory)
             return set(recognition.servers.get(0, [])) if recognition is not None else set()
 
-        founders = {s.peer_id for s in sc.directory.servers(0)}
+        founders: set[str] = set()
+
+        def both_read() -> bool:  # one DHT read may miss a record that is there
+            founders.update(s.peer_id for s in sc.directory.servers(0))
+            return len(founders) == 2
+
+        sc.wait(both_read, 60, "both founders' records")
         sc.wait(lambda: founders <= named(), 240, "the recognition to name the stage's two servers")
         joiner = sw.start_peer("server", "--stage", "0")
         sc.stage_of[joiner.name] = 0

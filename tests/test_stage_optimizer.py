@@ -337,6 +337,34 @@ def test_an_unvouched_server_ends_its_epoch_when_pulled_or_at_the_followers_pati
     assert kept[b"mate"].value["samples_accumulated"] == 10
 
 
+def test_an_unvouched_servers_new_samples_join_the_stages_count_only_at_the_next_count():
+    """report_local_progress (hivemind's) added a server's new samples to the stage's count at once, until the next
+    count: an unvouched server (its own entry within the share: 0 where the recognition decides) reached the target
+    on its own samples before its mates' count did. They join at once only where its own entry counts in full."""
+    import threading
+    from types import SimpleNamespace
+
+    from swarm.averaging.progress import ProgressTrust, SampleCountTracker
+
+    def counted_after_report(trust: ProgressTrust) -> int:
+        tracker = SimpleNamespace(
+            target_batch_size=64, trust=lambda: trust, _local_public_key=b"own", reading_slowly=False,
+            global_progress=SimpleNamespace(epoch=3, samples_accumulated=10),
+            local_progress=SimpleNamespace(epoch=3, samples_accumulated=5),
+            _get_local_progress=lambda epoch, samples: SimpleNamespace(epoch=epoch, samples_accumulated=samples),
+            performance_ema=SimpleNamespace(update=lambda task_size: None, reset_timer=lambda: None),
+            push=lambda progress: True, min_refresh_period=0.25, max_refresh_period=1.0,
+            _last_report=time.monotonic(), _flush=SimpleNamespace(is_alive=lambda: True),
+            should_report_progress=threading.Event())
+        SampleCountTracker.report_local_progress(tracker, 3, 9)
+        assert tracker.local_progress.samples_accumulated == 9
+        return tracker.global_progress.samples_accumulated
+
+    assert counted_after_report(ProgressTrust()) == 14  # every entry in full: its 4 new samples at once
+    assert counted_after_report(ProgressTrust(frozenset({b"mate"}))) == 14
+    assert counted_after_report(ProgressTrust(frozenset({b"mate"}), share=0.0, unvouched=True)) == 10
+
+
 @pytest.mark.timeout(180)
 def test_one_fresh_keys_progress_at_the_next_epoch_no_longer_ends_a_verified_servers_epochs():
     """The finding: one fresh key announced as a server, its progress entry at the stage's epoch + 1 with 10**9

@@ -53,11 +53,11 @@ server's own count in full, every other entry as unverified with a share of 0 (a
 epoch); a server the recognition does not name counts as they do: their entries in full, its own as unverified
 (*unvouched*, with a share of 0; its own count alone ends an epoch only at the patience above). It so ends each
 epoch when they do and meets them in their round, where they verify it, and counts once the coordinator's next
-read named it and its mates re-read the recognition (a round or two, then up to ~10 s). As a follower (pulled on
-only once they had stepped, after their round) it came to every round of theirs too late, was never verified, and
-with bounded groups the lanes it held failed their round too: three servers of a stage of seven stayed unnamed
-for the whole of a tests/test_scale.py run, and the stage's rounds failed every epoch (kept logs). That holds in a
-stage of bounded groups too, so keys that outnumber a stage no longer turn it off.
+read named it and its mates re-read the recognition (a round or two, then up to ~10 s). That holds in a stage of
+bounded groups too, so keys that outnumber a stage no longer turn it off. (As a follower, pulled on only once they
+had stepped, after their round, it came to every round of theirs too late and was never verified, and with bounded
+groups the lanes it held failed their round too: three servers of a stage of seven stayed unnamed for the whole of
+a tests/test_scale.py run, and the stage's rounds failed every epoch; kept logs.)
 
 Limits: without a recognition (coordinator down, a stage not founded yet), keys that vouch for one another (two
 Sybils) can pull a follower ahead of its stage until it earned standing (established servers are not moved), and a
@@ -131,9 +131,9 @@ class ProgressTrust:
     :param vouched: progress sub-keys of the current stage-mates that some stage-mate vouches for.
     :param follower: this server verified none of them, and its stage is established (``vouched`` not empty).
     :param unvouched: none of its current stage-mates vouches for this server while some vouch for others (or the
-        run key's recognition names some of them, not it): they count its entry as unverified, and so does it
-        where it verified some of them (one view of the epoch's end on every server of the stage); its local count
-        alone ends an epoch only at :data:`FOLLOWER_PATIENCE` times
+        run key's recognition names some of them, not it): they count its entry as unverified, and so does it (one
+        view of the epoch's end on every server of the stage; ``verified`` then holds the mates it verified, or
+        those the recognition names); its local count alone ends an epoch only at :data:`FOLLOWER_PATIENCE` times
         the target (module docstring, *Standing*).
     :param share: the fraction of ``target_batch_size`` the other entries count together at most
         (:data:`UNVERIFIED_SHARE`; 0 where the run key's recognition decides: :func:`~swarm.server.served.
@@ -263,11 +263,15 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         once per ``min_refresh_period`` (the stage's servers read no faster): a count held back is published when
         the period is over, and a new epoch, a reset or a count that reaches the target at once. While the pushes
         reach every stage-mate the period is ``PUSHED_SLOWDOWN x max_refresh_period`` and nothing is urgent.
-        (hivemind's own version wakes its publisher at every report.)"""
+        (hivemind's own version wakes its publisher at every report.) The new samples join the stage's count at
+        once only where this server's own entry counts in full (an unvouched server's wait for the next count:
+        added at once, they could end its epoch before its mates' count does)."""
         urgent = (local_epoch != self.local_progress.epoch or samples_accumulated <= 0
                   or samples_accumulated >= self.target_batch_size)
         extra_samples = samples_accumulated - self.local_progress.samples_accumulated
-        if update_global_samples and local_epoch == self.local_progress.epoch == self.global_progress.epoch:
+        own = self._local_public_key
+        if update_global_samples and local_epoch == self.local_progress.epoch == self.global_progress.epoch \
+                and self.trust().full(own, own):
             self.global_progress.samples_accumulated += extra_samples
         if extra_samples > 0:
             self.performance_ema.update(task_size=extra_samples)
