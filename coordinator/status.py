@@ -36,10 +36,15 @@ and split ``excluded`` off ``banned``)::
 
 Units: seconds, samples/s, nats/token; ``contribution`` and ``progress`` are fractions in [0, 1]. A server's
 contribution is its share of the samples its stage's listed servers processed (0 while paused, when it also
-announces 0 samples/s and is left out of the others' shares); a trainer's, its share of
+announces 0 samples/s and is left out of the others' shares; where the run key's recognition names some of the
+stage's servers, of the samples of those it names, at most 1); a trainer's, its share of
 the trainers' samples/s. ``eta_s`` is the time to ``optim.total_epochs`` (the end of the learning-rate
 schedule) at the slowest stage's recent epoch rate; ``None`` until two epochs were seen. A peer *lags* when
 its record is older than a re-announce period plus slack, or a server is more than one epoch behind its stage.
+A stage's ``epoch``, epoch rate (for ``eta_s``), ``throughput``, ``samples`` and who is ``excluded`` come from the
+servers the run key's recognition names on it where it names some of its online ones (of them, for ``epoch``, rate
+and ``throughput``, those still working: :func:`~swarm.server.served.counted_claims`), else from every record
+(lower medians for epoch and rate): fresh keys' records then neither move nor mislead them.
 ``banned``: on the run's ban list (``ban_reason`` its reason); ``excluded``: more than half of the other online
 servers of its stage excluded it from averaging (it is not routed to either). A banned peer with no record
 left is listed with role ``unknown`` and state ``gone`` (``last_seen_s`` None).
@@ -56,6 +61,7 @@ from swarm.config import RunSpec
 from swarm.net.directory import RunDirectory
 from swarm.protocol import ServerInfo, ServerState, TrainerInfo
 from swarm.server.rebalance import stage_demand
+from swarm.server.served import counted_claims
 from swarm.trainer.routing import excluded_by_stage
 from swarm.trust.recognition import read_recognition
 
@@ -79,6 +85,21 @@ def _lower_median(values: list) -> Any:
     return ordered[(len(ordered) - 1) // 2] if ordered else 0
 
 
+def _deciding(group: list[ServerInfo], online: list[ServerInfo], named: Optional[frozenset[str]]) -> tuple:
+    """``(deciding, counted, vote)`` of a stage: the online servers whose records make its epoch, epoch rate and
+    throughput, those whose samples it sums, and each record's vote on its exclusions (peer id -> vote, for
+    :func:`~swarm.trainer.routing.excluded_by_stage`; None: one per record). Where the run key's recognition
+    (``named``: peer ids; None: none published) names some of the ``online`` ones: the named ones still working
+    (:func:`~swarm.server.served.counted_claims`, as rebalancing counts them), the named ones, and 1 for a named
+    server, 0 for others; else every record. A fresh key's epoch, 10^6 samples/s or 2^53 samples then move none
+    of them, and five fresh keys listing the stage's honest servers as excluded exclude nobody."""
+    if named is None or not any(s.peer_id in named for s in online):
+        return online, group, None
+    recognized = [s for s in online if s.peer_id in named]
+    return (counted_claims(online, named) or recognized, [s for s in group if s.peer_id in named],
+            lambda peer_id: 1.0 if peer_id in named else 0.0)
+
+
 def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], excluded_by_most: set[str], stage_samples: int,
                 stage_epoch: int, banned: dict[str, str], now: float, directory: RunDirectory,
                 recognized: Optional[frozenset[str]] = None) -> dict[str, Any]:
@@ -88,7 +109,8 @@ def _server_row(s: ServerInfo, k: int, online: list[ServerInfo], excluded_by_mos
         "state": str(s.state), "reachability": s.reachability, "epoch": s.epoch,
         "throughput": round(s.throughput, 3), "samples_per_s": round(s.throughput, 3), "samples": s.samples,
         "samples_dropped": s.samples_dropped,
-        "contribution": round(s.samples / stage_samples, 4) if stage_samples and s.state != ServerState.PAUSED else 0.0,
+        "contribution": round(min(1.0, s.samples / stage_samples), 4)
+        if stage_samples and s.state != ServerState.PAUSED else 0.0,
         "last_seen_s": round(max(0.0, now - s.time), 1),
         "lagging": _lag(directory, s.time, now) or (s.state == ServerState.ONLINE and s.epoch < stage_epoch - 1),
         "loss": s.loss, "p2p_id": s.p2p_id, "banned": s.peer_id in banned, "ban_reason": banned.get(s.peer_id),
@@ -150,20 +172,21 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
     stages, peers, rates = [], [], []
     for k, group in servers.items():
         online = [s for s in group if s.state == ServerState.ONLINE]
-        epoch = _lower_median([s.epoch for s in online or group])  # one key's record cannot move it
-        stage_samples = sum(s.samples for s in group if s.state != ServerState.PAUSED)
-        excluded_by_most = excluded_by_stage(group)
         named = frozenset(recognition.servers.get(k, ())) if recognition is not None else None
+        deciding, counted, vote = _deciding(group, online, named)
+        epoch = _lower_median([s.epoch for s in deciding or group])  # one key's record cannot move it
+        stage_samples = sum(s.samples for s in counted if s.state != ServerState.PAUSED)
+        excluded_by_most = excluded_by_stage(group, vote)
         rows = [_server_row(s, k, online, excluded_by_most, stage_samples, epoch, banned, now, directory, named)
                 for s in group]
         peers += rows
-        stage_rates = [r for r in (_epoch_rate(histories[k].get(s.peer_id, [])) for s in online) if r]
+        stage_rates = [r for r in (_epoch_rate(histories[k].get(s.peer_id, [])) for s in deciding) if r]
         rates.append(_lower_median(stage_rates) if stage_rates else None)
         stages.append({
             "stage": k, "servers_online": len(online), "servers": len(group),
-            "throughput": round(sum(s.throughput for s in online), 3), "demand": round(demand[k], 3), "epoch": epoch,
-            "lagging": sum(r["lagging"] for r in rows),
-            "samples": sum(s.samples for s in group), "samples_dropped": sum(s.samples_dropped for s in group),
+            "throughput": round(sum(s.throughput for s in deciding), 3), "demand": round(demand[k], 3),
+            "epoch": epoch, "lagging": sum(r["lagging"] for r in rows),
+            "samples": sum(s.samples for s in counted), "samples_dropped": sum(s.samples_dropped for s in counted),
             "last_round": {"group_size": max((s.peers_in_last_round for s in online), default=0),
                            "round_s": round(sum(s.round_s for s in online) / len(online), 3) if online else None},
             "recognized": sum(s.peer_id in named for s in online) if named is not None else None,

@@ -132,7 +132,8 @@ def test_records_with_absurd_numbers_are_refused_or_read_as_unknown():
     ident, run, now = Identity.generate(), "r-aaaaaaaaaaaaaaaa", get_dht_time()
     info = _info(ident, time=now).model_dump(mode="json")
     for field, value, expected in [("throughput", float("inf"), "throughput"), ("round_s", float("nan"), "round_s"),
-                                   ("lr_scale", float("inf"), "lr_scale"), ("time", now + 1e6, "in the future")]:
+                                   ("lr_scale", float("inf"), "lr_scale"), ("lr_scale", 1e-300, "lr_scale"),
+                                   ("lr_scale", 2.0, "lr_scale"), ("time", now + 1e6, "in the future")]:
         with pytest.raises(ProtocolError, match=expected):
             open_record(_forge(ident, {**info, field: value}), ServerInfo, run_id=run)
     rec, _ = open_record(_forge(ident, {**info, "time": now + 5.0}), ServerInfo, run_id=run)  # a little skew is fine

@@ -226,3 +226,39 @@ def test_status_shows_which_servers_the_run_key_recognizes(monkeypatch):
     text = console.export_text()
     rows = {line.split()[1]: line for line in text.splitlines() if line.startswith("│ s")}
     assert rows["s0-0"].rstrip(" │").endswith("yes") and rows["s0-2"].rstrip(" │").endswith("no")
+
+
+def test_where_the_run_key_recognizes_a_stages_servers_fresh_keys_records_move_none_of_its_figures(monkeypatch):
+    """Found against a live swarm: five fresh keys announcing stage-0 records that list both honest servers as
+    excluded got them shown as excluded, and one key's throughput of 10^6 samples/s and 2^53 samples were summed
+    into its stage's figures. Where the run key's recognition names a stage's servers, ``status`` takes its epoch,
+    throughput, samples and exclusions from them alone (without one, per record, as before)."""
+    from hivemind.utils import get_dht_time
+
+    import coordinator.status as status
+    from swarm.config import RunSpec
+    from swarm.protocol import Recognition, ServerInfo, ServerState
+
+    spec = RunSpec.from_toml("runs/tiny.toml")
+    now, run = get_dht_time(), "tiny-aaaaaaaaaaaaaaaa"
+
+    def server(k, name, **fields):
+        return ServerInfo(run_id=run, peer_id=name, time=now - 1, stage=k, state=ServerState.ONLINE,
+                          p2p_id=f"p-{name}", **{"throughput": 1.0, "epoch": 5, "samples": 10, **fields})
+
+    honest = {k: [server(k, f"s{k}-{i}") for i in range(2)] for k in range(2)}
+    sybils = [server(0, f"x{i}", epoch=9, throughput=1e6, samples=2 ** 53,
+                     excluded={"p-s0-0": "junk parts", "p-s0-1": "junk parts"}) for i in range(5)]
+    records = _Records({0: honest[0] + sybils, 1: honest[1]}, {k: {} for k in range(2)}, [])
+    by_head = status.snapshot(records, spec)  # no recognition: the records are counted one each, as before
+    rows = {p["peer_id"]: p for p in by_head["peers"]}
+    assert rows["s0-0"]["excluded"] and rows["s0-1"]["excluded"] and by_head["stages"][0]["epoch"] == 9
+    recognition = Recognition.model_construct(servers={0: ["s0-0", "s0-1"], 1: ["s1-0", "s1-1"]}, time=now - 3)
+    monkeypatch.setattr(status, "read_recognition", lambda directory: recognition)
+    snap = status.snapshot(records, spec)
+    rows = {p["peer_id"]: p for p in snap["peers"]}
+    stage = snap["stages"][0]
+    assert not rows["s0-0"]["excluded"] and not rows["s0-1"]["excluded"] and snap["run"]["peers"]["excluded"] == 0
+    assert (stage["epoch"], stage["throughput"], stage["samples"]) == (5, 2.0, 20)
+    assert rows["s0-0"]["contribution"] == 0.5 and rows["x0"]["contribution"] == 1.0  # (a share, at most 1)
+    assert not any(rows[f"s0-{i}"]["lagging"] for i in range(2)) and snap["run"]["epoch"] == 5

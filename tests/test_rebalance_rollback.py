@@ -107,7 +107,7 @@ def test_a_rollback_order_counts_only_when_it_is_in_force():
     one = _swarm([("a", 1), ("b", 1)], [("z", 1)])
     three = _swarm([("a", 1)], [("x", 1), ("y", 1), ("z", 1)])
     # anyone can sign an order: a stranger's is not in force, however new or drastic
-    assert in_force([_order("stranger", 1000, lr_scale=0.5 ** 1000)], one) is None
+    assert in_force([_order("stranger", 39, lr_scale=0.5 ** 39)], one) is None
     assert in_force([_order("stranger", 1, lr_scale=1e-6)], one, authority="stranger") is None  # scale != 0.5
     # the last stage's only server is its own majority; of three, two must have seen the spike
     assert in_force([_order("z", 1)], one) == "z"
@@ -197,3 +197,32 @@ def test_a_restored_checkpoint_sets_only_the_learning_rate_scale_its_generation_
         assert resumed({"rollback_generation": 10_000, "lr_scale": 0.0}) == (0, 1.0)
         assert resumed({"rollback_generation": "2", "lr_scale": 0.25}) == (0, 1.0)
     assert caplog.text.count("ignored the rollback state of the restored checkpoint") == 3
+
+
+def test_no_rollback_is_issued_whose_learning_rate_scale_no_record_may_carry(tiny_spec, caplog):
+    """A record refuses a learning-rate scale below ``MIN_LR_SCALE``: a last-stage server 39 rollbacks deep (scale
+    0.5^39) does not issue a 40th, it says why; one rollback deep, it issues the next at the scale it implies."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from swarm.checkpoint.rollback import Rollbacks
+    from swarm.identity import Identity
+
+    announced = []
+
+    async def announce(key, order, identity):
+        announced.append(order)
+        return True
+
+    directory = SimpleNamespace(ttl=30.0, run_id="run", announce=announce)
+    restore = SimpleNamespace(spec=tiny_spec, directory=directory, stage=1)
+    for generation, scale in ((39, 0.5 ** 39), (1, 0.5)):
+        ck = Rollbacks(restore, SimpleNamespace(lr_scale=scale), compute=None, identity=Identity.generate(),
+                       is_last=True, log=logging.getLogger(__name__))
+        ck.generation = generation
+        ck.detector.average = 4.0
+        with caplog.at_level(logging.WARNING):
+            asyncio.run(ck.issue(detected_epoch=50, loss=9.0))
+    assert [(o.generation, o.lr_scale) for o in announced] == [(2, 0.25)]
+    assert "rollback #40 would scale the learning rate to 9.09e-13" in caplog.text

@@ -404,6 +404,23 @@ def test_evidence_reaches_the_servers_of_stages_the_trainer_reads_after_the_conv
     asyncio.run(main())
 
 
+def _framing(directory, announced, witnesses, accused):
+    """Announce ``announced`` as stage-1 servers; evidence whose two agreeing answers are signed by the two
+    ``witnesses`` against ``accused``'s (the odd one)."""
+    for who in announced:
+        info = ServerInfo(run_id=RUN, peer_id=who.peer_id, time=get_dht_time(), stage=1, throughput=10.0,
+                          state=ServerState.ONLINE, p2p_id=who.p2p_id)
+        assert directory.announce_server(info, who)
+    request = [torch.zeros(2, 3)]
+    fields = dict(stage=1, mb_id="mb", call="forward", loss=None, time=get_dht_time(), epoch=4,
+                  request_sha256=tensors_digest(request))
+    wire = [[torch.ones(2, 3)], [torch.ones(2, 3)], [torch.zeros(2, 3)]]  # the accused's answer is the odd one
+    answers = [(sign_receipt(who, RUN, reply_sha256=tensors_digest(w), **fields), w)
+               for who, w in zip([*witnesses, accused], wire)]
+    return SpotEvidence(run_id=RUN, stage=1, call="forward", codec="float32", request_wire=request,
+                        answers=answers, accused=2, tolerance=0.05)
+
+
 def test_evidence_whose_agreeing_answers_come_from_keys_that_never_served_convicts_nobody():
     """Found against a live swarm: two fresh keys never announced as servers signed two agreeing answers against an honest
     server's receipt, and its stage-mates listed it. A server's book now needs both agreeing signers seen serving
@@ -412,18 +429,7 @@ def test_evidence_whose_agreeing_answers_come_from_keys_that_never_served_convic
     try:
         directory = RunDirectory(dht, RUN, ttl=600)
         honest, mate, fresh = ident, Identity.generate(), Identity.generate()
-        for who in (honest, mate):
-            info = ServerInfo(run_id=RUN, peer_id=who.peer_id, time=get_dht_time(), stage=1, throughput=10.0,
-                              state=ServerState.ONLINE, p2p_id=who.p2p_id)
-            assert directory.announce_server(info, who)
-        request = [torch.zeros(2, 3)]
-        fields = dict(stage=1, mb_id="mb", call="forward", loss=None, time=get_dht_time(), epoch=4,
-                      request_sha256=tensors_digest(request))
-        wire = [[torch.ones(2, 3)], [torch.ones(2, 3)], [torch.zeros(2, 3)]]  # the honest answer is the odd one
-        answers = [(sign_receipt(who, RUN, reply_sha256=tensors_digest(w), **fields), w)
-                   for who, w in zip([mate, fresh, honest], wire)]
-        evidence = SpotEvidence(run_id=RUN, stage=1, call="forward", codec="float32", request_wire=request,
-                                answers=answers, accused=2, tolerance=0.05)
+        evidence = _framing(directory, (honest, mate), (mate, fresh), honest)
         assert verify_evidence(evidence) == honest.peer_id  # the signatures alone would convict
         book = ConvictionBook(RUN, Identity.generate().peer_id, 0.05, serves=directory.seen_serving)
         with pytest.raises(ProtocolError, match=f"{fresh.peer_id}, never seen serving stage 1"):
@@ -439,6 +445,30 @@ def test_evidence_whose_agreeing_answers_come_from_keys_that_never_served_convic
             except ProtocolError:
                 time.sleep(0.5)
         assert list(book.listed()) == [honest.peer_id]
+    finally:
+        dht.shutdown()
+
+
+def test_a_trainer_adopts_no_evidence_whose_agreeing_answers_come_from_keys_it_never_saw_serving():
+    """The same finding at a trainer: its book took any signer (a trainer's witnesses are the servers it routed to),
+    so two fresh keys' evidence, listed by one announced key, stopped its routing to an honest server. A trainer's
+    book now needs both agreeing signers among the servers it read announced on the stage (no DHT read on its event
+    loop: ``seen_serving(..., read=False)``), where the run key's recognition names nobody there."""
+    (ident, dht), = keyed_dhts(1)
+    try:
+        directory = RunDirectory(dht, RUN, ttl=600)
+        honest, mate, other, fresh = ident, Identity.generate(), Identity.generate(), Identity.generate()
+        framed = _framing(directory, (honest, mate, other), (mate, fresh), honest)
+        checker = SpotChecker(SPEC, RUN, None, serves=lambda p, k: directory.seen_serving(p, k, read=False))
+        assert not directory.seen_serving(mate.peer_id, 1, read=False)  # nothing read yet, and no read made
+        deadline = time.monotonic() + 20  # the trainer's pipeline reads the stage's records (a read may miss one)
+        while not {honest.peer_id, mate.peer_id, other.peer_id} <= set(s.peer_id for s in directory.servers(1)):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        with pytest.raises(ProtocolError, match=f"{fresh.peer_id}, never seen serving stage 1"):
+            checker.book.add(framed)
+        assert not checker.book.listed()
+        assert checker.book.add(_framing(directory, (), (mate, other), honest))[1] and list(checker.book.listed()) == [honest.peer_id]
     finally:
         dht.shutdown()
 

@@ -32,7 +32,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.averaging.progress import SampleCountTracker
 from swarm.identity import Identity
 from swarm.net.directory import RunDirectory
-from swarm.protocol import (MAX_VOUCHES, CheckpointManifest, Endorsement, FragmentEntry, RollbackOrder,
+from swarm.protocol import (MAX_VOUCHES, MIN_LR_SCALE, CheckpointManifest, Endorsement, FragmentEntry, RollbackOrder,
                             ServerInfo, ServerState, rollback_key, seal)
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class RecordSybils:
 
     def _order(self, who: Identity, generation: int) -> None:
         order = RollbackOrder(run_id=self.directory.run_id, peer_id=who.peer_id, time=get_dht_time(), epoch=0,
-                              detected_epoch=0, lr_scale=max(self.lr_factor ** generation, 1e-300),
+                              detected_epoch=0, lr_scale=max(self.lr_factor ** generation, MIN_LR_SCALE),
                               generation=generation, reason="loss spike")
         if self.directory.announce(rollback_key(self.directory.run_id), order, who):
             self.orders.append(order)

@@ -32,12 +32,9 @@ from swarm.checkpoint.shard import ShardError
 from swarm.checkpoint.state import Compute, StateHolder
 from swarm.config import RollbackSpec
 from swarm.identity import Identity, peer_id_of
-from swarm.protocol import RollbackOrder, ServerInfo, rollback_key
+from swarm.protocol import MIN_LR_SCALE, RollbackOrder, ServerInfo, rollback_key
 
 
-MIN_LR_SCALE = 1e-12
-"""The smallest learning-rate scale a rollback generation may imply (``lr_factor ** generation``): 40 rollbacks
-at the default factor 0.5; a run past that is not training."""
 
 
 class LossSpikeDetector:
@@ -206,9 +203,15 @@ class Rollbacks:
     async def issue(self, detected_epoch: int, loss: float) -> None:
         """Publish a signed order to return every stage to its checkpoint before ``detected_epoch``, with the
         learning rate scaled by ``rollback.lr_factor``."""
+        scale = self.holder.lr_scale * self.spec.rollback.lr_factor
+        if scale < MIN_LR_SCALE:  # (a record refuses it: the run's rollbacks brought nothing for ~40 generations)
+            self.log.warning("loss spike at epoch %d, but rollback #%d would scale the learning rate to %.3g, below "
+                             "%.0e: not issued (the spikes are not the learning rate's: check the data and the spec)",
+                             detected_epoch, self.generation + 1, scale, MIN_LR_SCALE)
+            return
         order = RollbackOrder(run_id=self.run_id, peer_id=self.identity.peer_id, time=get_dht_time(),
                               epoch=max(0, detected_epoch - 1), detected_epoch=detected_epoch,
-                              lr_scale=self.holder.lr_scale * self.spec.rollback.lr_factor,
+                              lr_scale=scale,
                               generation=self.generation + 1,
                               reason=f"epoch {detected_epoch} mean loss {loss:.4f} > (1 + {self.spec.rollback.margin}) "
                                      f"x moving average {self.detector.average:.4f}")

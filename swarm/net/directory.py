@@ -332,11 +332,12 @@ class RunDirectory:
             for p in sorted(seen, key=seen.__getitem__)[:len(seen) - ROSTER_CAP]:
                 del seen[p]
 
-    def seen_serving(self, peer_id: str, stage: int) -> bool:
-        """Was ``peer_id`` seen announced as a server of ``stage``? (Reads the stage's records again if it was
-        not: at once for the stage's first :data:`ROSTER_FIRST_READS` reads, then at most every
-        :data:`ROSTER_READ_S` seconds, so junk naming many unknown peers costs a few reads.)"""
-        while peer_id not in self.roster.get(stage, ()) and (
+    def seen_serving(self, peer_id: str, stage: int, read: bool = True) -> bool:
+        """Was ``peer_id`` seen announced as a server of ``stage``? (With ``read``, reads the stage's records again if
+        it was not: at once for the stage's first :data:`ROSTER_FIRST_READS` reads, then at most every
+        :data:`ROSTER_READ_S` seconds, so junk naming many unknown peers costs a few reads; without, only the reads
+        already made count: no DHT call, for an event loop whose peer reads every stage anyway, e.g. a trainer.)"""
+        while read and peer_id not in self.roster.get(stage, ()) and (
                 self._roster_reads.get(stage, 0) < ROSTER_FIRST_READS or
                 time.monotonic() - self._roster_read.get(stage, float("-inf")) > ROSTER_READ_S):
             self.servers(stage)

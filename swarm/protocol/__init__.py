@@ -28,7 +28,7 @@ read from this one namespace, ``swarm.protocol``.
 """
 
 from swarm.protocol.schema import (  # noqa: F401
-    MAX_RECORD_BYTES, MAX_ENDORSEMENTS, MAX_METADATA_BYTES, EXPIRY_SLACK_S, MAX_EPOCH, MAX_COUNT,
+    MAX_RECORD_BYTES, MAX_ENDORSEMENTS, MAX_METADATA_BYTES, EXPIRY_SLACK_S, MAX_EPOCH, MAX_COUNT, MIN_LR_SCALE,
     MAX_SAMPLES_PER_S, MAX_FLOPS, MAX_ROUND_S, MAX_CLOCK_SKEW_S, Refusal, ProtocolError, FiniteOrNone, Epoch,
     Count, Schema, Record, AnnouncedRecord, parse, seal, open_record, envelope_ticket,
 )

@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from swarm.config import MAX_STAGE_STRIPE_BITS, RunSpec
 from swarm.identity import derive_run_id, peer_id_of
 from swarm.protocol.schema import (MAX_CLOCK_SKEW_S, MAX_COUNT, MAX_ENDORSEMENTS, MAX_EPOCH, MAX_FLOPS,
-                                   MAX_ROUND_S, MAX_SAMPLES_PER_S, AnnouncedRecord, Count, Epoch, FiniteOrNone,
-                                   ProtocolError, Record, envelope_ticket, open_record)
+                                   MAX_ROUND_S, MAX_SAMPLES_PER_S, MIN_LR_SCALE, AnnouncedRecord, Count, Epoch,
+                                   FiniteOrNone, ProtocolError, Record, envelope_ticket, open_record)
 
 def spec_key(run_id: str) -> str:
     return f"{run_id}/spec"
@@ -163,7 +163,8 @@ class ServerInfo(AnnouncedRecord):
                          "descends from (it wrote it, restored it, or it was the stage's newest when it loaded).")
     restored: Optional[RestoreReport] = Field(None, description="How the server's state was restored from "
                                               "checkpoint fragments, if it was.")
-    lr_scale: float = Field(1.0, gt=0, description="Learning-rate multiplier after loss-spike rollbacks.")
+    lr_scale: float = Field(1.0, ge=MIN_LR_SCALE, le=1, description="Learning-rate multiplier after loss-spike "
+                            "rollbacks.")
     rollback_generation: int = Field(0, ge=0, le=MAX_EPOCH, description="Rollbacks this server applied (a late server follows "
                                      "the generation most servers applied, :func:`swarm.checkpoint.rollback."
                                      "order_in_force`).")
@@ -334,7 +335,8 @@ class RollbackOrder(Record):
     kind: Literal["rollback"] = "rollback"
     epoch: Epoch = Field(description="Newest epoch whose checkpoint is still good.")
     detected_epoch: Epoch
-    lr_scale: float = Field(gt=0, le=1, description="Learning-rate multiplier after this rollback (cumulative).")
+    lr_scale: float = Field(ge=MIN_LR_SCALE, le=1, description="Learning-rate multiplier after this rollback "
+                            "(cumulative).")
     generation: int = Field(ge=1, le=MAX_EPOCH, description="Rollbacks so far, this one included.")
     reason: str = Field("", max_length=512)
 

@@ -29,6 +29,9 @@ MAX_EPOCH = 10**8
 """Largest epoch a record may name (a stage stepping every second for three years)."""
 MAX_COUNT = 2**53
 """Largest count (samples, tokens, bytes, rounds) a record may carry: exact in a float64."""
+MIN_LR_SCALE = 1e-12
+"""The smallest learning-rate scale a record may carry (``lr_factor ** generation`` after 39 rollbacks at the default
+factor 0.5; a run past that is not training): one key's 1e-300 in a record froze training."""
 MAX_SAMPLES_PER_S = 1e6
 """Largest throughput a record may announce (samples/s; a fast GPU on a small stage does thousands)."""
 MAX_FLOPS = 1e18

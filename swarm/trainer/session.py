@@ -207,8 +207,10 @@ class Trainer:
         self.bans = RunBans(self.directory)
         await self.bans.refresh()
         self.bans.check(me)
+        blocking = self.directory.blocking
         self.checker = SpotChecker(spec, self.directory.run_id, self.p2p, log=self.log,
-                                   recognized=self.recognition.recognized)
+                                   recognized=self.recognition.recognized,
+                                   serves=lambda peer_id, stage: blocking.seen_serving(peer_id, stage, read=False))
         self.pipeline = self.pipeline_factory(spec, self.directory.run_id, self.directory, self.p2p, bans=self.bans,
                                               log=self.log, listener=self.checker)
 

@@ -121,11 +121,19 @@ class SpotChecker:
 
     :param p2p: the trainer's libp2p node (evidence is pushed and fetched through it).
     :param rng: sampling and the choice of checking servers (seeded in tests).
+    :param recognized: the run key's recognition, stage -> the peer ids it names there (or None): where it names a
+        stage's servers, evidence adopted from others must be signed by them (:class:`~swarm.trust.convictions.
+        ConvictionBook`).
+    :param serves: ``serves(peer_id, stage)``: whether this trainer saw ``peer_id`` announced as a server of
+        ``stage``, without a DHT read (it is called on the event loop: ``RunDirectory.seen_serving(..., read=False)``):
+        where the recognition names nobody, evidence (adopted, or this trainer's own) must be signed by such servers
+        (two fresh keys never announced convict nobody). None: no such check.
     """
 
     def __init__(self, spec: RunSpec, run_id: str, p2p: Optional[P2P], *, rng: Optional[random.Random] = None,
                  log: Optional[logging.Logger | logging.LoggerAdapter] = None,
-                 recognized: Optional[Callable[[int], Optional[frozenset[str]]]] = None):
+                 recognized: Optional[Callable[[int], Optional[frozenset[str]]]] = None,
+                 serves: Optional[Callable[[str, int], bool]] = None):
         self.spec, self.run_id, self.p2p, self.cfg = spec, run_id, p2p, spec.spot_checks
         self.recognized = recognized if recognized is not None else (lambda stage: None)
         self.rng = rng or random.Random()
@@ -141,7 +149,7 @@ class SpotChecker:
         self._handed: OrderedDict[str, tuple[SpotEvidence, set[str]]] = OrderedDict()  # accused -> (its evidence,
         # the servers it was handed to): servers first seen later get it then (_hand)
         self.book = ConvictionBook(run_id, me="", min_tolerance=spec.spot_checks.rtol,
-                                   accepts=answers_comparable(spec), recognized=self.recognized)
+                                   accepts=answers_comparable(spec), recognized=self.recognized, serves=serves)
         self.follower = ConvictionFollower(self.book, p2p, spec, run_id, spawn=self.spawn, on_adopted=self.adopt,
                                            log=self.log)
 
