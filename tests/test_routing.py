@@ -290,3 +290,25 @@ def test_servers_no_check_verified_get_only_the_explore_share_once_one_server_pa
     picks = Counter(router.choose(servers).peer_id.startswith("fake") for _ in range(2000))
     assert picks[True] < 0.15 * 2000, picks  # ~10%: the newcomers' way in
     assert picks[False] > 0.8 * 2000
+
+
+def test_a_trainer_that_checked_nobody_gives_fakes_only_the_explore_share_where_the_run_key_names_the_servers():
+    """The same finding for a trainer that checked nobody yet (just started, spot checks off, or outer mode): it
+    routed over all 150 fakes. Where the run key's recognition names the stage's servers, they count as verified
+    (:meth:`SpotChecker.vote`), and the fakes get the explore share from the first pick."""
+    from swarm.trust.spotcheck import SpotChecker
+    from tests.conftest import TINY
+
+    def record(key):
+        return ServerInfo(run_id="r", peer_id=key, time=0, stage=0, throughput=1.0, p2p_id=f"p2p-{key}",
+                          state=ServerState.ONLINE)
+
+    servers = [record("h1"), record("h2")] + [record(f"fake{i}") for i in range(150)]
+    named = {0: frozenset({"h1", "h2"})}
+    checker = SpotChecker(TINY, "r", None, recognized=named.get)
+    assert (checker.vote("h1"), checker.vote("fake0")) == (1.0, 0.0)
+    router = Router(rng=random.Random(1), weight=checker.vote)
+    picks = Counter(router.choose(servers).peer_id.startswith("fake") for _ in range(2000))
+    assert picks[True] < 0.15 * 2000, picks
+    unnamed = Router(rng=random.Random(1), weight=SpotChecker(TINY, "r", None).vote)  # no recognition: as before
+    assert sum(unnamed.choose(servers).peer_id.startswith("fake") for _ in range(200)) > 150

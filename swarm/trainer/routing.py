@@ -7,10 +7,11 @@ broken at random. A server that fails is avoided (*backed off*) for ``backoff_s 
 (capped at ``backoff_max_s``) and the micro-batch is retried on another server of the same stage. Servers
 that most of their stage excluded from averaging (:func:`excluded_by_stage`) are not routed to either.
 
-With a ``weight`` (the trainer's standing: :mod:`swarm.trust.standing`), servers that passed none of this trainer's
-checks get only an ``explore`` share (10%) of its micro-batches once some server of the stage has passed one: a
-record costs nothing, and 150 records of servers that never answer took 186 of a trainer's 195 calls. An honest
-newcomer earns its place with its first agreeing check (about ``1 / spot_checks.rate`` calls routed to it).
+With a ``weight`` (the trainer's standing: :mod:`swarm.trust.standing`, or 1 for a server the run key's
+recognition names: :meth:`~swarm.trust.spotcheck.SpotChecker.vote`), servers of weight 0 get only an ``explore``
+share (10%) of its micro-batches once some server of the stage has weight: a record costs nothing, and 150 records
+of servers that never answer took 186 of a trainer's 195 calls. An honest newcomer earns its place with its first
+agreeing check (about ``1 / spot_checks.rate`` calls routed to it) or once the recognition names it.
 
 A server's throughput is what it announces, a figure nobody checks; once a trainer has seen the server answer,
 it uses the lower of the announced figure and the one it observed (a moving average of samples per second of

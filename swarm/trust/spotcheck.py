@@ -159,9 +159,14 @@ class SpotChecker:
         return server.peer_id in self.convicted
 
     def vote(self, peer_id: str) -> float:
-        """``peer_id``'s say in which servers its stage excluded: the checks it passed here
-        (:meth:`~swarm.trust.standing.Standing.weight`), 0 for a key this trainer never checked."""
-        return self.standing.weight(peer_id)
+        """``peer_id``'s say in which servers its stage excluded, and whether routing counts it verified
+        (:class:`~swarm.trainer.routing.Router`'s ``weight``): the checks it passed here
+        (:meth:`~swarm.trust.standing.Standing.weight`), or 1 where the run key's recognition names it on a stage
+        (averaging work a recognized server verified); 0 for a key neither this trainer checked nor the run key
+        names. A trainer that checked nobody yet then gives 150 records of fake servers only the explore share of
+        its picks where the recognition names the stage's servers (before, every pick was open to them)."""
+        named = any(peer_id in (self.recognized(k) or ()) for k in range(self.spec.model.num_stages))
+        return max(self.standing.weight(peer_id), 1.0 if named else 0.0)
 
     def _stage_epoch(self, stage: int, other_than: str) -> Optional[int]:
         """The lower median of the epochs in the last records read of ``stage``'s servers but ``other_than``."""
