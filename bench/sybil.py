@@ -1,12 +1,13 @@
 """Sybil keys against a live local swarm: which decisions that count keys they win, and the validation loss.
 
     python bench/sybil.py [--kinds idle,lazy,patient] [--ks 1,2x,3x] [--honest 2] [--train-s 180] [--tenure 60]
-                          [--min-window 45] [--logs DIR]
+                          [--min-window 45] [--logs DIR] [--no-match-tokens]
 
 Every configuration is a swarm of its own on loopback (``runs/tiny.toml``: 2 stages): ``--honest`` servers per
 stage, and one trainer that trains for ``--train-s`` seconds from its first tokens (at least ``--min-window`` of
-them under attack); then the trainer stops and this bench measures the validation loss of the whole held-out split
-through the swarm. Once every honest server vouches for a stage-mate (they verified each other's averaging work), K
+them under attack) and, token-matched (the default), on until it announced the clean run's tokens (at most
+``2 x --train-s`` more: a row's ``tokens`` says where it stopped); then the trainer stops and this bench measures
+the validation loss of the whole held-out split through the swarm. Once every honest server vouches for a stage-mate (they verified each other's averaging work), K
 Sybil keys attack until the end, K from ``--ks`` (``1``: one key, ``2x``: twice the honest servers of a stage):
 
 * ``idle``: K fresh keys per stage that only announce (:class:`swarm.attacks.sybil.RecordSybils`: server records
@@ -44,7 +45,7 @@ Harms, read from the honest peers' records and logs through the attack and a joi
   count until no recognized stage-mate verified their work within 2 epochs, ``served.FRESH_EPOCHS``).
 
 Prints one JSON line per configuration on stderr and last, on stdout, ``{"clean": {...}, "results": [{"kind", "k",
-"harms": {name: bool}, "val_loss", "val_loss_ratio", "samples_per_epoch", "sybil_ids", "patient_recognized"}
+"harms": {name: bool}, "val_loss", "val_loss_ratio", "tokens", "samples_per_epoch", "sybil_ids", "patient_recognized"}
 (or {"kind", "k", "error"}), ...]}``.
 """
 
@@ -277,9 +278,15 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
                 else (None, stages - 1, set())
             watch.read()
             end = max(end, time.monotonic() + args.min_window)
-            while time.monotonic() < end:
-                time.sleep(min(5.0, max(0.0, end - time.monotonic())))
+            cap = end + 2 * args.train_s  # (token-matched: a configuration the attack slowed trains on, this long)
+
+            def tokens() -> int:
+                return max((t.tokens for t in directory.trainers() if t.peer_id == trainer.peer_id), default=0)
+
+            while time.monotonic() < end or (tokens() < args.tokens and time.monotonic() < cap):
+                time.sleep(min(5.0, max(1.0, end - time.monotonic())))
                 watch.read()
+            trained = tokens()
             swarm.stop(trainer)
             if sybils is not None:
                 sybils.stop()  # (their records expire within a TTL; the validation's calls retry past them)
@@ -292,7 +299,7 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
             per_epoch = watch.samples_per_epoch()
             watch.harms["epoch_moved"] = any(v < PULLED * spec.training.target_batch_size for v in per_epoch.values())
             watch.harms["joiner_state_taken"] = joiner_took_sybil_state(swarm, directory, stage, sybil_p2p, watch)
-            return {"kind": kind, "k": k, "harms": watch.harms, "val_loss": round(val_loss, 4),
+            return {"kind": kind, "k": k, "harms": watch.harms, "val_loss": round(val_loss, 4), "tokens": trained,
                     "patient_recognized": patient_named, "steered_s": watch.steered_s,
                     "samples_per_epoch": {str(s): round(v, 1) for s, v in per_epoch.items()},
                     "sybil_ids": sorted(sybils.sybil_ids) if sybils is not None else []}
@@ -324,6 +331,10 @@ def main() -> None:
                         "window where a server may still count another stage by head)")
     parser.add_argument("--tenure", type=float, default=60.0, help="seconds patient Sybils work before attacking")
     parser.add_argument("--logs", type=Path, default=None, help="copy each configuration's logs into this folder")
+    parser.add_argument("--match-tokens", action=argparse.BooleanOptionalAction, default=True, help="train every "
+                        "configuration until its trainer announced at least the clean run's tokens (at most 2 x "
+                        "--train-s more): validation losses compared at equal tokens, not equal seconds (on 2 cores "
+                        "the attackers' processes and a control's extra servers take the trainer's CPU)")
     args = parser.parse_args()
     keep_freed_memory()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
@@ -332,8 +343,10 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="swarm-sybil-spec-") as folder:
         path = spec_written(spec, Path(folder))
+        args.tokens = 0
         clean = run_one(path, spec, "clean", 0, args)
         print(json.dumps(clean), file=sys.stderr, flush=True)
+        args.tokens = clean["tokens"] if args.match_tokens else 0
         for kind in args.kinds.split(","):
             for k in parse_ks(args.ks, args.honest):
                 try:
