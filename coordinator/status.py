@@ -12,13 +12,16 @@ and split ``excluded`` off ``banned``)::
     {"run": {"run_id", "name", "spec_hash", "num_stages", "epoch", "total_epochs", "progress", "eta_s",
              "tokens", "samples_per_s", "loss", "train_loss", "val_loss", "loss_history": [[epoch, loss]],
              "peers": {"online", "joining", "lagging", "paused", "draining", "trainers", "banned", "excluded"},
-             "recognition_age_s" (seconds since the coordinator signed the recognition; None: none valid)},
+             "recognition_age_s" (seconds since the coordinator signed the recognition; None: none valid),
+             "admission" (the spec's [admission] policy: "open", "invite" or "allowlist")},
      "stages": [{"stage", "servers_online", "servers", "throughput", "demand", "epoch", "lagging",
                  "samples", "samples_dropped", "last_round": {"group_size", "round_s"},
                  "recognized" (its online servers the run key recognizes; None: no recognition)}],
      "peers": [{"peer_id", "name", "version", "role", "stage", "state", "reachability", "epoch",
                 "throughput", "samples_per_s", "samples", "contribution", "last_seen_s", "lagging", "loss",
                 "rejected_parts", "flagged_parts", "banned", "ban_reason", "excluded",
+                "admitted" (holds a valid ticket signed by the run key; None in an open run),
+                "ticket_expires_s" (seconds until its newest ticket expires; None: none valid, or an open run),
                 # servers also: "p2p_id", "excluded_by" (servers of its stage), "exclusion_reasons",
                 #   "averaging_bytes", "failed_rounds", "convicted_by" (peers listing a spot-check conviction),
                 #   "samples_dropped" (accumulated, then discarded before a step: see ServerInfo.samples_dropped),
@@ -64,6 +67,7 @@ from swarm.server.rebalance import stage_demand
 from swarm.server.served import counted_claims
 from swarm.trainer.routing import excluded_by_stage
 from swarm.trust.recognition import read_recognition
+from swarm.trust.tickets import all_tickets
 
 
 def _lag(directory: RunDirectory, record_time: float, now: float, slack_s: float = 2.0) -> bool:
@@ -162,10 +166,12 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         reading_histories = {k: pool.submit(directory.histories, k) for k in stage_ids}
         reading_trainers, reading_bans = pool.submit(directory.trainers), pool.submit(directory.bans)
         reading_recognition = pool.submit(read_recognition, directory)
+        reading_tickets = pool.submit(all_tickets, directory) if spec.admission.policy != "open" else None
         servers = {k: f.result() for k, f in reading.items()}
         histories = {k: f.result() for k, f in reading_histories.items()}
         trainers, (ban_list, _) = reading_trainers.result(), reading_bans.result()
         recognition = reading_recognition.result()
+        tickets = _expiries(reading_tickets.result()) if reading_tickets is not None else None
     banned = dict(ban_list.banned) if ban_list is not None else {}
     now = get_dht_time()
     demand = stage_demand(spec.model)
@@ -199,11 +205,25 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
             row["convicted_by"] = sum(row["peer_id"] in c for c in listing)
     listed = {p["peer_id"] for p in peers}
     peers += [_gone_row(peer, reason) for peer, reason in sorted(banned.items()) if peer not in listed]
+    for row in peers:
+        expires = tickets.get(row["peer_id"], now) if tickets is not None else None
+        row["admitted"] = expires > now if expires is not None else None
+        row["ticket_expires_s"] = round(expires - now, 1) if expires is not None and expires > now else None
     last = [s for s in servers.get(spec.model.num_stages - 1, []) if s.state == ServerState.ONLINE]
     run = _run_summary(directory, spec, trainers, stages, peers, rates, banned)
     run.update(_losses(last, histories[spec.model.num_stages - 1], trainers))
     run["recognition_age_s"] = round(max(0.0, now - recognition.time), 1) if recognition is not None else None
+    run["admission"] = str(spec.admission.policy)
     return {"run": run, "stages": stages, "peers": peers, "healthy": all(s["servers_online"] > 0 for s in stages)}
+
+
+def _expiries(tickets: list) -> dict[str, float]:
+    """Peer id -> when its newest ticket of ``tickets`` (``(Ticket, sealed)``, :func:`~swarm.trust.tickets.
+    all_tickets`) expires, DHT time."""
+    out: dict[str, float] = {}
+    for ticket, _ in tickets:
+        out[ticket.subject] = max(out.get(ticket.subject, 0.0), ticket.expires)
+    return out
 
 
 def _losses(last: list[ServerInfo], histories: dict[str, list], trainers: list[TrainerInfo]) -> dict[str, Any]:

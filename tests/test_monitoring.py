@@ -224,8 +224,9 @@ def test_status_shows_which_servers_the_run_key_recognizes(monkeypatch):
     console = Console(width=300, record=True)
     console.print(stages_table(snap), peers_table(snap))
     text = console.export_text()
-    rows = {line.split()[1]: line for line in text.splitlines() if line.startswith("│ s")}
-    assert rows["s0-0"].rstrip(" │").endswith("yes") and rows["s0-2"].rstrip(" │").endswith("no")
+    rows = {line.split()[1]: [c.strip() for c in line.strip(" │").split("│")] for line in text.splitlines()
+            if line.startswith("│ s")}
+    assert rows["s0-0"][-2:] == ["yes", "-"] and rows["s0-2"][-2:] == ["no", "-"]  # recognized, admitted (open run)
 
 
 def test_where_the_run_key_recognizes_a_stages_servers_fresh_keys_records_move_none_of_its_figures(monkeypatch):
@@ -262,3 +263,31 @@ def test_where_the_run_key_recognizes_a_stages_servers_fresh_keys_records_move_n
     assert (stage["epoch"], stage["throughput"], stage["samples"]) == (5, 2.0, 20)
     assert rows["s0-0"]["contribution"] == 0.5 and rows["x0"]["contribution"] == 1.0  # (a share, at most 1)
     assert not any(rows[f"s0-{i}"]["lagging"] for i in range(2)) and snap["run"]["epoch"] == 5
+
+
+def test_status_shows_each_peers_admission_in_a_ticketed_run(monkeypatch):
+    """In a run that admits only ticketed peers, ``status`` says which peers hold a valid ticket and for how long
+    (``admitted``, ``ticket_expires_s``), and the run's policy; in an open run ``admitted`` is None."""
+    from hivemind.utils import get_dht_time
+
+    import coordinator.status as status
+    from swarm.config import RunSpec
+    from swarm.protocol import ServerInfo, ServerState, Ticket
+
+    spec = RunSpec.from_toml("runs/tiny.toml")
+    now, run = get_dht_time(), "tiny-aaaaaaaaaaaaaaaa"
+    servers = {k: [ServerInfo(run_id=run, peer_id=f"s{k}-{i}", time=now - 1, stage=k, state=ServerState.ONLINE,
+                              throughput=1.0, p2p_id=f"p{k}-{i}", epoch=5, samples=10) for i in range(2)]
+               for k in range(2)}
+    records = _Records(servers, {k: {} for k in range(2)}, [])
+    assert {p["admitted"] for p in status.snapshot(records, spec)["peers"]} == {None}
+    tickets = [(Ticket.model_construct(subject="s0-0", expires=now + 100), b""),
+               (Ticket.model_construct(subject="s0-0", expires=now + 500), b""),
+               (Ticket.model_construct(subject="s1-0", expires=now - 5), b"")]  # expired
+    monkeypatch.setattr(status, "all_tickets", lambda directory: tickets)
+    snap = status.snapshot(records, spec.updated(admission={"policy": "allowlist"}))
+    rows = {p["peer_id"]: p for p in snap["peers"]}
+    assert snap["run"]["admission"] == "allowlist"
+    assert rows["s0-0"]["admitted"] and 490 <= rows["s0-0"]["ticket_expires_s"] <= 500  # the newest ticket
+    assert [rows[p]["admitted"] for p in ("s0-1", "s1-0", "s1-1")] == [False] * 3
+    assert rows["s1-0"]["ticket_expires_s"] is None
