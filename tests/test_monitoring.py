@@ -111,6 +111,16 @@ def test_a_server_row_counts_the_stage_mates_that_refused_its_state():
         "standing"] is None
 
 
+def _online(now: float, per_stage: int) -> "_Records":
+    """Two stages of ``per_stage`` online servers at epoch 5 (``s<stage>-<i>``), no histories, no trainers."""
+    from swarm.protocol import ServerInfo, ServerState
+
+    servers = {k: [ServerInfo(run_id="tiny-aaaaaaaaaaaaaaaa", peer_id=f"s{k}-{i}", time=now - 1, stage=k,
+                              state=ServerState.ONLINE, throughput=1.0, p2p_id=f"p{k}-{i}", epoch=5, samples=10)
+                   for i in range(per_stage)] for k in range(2)}
+    return _Records(servers, {k: {} for k in range(2)}, [])
+
+
 class _Records:
     """A run directory's reads (the interface :func:`coordinator.status.snapshot` uses) over records in memory."""
 
@@ -204,14 +214,11 @@ def test_status_shows_which_servers_the_run_key_recognizes(monkeypatch):
     import coordinator.status as status
     from coordinator.views import peers_table, stages_table
     from swarm.config import RunSpec
-    from swarm.protocol import Recognition, ServerInfo, ServerState
+    from swarm.protocol import Recognition
 
     spec = RunSpec.from_toml("runs/tiny.toml")
-    now, run = get_dht_time(), "tiny-aaaaaaaaaaaaaaaa"
-    servers = {k: [ServerInfo(run_id=run, peer_id=f"s{k}-{i}", time=now - 1, stage=k, state=ServerState.ONLINE,
-                              throughput=1.0, p2p_id=f"p{k}-{i}", epoch=5, samples=10) for i in range(3)]
-               for k in range(2)}
-    records = _Records(servers, {k: {} for k in range(2)}, [])
+    now = get_dht_time()
+    records = _online(now, per_stage=3)
     without = status.snapshot(records, spec)
     assert without["run"]["recognition_age_s"] is None and [s["recognized"] for s in without["stages"]] == [None] * 2
     assert {p["recognized"] for p in without["peers"]} == {None}
@@ -272,14 +279,11 @@ def test_status_shows_each_peers_admission_in_a_ticketed_run(monkeypatch):
 
     import coordinator.status as status
     from swarm.config import RunSpec
-    from swarm.protocol import ServerInfo, ServerState, Ticket
+    from swarm.protocol import Ticket
 
     spec = RunSpec.from_toml("runs/tiny.toml")
-    now, run = get_dht_time(), "tiny-aaaaaaaaaaaaaaaa"
-    servers = {k: [ServerInfo(run_id=run, peer_id=f"s{k}-{i}", time=now - 1, stage=k, state=ServerState.ONLINE,
-                              throughput=1.0, p2p_id=f"p{k}-{i}", epoch=5, samples=10) for i in range(2)]
-               for k in range(2)}
-    records = _Records(servers, {k: {} for k in range(2)}, [])
+    now = get_dht_time()
+    records = _online(now, per_stage=2)
     assert {p["admitted"] for p in status.snapshot(records, spec)["peers"]} == {None}
     tickets = [(Ticket.model_construct(subject="s0-0", expires=now + 100), b""),
                (Ticket.model_construct(subject="s0-0", expires=now + 500), b""),
