@@ -35,6 +35,9 @@ Harms, read from the honest peers' records and logs through the attack and a joi
   honest server of the stage held (in its last 8 epochs' digests) nor a checkpoint the run's rules count;
 * ``epoch_moved``: an honest stage ended its epochs on under 40% of the target batch of samples (pulled);
 * ``honest_excluded``: an honest server or trainer listed an honest server as excluded or convicted;
+* ``averaging_stopped``: an honest stage's gradient rounds failed more than :data:`STOPPED` times per server and
+  epoch through the attack (``failed_per_epoch``: the honest servers' ``failed`` averaging counters), each server
+  stepping on its own gradient (idle keys counted as averaging members left every group short of a majority);
 * ``honest_unrecognized``: at the end, the run key's recognition does not name every honest server (Sybils that
   founded a stage or had honest servers dropped from it);
 * ``rebalanced``: at a read through the attack, the stage a joiner would choose or a move an honest server would plan
@@ -45,8 +48,8 @@ Harms, read from the honest peers' records and logs through the attack and a joi
   count until no recognized stage-mate verified their work within 2 epochs, ``served.FRESH_EPOCHS``).
 
 Prints one JSON line per configuration on stderr and last, on stdout, ``{"clean": {...}, "results": [{"kind", "k",
-"harms": {name: bool}, "val_loss", "val_loss_ratio", "tokens", "samples_per_epoch", "sybil_ids", "patient_recognized"}
-(or {"kind", "k", "error"}), ...]}``.
+"harms": {name: bool}, "val_loss", "val_loss_ratio", "tokens", "samples_per_epoch", "failed_per_epoch",
+"sybil_ids", "patient_recognized"} (or {"kind", "k", "error"}), ...]}``.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ from swarm.trust.recognition import RecognitionReader  # noqa: E402
 
 logger = logging.getLogger("bench.sybil")
 HARMS = ("checkpoint_committed", "rollback_obeyed", "joiner_state_taken", "epoch_moved", "honest_excluded",
-         "rebalanced", "honest_unrecognized")
+         "rebalanced", "honest_unrecognized", "averaging_stopped")
 DONOR = re.compile(r"downloaded the state of donor (\S+) \(epoch (\d+)\)")
 CONTROL = "patient_control"
 """The patient configuration without its attack (its K servers honest to the end): the baseline of a patient row's
@@ -96,6 +99,8 @@ CONTROL = "patient_control"
 trained on 1,828 samples in the window and the clean run on 3,888)."""
 PULLED = 0.4
 """An epoch of fewer samples than this share of the target batch was pulled to its end."""
+STOPPED = 0.5
+"""Failed gradient rounds per honest server and epoch through the attack past which a stage's averaging stopped."""
 
 
 def wait(predicate, timeout: float, what: str, every_s: float = 1.0) -> None:
@@ -161,6 +166,16 @@ class Watch:
             return True
         return any(plan_move(s.peer_id, k, weighed, gain) != plan_move(s.peer_id, k, honest, gain)
                    for k, group in honest.items() for s in group)
+
+    def failed_per_epoch(self) -> dict[int, float]:
+        """Stage -> failed gradient rounds per honest server and epoch between the first and the last read."""
+        out = {}
+        for k in range(self.num_stages):
+            both = [(self.first[p], s) for p, s in self.last.items() if s.stage == k and self.first[p].stage == k]
+            epochs = sum(b.epoch - a.epoch for a, b in both)
+            if epochs > 0:
+                out[k] = sum(b.averaging.get("failed", 0) - a.averaging.get("failed", 0) for a, b in both) / epochs
+        return out
 
     def samples_per_epoch(self) -> dict[int, float]:
         """Stage -> samples its honest servers processed per epoch between the first and the last read."""
@@ -298,10 +313,13 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
             watch.harms["honest_unrecognized"] = not watch.recognized() >= honest
             per_epoch = watch.samples_per_epoch()
             watch.harms["epoch_moved"] = any(v < PULLED * spec.training.target_batch_size for v in per_epoch.values())
+            failed = watch.failed_per_epoch()
+            watch.harms["averaging_stopped"] = any(v > STOPPED for v in failed.values())
             watch.harms["joiner_state_taken"] = joiner_took_sybil_state(swarm, directory, stage, sybil_p2p, watch)
             return {"kind": kind, "k": k, "harms": watch.harms, "val_loss": round(val_loss, 4), "tokens": trained,
                     "patient_recognized": patient_named, "steered_s": watch.steered_s,
                     "samples_per_epoch": {str(s): round(v, 1) for s, v in per_epoch.items()},
+                    "failed_per_epoch": {str(s): round(v, 2) for s, v in failed.items()},
                     "sybil_ids": sorted(sybils.sybil_ids) if sybils is not None else []}
         finally:
             if sybils is not None:

@@ -94,3 +94,31 @@ def test_the_table_forgets_servers_two_ttls_after_their_last_announcement():
     t.observe([record("a", 0.0, 10.0)], now=10.0)
     assert t.observe([], now=10.0 + 2 * TTL - 1) is False
     assert t.observe([], now=10.0 + 2 * TTL + 1) is True and t.entries == {}
+
+
+def test_where_the_run_key_names_a_stages_servers_only_they_and_those_they_vouch_for_are_members():
+    """Found with bench/sybil.py: four idle keys announced as online servers of a stage of two made every round of
+    the two short of a majority of the members they expected (every gradient round failed). Where the recognition
+    names some of a stage's online servers, the members are those it names and those they vouch for; an unvouched
+    newcomer is none (it still joins their group, where they verify it); without a recognition, and where the
+    vouched servers outgrow one group, every record counts as before."""
+    from swarm.averaging.membership import counted_members
+
+    def server(p2p, vouches=()):
+        return record(p2p, 0.0, 100.0).model_copy(update={"vouches": {v: 1.0 for v in vouches}})
+
+    honest = [server("h1", ["h2", "n1"]), server("h2", ["h1"])]
+    sybils = [server(f"x{i}", [f"x{j}" for j in range(4) if j != i] + ["n2"]) for i in range(4)]
+    newcomers = [server("n1"), server("n2")]
+    servers = honest + sybils + newcomers
+    named = frozenset({"h1", "h2"})
+    assert [s.p2p_id for s in counted_members(servers, named, 8)] == ["h1", "h2", "n1"]
+    assert counted_members(servers, None, 8) == servers  # no recognition: every record
+    assert counted_members(servers, frozenset({"gone"}), 8) == servers  # none of those it names is online
+    assert counted_members(servers, named, 2) == servers  # past one group: the grid needs everyone who takes part
+    table = MemberTable(TTL)
+    table.observe(servers, 100.0)
+    assert "x0" in table.entries
+    counted = counted_members(servers, named, 8)
+    table.observe(counted, 101.0, uncounted={s.p2p_id for s in servers} - {s.p2p_id for s in counted})
+    assert set(table.entries) == {"h1", "h2", "n1"}  # the uncounted leave at once

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 from swarm.protocol import ServerInfo, ServerState
 
@@ -50,18 +50,21 @@ class MemberTable:
     ttl_s: float = 0.0
     entries: dict[str, tuple[float, float]] = field(default_factory=dict)
 
-    def observe(self, servers: Iterable[ServerInfo], now: float) -> bool:
+    def observe(self, servers: Iterable[ServerInfo], now: float, uncounted: Iterable[str] = ()) -> bool:
         """Note one read of the stage's records at DHT time ``now``; True if the table changed. A record without
         a progress key does not count (its server cannot be counted); one not online (joining, catching up,
-        pausing, draining) leaves at once."""
+        pausing, draining) leaves at once, and so do the libp2p ids ``uncounted`` (:func:`counted_members`)."""
         before = dict(self.entries)
+        drop = set(uncounted)
         for s in servers:
-            if s.progress_key and s.state == ServerState.ONLINE:
+            if s.progress_key and s.state == ServerState.ONLINE and s.p2p_id not in drop:
                 since, newest = self.entries.get(s.p2p_id, (s.online_since, s.time))
                 self.entries[s.p2p_id] = (s.online_since, max(newest, s.time)) if since == s.online_since \
                     else (s.online_since, s.time)  # a new placement of the same peer starts over
             else:
                 self.entries.pop(s.p2p_id, None)
+        for p in drop:
+            self.entries.pop(p, None)
         for p in [p for p, (_, newest) in self.entries.items() if newest < now - 2 * self.ttl_s]:
             del self.entries[p]
         return self.entries != before
@@ -76,4 +79,27 @@ class MemberTable:
         return frozenset(p for p, (since, newest) in self.entries.items() if since <= settled and newest >= alive)
 
 
-__all__ = ["KEEP", "MemberTable", "QUANTUM", "SETTLE"]
+def counted_members(servers: list[ServerInfo], recognized: Optional[frozenset[str]],
+                    group_size: int) -> list[ServerInfo]:
+    """Of a stage's records, those whose servers count as its averaging members (:class:`MemberTable`): where the run
+    key's recognition (``recognized``: the peer ids it names on the stage) names some of its online servers, those it
+    names and those a named online server vouches for (:attr:`~swarm.protocol.ServerInfo.vouches`: their averaging
+    work verified), as long as they fit one group (at most ``group_size``; 0: no bound); else every record.
+
+    A record costs nothing: counted as members, idle keys announced as online servers of a stage (as many as its
+    honest servers) made every group of the honest servers short of a majority of the members it expected, and
+    every gradient round failed (``bench/sybil.py`` idle keys at 2 a stage: 9 then 18 rounds failed in a minute,
+    each server stepping alone). An honest newcomer not yet vouched for still joins the stage's one group (it is
+    no member whose absence fails a round, nor one whose presence is counted), where the named servers verify it.
+    Left as before: a stage of more vouched servers than ``group_size`` averages in bounded groups, whose grid needs
+    every server that takes part, so every record counts there (docs/threat-model.md)."""
+    if not recognized or not any(s.peer_id in recognized and s.state == ServerState.ONLINE for s in servers):
+        return servers
+    named = [s for s in servers if s.peer_id in recognized and s.state == ServerState.ONLINE]
+    vouched = {p for s in named for p in s.vouches}
+    counted = [s for s in servers if s.peer_id in recognized or s.p2p_id in vouched]
+    online = sum(s.state == ServerState.ONLINE for s in counted)
+    return counted if not group_size or online <= group_size else servers
+
+
+__all__ = ["KEEP", "MemberTable", "QUANTUM", "SETTLE", "counted_members"]

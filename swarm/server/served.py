@@ -25,7 +25,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from swarm.aio import Submissions, periodic
-from swarm.averaging.membership import MemberTable
+from swarm.averaging.membership import MemberTable, counted_members
 from swarm.averaging.exclusion import AveragingReport
 from swarm.averaging.progress import ProgressTrust, refresh_periods
 from swarm.checkpoint.commit import StageCommits
@@ -407,7 +407,9 @@ class ServedStage:
             self._donors = donors
         if not self.spec.averaging.early_start:
             return
-        self.members.observe(servers, get_dht_time())
+        counted = counted_members(servers, recognized, self.spec.averaging.group_size)
+        uncounted = {s.p2p_id for s in servers} - {s.p2p_id for s in counted}
+        self.members.observe(counted, get_dht_time(), uncounted=uncounted)
         snapshot = MemberTable(self.members.ttl_s, dict(self.members.entries))
         if snapshot.entries != self._members_sent and await asyncio.to_thread(self.optimizer.set_members, snapshot):
             self._members_sent = snapshot.entries
