@@ -28,8 +28,9 @@ patient rows, whose baseline is the same configuration with its servers honest t
 Harms, read from the honest peers' records and logs through the attack and a joiner started at its end:
 
 * ``checkpoint_committed``: a reader following the run's rules (this bench's :class:`RunDirectory`, reading the run
-  key's recognition as a restoring server does) counts a manifest a Sybil key wrote once the attack began (a patient
-  key's checkpoint of its honest tenure, endorsed by an honest stage-mate's same state, is none);
+  key's recognition as a restoring server does) counts a manifest a Sybil key wrote once the attack began, of a state
+  no honest server endorsed as its own (a patient key's checkpoint of its honest tenure, or a lazy server's of the
+  stage's state it received, endorsed ``same_state`` by an honest stage-mate, is the stage's genuine state: none);
 * ``rollback_obeyed``: an honest server applied a rollback (generation above 0, or a learning-rate scale below 1);
 * ``joiner_state_taken``: a server joining the Sybils' stage at the end kept the state of a Sybil donor that no
   honest server of the stage held (in its last 8 epochs' digests) nor a checkpoint the run's rules count;
@@ -82,7 +83,7 @@ from swarm.host import keep_freed_memory  # noqa: E402
 from swarm.identity import Identity  # noqa: E402
 from swarm.net.dht import connect_run  # noqa: E402
 from swarm.net.directory import AsyncRunDirectory  # noqa: E402
-from swarm.protocol import ServerInfo, ServerState  # noqa: E402
+from swarm.protocol import ServerInfo, ServerState, check_endorsements  # noqa: E402
 from swarm.server.rebalance import choose_stage, plan_move  # noqa: E402
 from swarm.server.served import PeerContext  # noqa: E402
 from swarm.settings import PeerSettings  # noqa: E402
@@ -186,6 +187,12 @@ class Watch:
             if epochs > 0:
                 out[k] = sum(b.samples - a.samples for a, b in both) / epochs
         return out
+
+
+def honest_state(manifest, run_id: str, honest: set[str]) -> bool:
+    """Whether an honest server endorsed ``manifest``'s state as its own (``same_state``): the stage's genuine state,
+    whoever wrote it."""
+    return any(e.basis == "same_state" and e.peer_id in honest for e in check_endorsements(manifest, run_id))
 
 
 def start_honest(swarm: LocalSwarm, directory, stages: int, per_stage: int) -> list[Peer]:
@@ -307,9 +314,10 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
                 sybils.stop()  # (their records expire within a TTL; the validation's calls retry past them)
             val_loss = validation(dht, directory, spec, args.dataset)
             if sybils is not None:
-                # (a patient key's checkpoint of its honest tenure, endorsed by an honest stage-mate, is no harm)
-                watch.harms["checkpoint_committed"] = any(m.peer_id in sybils.sybil_ids and m.time >= began_dht
-                                                          for k in range(stages) for m, _ in directory.manifests(k))
+                watch.harms["checkpoint_committed"] = any(
+                    m.peer_id in sybils.sybil_ids and m.time >= began_dht
+                    and not honest_state(m, directory.run_id, honest)
+                    for k in range(stages) for m, _ in directory.manifests(k))
             watch.harms["honest_unrecognized"] = not watch.recognized() >= honest
             per_epoch = watch.samples_per_epoch()
             watch.harms["epoch_moved"] = any(v < PULLED * spec.training.target_batch_size for v in per_epoch.values())

@@ -226,3 +226,25 @@ def test_no_rollback_is_issued_whose_learning_rate_scale_no_record_may_carry(tin
             asyncio.run(ck.issue(detected_epoch=50, loss=9.0))
     assert [(o.generation, o.lr_scale) for o in announced] == [(2, 0.25)]
     assert "rollback #40 would scale the learning rate to 9.09e-13" in caplog.text
+
+
+def test_a_read_that_misses_the_servers_a_decider_weighs_is_no_majority_not_a_head_count():
+    """Found with bench/sybil.py (six lazy keys on a last stage of two honest servers, on a loaded host): a read of
+    the online servers that missed the honest ones' records (announced late) left only the keys, and with nobody of
+    weight in it the rule fell back to counting heads: their order was in force and an honest server applied it. A
+    decider that weighs the last stage's servers (its standing or the recognition names some) now finds no
+    majority in such a read, by orders (rule 2) or by servers that applied one (rule 3)."""
+    from swarm.checkpoint.rollback import order_in_force
+
+    keys = [("x1", 1), ("x2", 1), ("x3", 1)]
+    read = _swarm([("a", 1)], keys)  # stage 1's honest servers h1, h2 are missing from this read
+    for server in read[1]:
+        object.__setattr__(server, "rollback_generation", 1)
+        object.__setattr__(server, "rollback_issuer", "x1")
+    orders = [_order(p, 1) for p, _ in keys]
+    weight = lambda s: 1.0 if s.peer_id in ("h1", "h2", "a") else 0.0  # noqa: E731
+    assert order_in_force(orders, read, applied=0, lr_factor=0.5, weight=weight, me="h1") is not None  # by head, as before
+    assert order_in_force(orders, read, applied=0, lr_factor=0.5, weight=weight, me="h1", weighs=True) is None
+    only_keys = {0: [], 1: read[1]}  # rule 3: nobody of weight in the read at all
+    assert order_in_force(orders, only_keys, applied=0, lr_factor=0.5, weight=weight, me="h1", weighs=True) is None
+    assert order_in_force(orders, only_keys, applied=0, lr_factor=0.5, weight=weight, me="h1") is not None

@@ -67,7 +67,7 @@ class LossSpikeDetector:
 
 def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[int, list[ServerInfo]], *,
                    applied: int, lr_factor: float, authority: Optional[str] = None,
-                   weight: Optional[Callable[[ServerInfo], float]] = None, me: str = ""
+                   weight: Optional[Callable[[ServerInfo], float]] = None, me: str = "", weighs: bool = False
                    ) -> Optional[tuple[RollbackOrder, bytes]]:
     """The rollback order to apply next, or None: of the newest generation above ``applied`` that is in force.
 
@@ -95,12 +95,16 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
     :param orders: verified ``(order, sealed)`` pairs (:meth:`~swarm.net.directory.RunDirectory.rollback_orders`).
     :param online: stage -> its servers announced online now (the last stage is the highest key).
     :param applied: the generation this server applied.
+    :param weighs: the deciding server weighs the last stage's servers (its standing or the run key's recognition
+        names some: :meth:`~swarm.server.served.PeerContext.weighs`): a read of ``online`` where none of those it
+        weighs shows is then no majority, never a head count (a read that missed the honest servers' records, late
+        on a loaded host, left six fresh keys' orders counted by head: ``bench/sybil.py`` lazy keys at 6).
     """
     last_servers = online.get(max(online), []) if online else []
     last = {s.peer_id for s in last_servers}
     everyone = [s for servers in online.values() for s in servers]
     others = [s for s in everyone if s.peer_id != me]
-    electorate = [s for s in others if weight is not None and weight(s) > 0] or others
+    electorate = [s for s in others if weight is not None and weight(s) > 0] or ([] if weighs else others)
     for generation in sorted({o.generation for o, _ in orders if o.generation > applied}, reverse=True):
         same = [(o, b) for o, b in orders
                 if o.generation == generation and math.isclose(o.lr_scale, lr_factor ** generation, rel_tol=1e-9)]
@@ -108,12 +112,12 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
         went = [s for s in electorate if s.rollback_generation >= generation]
         followed = {s.rollback_issuer for s in went if s.rollback_generation == generation}
         chosen = [(o, b) for o, b in same if authority is not None and o.peer_id == authority]
-        if not chosen and _majority({o.peer_id for o, _ in by_last}, last_servers, weight):
+        if not chosen and _majority({o.peer_id for o, _ in by_last}, last_servers, weight, weighs):
             # of a weighed majority, only the orders of servers with weight: a weightless key's order of the
             # same generation could name an earlier epoch, the one chosen
             voices = {s.peer_id for s in last_servers if weight is None or weight(s) > 0}
             chosen = [(o, b) for o, b in by_last if o.peer_id in voices] or by_last
-        if not chosen and 2 * len(went) > len(electorate):
+        if not chosen and electorate and 2 * len(went) > len(electorate):
             chosen = [(o, b) for o, b in same if o.peer_id in followed]
         if chosen:
             return min(chosen, key=lambda ob: (ob[0].epoch, ob[0].peer_id))
@@ -121,12 +125,13 @@ def order_in_force(orders: Sequence[tuple[RollbackOrder, bytes]], online: dict[i
 
 
 def _majority(voters: set[str], servers: Sequence[ServerInfo],
-              weight: Optional[Callable[[ServerInfo], float]]) -> bool:
+              weight: Optional[Callable[[ServerInfo], float]], weighs: bool = False) -> bool:
     """Whether ``voters`` (peer ids) are a strict majority of ``servers``' electorate: those to which ``weight``
-    gives a positive weight (each one vote: a barely verified server is a full voter), or every server if it
-    gives none (or ``weight`` is None)."""
-    electorate = {s.peer_id for s in servers if weight is not None and weight(s) > 0} or {s.peer_id for s in servers}
-    return 2 * len(voters & electorate) > len(electorate)
+    gives a positive weight (each one vote: a barely verified server is a full voter), or, unless the decider
+    ``weighs`` (:func:`order_in_force`), every server if it gives none (or ``weight`` is None)."""
+    electorate = {s.peer_id for s in servers if weight is not None and weight(s) > 0} or (
+        set() if weighs else {s.peer_id for s in servers})
+    return bool(electorate) and 2 * len(voters & electorate) > len(electorate)
 
 
 class Rollbacks:
@@ -138,14 +143,18 @@ class Rollbacks:
     :param is_last: this server serves the last stage (it sees the loss).
     :param log: the stage's log.
     :param weight: a server's vote in :func:`order_in_force` (its standing with this server); None counts heads.
+    :param weighs: ``weighs(stage)``: whether this server weighs ``stage``'s servers (``order_in_force``'s
+        ``weighs``, asked of the last stage at each look); None: never.
     """
 
     def __init__(self, restore: StageRestore, holder: StateHolder, compute: Compute, identity: Identity, *,
                  is_last: bool, log: logging.Logger | logging.LoggerAdapter,
-                 weight: Optional[Callable[[ServerInfo], float]] = None):
+                 weight: Optional[Callable[[ServerInfo], float]] = None,
+                 weighs: Optional[Callable[[int], bool]] = None):
         self.restore, self.holder, self.compute, self.identity = restore, holder, compute, identity
         self.directory, self.spec, self.stage = restore.directory, restore.spec, restore.stage
         self.run_id, self.is_last, self.log = restore.directory.run_id, is_last, log
+        self.weighs = weighs if weighs is not None else (lambda stage: False)
         self.generation, self.order_sealed = 0, None
         self._issued = (0, 0.0)  # (generation, time.monotonic()) of the last rollback order this server issued
         self._order_scale, self.order_issuer, self.order_subkey = 1.0, "", ""
@@ -248,7 +257,7 @@ class Rollbacks:
         run_key = self.directory.run_key
         return order_in_force(orders, online, applied=self.generation, lr_factor=self.spec.rollback.lr_factor,
                               authority=peer_id_of(run_key) if run_key is not None else None, weight=self.weight,
-                              me=self.identity.peer_id)
+                              me=self.identity.peer_id, weighs=self.weighs(self.spec.model.num_stages - 1))
 
     async def apply(self, order: RollbackOrder, sealed: bytes) -> None:
         """Restore the newest checkpoint at or before ``order.epoch`` and scale the learning rate."""

@@ -119,6 +119,13 @@ class PeerContext:
         named = self.recognition.recognized(server.stage) if self.recognition is not None else None
         return max(self.weight(server.p2p_id), 1.0 if named is not None and server.peer_id in named else 0.0)
 
+    def weighs(self, stage: int, serves: bool = False) -> bool:
+        """Whether this peer weighs ``stage``'s servers in its decisions (:meth:`voice`): the run key's recognition
+        (as last read) names some of them, or this peer ``serves`` the stage and verified some server's averaging
+        work (its standing). A read that shows none of those it weighs is then no majority, never a head count."""
+        named = self.recognition.recognized(stage) if self.recognition is not None else None
+        return bool(named) or (serves and bool(self.standing.heaviest(1)))
+
     def named(self, stage: int, p2p_id: str) -> float:
         """1 if the run key's recognition (as last read) names the server of ``stage`` with libp2p id ``p2p_id``,
         else 0: the state check's weight where this server verified none of the servers answering (a fresh
@@ -271,7 +278,8 @@ class ServedStage:
         self.commits = StageCommits(ctx.keeper, ctx.authority, optimizer, stage=self.stage,
                                     lineage=self.lineage, log=self.log)
         self.rollbacks = Rollbacks(self.restore, optimizer, self.server.compute, ctx.identity,
-                                   is_last=self.server.is_last, log=self.log, weight=ctx.voice)
+                                   is_last=self.server.is_last, log=self.log, weight=ctx.voice,
+                                   weighs=lambda stage: ctx.weighs(stage, serves=stage == self.stage))
         self._verified: dict[str, int] = {}  # libp2p id -> the verified rounds this stage's averager last reported
         self._verified_at: dict[str, int] = {}  # libp2p id -> this server's epoch when those rounds last grew
         self._ticket = ctx.identity.ticket  # the ticket the averager processes sign with (they forked with it)
