@@ -87,8 +87,8 @@ def peers_table(snap: dict[str, Any], top: int = 0) -> Table:
                       str(p["samples_per_s"]), "-" if p.get("mfu") is None else f"{100 * p['mfu']:.1f}%",
                       f"{100 * p['contribution']:.0f}%",
                       "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.0f}s ago",
-                      _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", refused, _f(p.get("standing"), ".2f"),
-                      _yes(p.get("recognized")), _yes(p.get("admitted")))
+                      _f(p["loss"]), f"{p['flagged_parts']}/{p['rejected_parts']}", refused,
+                      _f(p.get("standing"), ".2f"), _yes(p.get("recognized")), _yes(p.get("admitted")))
     return table
 
 

@@ -35,8 +35,6 @@ from swarm.identity import Identity, peer_id_of
 from swarm.protocol import MIN_LR_SCALE, RollbackOrder, ServerInfo, rollback_key
 
 
-
-
 class LossSpikeDetector:
     """Judges each epoch's mean training loss (nats/token) against its moving average."""
 
