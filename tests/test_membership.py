@@ -112,13 +112,13 @@ def test_where_the_run_key_names_a_stages_servers_only_they_and_those_they_vouch
     newcomers = [server("n1"), server("n2")]
     servers = honest + sybils + newcomers
     named = frozenset({"h1", "h2"})
-    assert [s.p2p_id for s in counted_members(servers, named, 8)] == ["h1", "h2", "n1"]
-    assert counted_members(servers, None, 8) == servers  # no recognition: every record
-    assert counted_members(servers, frozenset({"gone"}), 8) == servers  # none of those it names is online
-    assert counted_members(servers, named, 2) == servers  # past one group: the grid needs everyone who takes part
+    counted, uncounted = counted_members(servers, named, 8)
+    assert [s.p2p_id for s in counted] == ["h1", "h2", "n1"] and uncounted == {"x0", "x1", "x2", "x3", "n2"}
+    assert counted_members(servers, None, 8) == (servers, set())  # no recognition: every record
+    assert counted_members(servers, frozenset({"gone"}), 8) == (servers, set())  # none it names is online
+    assert counted_members(servers, named, 2) == (servers, set())  # past one group: the grid needs them all
     table = MemberTable(TTL)
     table.observe(servers, 100.0)
     assert "x0" in table.entries
-    counted = counted_members(servers, named, 8)
-    table.observe(counted, 101.0, uncounted={s.p2p_id for s in servers} - {s.p2p_id for s in counted})
+    table.observe(counted, 101.0, uncounted)
     assert set(table.entries) == {"h1", "h2", "n1"}  # the uncounted leave at once

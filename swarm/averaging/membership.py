@@ -80,8 +80,9 @@ class MemberTable:
 
 
 def counted_members(servers: list[ServerInfo], recognized: Optional[frozenset[str]],
-                    group_size: int) -> list[ServerInfo]:
-    """Of a stage's records, those whose servers count as its averaging members (:class:`MemberTable`): where the run
+                    group_size: int) -> tuple[list[ServerInfo], set[str]]:
+    """``(counted, uncounted)``: of a stage's records, those whose servers count as its averaging members
+    (:class:`MemberTable`), and the libp2p ids of the others (for :meth:`MemberTable.observe`): where the run
     key's recognition (``recognized``: the peer ids it names on the stage) names some of its online servers, those it
     names and those a named online server vouches for (:attr:`~swarm.protocol.ServerInfo.vouches`: their averaging
     work verified), as long as they fit one group (at most ``group_size``; 0: no bound); else every record.
@@ -93,13 +94,13 @@ def counted_members(servers: list[ServerInfo], recognized: Optional[frozenset[st
     no member whose absence fails a round, nor one whose presence is counted), where the named servers verify it.
     Left as before: a stage of more vouched servers than ``group_size`` averages in bounded groups, whose grid needs
     every server that takes part, so every record counts there (docs/threat-model.md)."""
-    if not recognized or not any(s.peer_id in recognized and s.state == ServerState.ONLINE for s in servers):
-        return servers
-    named = [s for s in servers if s.peer_id in recognized and s.state == ServerState.ONLINE]
+    named = [s for s in servers if recognized and s.peer_id in recognized and s.state == ServerState.ONLINE]
     vouched = {p for s in named for p in s.vouches}
-    counted = [s for s in servers if s.peer_id in recognized or s.p2p_id in vouched]
+    counted = [s for s in servers if s.peer_id in (recognized or ()) or s.p2p_id in vouched]
     online = sum(s.state == ServerState.ONLINE for s in counted)
-    return counted if not group_size or online <= group_size else servers
+    if not named or (group_size and online > group_size):
+        return servers, set()
+    return counted, {s.p2p_id for s in servers} - {s.p2p_id for s in counted}
 
 
 __all__ = ["KEEP", "MemberTable", "QUANTUM", "SETTLE", "counted_members"]

@@ -141,18 +141,18 @@ class Rollbacks:
     :param is_last: this server serves the last stage (it sees the loss).
     :param log: the stage's log.
     :param weight: a server's vote in :func:`order_in_force` (its standing with this server); None counts heads.
-    :param weighs: ``weighs(stage)``: whether this server weighs ``stage``'s servers (``order_in_force``'s
-        ``weighs``, asked of the last stage at each look); None: never.
+    :param weighs: ``weighs(stage, serves=)``: whether this server (serving ``stage`` or not) weighs ``stage``'s
+        servers (``order_in_force``'s ``weighs``, asked of the last stage at each look); None: never.
     """
 
     def __init__(self, restore: StageRestore, holder: StateHolder, compute: Compute, identity: Identity, *,
                  is_last: bool, log: logging.Logger | logging.LoggerAdapter,
                  weight: Optional[Callable[[ServerInfo], float]] = None,
-                 weighs: Optional[Callable[[int], bool]] = None):
+                 weighs: Optional[Callable[..., bool]] = None):
         self.restore, self.holder, self.compute, self.identity = restore, holder, compute, identity
         self.directory, self.spec, self.stage = restore.directory, restore.spec, restore.stage
         self.run_id, self.is_last, self.log = restore.directory.run_id, is_last, log
-        self.weighs = weighs if weighs is not None else (lambda stage: False)
+        self.weighs = weighs if weighs is not None else (lambda stage, serves=False: False)
         self.generation, self.order_sealed = 0, None
         self._issued = (0, 0.0)  # (generation, time.monotonic()) of the last rollback order this server issued
         self._order_scale, self.order_issuer, self.order_subkey = 1.0, "", ""
@@ -255,7 +255,8 @@ class Rollbacks:
         run_key = self.directory.run_key
         return order_in_force(orders, online, applied=self.generation, lr_factor=self.spec.rollback.lr_factor,
                               authority=peer_id_of(run_key) if run_key is not None else None, weight=self.weight,
-                              me=self.identity.peer_id, weighs=self.weighs(self.spec.model.num_stages - 1))
+                              me=self.identity.peer_id,
+                              weighs=self.weighs(self.spec.model.num_stages - 1, serves=self.is_last))
 
     async def apply(self, order: RollbackOrder, sealed: bytes) -> None:
         """Restore the newest checkpoint at or before ``order.epoch`` and scale the learning rate."""

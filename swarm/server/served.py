@@ -278,8 +278,7 @@ class ServedStage:
         self.commits = StageCommits(ctx.keeper, ctx.authority, optimizer, stage=self.stage,
                                     lineage=self.lineage, log=self.log)
         self.rollbacks = Rollbacks(self.restore, optimizer, self.server.compute, ctx.identity,
-                                   is_last=self.server.is_last, log=self.log, weight=ctx.voice,
-                                   weighs=lambda stage: ctx.weighs(stage, serves=stage == self.stage))
+                                   is_last=self.server.is_last, log=self.log, weight=ctx.voice, weighs=ctx.weighs)
         self._verified: dict[str, int] = {}  # libp2p id -> the verified rounds this stage's averager last reported
         self._verified_at: dict[str, int] = {}  # libp2p id -> this server's epoch when those rounds last grew
         self._ticket = ctx.identity.ticket  # the ticket the averager processes sign with (they forked with it)
@@ -392,9 +391,8 @@ class ServedStage:
         return self._servers_read[1]
 
     async def _read_roster(self) -> None:
-        """Keep the progress sub-keys the stage's servers announce, the only progress counted (None, counting every
-        entry, until a record names one: :mod:`swarm.averaging.progress`), and tell the optimizer which declared
-        donors are the stage's servers and (``[averaging] early_start``) which servers make a complete group."""
+        """Keep the progress sub-keys the stage's servers announce (:mod:`swarm.averaging.progress`); tell the
+        optimizer the stage's servers (donors) and its averaging members (``early_start``: :func:`counted_members`)."""
         servers = await self.directory.servers(self.stage)
         self._servers_read = (time.monotonic(), servers)
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
@@ -415,9 +413,8 @@ class ServedStage:
             self._donors = donors
         if not self.spec.averaging.early_start:
             return
-        counted = counted_members(servers, recognized, self.spec.averaging.group_size)
-        uncounted = {s.p2p_id for s in servers} - {s.p2p_id for s in counted}
-        self.members.observe(counted, get_dht_time(), uncounted=uncounted)
+        counted, uncounted = counted_members(servers, recognized, self.spec.averaging.group_size)
+        self.members.observe(counted, get_dht_time(), uncounted)
         snapshot = MemberTable(self.members.ttl_s, dict(self.members.entries))
         if snapshot.entries != self._members_sent and await asyncio.to_thread(self.optimizer.set_members, snapshot):
             self._members_sent = snapshot.entries

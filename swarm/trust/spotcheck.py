@@ -121,13 +121,9 @@ class SpotChecker:
 
     :param p2p: the trainer's libp2p node (evidence is pushed and fetched through it).
     :param rng: sampling and the choice of checking servers (seeded in tests).
-    :param recognized: the run key's recognition, stage -> the peer ids it names there (or None): where it names a
-        stage's servers, evidence adopted from others must be signed by them (:class:`~swarm.trust.convictions.
-        ConvictionBook`).
-    :param serves: ``serves(peer_id, stage)``: whether this trainer saw ``peer_id`` announced as a server of
-        ``stage``, without a DHT read (it is called on the event loop: ``RunDirectory.seen_serving(..., read=False)``):
-        where the recognition names nobody, evidence (adopted, or this trainer's own) must be signed by such servers
-        (two fresh keys never announced convict nobody). None: no such check.
+    :param recognized: stage -> the peer ids the run key's recognition names there, or None.
+    :param serves: ``serves(peer_id, stage)``, no DHT read (``RunDirectory.seen_serving(..., read=False)``): the
+        :class:`~swarm.trust.convictions.ConvictionBook`'s check of evidence signers where the recognition names none.
     """
 
     def __init__(self, spec: RunSpec, run_id: str, p2p: Optional[P2P], *, rng: Optional[random.Random] = None,
@@ -159,12 +155,9 @@ class SpotChecker:
         return server.peer_id in self.convicted
 
     def vote(self, peer_id: str) -> float:
-        """``peer_id``'s say in which servers its stage excluded, and whether routing counts it verified
-        (:class:`~swarm.trainer.routing.Router`'s ``weight``): the checks it passed here
-        (:meth:`~swarm.trust.standing.Standing.weight`), or 1 where the run key's recognition names it on a stage
-        (averaging work a recognized server verified); 0 for a key neither this trainer checked nor the run key
-        names. A trainer that checked nobody yet then gives 150 records of fake servers only the explore share of
-        its picks where the recognition names the stage's servers (before, every pick was open to them)."""
+        """``peer_id``'s say in which servers its stage excluded, and whether routing counts it verified (the
+        :class:`~swarm.trainer.routing.Router`'s ``weight``): the checks it passed here, or 1 where the run key's
+        recognition names it (150 fake records then got only the explore share of a trainer that checked nobody)."""
         named = any(peer_id in (self.recognized(k) or ()) for k in range(self.spec.model.num_stages))
         return max(self.standing.weight(peer_id), 1.0 if named else 0.0)
 
