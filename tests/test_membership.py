@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from swarm.averaging.membership import KEEP, QUANTUM, SETTLE, MemberTable
 from swarm.protocol import ServerInfo, ServerState
 
@@ -99,9 +101,9 @@ def test_the_table_forgets_servers_two_ttls_after_their_last_announcement():
 def test_where_the_run_key_names_a_stages_servers_only_they_and_those_they_vouch_for_are_members():
     """Found with bench/sybil.py: four idle keys announced as online servers of a stage of two made every round of
     the two short of a majority of the members they expected (every gradient round failed). Where the recognition
-    names some of a stage's online servers, the members are those it names and those they vouch for; an unvouched
-    newcomer is none (it still joins their group, where they verify it); without a recognition, and where the
-    vouched servers outgrow one group, every record counts as before."""
+    names some of a stage's online servers, the majority counts those it names and those they vouch for; an unvouched
+    newcomer is none (it is still waited for and joins their group, where they verify it); without a recognition,
+    and where the vouched servers outgrow one group, every record counts as before."""
     from swarm.averaging.membership import counted_members
 
     def server(p2p, vouches=()):
@@ -118,7 +120,11 @@ def test_where_the_run_key_names_a_stages_servers_only_they_and_those_they_vouch
     assert counted_members(servers, frozenset({"gone"}), 8) == (servers, set())  # none it names is online
     assert counted_members(servers, named, 2) == (servers, set())  # past one group: the grid needs them all
     table = MemberTable(TTL)
-    table.observe(servers, 100.0)
-    assert "x0" in table.entries
-    table.observe(counted, 101.0, uncounted)
-    assert set(table.entries) == {"h1", "h2", "n1"}  # the uncounted leave at once
+    table.observe(servers, 100.0, uncounted)
+    members = {s.p2p_id for s in servers}
+    assert table.at(101.0) == members  # every server is waited for ...
+    assert table.counted_at(101.0) == {"h1", "h2", "n1"}  # ... but the keys count in no majority
+    from swarm.averaging.hops import a_majority
+    a_majority(table.counted_at(101.0), {"h1", "h2"})  # the honest pair's group stands
+    with pytest.raises(Exception, match="not a majority"):
+        a_majority(table.at(101.0), {"h1", "h2"})  # (counting every record, it did not)

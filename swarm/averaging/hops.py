@@ -55,7 +55,8 @@ class GroupRules:
 @dataclass(frozen=True)
 class StepLanes:
     """One step's hivemind ``StepControl``, this server's lanes for it, hop by hop (empty: one group), and the
-    stage's members it expects (empty: none known, or this server is not one of them)."""
+    stage's members whose majority its group must hold (empty: none known, or this server is no member;
+    :meth:`~swarm.averaging.membership.MemberTable.counted_at`)."""
 
     step: object = None
     lanes: tuple[Lane, ...] = ()
@@ -98,7 +99,8 @@ class HopRounds:
         members = frozenset(p for p in self._members if p == me or not self.exclusions.is_excluded(p))
         if self.group_size >= 3 and epoch is not None and me in members and len(members) > self.group_size:
             lanes = GroupPlan(members, round_seed(self.prefix, epoch), self.group_size).lanes_of(me)
-        _STEP.set(StepLanes(step, tuple(lanes), members if me in members else frozenset()))
+        counted = members - self._member_table.uncounted  # (the majority a one-group round must hold)
+        _STEP.set(StepLanes(step, tuple(lanes), counted if me in members else frozenset()))
         self._current_step = step
         self._next_lane[id(step)] = lanes[0] if lanes else None
 

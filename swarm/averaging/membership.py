@@ -49,25 +49,27 @@ class MemberTable:
 
     ttl_s: float = 0.0
     entries: dict[str, tuple[float, float]] = field(default_factory=dict)
+    uncounted: frozenset[str] = frozenset()
+    """libp2p ids that are members (waited for, placed on the grid) but not counted in the majority a group of the
+    stage must hold (:func:`counted_members`)."""
 
     def observe(self, servers: Iterable[ServerInfo], now: float, uncounted: Iterable[str] = ()) -> bool:
         """Note one read of the stage's records at DHT time ``now``; True if the table changed. A record without
         a progress key does not count (its server cannot be counted); one not online (joining, catching up,
-        pausing, draining) leaves at once, and so do the libp2p ids ``uncounted`` (:func:`counted_members`)."""
-        before = dict(self.entries)
-        drop = set(uncounted)
+        pausing, draining) leaves at once. The libp2p ids ``uncounted`` (:func:`counted_members`) stay members but
+        count in no majority (:meth:`counted_at`)."""
+        before = (dict(self.entries), self.uncounted)
+        self.uncounted = frozenset(uncounted)
         for s in servers:
-            if s.progress_key and s.state == ServerState.ONLINE and s.p2p_id not in drop:
+            if s.progress_key and s.state == ServerState.ONLINE:
                 since, newest = self.entries.get(s.p2p_id, (s.online_since, s.time))
                 self.entries[s.p2p_id] = (s.online_since, max(newest, s.time)) if since == s.online_since \
                     else (s.online_since, s.time)  # a new placement of the same peer starts over
             else:
                 self.entries.pop(s.p2p_id, None)
-        for p in drop:
-            self.entries.pop(p, None)
         for p in [p for p, (_, newest) in self.entries.items() if newest < now - 2 * self.ttl_s]:
             del self.entries[p]
-        return self.entries != before
+        return (self.entries, self.uncounted) != before
 
     def at(self, now: float) -> frozenset[str]:
         """The members at DHT time ``now`` (module docstring); empty while the table is."""
@@ -78,22 +80,27 @@ class MemberTable:
         settled, alive = ref - SETTLE * self.ttl_s, ref - KEEP * self.ttl_s
         return frozenset(p for p, (since, newest) in self.entries.items() if since <= settled and newest >= alive)
 
+    def counted_at(self, now: float) -> frozenset[str]:
+        """The members at DHT time ``now`` that count in a group's majority (:func:`counted_members`)."""
+        return self.at(now) - self.uncounted
+
 
 def counted_members(servers: list[ServerInfo], recognized: Optional[frozenset[str]],
                     group_size: int) -> tuple[list[ServerInfo], set[str]]:
-    """``(counted, uncounted)``: of a stage's records, those whose servers count as its averaging members
-    (:class:`MemberTable`), and the libp2p ids of the others (for :meth:`MemberTable.observe`): where the run
-    key's recognition (``recognized``: the peer ids it names on the stage) names some of its online servers, those it
-    names and those a named online server vouches for (:attr:`~swarm.protocol.ServerInfo.vouches`: their averaging
-    work verified), as long as they fit one group (at most ``group_size``; 0: no bound); else every record.
+    """``(counted, uncounted)``: of a stage's records, those whose servers count in the majority a group of the stage
+    must hold (:func:`~swarm.averaging.hops.a_majority`), and the libp2p ids of the others (for
+    :meth:`MemberTable.observe`: members still, waited for by an early start): where the run key's recognition
+    (``recognized``: the peer ids it names on the stage) names some of its online servers, those it names and those a
+    named online server vouches for (:attr:`~swarm.protocol.ServerInfo.vouches`: their averaging work verified), as
+    long as they fit one group (at most ``group_size``; 0: no bound); else every record.
 
-    A record costs nothing: counted as members, idle keys announced as online servers of a stage (as many as its
-    honest servers) made every group of the honest servers short of a majority of the members it expected, and
-    every gradient round failed (``bench/sybil.py`` idle keys at 2 a stage: 9 then 18 rounds failed in a minute,
-    each server stepping alone). An honest newcomer not yet vouched for still joins the stage's one group (it is
-    no member whose absence fails a round, nor one whose presence is counted), where the named servers verify it.
-    Left as before: a stage of more vouched servers than ``group_size`` averages in bounded groups, whose grid needs
-    every server that takes part, so every record counts there (docs/threat-model.md)."""
+    A record costs nothing: counted in the majority, idle keys announced as online servers of a stage (as many as its
+    honest servers) left every group of the honest servers short of it, and every gradient round failed
+    (``bench/sybil.py`` idle keys at 2 a stage: 9 then 18 rounds failed in a minute, each server stepping alone).
+    Now such keys cost the stage's groups the matchmaking window (an early start waits for every member). An honest
+    newcomer is still waited for and joins their group, where the named servers verify it. Left as before: a stage
+    of more vouched servers than ``group_size`` averages in bounded groups, whose lanes need every voter, so every
+    record counts there (docs/threat-model.md)."""
     named = [s for s in servers if recognized and s.peer_id in recognized and s.state == ServerState.ONLINE]
     vouched = {p for s in named for p in s.vouches}
     counted = [s for s in servers if s.peer_id in (recognized or ()) or s.p2p_id in vouched]

@@ -289,7 +289,7 @@ class ServedStage:
         self._trust = ProgressTrust()  # whose progress counts in full (swarm.averaging.progress, Standing)
         self._donors: frozenset[str] = frozenset()  # libp2p ids of the stage's servers, as the optimizer last heard
         self.members = MemberTable(self.spec.timeouts.record_ttl_s)  # the stage's averaging members, as read
-        self._members_sent: Optional[dict] = None  # the table the averagers last took
+        self._members_sent: Optional[MemberTable] = None  # the table the averagers last took
         self.online_since: Optional[float] = None  # DHT time of its first announcement online since it last joined
         self._rounds_logged = (0, 0)  # (rounds, their milliseconds) up to the last epoch line
         self._restored = False  # an epoch that ends before the state is restored starts nothing
@@ -413,11 +413,11 @@ class ServedStage:
             self._donors = donors
         if not self.spec.averaging.early_start:
             return
-        counted, uncounted = counted_members(servers, recognized, self.spec.averaging.group_size)
-        self.members.observe(counted, get_dht_time(), uncounted)
-        snapshot = MemberTable(self.members.ttl_s, dict(self.members.entries))
-        if snapshot.entries != self._members_sent and await asyncio.to_thread(self.optimizer.set_members, snapshot):
-            self._members_sent = snapshot.entries
+        _, uncounted = counted_members(servers, recognized, self.spec.averaging.group_size)
+        self.members.observe(servers, get_dht_time(), uncounted)
+        snapshot = MemberTable(self.members.ttl_s, dict(self.members.entries), self.members.uncounted)
+        if snapshot != self._members_sent and await asyncio.to_thread(self.optimizer.set_members, snapshot):
+            self._members_sent = snapshot
 
     def _progress_pushed(self, p2p_id: str, push: ProgressPush) -> None:
         """A stage-mate's pushed count (``rpc_progress``): counted as the progress of the key its server record
