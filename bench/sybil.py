@@ -7,8 +7,9 @@ Every configuration is a swarm of its own on loopback (``runs/tiny.toml``: 2 sta
 stage, and one trainer that trains for ``--train-s`` seconds from its first tokens (at least ``--min-window`` of
 them under attack) and, token-matched (the default), on until it announced the clean run's tokens (at most
 ``2 x --train-s`` more: a row's ``tokens`` says where it stopped); then the trainer stops and this bench measures
-the validation loss of the whole held-out split through the swarm. Once every honest server vouches for a stage-mate (they verified each other's averaging work), K
-Sybil keys attack until the end, K from ``--ks`` (``1``: one key, ``2x``: twice the honest servers of a stage):
+the validation loss of the whole held-out split through the swarm. Once every honest server vouches for a stage-mate
+(they verified each other's averaging work), K Sybil keys attack until the end, K from ``--ks`` (``1``: one key,
+``2x``: twice the honest servers of a stage):
 
 * ``idle``: K fresh keys per stage that only announce (:class:`swarm.attacks.sybil.RecordSybils`: server records
   claiming a false throughput, every honest server excluded, vouching for one another, a rollback already applied;
@@ -168,11 +169,15 @@ class Watch:
         return any(plan_move(s.peer_id, k, weighed, gain) != plan_move(s.peer_id, k, honest, gain)
                    for k, group in honest.items() for s in group)
 
+    def _both(self, stage: int) -> list[tuple[ServerInfo, ServerInfo]]:
+        """(first, last) records of the honest servers of ``stage`` that served it at both reads."""
+        return [(self.first[p], s) for p, s in self.last.items() if s.stage == stage and self.first[p].stage == stage]
+
     def failed_per_epoch(self) -> dict[int, float]:
         """Stage -> failed gradient rounds per honest server and epoch between the first and the last read."""
         out = {}
         for k in range(self.num_stages):
-            both = [(self.first[p], s) for p, s in self.last.items() if s.stage == k and self.first[p].stage == k]
+            both = self._both(k)
             epochs = sum(b.epoch - a.epoch for a, b in both)
             if epochs > 0:
                 out[k] = sum(b.averaging.get("failed", 0) - a.averaging.get("failed", 0) for a, b in both) / epochs
@@ -182,7 +187,7 @@ class Watch:
         """Stage -> samples its honest servers processed per epoch between the first and the last read."""
         out = {}
         for k in range(self.num_stages):
-            both = [(self.first[p], s) for p, s in self.last.items() if s.stage == k and self.first[p].stage == k]
+            both = self._both(k)
             epochs = min((b.epoch - a.epoch for a, b in both), default=0)
             if epochs > 0:
                 out[k] = sum(b.samples - a.samples for a, b in both) / epochs
