@@ -303,6 +303,36 @@ def invite(address: str = typer.Argument(..., help="Run address."),
 
 
 @app.command()
+def delegate(address: str = typer.Argument(..., help="Run address."),
+             peer: str = typer.Argument(..., help="Peer id of an admitted peer you run (online now), or a libp2p id."),
+             expires: str = typer.Option("7d", help="How long PEER may issue tickets: 7d, 12h, 30m. Keep it short: a "
+                                         "delegation cannot be withdrawn before it ends (`revoke` bans the peer)."),
+             key: Path = _KEY, timeout: float = _TIMEOUT) -> None:
+    """Let PEER issue the run's tickets while the coordinator is down: it redeems invite codes and renews tickets
+    until the delegation expires (a ticketed run: its spec's admission policy "allowlist" or "invite"). Prints
+    {"delegate", "p2p_id", "expires"} as JSON."""
+    from swarm.trust.delegates import delegate as issue_delegation
+
+    ttl_s, coordinator = _duration_s(expires), _run_key(key)
+    dht, directory, spec, _ = _connect(address, timeout)
+    try:
+        p2p_id = peer if peer.startswith("12D3") else _p2p_id_of(directory, spec, peer)
+        if spec.admission.policy == "open" or not p2p_id:
+            why = ("is open: tickets apply to a run whose spec sets [admission] policy = \"allowlist\" or \"invite\""
+                   if spec.admission.policy == "open" else f"lists no online peer {peer}: start it first (admitted), "
+                   "then delegate to it, or give its libp2p id")
+            typer.echo(f"error: run {directory.run_id} {why}", err=True)
+            raise typer.Exit(1)
+        found, _ = issue_delegation(directory, coordinator, spec, p2p_id, ttl_s)
+    except (ValueError, RuntimeError) as e:  # ProtocolError (not the run key, not a libp2p id) is a ValueError
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        dht.shutdown()
+    typer.echo(json.dumps({"delegate": found.delegate, "p2p_id": found.delegate_p2p_id, "expires": found.expires}))
+
+
+@app.command()
 def revoke(address: str = typer.Argument(..., help="Run address."),
            peer: str = typer.Argument(..., help="Peer id whose admission ends."),
            key: Path = _KEY, timeout: float = _TIMEOUT) -> None:

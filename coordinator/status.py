@@ -13,7 +13,8 @@ and split ``excluded`` off ``banned``)::
              "tokens", "samples_per_s", "loss", "train_loss", "val_loss", "loss_history": [[epoch, loss]],
              "peers": {"online", "joining", "lagging", "paused", "draining", "trainers", "banned", "excluded"},
              "recognition_age_s" (seconds since the coordinator signed the recognition; None: none valid),
-             "admission" (the spec's [admission] policy: "open", "invite" or "allowlist")},
+             "admission" (the spec's [admission] policy: "open", "invite" or "allowlist"),
+             "delegates" (peer id -> seconds its delegation to issue tickets lasts; None in an open run)},
      "stages": [{"stage", "servers_online", "servers", "throughput", "demand", "epoch", "lagging",
                  "samples", "samples_dropped", "last_round": {"group_size", "round_s"},
                  "recognized" (its online servers the run key recognizes; None: no recognition)}],
@@ -66,6 +67,7 @@ from swarm.protocol import ServerInfo, ServerState, TrainerInfo
 from swarm.server.rebalance import stage_demand
 from swarm.server.served import counted_claims
 from swarm.trainer.routing import excluded_by_stage
+from swarm.trust.delegates import live_delegations
 from swarm.trust.recognition import read_recognition
 from swarm.trust.tickets import all_tickets
 
@@ -166,12 +168,15 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
         reading_histories = {k: pool.submit(directory.histories, k) for k in stage_ids}
         reading_trainers, reading_bans = pool.submit(directory.trainers), pool.submit(directory.bans)
         reading_recognition = pool.submit(read_recognition, directory)
-        reading_tickets = pool.submit(all_tickets, directory) if spec.admission.policy != "open" else None
+        ticketed = spec.admission.policy != "open"
+        reading_tickets = pool.submit(all_tickets, directory) if ticketed else None
+        reading_delegates = pool.submit(live_delegations, directory) if ticketed else None
         servers = {k: f.result() for k, f in reading.items()}
         histories = {k: f.result() for k, f in reading_histories.items()}
         trainers, (ban_list, _) = reading_trainers.result(), reading_bans.result()
         recognition = reading_recognition.result()
         tickets = _expiries(reading_tickets.result()) if reading_tickets is not None else None
+        delegates = reading_delegates.result() if reading_delegates is not None else None
     banned = dict(ban_list.banned) if ban_list is not None else {}
     now = get_dht_time()
     demand = stage_demand(spec.model)
@@ -213,8 +218,13 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
     run = _run_summary(directory, spec, trainers, stages, peers, rates, banned)
     run.update(_losses(last, histories[spec.model.num_stages - 1], trainers))
     run["recognition_age_s"] = round(max(0.0, now - recognition.time), 1) if recognition is not None else None
-    run["admission"] = str(spec.admission.policy)
+    run["admission"], run["delegates"] = str(spec.admission.policy), _delegates(delegates, now)
     return {"run": run, "stages": stages, "peers": peers, "healthy": all(s["servers_online"] > 0 for s in stages)}
+
+
+def _delegates(delegates: Optional[dict], now: float) -> Optional[dict[str, float]]:
+    """Peer id -> seconds its delegation lasts (:func:`~swarm.trust.delegates.live_delegations`); None: an open run."""
+    return {p: round(d.expires - now, 1) for p, (d, _) in delegates.items()} if delegates is not None else None
 
 
 def _expiries(tickets: list) -> dict[str, float]:

@@ -176,6 +176,9 @@ class Identity:
         self.ticket: bytes = b""
         """The run key's sealed ticket admitting this peer (``[admission] policy = "allowlist"``), carried in every
         record it seals; empty in an open run (:mod:`swarm.trust.tickets`)."""
+        self.delegation: bytes = b""
+        """The run key's sealed delegation naming this key while it issues tickets for it, embedded in each ticket
+        it signs; empty otherwise (:mod:`swarm.trust.delegates`)."""
 
     @classmethod
     def generate(cls) -> "Identity":

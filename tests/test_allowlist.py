@@ -2,8 +2,9 @@
 a new operator would: a peer without a ticket is told how to get one and exits 7; ``swarm-coordinator admit``
 admits it; the admitted peers train, and keep training across a coordinator restart (their tickets are in the
 DHT and their records carry them). And a run that admits by invite (``policy = "invite"``): ``swarm-coordinator
-invite`` prints a code, peers started with ``--invite CODE`` get their own tickets and train, and a peer past the
-code's uses is told so and exits 7."""
+invite`` prints a code, peers started with ``--invite CODE`` get their own tickets and train, a peer past the
+code's uses is told so and exits 7, and, once ``swarm-coordinator delegate`` named a server and the coordinator
+is gone, a new peer joins with a new code that server redeems."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import sys
 import pytest
 
 from swarm.identity import Identity
+from swarm.net.dht import format_run_address
 from swarm.net.stage_rpc import ask_state_digest
 from swarm.protocol import ServerState
+from swarm.trust.tickets import fetch_ticket
 from tests.conftest import TINY
 from tests.scenario import Scenario, make_swarm
 
@@ -86,3 +89,18 @@ def test_an_invite_run_takes_the_peers_that_hold_its_code_up_to_its_uses(tmp_pat
         assert all(p.alive() for p in peers.values()), sc.story()
         listed = {s.peer_id for group in sc.directory.all_servers(2).values() for s in group}
         assert listed == {peers["s0"].peer_id, peers["s1"].peer_id}
+
+        # the operator delegates ticket issuing to s1 and goes away: a new peer joins with a new code, redeemed by s1
+        fresh = _coordinator_cli(sw, "invite", sw.address, "--uses", "1", "--expires", "1h")
+        assert _coordinator_cli(sw, "delegate", sw.address, peers["s1"].peer_id, "--expires", "1h")["delegate"] == \
+            peers["s1"].peer_id
+        sc.wait(lambda: "delegates ticket issuing to this peer" in peers["s1"].log.read_text(), 120,
+                "s1 to take up its delegation")
+        record = next(s for s in sc.directory.servers(0) if s.peer_id == peers["s0"].peer_id)
+        sw.kill(sw.coordinator)
+        sw.address = format_run_address(sc.directory.run_id, record.maddrs)  # (an address listing a live server)
+        after = sw.start_peer("server", "--stage", "0", "--invite", fresh["code"], name="after")
+        sc.wait(lambda: any(s.peer_id == after.peer_id and s.state == ServerState.ONLINE
+                            for s in sc.directory.servers(0)), 300, "the peer the delegate admitted to serve")
+        assert fetch_ticket(sc.directory, after.peer_id)[0].peer_id == peers["s1"].peer_id
+        assert all(p.alive() for p in peers.values()), sc.story()

@@ -274,24 +274,28 @@ def test_where_the_run_key_recognizes_a_stages_servers_fresh_keys_records_move_n
 
 def test_status_shows_each_peers_admission_in_a_ticketed_run(monkeypatch):
     """In a run that admits only ticketed peers, ``status`` says which peers hold a valid ticket and for how long
-    (``admitted``, ``ticket_expires_s``), and the run's policy; in an open run ``admitted`` is None."""
+    (``admitted``, ``ticket_expires_s``), the run's policy and its delegates; in an open run ``admitted`` and
+    ``delegates`` are None."""
     from hivemind.utils import get_dht_time
 
     import coordinator.status as status
     from swarm.config import RunSpec
-    from swarm.protocol import Ticket
+    from swarm.protocol import Delegation, Ticket
 
     spec = RunSpec.from_toml("runs/tiny.toml")
     now = get_dht_time()
     records = _online(now, per_stage=2)
-    assert {p["admitted"] for p in status.snapshot(records, spec)["peers"]} == {None}
+    opened = status.snapshot(records, spec)
+    assert {p["admitted"] for p in opened["peers"]} == {None} and opened["run"]["delegates"] is None
     tickets = [(Ticket.model_construct(subject="s0-0", expires=now + 100), b""),
                (Ticket.model_construct(subject="s0-0", expires=now + 500), b""),
                (Ticket.model_construct(subject="s1-0", expires=now - 5), b"")]  # expired
     monkeypatch.setattr(status, "all_tickets", lambda directory: tickets)
+    monkeypatch.setattr(status, "live_delegations",
+                        lambda directory: {"s1-1": (Delegation.model_construct(expires=now + 3000), b"")})
     snap = status.snapshot(records, spec.updated(admission={"policy": "allowlist"}))
     rows = {p["peer_id"]: p for p in snap["peers"]}
-    assert snap["run"]["admission"] == "allowlist"
+    assert snap["run"]["admission"] == "allowlist" and 2990 <= snap["run"]["delegates"]["s1-1"] <= 3000
     assert rows["s0-0"]["admitted"] and 490 <= rows["s0-0"]["ticket_expires_s"] <= 500  # the newest ticket
     assert [rows[p]["admitted"] for p in ("s0-1", "s1-0", "s1-1")] == [False] * 3
     assert rows["s1-0"]["ticket_expires_s"] is None

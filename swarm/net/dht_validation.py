@@ -12,8 +12,9 @@ value a lookup brings back (``hivemind.dht.validation``, the mechanism of its ow
   their own sub-key and (announcements) to expire within the lifetime their signer gave them, are valid
   (:func:`~swarm.protocol.open_record`, its *Shadowing* rules); a plain value is not;
 * under ``{run}/spec`` only the run's genuine sealed spec (:func:`~swarm.protocol.open_spec`);
-* under ``{run}/tickets``, ``{run}/invites`` and ``{run}/recognition`` only records the run key signed
-  (:func:`~swarm.protocol.open_run_key_record`), stored to expire by the record's own expiry (in every run: a
+* under ``{run}/tickets``, ``{run}/invites``, ``{run}/recognition`` and ``{run}/delegates`` only records the run
+  key signed (:func:`~swarm.protocol.open_run_key_record`; a ticket: or a delegate the run key named,
+  :func:`~swarm.protocol.open_ticket`), stored to expire by the record's own expiry (in every run: a
   stranger's ticket would hide a peer's real one, a stranger's recognition the coordinator's).
 
 Honest nodes refuse the junk, and a reader drops the answer of a node that serves it and keeps the others', so
@@ -48,6 +49,7 @@ from swarm.protocol import (
     SpecRecord,
     StorageInfo,
     Ticket,
+    Delegation,
     Invite,
     Recognition,
     open_run_key_record,
@@ -59,6 +61,7 @@ from swarm.protocol import (
     history_key,
     open_record,
     open_spec,
+    open_ticket,
     rollback_key,
     spec_key,
     stage_keys,
@@ -66,6 +69,7 @@ from swarm.protocol import (
     stripe_names,
     storage_key,
     tickets_key,
+    delegates_key,
     invites_key,
     trainers_key,
     recognition_key,
@@ -82,7 +86,8 @@ def run_keys(run_id: str, max_stages: int = MAX_STAGES) -> dict[str, Type[Record
     keys: dict[str, Type[Record]] = {spec_key(run_id): SpecRecord, trainers_key(run_id): TrainerInfo,
                                      storage_key(run_id): StorageInfo, rollback_key(run_id): RollbackOrder,
                                      bans_key(run_id): BanList, tickets_key(run_id): Ticket,
-                                     invites_key(run_id): Invite, recognition_key(run_id): Recognition}
+                                     invites_key(run_id): Invite, recognition_key(run_id): Recognition,
+                                     delegates_key(run_id): Delegation}
     for k in range(max_stages):
         keys.update({key: ServerInfo for bits in range(MAX_STAGE_STRIPE_BITS + 1) for key in stage_keys(run_id, k, bits)})
         keys[history_key(run_id, k)] = ServerHistory
@@ -123,9 +128,11 @@ class RunRecordValidator(RecordValidatorBase):
             stripe = self._stripes.get(record.key)
             if stripe is not None and stage_stripe(subkey, len(stripe)) != stripe:
                 return False  # a server record in another stripe than its peer id's (readers of one stripe miss it)
-            if kind in (Ticket, Invite, Recognition):  # the run key's only, and kept no longer than it lives (an old ticket
-                # stored to expire late would hide its renewal: hivemind keeps, per sub-key, the value expiring last)
-                found = open_run_key_record(sealed, kind, self.run_id, subkey)
+            if kind in (Ticket, Invite, Recognition, Delegation):  # the run key's only (a ticket: or its delegate's),
+                # kept no longer than it lives (an old ticket stored to expire late would hide its renewal: hivemind
+                # keeps, per sub-key, the value expiring last)
+                found = (open_ticket(sealed, self.run_id, subkey) if kind is Ticket
+                         else open_run_key_record(sealed, kind, self.run_id, subkey))
                 return record.expiration_time <= found.expires + EXPIRY_SLACK_S
             open_record(sealed, kind, run_id=self.run_id, subkey=subkey, expiration=record.expiration_time)
             return True
@@ -144,7 +151,7 @@ class TicketValidator(RecordValidatorBase):
     list and the tickets are the run key's own (:class:`RunRecordValidator` checks their signer).
     Added to a DHT node once it read the spec (``hivemind.DHT.add_validators``); picklable."""
 
-    EXEMPT = (SpecRecord, BanList, Ticket, Invite, Recognition)
+    EXEMPT = (SpecRecord, BanList, Ticket, Invite, Recognition, Delegation)
 
     def __init__(self, run_id: str, max_stages: int = MAX_STAGES):
         self.run_id, self.max_stages = run_id, max_stages

@@ -39,6 +39,7 @@ from swarm.protocol.records import (  # noqa: F401
     SpecRecord, RestoreReport, ServerInfo, ServerHistory, FragmentEntry, CheckpointManifest, Endorsement,
     check_endorsements, checkpoints_key, manifest_subkey, StorageInfo, storage_key, RollbackOrder, rollback_key,
     MAX_BANS, BanList, bans_key, RunKeyRecord, open_run_key_record, Ticket, tickets_key, open_ticket, check_carried,
+    Delegation, delegates_key,
     MAX_INVITE_USES, Invite, invites_key, MAX_RECOGNIZED, Recognition, recognition_key, TrainerInfo, open_spec,
 )
 

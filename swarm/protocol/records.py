@@ -10,7 +10,7 @@ from typing import Annotated, ClassVar, Literal, Optional, Type, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from swarm.config import MAX_STAGE_STRIPE_BITS, RunSpec
-from swarm.identity import derive_run_id, peer_id_of
+from swarm.identity import SignatureError, derive_run_id, peer_id_of, public_key_of_p2p_id
 from swarm.protocol.schema import (MAX_CLOCK_SKEW_S, MAX_COUNT, MAX_ENDORSEMENTS, MAX_EPOCH, MAX_FLOPS,
                                    MAX_ROUND_S, MAX_SAMPLES_PER_S, MIN_LR_SCALE, AnnouncedRecord, Count, Epoch,
                                    FiniteOrNone, ProtocolError, Record, envelope_ticket, open_record)
@@ -409,12 +409,15 @@ class Ticket(RunKeyRecord):
     """The run key's word that peer ``subject`` may take part until ``expires`` (``[admission] policy`` "allowlist"
     or "invite", :mod:`swarm.trust.tickets`). Stored under :func:`tickets_key`, sub-key ``subject``; its holder
     carries it in the envelope of every record it seals (:func:`~swarm.protocol.seal`); records it carries dated
-    after ``expires`` are refused."""
+    after ``expires`` are refused. Signed by the run key, or by a delegate key that embeds the run key's
+    :class:`Delegation` (an intermediate certificate: :func:`open_ticket`)."""
 
     kind: Literal["ticket"] = "ticket"
     subject: str = Field(min_length=1, max_length=128, description="Peer id admitted.")
     invite: str = Field("", max_length=64, description="The code hash of the invite it was redeemed with ('' for "
                         "a peer admitted by name): the invite's uses are its tickets' subjects.")
+    delegation: bytes = Field(b"", max_length=2048, description="Signed by a delegate: the run key's sealed "
+                              ":class:`Delegation` naming the signer ('' when the run key signed it).")
 
     def dht_subkey(self) -> str:
         return self.subject
@@ -424,11 +427,56 @@ def tickets_key(run_id: str) -> str:
     return f"{run_id}/tickets"
 
 
-def open_ticket(sealed: bytes, run_id: str, subkey: Optional[str] = None) -> Ticket:
-    """Verify a sealed ticket: a valid :class:`~swarm.protocol.Ticket` record signed by the key of run ``run_id``.
+class Delegation(RunKeyRecord):
+    """The run key's word that peer ``delegate`` (speaking from ``p2p_id``) may issue tickets of the run until
+    ``expires``: it redeems invite codes and renews tickets while the coordinator is down
+    (:mod:`swarm.trust.delegates`). Stored under :func:`delegates_key`, sub-key ``delegate``; embedded in every
+    ticket the delegate signs."""
 
-    :raises ProtocolError: malformed, bad signature, or not signed by the run key."""
-    return open_run_key_record(sealed, Ticket, run_id, subkey)
+    kind: Literal["delegation"] = "delegation"
+    delegate: str = Field(min_length=1, max_length=128, description="Peer id of the delegate key.")
+    delegate_p2p_id: str = Field(min_length=1, max_length=128, description="The delegate's libp2p id (its key: "
+                                 "joiners ask it to redeem their codes).")
+
+    def dht_subkey(self) -> str:
+        return self.delegate
+
+    def check_contents(self, run_id: str) -> None:
+        super().check_contents(run_id)
+        try:
+            owner = peer_id_of(public_key_of_p2p_id(self.delegate_p2p_id))
+        except SignatureError as e:
+            raise ProtocolError(f"the delegation names no libp2p id of a key: {e}") from None
+        if owner != self.delegate:
+            raise ProtocolError(f"the delegation names libp2p id {self.delegate_p2p_id[:16]}.., which is not "
+                                f"{self.delegate}'s")
+
+
+def delegates_key(run_id: str) -> str:
+    return f"{run_id}/delegates"
+
+
+def open_ticket(sealed: bytes, run_id: str, subkey: Optional[str] = None) -> Ticket:
+    """Verify a sealed ticket: a valid :class:`~swarm.protocol.Ticket` record signed by the key of run ``run_id``, or
+    by a delegate whose embedded :class:`Delegation` the run key signed, that names the ticket's signer, for the
+    same spec, and lasts the ticket's whole life (issued no earlier than the delegation, expiring no later).
+
+    :raises ProtocolError: malformed, bad signature, or signed by neither the run key nor its delegate."""
+    ticket, key = open_record(sealed, Ticket, run_id=run_id, subkey=subkey)
+    if not ticket.delegation:
+        return open_run_key_record(sealed, Ticket, run_id, subkey)
+    try:
+        delegation = open_run_key_record(ticket.delegation, Delegation, run_id)
+    except ProtocolError as e:
+        raise ProtocolError(f"the ticket's delegation is not the run key's: {e}") from None
+    if delegation.delegate != ticket.peer_id:
+        raise ProtocolError(f"the ticket is signed by {ticket.peer_id}, but its delegation names {delegation.delegate}")
+    if (ticket.spec_name, ticket.spec_hash) != (delegation.spec_name, delegation.spec_hash):
+        raise ProtocolError("the ticket names another spec than its delegation")
+    if not delegation.time - MAX_CLOCK_SKEW_S <= ticket.time < ticket.expires <= delegation.expires:
+        raise ProtocolError(f"the ticket ({ticket.time:.0f} .. {ticket.expires:.0f}) outlives its delegation "
+                            f"({delegation.time:.0f} .. {delegation.expires:.0f})")
+    return ticket
 
 
 MAX_INVITE_USES = 100_000

@@ -63,7 +63,7 @@ from swarm.kernels.flops import PeakCache, compute_dtype, stage_flops_per_token
 from swarm.logs import PeerLog
 from swarm.model import build_stage
 from swarm.net.dht import close_dht, connect_run, reachability, relay_enabled, visible_maddrs
-from swarm.trust.invites import acquire_ticket
+from swarm.trust.invites import join_admission
 from swarm.trust.standing import Standing
 from swarm.trust.tickets import RunTickets
 from swarm.trust.recognition import follow_recognition
@@ -217,7 +217,7 @@ class ServerSession:
         if self.pinned is not None and not 0 <= self.pinned < num_stages:
             raise NoSuchStage(f"stage {self.pinned} is out of range: run {run_id} has stages 0..{num_stages - 1}")
         self.p2p = await self.dht.replicate_p2p()
-        await acquire_ticket(self.tickets, self.p2p, self.settings.invite)
+        await join_admission(self.tickets, self.p2p, self.settings.invite)
         store = FragmentStore(self.settings.fragment_path(), self.settings.fragment_max_bytes,
                               self.spec.checkpoint.keep, grace_s=2 * self.spec.timeouts.record_ttl_s)
         self.bans, gate = RunBans(self.directory), self.tickets.gate()

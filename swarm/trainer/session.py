@@ -41,7 +41,7 @@ from swarm.host import ThreadShare
 from swarm.identity import Identity, claim_local_state
 from swarm.logs import PeerLog
 from swarm.net.dht import close_dht, connect_run
-from swarm.trust.invites import acquire_ticket
+from swarm.trust.invites import join_admission
 from swarm.trust.recognition import follow_recognition
 from swarm.trust.tickets import RunTickets
 from swarm.net.directory import AsyncRunDirectory
@@ -183,7 +183,7 @@ class Trainer:
         self.recognition = follow_recognition(directory)
         try:
             self.p2p = await self.dht.replicate_p2p()
-            await acquire_ticket(self.tickets, self.p2p, self.settings.invite)
+            await join_admission(self.tickets, self.p2p, self.settings.invite)
             await self._join()
             await self._train(grace_s)
         finally:

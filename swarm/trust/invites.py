@@ -12,9 +12,10 @@ so a code admits whoever presents it, and nobody for someone else), marked with 
 redeems again (a restart) gets its own renewed, not a second use. From there it is an admitted peer like any
 other: renewed by the coordinator, revoked by ``swarm-coordinator revoke``.
 
-Limits: redemption needs a redeemer up (the coordinator; admitted peers keep working while it is down, as in an
-allowlist run); delegate keys that redeem for the run key are not built. The code is a bearer secret: whoever
-holds it may join, up to its uses.
+Redemption needs a redeemer up: the coordinator, or a peer the run key delegated ticket issuing to
+(:mod:`swarm.trust.delegates`), which every ticketed peer of an invite run is ready to be (it serves ``rpc_redeem``,
+refusing while no live delegation names it); a joiner asks the invite's redeemers, then every live delegate. The
+code is a bearer secret: whoever holds it may join, up to its uses.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from swarm.net.transport import ProtocolServicer, gather, stream_out
 from swarm.protocol import (Invite, InviteRedeem, InviteReply, ProtocolError, Refusal, Ticket, invites_key,
                             open_run_key_record, open_ticket, pack_message, seal, unpack_message)
 from swarm.trust.authority import peer_of_p2p_id
-from swarm.trust.tickets import READ_EVERY_S, NotAdmitted, RunTickets, all_tickets, issue_ticket
+from swarm.trust.delegates import DelegateDuty, live_delegations
+from swarm.trust.tickets import READ_EVERY_S, NotAdmitted, RunTickets, all_tickets, issue_ticket, run_key_records
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +81,7 @@ def issue_invite(directory: RunDirectory, run_key: Identity, spec: RunSpec, uses
 
 def all_invites(directory: RunDirectory) -> dict[str, Invite]:
     """The run key's invites the DHT holds, by code hash (blocking; others are logged and skipped)."""
-    out = {}
-    for _, sealed in directory.read_sealed(invites_key(directory.run_id), Invite):
-        try:
-            invite = open_run_key_record(sealed, Invite, directory.run_id)
-        except ProtocolError as e:
-            logger.warning("dropped an invite under %s: %s", invites_key(directory.run_id), e)
-            continue
-        out[invite.code_hash] = invite
-    return out
+    return {i.code_hash: i for i, _ in run_key_records(directory, invites_key(directory.run_id), Invite)}
 
 
 def find_invite(directory: RunDirectory, code: str) -> Optional[Invite]:
@@ -97,6 +91,8 @@ def find_invite(directory: RunDirectory, code: str) -> Optional[Invite]:
 
 NO_INVITE = ("no live invite of this run has this code (mistyped, expired, or of another run): ask the run's "
              "operator for a new one")
+NOT_REDEEMER = ("this peer redeems no invites of the run (the run key has not delegated to it): ask the run's "
+                "coordinator or a delegate")
 
 
 def redeem(directory: RunDirectory, run_key: Identity, spec: RunSpec, invite: Invite, subject: str,
@@ -129,7 +125,9 @@ MAX_WAITING = 8
 
 
 class InviteService(ProtocolServicer):
-    """``rpc_redeem`` on namespace ``run_id``, served by the holder of the run key (the coordinator): each caller
+    """``rpc_redeem`` on namespace ``run_id``, served by the holder of the run key (the coordinator) and by every
+    ticketed peer of an invite run, which redeems while it is the run key's delegate (``run_key`` is then its own
+    identity, carrying the delegation; :mod:`swarm.trust.delegates`) and refuses otherwise: each caller
     at most one in flight and a few a minute; a code is looked up among the run's invites (read from the DHT at
     most every :data:`~swarm.trust.tickets.READ_EVERY_S` seconds) before it waits for its turn, and then one
     redemption at a time, at most :data:`MAX_WAITING` waiting (fresh keys sending junk codes cost one lookup
@@ -159,6 +157,8 @@ class InviteService(ProtocolServicer):
         return invite
 
     async def _redeem(self, code: str, subject: str) -> tuple[Ticket, bytes]:
+        if not self.run_key.delegation and self.directory.run_key != self.run_key.public_key:
+            raise InviteRefused(NOT_REDEEMER)
         invite = await self._invite(code)
         if self._waiting >= MAX_WAITING:
             raise Busy("busy redeeming other invites; retry in a few seconds")
@@ -200,8 +200,9 @@ async def redeem_invite(p2p: P2P, directory: RunDirectory, code: str) -> tuple[T
     invite = await asyncio.to_thread(find_invite, directory, code)
     if invite is None or invite.expires <= get_dht_time():
         raise NotAdmitted(NO_INVITE)
+    delegates = [d.delegate_p2p_id for d, _ in (await asyncio.to_thread(live_delegations, directory)).values()]
     request, unreachable = pack_message(InviteRedeem(run_id=directory.run_id, code=code.strip())), []
-    for redeemer in invite.redeemers:
+    for redeemer in dict.fromkeys(invite.redeemers + delegates):
         for attempt in range(3):
             try:
                 reply = await _ask(p2p, redeemer, directory.run_id, request)
@@ -211,6 +212,9 @@ async def redeem_invite(p2p: P2P, directory: RunDirectory, code: str) -> tuple[T
             if reply.error and attempt < 2 and (reply.error == NO_INVITE or reply.error.startswith("busy")):
                 await asyncio.sleep(READ_EVERY_S + 1 if reply.error == NO_INVITE else 3.0)
                 continue
+            if reply.error == NOT_REDEEMER:  # (a delegation that ended, or not yet read): the next one
+                unreachable.append(f"{redeemer}: not a delegate")
+                break
             if reply.error:
                 raise NotAdmitted(f"the invite was refused: {reply.error}")
             try:
@@ -219,7 +223,7 @@ async def redeem_invite(p2p: P2P, directory: RunDirectory, code: str) -> tuple[T
                 unreachable.append(f"{redeemer}: a bad ticket ({e})")
                 break
     raise NotAdmitted(f"no redeemer of the invite answered ({'; '.join(unreachable)}): is the run's coordinator "
-                      "up? Try again later")
+                      "(or a delegate) up? Try again later")
 
 
 async def _ask(p2p: P2P, redeemer: str, run_id: str, request: bytes) -> InviteReply:
@@ -245,6 +249,22 @@ async def acquire_ticket(tickets: RunTickets, p2p: P2P, code: Optional[str]) -> 
     return tickets.take(ticket, sealed)
 
 
+async def join_admission(tickets: RunTickets, p2p: P2P, code: Optional[str]) -> Optional[Ticket]:
+    """A peer's admission as it joins (once per process): its ticket (:func:`acquire_ticket`) and, in a ticketed
+    run, its readiness to be the run key's delegate (:class:`~swarm.trust.delegates.DelegateDuty` at each refresh
+    of its ticket; in an invite run, an :class:`InviteService` on ``p2p``, refusing while no delegation names it).
+
+    :raises NotAdmitted: no ticket (the message says how to get one)."""
+    found = await acquire_ticket(tickets, p2p, code)
+    if tickets.policy != "open":
+        tickets.duty = DelegateDuty(tickets.directory, tickets.identity, tickets.spec)
+    if tickets.policy == "invite":
+        service = InviteService(tickets.directory, tickets.identity, tickets.spec)
+        await service.add_p2p_handlers(p2p, namespace=tickets.directory.run_id)
+    return found
+
+
 __all__ = ["CODE_PREFIX", "MAX_WAITING", "InviteRefused", "InviteService", "acquire_ticket", "all_invites",
+           "join_admission", "NOT_REDEEMER",
            "find_invite", "invite_hash",
            "issue_invite", "redeem", "redeem_invite"]

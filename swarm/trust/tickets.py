@@ -20,7 +20,8 @@ serves (stage RPCs, fragments, evidence, the averagers') refuses such a caller b
 (:class:`TicketGate`, :func:`ticket_gate`).
 
 Tickets live ``ticket_ttl_s``; the coordinator renews those in their second half while it runs
-(:func:`renew_tickets`), and a peer re-reads its own as it nears expiry (:meth:`RunTickets.refresh`).
+(:func:`renew_tickets`), a delegate (:mod:`swarm.trust.delegates`) those in their last quarter while its delegation
+lasts, and a peer re-reads its own as it nears expiry (:meth:`RunTickets.refresh`).
 ``swarm-coordinator revoke`` bans the peer (:mod:`swarm.trust.banlist`: effective at once) and so ends the
 renewal.
 """
@@ -30,17 +31,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, TypeVar
 
 from hivemind.utils import get_dht_time
 
 from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.net.directory import RunDirectory
-from swarm.protocol import ProtocolError, Ticket, open_ticket, seal, tickets_key
+from swarm.protocol import (Delegation, ProtocolError, RunKeyRecord, Ticket, open_run_key_record, open_ticket, seal,
+                            tickets_key)
 from swarm.trust.authority import peer_of_p2p_id
 
 logger = logging.getLogger(__name__)
+RK = TypeVar("RK", bound=RunKeyRecord)
 
 
 class NotAdmitted(RuntimeError):
@@ -49,21 +52,35 @@ class NotAdmitted(RuntimeError):
 
 def issue_ticket(directory: RunDirectory, run_key: Identity, subject: str, spec: RunSpec, invite: str = ""
                  ) -> tuple[Ticket, bytes]:
-    """Sign a ticket for peer ``subject`` with the run key, valid ``spec.admission.ticket_ttl_s`` seconds, and
-    store it in the DHT until it expires (blocking: ``swarm-coordinator admit`` runs it). Returns it, and sealed.
-    ``invite``: the code hash of the invite it redeems (:mod:`swarm.trust.invites`), carried by its renewals.
+    """Sign a ticket for peer ``subject`` with the run key (or a delegate key carrying its
+    :attr:`~swarm.identity.Identity.delegation`: the ticket embeds it and ends with it), valid
+    ``spec.admission.ticket_ttl_s`` seconds, and store it in the DHT until it expires (blocking: ``swarm-coordinator
+    admit`` runs it). Returns it, and sealed. ``invite``: the code hash of the invite it redeems
+    (:mod:`swarm.trust.invites`), carried by its renewals.
 
-    :raises ProtocolError: ``run_key`` is not this run's key (the spec's signer).
+    :raises ProtocolError: ``run_key`` is neither this run's key (the spec's signer) nor its live delegate.
     :raises RuntimeError: the DHT did not take the ticket."""
     now = get_dht_time()
     ticket = Ticket(run_id=directory.run_id, peer_id=run_key.peer_id, time=now, subject=subject,
-                    expires=now + spec.admission.ticket_ttl_s, spec_name=spec.name, spec_hash=spec.spec_hash(),
-                    invite=invite)
+                    expires=min(now + spec.admission.ticket_ttl_s, _delegated_until(directory, run_key)),
+                    spec_name=spec.name, spec_hash=spec.spec_hash(), invite=invite, delegation=run_key.delegation)
     sealed = seal(ticket, run_key)
     open_ticket(sealed, directory.run_id)  # a wrong key fails here, not at every peer
     if not directory.store_sealed(tickets_key(directory.run_id), ticket.dht_subkey(), sealed, ticket.expires):
         raise RuntimeError("the DHT did not store the ticket (no DHT peer answered); try again")
     return ticket, sealed
+
+
+def _delegated_until(directory: RunDirectory, key: Identity) -> float:
+    """DHT time ``key``'s delegation ends (infinite for the run key itself).
+
+    :raises ProtocolError: its delegation is not the run key's, or has ended."""
+    if not key.delegation:
+        return float("inf")
+    delegation = open_run_key_record(key.delegation, Delegation, directory.run_id)
+    if delegation.expires <= get_dht_time():
+        raise ProtocolError(f"this key's delegation ended at {delegation.expires:.0f}: it issues no more tickets")
+    return delegation.expires
 
 
 def fetch_ticket(directory: RunDirectory, peer_id: str) -> Optional[tuple[Ticket, bytes]]:
@@ -74,30 +91,43 @@ def fetch_ticket(directory: RunDirectory, peer_id: str) -> Optional[tuple[Ticket
 
 
 def all_tickets(directory: RunDirectory) -> list[tuple[Ticket, bytes]]:
-    """Every ticket of the run the DHT holds that the run key signed, with its sealed bytes (expired ones
-    included while the DHT keeps them; others are logged and skipped)."""
+    """Every ticket of the run the DHT holds that the run key (or its delegate) signed, with its sealed bytes
+    (expired ones included while the DHT keeps them; others are logged and skipped)."""
+    return run_key_records(directory, tickets_key(directory.run_id), Ticket, open_ticket)
+
+
+def run_key_records(directory: RunDirectory, key: str, cls: type[RK],
+                    opener: Optional[Callable[[bytes, str], RK]] = None) -> list[tuple[RK, bytes]]:
+    """The records of kind ``cls`` under DHT ``key`` that ``opener`` (default: the run key's signature,
+    :func:`~swarm.protocol.open_run_key_record`) accepts, with their sealed bytes (blocking; others are logged
+    and skipped)."""
     out = []
-    for _, sealed in directory.read_sealed(tickets_key(directory.run_id), Ticket):
+    for _, sealed in directory.read_sealed(key, cls):
         try:
-            out.append((open_ticket(sealed, directory.run_id), sealed))
+            out.append((opener(sealed, directory.run_id) if opener is not None
+                        else open_run_key_record(sealed, cls, directory.run_id), sealed))
         except ProtocolError as e:
-            logger.warning("dropped a ticket under %s: %s", tickets_key(directory.run_id), e)
+            logger.warning("dropped a %s under %s: %s", cls.__name__, key, e)
     return out
 
 
-def renew_tickets(directory: RunDirectory, run_key: Identity, spec: RunSpec) -> list[str]:
-    """The coordinator's duty in a ticketed run (blocking, every few seconds): re-issue the tickets in their
-    second half, but those of banned peers (``revoke``), and carry its own. Returns the peer ids renewed.
+def renew_tickets(directory: RunDirectory, run_key: Identity, spec: RunSpec, due: float = 0.5) -> list[str]:
+    """The coordinator's duty in a ticketed run (blocking, every few seconds): re-issue the tickets with at most
+    ``due`` of their life left, but those of banned peers (``revoke``), and carry its own. A delegate
+    (:mod:`swarm.trust.delegates`) runs it with its own key and a smaller ``due`` (the coordinator, while up, renews
+    first), and renews no ticket its delegation would end sooner. Returns the peer ids renewed.
 
-    :raises RuntimeError: the DHT did not take a ticket."""
+    :raises RuntimeError: the DHT did not take a ticket.
+    :raises ProtocolError: ``run_key`` is a delegate whose delegation ended."""
     bans, _ = directory.bans()
     banned = set(bans.banned) if bans is not None else set()
     now, renewed, ttl_s = get_dht_time(), [], spec.admission.ticket_ttl_s
+    until = min(now + ttl_s, _delegated_until(directory, run_key))
     held = {t.subject: (t, sealed) for t, sealed in all_tickets(directory) if t.expires > now}
     if run_key.peer_id not in held:  # the coordinator's own: it stores and endorses like any keeper
         held[run_key.peer_id] = issue_ticket(directory, run_key, run_key.peer_id, spec)
     for subject, (ticket, sealed) in held.items():
-        if subject not in banned and ticket.expires - now <= ttl_s / 2:
+        if subject not in banned and ticket.expires - now <= ttl_s * due and until > ticket.expires + 1.0:
             try:
                 ticket, sealed = issue_ticket(directory, run_key, subject, spec, ticket.invite)
                 renewed.append(subject)
@@ -112,8 +142,10 @@ class RunTickets:
     """This peer's admission to a run whose policy is ``allowlist``: its ticket, carried by ``identity``."""
 
     def __init__(self, directory: RunDirectory, identity: Identity, spec: RunSpec):
-        self.directory, self.identity, self.policy = directory, identity, spec.admission.policy
+        self.directory, self.identity, self.spec, self.policy = directory, identity, spec, spec.admission.policy
         self.ticket: Optional[Ticket] = None
+        self.duty: Optional[Callable[[], object]] = None
+        """Called (blocking) at every :meth:`refresh`: a delegate's renewals (:mod:`swarm.trust.delegates`)."""
 
     def acquire(self) -> Optional[Ticket]:
         """Read this peer's ticket and carry it (blocking). None in an open run.
@@ -143,6 +175,8 @@ class RunTickets:
     def refresh(self) -> None:
         """Take a renewed ticket if one is in the DHT and this one is in its second half (blocking); logs a
         warning once the ticket is within a tenth of its life of expiring."""
+        if self.duty is not None:
+            self.duty()
         if self.ticket is None:
             return
         now, life = get_dht_time(), self.ticket.expires - self.ticket.time
@@ -152,8 +186,8 @@ class RunTickets:
         if found is not None and found[0].expires > self.ticket.expires:
             self.ticket, self.identity.ticket = found
         elif self.ticket.expires - now < life / 10:
-            logger.warning("this peer's ticket expires in %.0f s and was not renewed (is the run's coordinator "
-                           "up? was it revoked?)", self.ticket.expires - now)
+            logger.warning("this peer's ticket expires in %.0f s and was not renewed (is the run's coordinator or "
+                           "a delegate up? was it revoked?)", self.ticket.expires - now)
 
 
 Gate = Callable[[str], Awaitable[None]]
@@ -224,4 +258,4 @@ class TicketGate:
 
 
 __all__ = ["READ_EVERY_S", "Gate", "admit", "NotAdmitted", "RunTickets", "TicketGate", "all_tickets", "fetch_ticket", "issue_ticket",
-           "renew_tickets", "ticket_gate"]
+           "renew_tickets", "run_key_records", "ticket_gate"]
