@@ -15,6 +15,7 @@ from swarm.averaging.averager import AveragingRules, RobustGradientAverager
 from swarm.averaging.compression import make_compressor
 from swarm.averaging.exclusion import ExclusionPolicy
 from swarm.averaging.membership import MemberTable
+from swarm.identity import Identity
 from tests.conftest import keyed_dhts
 
 SHAPES = [(300, 40), (40,)]
@@ -77,13 +78,22 @@ def _reports_when(avs, predicate, timeout: float) -> list[dict]:
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("group_size, told", [(None, True), (2, False)], ids=["told-the-members", "own-group-size"])
-def test_a_complete_group_begins_its_round_before_the_window_ends(group_size, told):
+@pytest.mark.parametrize("group_size, told, uncounted", [(None, True, ""), (2, False, ""), (None, True, "idle"),
+                                                      (None, True, "mate")],
+                         ids=["told-the-members", "own-group-size", "an-idle-key-unvouched", "a-mate-unvouched"])
+def test_a_complete_group_begins_its_round_before_the_window_ends(group_size, told, uncounted):
     """Servers set no ``target_group_size`` (a stage's size changes): told the stage's members, matchmaking
     assembles the group once all joined, long before a 60 s window ends (otherwise the group forms when it
-    ends). An averager told nothing keeps the group size it was built with."""
+    ends). An averager told nothing keeps the group size it was built with. A member the recognition does not vouch
+    for is waited for once it shows: an idle key that never does holds up no group (before: every round waited out
+    the window), a mate that asks to join is taken in at once."""
     with averagers(2, group_size=group_size, matchmaking_time=60.0) as avs:
         members = MemberTable(30.0, {str(av.peer_id): (0.0, time.time()) for av in avs})  # settled, live
+        if uncounted == "idle":
+            idle = Identity.generate().p2p_id
+            members = MemberTable(30.0, members.entries | {idle: (0.0, time.time())}, frozenset({idle}))
+        elif uncounted == "mate":
+            members = MemberTable(30.0, members.entries, frozenset({str(avs[1].peer_id)}))
         for av in avs:
             if told:
                 av.set_members(members)

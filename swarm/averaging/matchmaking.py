@@ -18,6 +18,8 @@ LOOKUP_GAP = 0.1
 ``matchmaking_time``. hivemind 1.1.12 looks again as soon as the last lookup answered while it waits for its
 group (``PotentialLeaders``): 5341 of the demo swarm's 8000 DHT calls in 150 s were these lookups, measured. A
 peer now learns of a group-mate at most a tenth of the window later."""
+MIN_SHOWN_S = 30.0
+"""Seconds at least that a member the recognition does not vouch for is waited for after it last showed."""
 
 
 def paced(lookup: Callable[..., Awaitable], gap_s: float, *, clock: Callable[[], float] = time.monotonic,
@@ -69,8 +71,13 @@ class GroupMatchmaking(DeliveredJoinAnswers):
         thread 0.5-5 s for an all-reduce of 0.2-0.4 s. A peer off the roster that joins this server's group (a
         server that joined the stage since the last roster read) turns the early start off for the round: the
         group then forms at the window's end, as before; with no roster, or this server not on it, the averager's
-        own ``target_group_size`` holds. (A newcomer that asks to join after the roster's members are all in misses that round; the
-        next roster read, every ``record_ttl_s / 15``, counts it.)"""
+        own ``target_group_size`` holds. (A newcomer that asks to join after the roster's members are all in misses
+        that round; the next roster read, every ``record_ttl_s / 15``, counts it.) A member the run key's
+        recognition does not vouch for (``uncounted``, :func:`~swarm.averaging.membership.counted_members`) is
+        waited for only once it showed in this server's matchmaking within a record TTL (:meth:`_shown`): idle
+        keys announced as servers cost no round its window (``bench/sybil.py``, one idle key on a stage of two
+        servers: each step took 3 s instead of 0.5 s, the trainer's rate fell to a third), and a newcomer that asks
+        to join is waited for from then on."""
         mm = getattr(self, "_matchmaking", None)
         if mm is None:
             return
@@ -79,9 +86,19 @@ class GroupMatchmaking(DeliveredJoinAnswers):
         if self._lane is not None:  # bounded groups: this hop's lane (swarm.averaging.hops)
             mm.target_group_size, mm.min_group_size = len(self._lane.members), self._lane.quorum
             return
-        expected = [p for p in self._members if p == me or not self.exclusions.is_excluded(p)]
+        uncounted, shown = self._member_table.uncounted, self._shown()
+        recent = time.monotonic() - max(self._member_table.ttl_s, MIN_SHOWN_S)
+        expected = [p for p in self._members if p == me or not self.exclusions.is_excluded(p) and (
+            p not in uncounted or shown.get(p, float("-inf")) >= recent)]
         fixed = self.matchmaking_kwargs["target_group_size"]  # the averager's own (None for a stage's servers)
         mm.target_group_size = len(expected) if me in self._members and len(expected) >= 2 else fixed
+
+    def _shown(self) -> dict[str, float]:
+        """libp2p id -> ``time.monotonic()`` it last showed in this server's matchmaking: asked to join a group this
+        server led, or was in a group with it."""
+        if not hasattr(self, "_shown_at"):
+            self._shown_at: dict[str, float] = {}
+        return self._shown_at
 
     # ---- matchmaking: keep excluded peers out of our groups -------------------------------------------
     def _wrap_matchmaking(self) -> None:
@@ -92,6 +109,9 @@ class GroupMatchmaking(DeliveredJoinAnswers):
             peer = str(context.remote_id)
             if self.exclusions.is_excluded(peer):
                 return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            if peer in self._member_table.uncounted:  # it shows: waited for from now on (this group included)
+                self._shown()[peer] = time.monotonic()
+                self._expect_members()
             reason = check(req, context)
             known = self._lane.members if self._lane is not None else self._members
             if reason is None and known and peer not in known:
@@ -108,7 +128,7 @@ class GroupMatchmaking(DeliveredJoinAnswers):
             return await request(leader)
 
         async def keep_key(group_info):  # hivemind moves the key after a group; _plan_step sets every hop's
-            return None
+            self._shown().update({str(p): time.monotonic() for p in group_info.peer_ids})
 
         mm._check_reasons_to_reject, mm._request_join_group = check_reasons_to_reject, request_join_group
         mm.group_key_manager.update_key_on_group_assembled = keep_key

@@ -50,8 +50,8 @@ class MemberTable:
     ttl_s: float = 0.0
     entries: dict[str, tuple[float, float]] = field(default_factory=dict)
     uncounted: frozenset[str] = frozenset()
-    """libp2p ids that are members (waited for, placed on the grid) but not counted in the majority a group of the
-    stage must hold (:func:`counted_members`)."""
+    """libp2p ids that are members (placed on the grid, waited for once they show in matchmaking) but not counted
+    in the majority a group of the stage must hold (:func:`counted_members`)."""
 
     def observe(self, servers: Iterable[ServerInfo], now: float, uncounted: Iterable[str] = ()) -> bool:
         """Note one read of the stage's records at DHT time ``now``; True if the table changed. A record without
@@ -89,16 +89,18 @@ def counted_members(servers: list[ServerInfo], recognized: Optional[frozenset[st
                     group_size: int) -> tuple[list[ServerInfo], set[str]]:
     """``(counted, uncounted)``: of a stage's records, those whose servers count in the majority a group of the stage
     must hold (:func:`~swarm.averaging.hops.a_majority`), and the libp2p ids of the others (for
-    :meth:`MemberTable.observe`: members still, waited for by an early start): where the run key's recognition
-    (``recognized``: the peer ids it names on the stage) names some of its online servers, those it names and those a
-    named online server vouches for (:attr:`~swarm.protocol.ServerInfo.vouches`: their averaging work verified), as
-    long as they fit one group (at most ``group_size``; 0: no bound); else every record.
+    :meth:`MemberTable.observe`: members still, waited for once they show, :mod:`~swarm.averaging.matchmaking`):
+    where the run key's recognition (``recognized``: the peer ids it names on the stage) names some of its online
+    servers, those it names and those a named online server vouches for (:attr:`~swarm.protocol.ServerInfo.vouches`:
+    their averaging work verified), as long as they fit one group (at most ``group_size``; 0: no bound); else every
+    record.
 
     A record costs nothing: counted in the majority, idle keys announced as online servers of a stage (as many as its
     honest servers) left every group of the honest servers short of it, and every gradient round failed
     (``bench/sybil.py`` idle keys at 2 a stage: 9 then 18 rounds failed in a minute, each server stepping alone).
-    Now such keys cost the stage's groups the matchmaking window (an early start waits for every member). An honest
-    newcomer is still waited for and joins their group, where the named servers verify it. Left as before: a stage
+    Now such keys cost the stage's groups nothing (an early start waits for an uncounted member only once it showed
+    in matchmaking). An honest newcomer that asks to join is waited for and averages in their group, where the
+    named servers verify it. Left as before: a stage
     of more vouched servers than ``group_size`` averages in bounded groups, whose lanes need every voter, so every
     record counts there (docs/threat-model.md)."""
     named = [s for s in servers if recognized and s.peer_id in recognized and s.state == ServerState.ONLINE]
