@@ -35,7 +35,8 @@ Harms, read from the honest peers' records and logs through the attack and a joi
 * ``rollback_obeyed``: an honest server applied a rollback (generation above 0, or a learning-rate scale below 1);
 * ``joiner_state_taken``: a server joining the Sybils' stage at the end kept the state of a Sybil donor that no
   honest server of the stage held (in its last 8 epochs' digests) nor a checkpoint the run's rules count;
-* ``epoch_moved``: an honest stage ended its epochs on under 40% of the target batch of samples (pulled);
+* ``epoch_moved``: an honest stage ended its epochs on under 40% of the target batch of samples (pulled), counted as
+  the samples the trainers sent through the pipeline per epoch of the stage's honest servers;
 * ``honest_excluded``: an honest server or trainer listed an honest server as excluded or convicted;
 * ``averaging_stopped``: an honest stage's gradient rounds failed more than :data:`STOPPED` times per server and
   epoch through the attack (``failed_per_epoch``: the honest servers' ``failed`` averaging counters), each server
@@ -128,6 +129,7 @@ class Watch:
         self.harms = {name: False for name in HARMS}
         self.attack_began: Optional[float] = None  # monotonic s
         self.steered_s: list[float] = []  # seconds into the attack of each read it steered
+        self.trainer_samples: list[int] = []  # the trainers' samples at each read
 
     def recognized(self) -> set[str]:
         """Peer ids the run key's recognition names now, on any stage."""
@@ -148,9 +150,11 @@ class Watch:
                 self.harms["rollback_obeyed"] = True
             if set(s.excluded) & self.honest_p2p or set(s.convicted) & self.honest:
                 self.harms["honest_excluded"] = True
-        for t in self.directory.trainers():
+        trainers = self.directory.trainers()
+        for t in trainers:
             if set(t.convicted) & self.honest:
                 self.harms["honest_excluded"] = True
+        self.trainer_samples.append(sum(t.samples for t in trainers))
         if self.steered():
             self.harms["rebalanced"] = True
             if self.attack_began is not None:
@@ -184,13 +188,15 @@ class Watch:
         return out
 
     def samples_per_epoch(self) -> dict[int, float]:
-        """Stage -> samples its honest servers processed per epoch between the first and the last read."""
+        """Stage -> samples the trainers sent through the pipeline per epoch of the stage's honest servers (the most
+        epochs any of them moved) between the first and the last read. (Every sample passes one server of each
+        stage, however many serve it: the honest servers' own samples would count a share of each epoch only, where
+        others serve the stage too, as patient keys and a control's extra servers do.)"""
         out = {}
         for k in range(self.num_stages):
-            both = self._both(k)
-            epochs = min((b.epoch - a.epoch for a, b in both), default=0)
-            if epochs > 0:
-                out[k] = sum(b.samples - a.samples for a, b in both) / epochs
+            epochs = max((b.epoch - a.epoch for a, b in self._both(k)), default=0)
+            if epochs > 0 and self.trainer_samples:
+                out[k] = (self.trainer_samples[-1] - self.trainer_samples[0]) / epochs
         return out
 
 
