@@ -476,14 +476,15 @@ class AdmissionSpec(_Section):
         "open", description="'open': any key may join (Sybil keys are weighed by the work they did). 'allowlist': "
         "only peers the run's operator admitted (`swarm-coordinator admit <address> <peer id>`) may publish "
         "records or call a peer; every peer refuses the records and requests of a key without a valid ticket "
-        "signed by the run key. 'invite': the same, and a peer may also get its ticket itself with a code "
-        "(`swarm-coordinator invite <address> --uses N --expires 7d`, then `swarm-peer join <address> --invite "
-        "CODE`), redeemed at the run's coordinator while it runs.",
+        "signed by the run key (or a delegate it named). 'invite': the same, and a peer may also get its ticket "
+        "itself with a code (`swarm-coordinator invite <address> --uses N --expires 7d`, then `swarm-peer join "
+        "<address> --invite CODE`), redeemed at the run's coordinator while it runs, or at a delegate.",
     )
     ticket_ttl_s: float = Field(
         86400.0, ge=600.0, le=30 * 86400.0, description="Seconds a ticket is valid. The coordinator renews "
         "tickets in their second half while it runs, so a peer stays admitted across a coordinator outage shorter "
-        "than half of this; `swarm-coordinator revoke` ends one at once (a ban) and stops its renewal.",
+        "than half of this (or while a delegate runs: `swarm-coordinator delegate`, which renews them in their last "
+        "quarter); `swarm-coordinator revoke` ends one at once (a ban) and stops its renewal.",
     )
 
 

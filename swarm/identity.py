@@ -174,8 +174,9 @@ class Identity:
         self.peer_id: str = peer_id_of(self.public_key)
         self.p2p_id: str = p2p_id_of(self.public_key)
         self.ticket: bytes = b""
-        """The run key's sealed ticket admitting this peer (``[admission] policy = "allowlist"``), carried in every
-        record it seals; empty in an open run (:mod:`swarm.trust.tickets`)."""
+        """The sealed ticket admitting this peer (signed by the run key or a delegate; ``[admission] policy``
+        "allowlist" or "invite"), carried in every record it seals; empty in an open run
+        (:mod:`swarm.trust.tickets`)."""
         self.delegation: bytes = b""
         """The run key's sealed delegation naming this key while it issues tickets for it, embedded in each ticket
         it signs; empty otherwise (:mod:`swarm.trust.delegates`)."""

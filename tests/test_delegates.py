@@ -19,10 +19,12 @@ from swarm.identity import Identity
 from swarm.net.dht import spawn_dht
 from swarm.net.dht_validation import RunRecordValidator, TicketValidator
 from swarm.net.directory import RunDirectory
-from swarm.protocol import Delegation, ProtocolError, Ticket, check_carried, open_ticket, seal, tickets_key
+from swarm.protocol import (Delegation, ProtocolError, Ticket, check_carried, envelope_ticket, open_ticket, seal,
+                            tickets_key)
+from swarm.trust.banlist import update_bans
 from swarm.trust.delegates import DUE, delegate, live_delegations
 from swarm.trust.invites import InviteRefused, InviteService, acquire_ticket, issue_invite, join_admission
-from swarm.trust.tickets import RunTickets, fetch_ticket, issue_ticket
+from swarm.trust.tickets import RunTickets, fetch_ticket, issue_ticket, renew_tickets
 from tests.conftest import LOOPBACK_DHT, TINY, keyed_dhts
 from tests.test_invites import _record
 
@@ -30,9 +32,10 @@ pytestmark = pytest.mark.timeout(180)
 SPEC = TINY.updated(name="delegated", admission={"policy": "invite", "ticket_ttl_s": 3600.0})
 
 
-def _ticket(run_id: str, signer: Identity, subject: str, at: float, life_s: float) -> bytes:
+def _ticket(run_id: str, signer: Identity, subject: str, at: float, life_s: float, origin: str = "") -> bytes:
     return seal(Ticket(run_id=run_id, peer_id=signer.peer_id, time=at, subject=subject, expires=at + life_s,
-                       spec_name=SPEC.name, spec_hash=SPEC.spec_hash(), delegation=signer.delegation), signer)
+                       spec_name=SPEC.name, spec_hash=SPEC.spec_hash(), delegation=signer.delegation,
+                       origin=origin), signer)
 
 
 def test_a_delegate_redeems_codes_and_renews_tickets_while_the_coordinator_does_not():
@@ -61,7 +64,8 @@ def test_a_delegate_redeems_codes_and_renews_tickets_while_the_coordinator_does_
             p2ps = [await d.replicate_p2p() for d in (deputy_dht, other_dht, joiner_dht)]
             for tickets, p2p in zip(deputies.values(), p2ps):
                 await join_admission(tickets, p2p, None)  # held already; stands ready to be a delegate
-                await asyncio.to_thread(tickets.refresh)  # its delegate duty reads the delegations
+                await asyncio.to_thread(tickets.refresh)  # its delegate duty reads the delegations, on its thread
+                await asyncio.to_thread(tickets.duty.wait)
             joining = RunTickets(RunDirectory(joiner_dht, run_id), joiner, SPEC)
             try:
                 with pytest.raises(InviteRefused, match="has not delegated to it"):
@@ -76,6 +80,8 @@ def test_a_delegate_redeems_codes_and_renews_tickets_while_the_coordinator_does_
         assert deputy.delegation == sealed_delegation and not other.delegation
         assert ticket.subject == joiner.peer_id and ticket.peer_id == deputy.peer_id, "redeemed by the delegate"
         assert ticket.delegation == sealed_delegation and ticket.expires <= record.expires
+        assert ticket.origin == deputy.peer_id and envelope_ticket(_ticket(run_id, deputy, "x", 0.0, 1.0))[1] == b"", \
+            "a ticket is sealed without its signer's own (which would nest one more at every renewal)"
         assert check_carried(_record(run_id, joiner), run_id, get_dht_time()).peer_id == deputy.peer_id
         assert fetch_ticket(directory, joiner.peer_id)[0].peer_id == deputy.peer_id, "the DHT nodes kept it"
 
@@ -83,10 +89,25 @@ def test_a_delegate_redeems_codes_and_renews_tickets_while_the_coordinator_does_
         late, now = Identity.generate(), get_dht_time()
         assert directory.store_sealed(tickets_key(run_id), late.peer_id,
                                       _ticket(run_id, run_key, late.peer_id, now, 0.9 * DUE * 3600.0), now + 810.0)
-        duty = deputies[deputy.peer_id].duty
-        duty._next_read = float("-inf")
-        assert duty() == [late.peer_id]
+        assert deputies[deputy.peer_id].duty.run_pass() == [late.peer_id]
         assert fetch_ticket(directory, late.peer_id)[0].peer_id == deputy.peer_id
+
+        # the deputy is revoked: nobody renews what it first admitted (the run key's renewals carry the origin)
+        minted, plain, minted_too = (Identity.generate().peer_id for _ in range(3))
+
+        def store(subject: str, origin: str) -> None:
+            at = get_dht_time()
+            assert directory.store_sealed(tickets_key(run_id), subject,
+                                          _ticket(run_id, run_key, subject, at, 100.0, origin), at + 100.0)
+
+        store(minted, deputy.peer_id)
+        assert minted in renew_tickets(directory, run_key, SPEC)
+        assert fetch_ticket(directory, minted)[0].origin == deputy.peer_id
+        update_bans(directory, run_key, ban=(deputy.peer_id, "its key was stolen", deputy.p2p_id))
+        store(plain, "")
+        store(minted_too, deputy.peer_id)
+        renewed = renew_tickets(directory, run_key, SPEC)
+        assert plain in renewed and minted_too not in renewed
 
         _refuses_forged_tickets(directory, run_key, deputy, other)
     finally:

@@ -14,6 +14,7 @@ from swarm.averaging.aggregation import make_aggregator
 from swarm.averaging.averager import AveragingRules, RobustGradientAverager
 from swarm.averaging.compression import make_compressor
 from swarm.averaging.exclusion import ExclusionPolicy
+from swarm.averaging.matchmaking import uncounted_room
 from swarm.averaging.membership import MemberTable
 from swarm.identity import Identity
 from tests.conftest import keyed_dhts
@@ -109,6 +110,34 @@ def test_a_complete_group_begins_its_round_before_the_window_ends(group_size, to
             with av.get_tensors() as tensors:
                 for t, e in zip(tensors, expected):
                     torch.testing.assert_close(t, e)
+
+
+@pytest.mark.timeout(180)
+def test_members_the_recognition_does_not_vouch_for_never_outnumber_the_counted_in_a_group():
+    """Two unvouched members beside one counted server: one joins its group, the other finds none (no counted
+    server takes it, and it follows no unvouched leader). Before, the three formed one group: four junk-sending keys
+    beside a stage's two honest servers filled its groups of six, outvoted the robust rule and were vouched for."""
+    with averagers(3, group_size="all", matchmaking_time=5.0) as avs:  # (built to wait for all three)
+        ids = [str(av.peer_id) for av in avs]
+        table = MemberTable(30.0, {p: (0.0, time.time()) for p in ids}, frozenset(ids[1:]))
+        for av in avs:
+            av.set_members(table)
+        for av, g in zip(avs, _grads(3, seed=5)):
+            for p, t in zip(av.parameters, g):
+                p.grad = t.clone()
+            av.accumulate_grads_(batch_size=1)
+        controls = [av.step(wait=False, timeout=40) for av in avs]
+        sizes = []
+        for c in controls:
+            try:
+                sizes.append(len(c.result(timeout=90)))
+            except Exception:
+                sizes.append(0)
+        assert sizes[0] == 2 and sorted(sizes) == [0, 2, 2], sizes
+    # the rule: beside c counted members, at most max(c - 1, 1) unvouched ones (the counted keep a strict majority)
+    assert [uncounted_room(2, j) for j in range(3)] == [True, False, False]
+    assert [uncounted_room(1, j) for j in range(2)] == [True, False]
+    assert [uncounted_room(4, j) for j in range(4)] == [True, True, True, False]
 
 
 def _grads(n, seed):

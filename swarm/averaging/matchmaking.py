@@ -39,6 +39,12 @@ def paced(lookup: Callable[..., Awaitable], gap_s: float, *, clock: Callable[[],
     return call
 
 
+def uncounted_room(counted: int, joined: int) -> bool:
+    """Whether a group expecting ``counted`` members the recognition counts, holding ``joined`` it does not, takes
+    one more of those: at most ``max(counted - 1, 1)`` (:meth:`GroupMatchmaking._uncounted_room`)."""
+    return joined + 1 <= max(counted - 1, 1)
+
+
 class DeliveredJoinAnswers:
     """Mixin of :class:`~swarm.averaging.averager.RobustAllReduceMixin`, before hivemind's averager in the MRO."""
 
@@ -81,24 +87,36 @@ class GroupMatchmaking(DeliveredJoinAnswers):
         mm = getattr(self, "_matchmaking", None)
         if mm is None:
             return
-        me = str(self.peer_id)
+        me, self._gathering_all = str(self.peer_id), False
         mm.min_group_size = self.matchmaking_kwargs["min_group_size"]
         if self._lane is not None:  # bounded groups: this hop's lane (swarm.averaging.hops)
             mm.target_group_size, mm.min_group_size = len(self._lane.members), self._lane.quorum
             return
         uncounted, shown = self._member_table.uncounted, self._shown()
         recent = time.monotonic() - max(self._member_table.ttl_s, MIN_SHOWN_S)
+        for p in [p for p, t in shown.items() if t < recent]:
+            del shown[p]
         expected = [p for p in self._members if p == me or not self.exclusions.is_excluded(p) and (
             p not in uncounted or shown.get(p, float("-inf")) >= recent)]
         fixed = self.matchmaking_kwargs["target_group_size"]  # the averager's own (None for a stage's servers)
         mm.target_group_size = len(expected) if me in self._members and len(expected) >= 2 else fixed
 
     def _shown(self) -> dict[str, float]:
-        """libp2p id -> ``time.monotonic()`` it last showed in this server's matchmaking: asked to join a group this
-        server led, or was in a group with it."""
+        """libp2p id -> ``time.monotonic()`` it last showed in this server's matchmaking: was accepted into a group
+        this server led (hivemind's own checks passed), or was in a group with it."""
         if not hasattr(self, "_shown_at"):
             self._shown_at: dict[str, float] = {}
         return self._shown_at
+
+    def _uncounted_room(self, followers) -> bool:
+        """Whether a group this server leads, with ``followers`` (libp2p ids) in it, takes one more member the
+        recognition does not vouch for: at most ``max(c - 1, 1)`` of them beside the ``c`` counted members expected,
+        so the counted keep a strict majority of every group they average in (a lone counted server takes one
+        newcomer at a time). Without it, 4 junk-sending keys beside a stage's 2 honest servers (``bench/sybil.py``
+        lazy) filled its groups of 6, where the robust rule's bound does not hold: an honest server verified their
+        parts, vouched for them, and the recognition then counted their rollback orders and manifests."""
+        counted = [p for p in self._members - self._member_table.uncounted if not self.exclusions.is_excluded(p)]
+        return uncounted_room(len(counted), sum(str(p) in self._member_table.uncounted for p in followers))
 
     # ---- matchmaking: keep excluded peers out of our groups -------------------------------------------
     def _wrap_matchmaking(self) -> None:
@@ -109,18 +127,22 @@ class GroupMatchmaking(DeliveredJoinAnswers):
             peer = str(context.remote_id)
             if self.exclusions.is_excluded(peer):
                 return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            if peer in self._member_table.uncounted:  # it shows: waited for from now on (this group included)
-                self._shown()[peer] = time.monotonic()
-                self._expect_members()
+            if peer in self._member_table.uncounted and not self._uncounted_room(mm.current_followers):
+                return averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
             reason = check(req, context)
             known = self._lane.members if self._lane is not None else self._members
             if reason is None and known and peer not in known:
                 mm.target_group_size = None  # a server the roster does not know yet: gather until the window ends
+                self._gathering_all = True
+            elif reason is None and peer in self._member_table.uncounted:  # accepted: it shows, waited for from
+                self._shown()[peer] = time.monotonic()  # now on, this group included (hivemind refused a full
+                if not getattr(self, "_gathering_all", False):  # group's joiner first); one gathering to the window's
+                    self._expect_members()  # end stays so
             return reason
 
         async def request_join_group(leader):
-            if self.exclusions.is_excluded(str(leader)):
-                return None
+            if self.exclusions.is_excluded(str(leader)) or str(leader) in self._member_table.uncounted:
+                return None  # (a group led by an unvouched member: its followers might be all unvouched too)
             try:  # a ticketed run: no group led by a key without a ticket (it would receive this server's parts)
                 await self._admit(SimpleNamespace(remote_id=leader))
             except ProtocolError:

@@ -146,9 +146,10 @@ class RunRecordValidator(RecordValidatorBase):
 
 class TicketValidator(RecordValidatorBase):
     """For a run whose ``[admission] policy`` is not ``open``: a record under the run's keys counts only if its
-    signer carries a ticket the run key signed, naming it, valid when the record was dated
+    signer carries a ticket the run key (or its delegate) signed, naming it, valid when the record was dated
     (:func:`swarm.protocol.check_carried`), and so does every endorsement a manifest embeds. The spec, the ban
-    list and the tickets are the run key's own (:class:`RunRecordValidator` checks their signer).
+    list, tickets, invites, delegations and the recognition are the run key's own (:class:`RunRecordValidator`
+    checks their signer; a ticket's may be a delegate the run key named).
     Added to a DHT node once it read the spec (``hivemind.DHT.add_validators``); picklable."""
 
     EXEMPT = (SpecRecord, BanList, Ticket, Invite, Recognition, Delegation)

@@ -378,10 +378,10 @@ def bans_key(run_id: str) -> str:
 
 
 class RunKeyRecord(Record):
-    """A record only the run key signs (a ticket, an invite): ``spec_name`` and ``spec_hash`` with the signer's key
-    derive the run id (:func:`~swarm.identity.derive_run_id`), so any peer checks one without the spec
-    (:func:`open_run_key_record`)."""
-
+    """A record the run key signs (an invite, a delegation, a ticket; a ticket also its delegate): ``spec_name`` and
+    ``spec_hash`` with the signer's key derive the run id (:func:`~swarm.identity.derive_run_id`), so any peer
+    checks one without the spec (:func:`open_run_key_record`)."""
+    carries_ticket: ClassVar[bool] = False
     spec_name: str = Field(max_length=32, description="The run's name, to derive the run id with the signer's key.")
     spec_hash: str = Field(min_length=64, max_length=64, description="The run spec's SHA-256 (hex), likewise.")
     expires: float = Field(ge=0, description="DHT time (seconds) after which it is void.")
@@ -407,10 +407,9 @@ def open_run_key_record(sealed: bytes, cls: Type[RK], run_id: str, subkey: Optio
 
 class Ticket(RunKeyRecord):
     """The run key's word that peer ``subject`` may take part until ``expires`` (``[admission] policy`` "allowlist"
-    or "invite", :mod:`swarm.trust.tickets`). Stored under :func:`tickets_key`, sub-key ``subject``; its holder
-    carries it in the envelope of every record it seals (:func:`~swarm.protocol.seal`); records it carries dated
-    after ``expires`` are refused. Signed by the run key, or by a delegate key that embeds the run key's
-    :class:`Delegation` (an intermediate certificate: :func:`open_ticket`)."""
+    or "invite", :mod:`swarm.trust.tickets`). Stored under :func:`tickets_key`, sub-key ``subject``; carried in the
+    envelope of every record its holder seals; records dated after ``expires`` are refused. Signed by the run key,
+    or by a delegate key that embeds the run key's :class:`Delegation` (an intermediate certificate)."""
 
     kind: Literal["ticket"] = "ticket"
     subject: str = Field(min_length=1, max_length=128, description="Peer id admitted.")
@@ -418,6 +417,8 @@ class Ticket(RunKeyRecord):
                         "a peer admitted by name): the invite's uses are its tickets' subjects.")
     delegation: bytes = Field(b"", max_length=2048, description="Signed by a delegate: the run key's sealed "
                               ":class:`Delegation` naming the signer ('' when the run key signed it).")
+    origin: str = Field("", max_length=128, description="The delegate that first admitted ``subject`` ('' the run "
+                        "key), carried by renewals: nobody renews it once that delegate is banned.")
 
     def dht_subkey(self) -> str:
         return self.subject
@@ -428,10 +429,9 @@ def tickets_key(run_id: str) -> str:
 
 
 class Delegation(RunKeyRecord):
-    """The run key's word that peer ``delegate`` (speaking from ``p2p_id``) may issue tickets of the run until
-    ``expires``: it redeems invite codes and renews tickets while the coordinator is down
-    (:mod:`swarm.trust.delegates`). Stored under :func:`delegates_key`, sub-key ``delegate``; embedded in every
-    ticket the delegate signs."""
+    """The run key's word that peer ``delegate`` may issue tickets until ``expires`` (:mod:`swarm.trust.delegates`),
+    embedded in each it signs; under :func:`delegates_key`, sub-key ``delegate``. Peers older than this record
+    refuse such tickets (they ignore ``Ticket.delegation``): upgrade every peer before delegating."""
 
     kind: Literal["delegation"] = "delegation"
     delegate: str = Field(min_length=1, max_length=128, description="Peer id of the delegate key.")
@@ -542,7 +542,7 @@ def check_carried(sealed_record: bytes, run_id: str, dated: float) -> Ticket:
     if not ticket.time - MAX_CLOCK_SKEW_S <= dated <= ticket.expires:
         raise ProtocolError(f"the record is dated {dated:.0f}, outside its signer's ticket "
                             f"({ticket.time:.0f} .. {ticket.expires:.0f}): the ticket expired; it is renewed while "
-                            "the run's coordinator runs")
+                            "the run's coordinator (or a delegate) runs")
     return ticket
 
 

@@ -85,6 +85,10 @@ class Record(Schema):
     names_its_signer: ClassVar[bool] = True
     """The record's ``peer_id`` (and any ``p2p_id``) must be its signer's own, and it lives under its own sub-key
     (every kind but the spec, which the coordinator signs for the run)."""
+    carries_ticket: ClassVar[bool] = True
+    """Its envelope carries its signer's ticket (a ticketed run). Not the run key's own records (tickets, invites,
+    delegations): a ticket sealed with its signer's ticket in the envelope nested the one before it at every renewal
+    of the signer's own, growing by about 0.4 KB a renewal until it passed :data:`MAX_RECORD_BYTES`."""
 
     def dht_subkey(self) -> str:
         """The DHT sub-key this record lives under: its signer's peer id (versioned kinds add the version)."""
@@ -129,12 +133,13 @@ def parse(data: bytes, cls: Type[S], what: str) -> S:
 
 def seal(record: Record, identity: Identity) -> bytes:
     """Sign ``record`` with ``identity``; returns the sealed bytes to store in the DHT. The envelope carries
-    ``identity.ticket`` (the run key's sealed :class:`~swarm.protocol.Ticket` for this peer) when it holds one."""
+    ``identity.ticket`` (this peer's sealed :class:`~swarm.protocol.Ticket`) when it holds one and the record's kind
+    carries it (:attr:`Record.carries_ticket`)."""
     if record.peer_id != identity.peer_id and record.kind != "spec":
         raise ValueError("a record must be sealed by the peer it names")
     payload = msgpack.packb(record.model_dump(mode="python"), use_bin_type=True)
     envelope = {"p": payload, "k": identity.public_key, "s": identity.sign(payload)}
-    if identity.ticket:
+    if identity.ticket and record.carries_ticket:
         envelope["t"] = identity.ticket
     blob = msgpack.packb(envelope, use_bin_type=True)
     if len(blob) > MAX_RECORD_BYTES:

@@ -16,15 +16,17 @@ Each ticket it signs embeds the delegation and ends no later than it; :func:`~sw
 chain, so every DHT node and peer takes such a ticket as it takes the run key's.
 
 Limits: a delegation cannot be withdrawn before it expires (the DHT keeps, per sub-key, the value that expires
-last). ``swarm-coordinator revoke <delegate>`` bans it (an honest delegate then stops, and its tickets are no longer
-renewed), but a stolen delegate key signs tickets until its delegation ends: keep delegations short (``--expires``)
-and delegate again. Each redeemer counts an invite's uses from the tickets the DHT holds, so two redemptions at once
+last). ``swarm-coordinator revoke <delegate>`` bans it: an honest delegate then stops, and nobody renews the tickets
+it first issued (:attr:`~swarm.protocol.Ticket.origin`, carried by renewals), which lapse within a ticket's life;
+but a stolen delegate key signs new ones until its delegation ends: keep delegations short (``--expires``) and
+delegate again. Each redeemer counts an invite's uses from the tickets the DHT holds, so two redemptions at once
 on two redeemers may each take the last use.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Optional
 
@@ -83,25 +85,30 @@ class DelegateDuty:
     """A peer's part as the run key's delegate (module docstring), called (blocking) at every refresh of its
     ticket (:attr:`~swarm.trust.tickets.RunTickets.duty`): at most every :data:`READ_EVERY_S` seconds it reads
     whether a live delegation names it, carries it (:attr:`~swarm.identity.Identity.delegation`: its invite service
-    then redeems codes) and renews the run's tickets in their last :data:`DUE`. Never raises: a failed pass is
-    logged and tried again at the next."""
+    then redeems codes) and renews the run's tickets in their last :data:`DUE`, on a thread of its own (renewing
+    many tickets, one DHT store each, holds up no announcement). Never raises: a failed pass is logged and tried
+    again at the next."""
 
     def __init__(self, directory: RunDirectory, identity: Identity, spec: RunSpec, clock=time.monotonic):
         self.directory, self.identity, self.spec, self.clock = directory, identity, spec, clock
         self._next_read = float("-inf")
+        self._pass: Optional[threading.Thread] = None
 
-    @property
-    def delegation(self) -> Optional[Delegation]:
-        """The delegation this peer carries, None if it is no delegate."""
-        if not self.identity.delegation:
-            return None
-        return open_run_key_record(self.identity.delegation, Delegation, self.directory.run_id)
-
-    def __call__(self) -> list[str]:
-        """One pass; returns the peer ids whose tickets it renewed."""
-        if self.clock() < self._next_read:
-            return []
+    def __call__(self) -> None:
+        """Start a pass on its own thread if one is due and none runs."""
+        if self.clock() < self._next_read or (self._pass is not None and self._pass.is_alive()):
+            return
         self._next_read = self.clock() + READ_EVERY_S
+        self._pass = threading.Thread(target=self.run_pass, name="delegate-duty", daemon=True)
+        self._pass.start()
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        """Wait up to ``timeout_s`` seconds for the pass in progress, if one is."""
+        if self._pass is not None:
+            self._pass.join(timeout_s)
+
+    def run_pass(self) -> list[str]:
+        """One pass (blocking); returns the peer ids whose tickets it renewed."""
         try:
             found = live_delegations(self.directory).get(self.identity.peer_id)
             sealed = found[1] if found is not None else b""
@@ -118,7 +125,7 @@ class DelegateDuty:
             if renewed:
                 logger.info("renewed %d tickets as the run key's delegate: %s", len(renewed), ", ".join(renewed[:8]))
             return renewed
-        except (ProtocolError, RuntimeError, OSError) as e:
+        except (ProtocolError, RuntimeError, OSError, ValueError) as e:
             logger.warning("a pass of this peer's delegate duty failed (tried again in %.0f s): %s", READ_EVERY_S, e)
             return []
 

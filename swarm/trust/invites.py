@@ -36,7 +36,7 @@ from swarm.identity import Identity
 from swarm.net.directory import RunDirectory
 from swarm.net.quota import Busy, PeerQuota, TooFast
 from swarm.net.transport import ProtocolServicer, gather, stream_out
-from swarm.protocol import (Invite, InviteRedeem, InviteReply, ProtocolError, Refusal, Ticket, invites_key,
+from swarm.protocol import (Delegation, Invite, InviteRedeem, InviteReply, ProtocolError, Refusal, Ticket, invites_key,
                             open_run_key_record, open_ticket, pack_message, seal, unpack_message)
 from swarm.trust.authority import peer_of_p2p_id
 from swarm.trust.delegates import DelegateDuty, live_delegations
@@ -91,6 +91,8 @@ def find_invite(directory: RunDirectory, code: str) -> Optional[Invite]:
 
 NO_INVITE = ("no live invite of this run has this code (mistyped, expired, or of another run): ask the run's "
              "operator for a new one")
+USED_UP = "the invite is used up"
+BANNED = "is banned from this run"
 NOT_REDEEMER = ("this peer redeems no invites of the run (the run key has not delegated to it): ask the run's "
                 "coordinator or a delegate")
 
@@ -109,11 +111,11 @@ def redeem(directory: RunDirectory, run_key: Identity, spec: RunSpec, invite: In
         raise InviteRefused(NO_INVITE)
     bans, _ = directory.bans()
     if bans is not None and subject in bans.banned:
-        raise InviteRefused(f"peer {subject} is banned from this run ({bans.banned[subject]})")
+        raise InviteRefused(f"peer {subject} {BANNED} ({bans.banned[subject]})")
     holders = ledger.setdefault(invite.code_hash, set()) | {
         t.subject for t, _ in all_tickets(directory) if t.invite == invite.code_hash and t.expires > now}
     if subject not in holders and len(holders) >= invite.uses:
-        raise InviteRefused(f"the invite is used up ({len(holders)} of {invite.uses} peers admitted): ask the run's "
+        raise InviteRefused(f"{USED_UP} ({len(holders)} of {invite.uses} peers admitted): ask the run's "
                             "operator for a new one")
     found = issue_ticket(directory, run_key, subject, spec, invite.code_hash)
     ledger[invite.code_hash].add(subject)
@@ -156,8 +158,15 @@ class InviteService(ProtocolServicer):
             raise InviteRefused(NO_INVITE)
         return invite
 
+    def _redeems(self) -> bool:
+        """Whether this peer redeems now: it holds the run key, or a live delegation of it."""
+        if self.run_key.delegation:
+            delegation = open_run_key_record(self.run_key.delegation, Delegation, self.directory.run_id)
+            return delegation.expires > get_dht_time()
+        return self.directory.run_key == self.run_key.public_key
+
     async def _redeem(self, code: str, subject: str) -> tuple[Ticket, bytes]:
-        if not self.run_key.delegation and self.directory.run_key != self.run_key.public_key:
+        if not self._redeems():
             raise InviteRefused(NOT_REDEEMER)
         invite = await self._invite(code)
         if self._waiting >= MAX_WAITING:
@@ -212,11 +221,11 @@ async def redeem_invite(p2p: P2P, directory: RunDirectory, code: str) -> tuple[T
             if reply.error and attempt < 2 and (reply.error == NO_INVITE or reply.error.startswith("busy")):
                 await asyncio.sleep(READ_EVERY_S + 1 if reply.error == NO_INVITE else 3.0)
                 continue
-            if reply.error == NOT_REDEEMER:  # (a delegation that ended, or not yet read): the next one
-                unreachable.append(f"{redeemer}: not a delegate")
-                break
-            if reply.error:
+            if reply.error.startswith(USED_UP) or BANNED in reply.error:  # the answer of every redeemer
                 raise NotAdmitted(f"the invite was refused: {reply.error}")
+            if reply.error:  # this one cannot redeem now (no delegate, or its delegation ended, or its DHT failed)
+                unreachable.append(f"{redeemer}: {reply.error[:160]}")
+                break
             try:
                 return open_ticket(reply.ticket, directory.run_id), reply.ticket
             except ProtocolError as e:

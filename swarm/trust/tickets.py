@@ -50,20 +50,22 @@ class NotAdmitted(RuntimeError):
     """This peer holds no valid ticket of a run that admits only ticketed peers."""
 
 
-def issue_ticket(directory: RunDirectory, run_key: Identity, subject: str, spec: RunSpec, invite: str = ""
-                 ) -> tuple[Ticket, bytes]:
+def issue_ticket(directory: RunDirectory, run_key: Identity, subject: str, spec: RunSpec, invite: str = "",
+                 origin: Optional[str] = None) -> tuple[Ticket, bytes]:
     """Sign a ticket for peer ``subject`` with the run key (or a delegate key carrying its
     :attr:`~swarm.identity.Identity.delegation`: the ticket embeds it and ends with it), valid
     ``spec.admission.ticket_ttl_s`` seconds, and store it in the DHT until it expires (blocking: ``swarm-coordinator
     admit`` runs it). Returns it, and sealed. ``invite``: the code hash of the invite it redeems
-    (:mod:`swarm.trust.invites`), carried by its renewals.
+    (:mod:`swarm.trust.invites`); ``origin``: who first admitted ``subject`` (default: this key if a delegate's,
+    else the run key's ""); both carried by its renewals.
 
     :raises ProtocolError: ``run_key`` is neither this run's key (the spec's signer) nor its live delegate.
     :raises RuntimeError: the DHT did not take the ticket."""
     now = get_dht_time()
     ticket = Ticket(run_id=directory.run_id, peer_id=run_key.peer_id, time=now, subject=subject,
                     expires=min(now + spec.admission.ticket_ttl_s, _delegated_until(directory, run_key)),
-                    spec_name=spec.name, spec_hash=spec.spec_hash(), invite=invite, delegation=run_key.delegation)
+                    spec_name=spec.name, spec_hash=spec.spec_hash(), invite=invite, delegation=run_key.delegation,
+                    origin=origin if origin is not None else run_key.peer_id if run_key.delegation else "")
     sealed = seal(ticket, run_key)
     open_ticket(sealed, directory.run_id)  # a wrong key fails here, not at every peer
     if not directory.store_sealed(tickets_key(directory.run_id), ticket.dht_subkey(), sealed, ticket.expires):
@@ -113,7 +115,8 @@ def run_key_records(directory: RunDirectory, key: str, cls: type[RK],
 
 def renew_tickets(directory: RunDirectory, run_key: Identity, spec: RunSpec, due: float = 0.5) -> list[str]:
     """The coordinator's duty in a ticketed run (blocking, every few seconds): re-issue the tickets with at most
-    ``due`` of their life left, but those of banned peers (``revoke``), and carry its own. A delegate
+    ``due`` of their life left, but those of banned peers (``revoke``) and those a banned delegate first issued
+    (:attr:`~swarm.protocol.Ticket.origin`: they lapse within a ticket's life), and carry its own. A delegate
     (:mod:`swarm.trust.delegates`) runs it with its own key and a smaller ``due`` (the coordinator, while up, renews
     first), and renews no ticket its delegation would end sooner. Returns the peer ids renewed.
 
@@ -127,13 +130,15 @@ def renew_tickets(directory: RunDirectory, run_key: Identity, spec: RunSpec, due
     if run_key.peer_id not in held:  # the coordinator's own: it stores and endorses like any keeper
         held[run_key.peer_id] = issue_ticket(directory, run_key, run_key.peer_id, spec)
     for subject, (ticket, sealed) in held.items():
-        if subject not in banned and ticket.expires - now <= ttl_s * due and until > ticket.expires + 1.0:
+        if subject not in banned and ticket.origin not in banned and ticket.expires - now <= ttl_s * due \
+                and until > ticket.expires + 1.0:
             try:
-                ticket, sealed = issue_ticket(directory, run_key, subject, spec, ticket.invite)
+                ticket, sealed = issue_ticket(directory, run_key, subject, spec, ticket.invite,
+                                              ticket.origin)
                 renewed.append(subject)
             except RuntimeError as e:  # this one is tried again at the next pass; the others go on
                 logger.warning("could not renew the ticket of %s: %s", subject, e)
-        if subject == run_key.peer_id:
+        if subject == run_key.peer_id and not run_key.delegation:  # (a delegate's own: RunTickets.refresh)
             run_key.ticket = sealed
     return renewed
 
