@@ -219,8 +219,8 @@ def start_honest(swarm: LocalSwarm, directory, stages: int, per_stage: int) -> l
 
 def joiner_took_sybil_state(swarm: LocalSwarm, directory, stage: int, sybil_p2p: set[str], watch: Watch) -> bool:
     """Start a server pinned to ``stage``; whether it kept a Sybil donor's state that no honest server of the stage
-    held (downloaded, not refused, and its digest at that epoch unlike every honest server's and the stage's
-    counted checkpoint's there)."""
+    held (downloaded, not refused, and its digest at that epoch, as the joiner's record or else the donor's lists it,
+    unlike every honest server's and the stage's counted checkpoint's there)."""
     peer = swarm.start_peer("server", "--stage", str(stage), name="joiner")
 
     def online() -> Optional[ServerInfo]:
@@ -247,7 +247,14 @@ def joiner_took_sybil_state(swarm: LocalSwarm, directory, stage: int, sybil_p2p:
                                                                if m.epoch == epoch}
         return found - {None}
 
-    return any(info is None or info.state_digests.get(epoch) not in held(epoch) for _, epoch in taken)
+    donors = {s.p2p_id: s.state_digests for s in directory.servers(stage)}
+
+    def kept(p2p_id: str, epoch: int) -> Optional[str]:
+        """The digest the joiner kept at ``epoch``: its own record's, else the donor's (a joiner lists the epochs it
+        stepped, not always the one it loaded)."""
+        return info.state_digests.get(epoch) or donors.get(p2p_id, {}).get(epoch)
+
+    return any(info is None or kept(p, epoch) not in held(epoch) for p, epoch in taken)
 
 
 def attack(kind: str, k: int, swarm: LocalSwarm, spec: RunSpec, directory, patient: list[Peer]) -> tuple:
