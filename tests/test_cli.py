@@ -23,6 +23,7 @@ EXPECTED = {
     "swarm-coordinator unban": ["address", "key", "peer", "timeout"],
     "swarm-coordinator admit": ["address", "key", "peer", "timeout"],
     "swarm-coordinator invite": ["address", "expires", "key", "timeout", "uses"],
+    "swarm-coordinator delegate": ["address", "expires", "key", "peer", "timeout"],
     "swarm-coordinator revoke": ["address", "key", "peer", "timeout"],
     "swarm-coordinator monitor": ["address", "every", "host", "metrics_port", "timeout"],
     "swarm-coordinator checkpoints": ["address", "as_json", "timeout"],
