@@ -163,20 +163,19 @@ def snapshot(directory: RunDirectory, spec: RunSpec) -> dict[str, Any]:
     """Read every stage's servers and their histories, the trainers and the ban list once and summarise them
     (shape above)."""
     stage_ids = range(spec.model.num_stages)
-    with ThreadPoolExecutor(2 * len(stage_ids) + 3) as pool:  # (one DHT lookup each, all in flight at once)
+    with ThreadPoolExecutor(2 * len(stage_ids) + 5) as pool:  # (one DHT lookup each, all in flight at once)
         reading = {k: pool.submit(directory.servers, k) for k in stage_ids}
         reading_histories = {k: pool.submit(directory.histories, k) for k in stage_ids}
         reading_trainers, reading_bans = pool.submit(directory.trainers), pool.submit(directory.bans)
         reading_recognition = pool.submit(read_recognition, directory)
-        ticketed = spec.admission.policy != "open"
-        reading_tickets = pool.submit(all_tickets, directory) if ticketed else None
-        reading_delegates = pool.submit(live_delegations, directory) if ticketed else None
+        ticketed = spec.admission.policy != "open"  # (its tickets and delegations)
+        reading_admission = [pool.submit(read, directory) for read in (all_tickets, live_delegations) if ticketed]
         servers = {k: f.result() for k, f in reading.items()}
         histories = {k: f.result() for k, f in reading_histories.items()}
         trainers, (ban_list, _) = reading_trainers.result(), reading_bans.result()
         recognition = reading_recognition.result()
-        tickets = _expiries(reading_tickets.result()) if reading_tickets is not None else None
-        delegates = reading_delegates.result() if reading_delegates is not None else None
+        tickets, delegates = (_expiries(reading_admission[0].result()), reading_admission[1].result()) if ticketed \
+            else (None, None)
     banned = dict(ban_list.banned) if ban_list is not None else {}
     now = get_dht_time()
     demand = stage_demand(spec.model)
