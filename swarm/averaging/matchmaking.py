@@ -82,8 +82,8 @@ class GroupMatchmaking(DeliveredJoinAnswers):
         recognition does not vouch for (``uncounted``, :func:`~swarm.averaging.membership.counted_members`) is
         waited for only once it showed in this server's matchmaking within a record TTL (:meth:`_shown`): idle
         keys announced as servers cost no round its window (``bench/sybil.py``, one idle key on a stage of two
-        servers: each step took 3 s instead of 0.5 s, the trainer's rate fell to a third), and a newcomer that asks
-        to join is waited for from then on."""
+        servers: steps took 1.7-3.2 s instead of about 0.5 s, the trainer's rate fell to a third), and a newcomer
+        that asks to join is waited for from then on."""
         mm = getattr(self, "_matchmaking", None)
         if mm is None:
             return
