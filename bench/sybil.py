@@ -24,8 +24,9 @@ the validation loss of the whole held-out split through the swarm. Once every ho
 The attack begins ``--settle`` seconds after the run key's recognition names every honest server (and the patient
 ones, or as many as it named within 120 s: ``patient_recognized``). A configuration that never got going (no
 tokens, honest servers that never verified each other) is a row with its ``error``. A
-``clean`` configuration (no Sybil) runs first: its validation loss is the baseline of ``val_loss_ratio``, but for
-patient rows, whose baseline is the same configuration with its servers honest to the end (:data:`CONTROL`).
+``clean`` configuration (no Sybil) runs first, ``--clean-runs`` times: their mean validation loss is the baseline of
+``val_loss_ratio`` (their spread, ``val_loss_spread``, the noise to read a ratio against), but for patient rows,
+whose baseline is the same configuration with its servers honest to the end (:data:`CONTROL`).
 Harms, read from the honest peers' records and logs through the attack and a joiner started at its end:
 
 * ``checkpoint_committed``: a reader following the run's rules (this bench's :class:`RunDirectory`, reading the run
@@ -45,10 +46,10 @@ Harms, read from the honest peers' records and logs through the attack and a joi
   founded a stage or had honest servers dropped from it);
 * ``rebalanced``: at a read through the attack, the stage a joiner would choose or a move an honest server would plan
   (the library's own rules, :meth:`swarm.server.served.PeerContext.claims` then ``choose_stage`` / ``plan_move``,
-  on the records as the run's peers weigh them) differs from the one on the honest servers' records alone (idle
-  Sybils claim 10^4 samples/s each on stage 0, patient ones on the last stage, the others the honest mean);
-  ``steered_s`` lists the seconds into the attack of each read it steered (patient keys: the claims of stopped keys
-  count until no recognized stage-mate verified their work within 2 epochs, ``served.FRESH_EPOCHS``).
+  on the records as the run's peers weigh them) differs from the one on the same records with every false claim
+  set to the true one (:meth:`Watch.truthful`: a patient key's claim before the attack, a fresh key's the honest
+  servers' mean of its stage; idle Sybils claim 10^4 samples/s each on stage 0, patient ones on the last stage, the
+  others the honest mean); ``steered_s`` lists the seconds into the attack of each read it steered.
 
 Prints one JSON line per configuration on stderr and last, on stdout, ``{"clean": {...}, "results": [{"kind", "k",
 "harms": {name: bool}, "val_loss", "val_loss_ratio", "tokens", "samples_per_epoch", "failed_per_epoch",
@@ -128,6 +129,8 @@ class Watch:
         self.last: dict[str, ServerInfo] = {}
         self.harms = {name: False for name in HARMS}
         self.attack_began: Optional[float] = None  # monotonic s
+        self.liars: set[str] = set()  # peer ids whose records the Sybils announce (:meth:`begin`)
+        self.before: dict[str, float] = {}  # their throughput claims when the attack began
         self.steered_s: list[float] = []  # seconds into the attack of each read it steered
         self.trainer_samples: list[int] = []  # the trainers' samples at each read
 
@@ -164,7 +167,7 @@ class Watch:
         """Whether the records as the run's peers weigh them steer a joiner's stage or a server's move elsewhere
         than the honest servers' records alone would."""
         servers = self.directory.all_servers(self.num_stages)
-        honest = {k: [s for s in group if s.peer_id in self.honest] for k, group in servers.items()}
+        honest = asyncio.run(self.joiner.claims({k: self.truthful(group) for k, group in servers.items()}))
         weighed = asyncio.run(self.joiner.claims(servers))
         gain = self.spec.rebalance.min_gain
         if choose_stage(self.spec.model, weighed, random.Random(0)) != choose_stage(self.spec.model, honest,
@@ -172,6 +175,24 @@ class Watch:
             return True
         return any(plan_move(s.peer_id, k, weighed, gain) != plan_move(s.peer_id, k, honest, gain)
                    for k, group in honest.items() for s in group)
+
+    def begin(self, liars: set[str]) -> None:
+        """The attack begins now; ``liars``: the peer ids whose server records the Sybils announce (their claims
+        are the false ones; a lazy key's own process announces its measured throughput)."""
+        self.attack_began, self.liars = time.monotonic(), liars
+        self.before = {s.peer_id: s.throughput for g in self.directory.all_servers(self.num_stages).values()
+                       for s in g if s.peer_id in liars}
+
+    def truthful(self, group: list[ServerInfo]) -> list[ServerInfo]:
+        """``group`` (a stage's records) with each liar's throughput claim set to its true one: what it claimed
+        before the attack (a patient key, measured by its own server), else the honest servers' mean of the stage
+        (a fresh key: what this machine's hardware would claim). The harm is a false claim, not a patient key
+        counted for the work it did (before, the baseline was the honest records alone: a control's honest extra
+        servers showed as steering all run)."""
+        claims = [s.throughput for s in group if s.peer_id in self.honest and s.throughput > 0]
+        mean = sum(claims) / len(claims) if claims else 0.0
+        return [s.model_copy(update={"throughput": self.before.get(s.peer_id, mean)}) if s.peer_id in self.liars
+                else s for s in group]
 
     def _both(self, stage: int) -> list[tuple[ServerInfo, ServerInfo]]:
         """(first, last) records of the honest servers of ``stage`` that served it at both reads."""
@@ -312,10 +333,12 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
                      every_s=2.0)
             patient_named = len(watch.recognized() & patient_ids)
             time.sleep(args.settle)  # the servers' own reads of the recognition (every 10 s) take it up
-            watch.attack_began, began_dht = time.monotonic(), get_dht_time()
-            attacking = kind not in ("clean", CONTROL)
+            began_dht, attacking = get_dht_time(), kind not in ("clean", CONTROL)
+            watch.begin({p.peer_id for p in patient} if attacking else set())
             sybils, stage, sybil_p2p = attack(kind, k, swarm, spec, directory, patient) if attacking \
                 else (None, stages - 1, set())
+            if sybils is not None and sybils.plan.announce:
+                watch.liars = set(sybils.sybil_ids)
             watch.read()
             end = max(end, time.monotonic() + args.min_window)
             cap = end + 2 * args.train_s  # (token-matched: a configuration the attack slowed trains on, this long)
@@ -355,6 +378,19 @@ def run_one(spec_path: Path, spec: RunSpec, kind: str, k: int, args) -> dict:
                 shutil.copytree(swarm.workdir / "logs", args.logs / f"{kind}-{k}", dirs_exist_ok=True)
 
 
+def clean_baseline(first: dict, more: list[dict]) -> dict:
+    """The clean run ``first`` with, where there are ``more`` clean runs (token-matched to it), ``val_loss`` their
+    mean and ``val_losses`` each: two clean runs of 120 s on 2 cores differed by 9% (4.0006, 4.3612), more than the
+    5% a configuration is judged by, so one clean run is no baseline."""
+    losses = [r["val_loss"] for r in [first, *more]]
+    for r in more:
+        print(json.dumps(r), file=sys.stderr, flush=True)
+    if not more:
+        return first
+    return {**first, "val_loss": round(sum(losses) / len(losses), 4), "val_losses": losses,
+            "val_loss_spread": round((max(losses) - min(losses)) / min(losses), 3)}
+
+
 def parse_ks(text: str, honest: int) -> list[int]:
     """``1,2x,3x`` -> keys per stage (``Nx``: N times the honest servers of a stage)."""
     return [int(t[:-1]) * honest if t.endswith("x") else int(t) for t in text.split(",") if t]
@@ -374,6 +410,8 @@ def main() -> None:
                         "honest server and the attack (the servers re-read it every 10 s; 0: attack at once, in the "
                         "window where a server may still count another stage by head)")
     parser.add_argument("--tenure", type=float, default=60.0, help="seconds patient Sybils work before attacking")
+    parser.add_argument("--clean-runs", type=int, default=2, help="clean runs whose mean validation loss is the "
+                        "baseline (their spread is the noise a ratio is read against)")
     parser.add_argument("--logs", type=Path, default=None, help="copy each configuration's logs into this folder")
     parser.add_argument("--match-tokens", action=argparse.BooleanOptionalAction, default=True, help="train every "
                         "configuration until its trainer announced at least the clean run's tokens (at most 2 x "
@@ -391,6 +429,7 @@ def main() -> None:
         clean = run_one(path, spec, "clean", 0, args)
         print(json.dumps(clean), file=sys.stderr, flush=True)
         args.tokens = clean["tokens"] if args.match_tokens else 0
+        clean = clean_baseline(clean, [run_one(path, spec, "clean", 0, args) for _ in range(args.clean_runs - 1)])
         for kind in args.kinds.split(","):
             for k in parse_ks(args.ks, args.honest):
                 try:

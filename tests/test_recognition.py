@@ -354,6 +354,48 @@ def test_a_recognized_server_that_stopped_averaging_claims_no_throughput_while_i
     assert [s.peer_id for s in counted_claims([rec(b, 1, 24, {a: 24}), *pair], named[1])] == [b.peer_id, a.peer_id]
 
 
+def test_a_recognized_server_that_keeps_averaging_counts_no_more_throughput_than_the_stage_median():
+    """A patient key that kept averaging (its mates verify it every epoch: still_working) and claims 10^4 samples/s:
+    before, its claim counted in full, so its stage looked served (a joiner went elsewhere) and the rebalancer moved
+    an honest stage-mate away. One of three counted claims is under half: each claim counts at most the stage's
+    upper median, an honest one, so every decision is the one its true claim makes. Two claims are not capped (one
+    of two is half: past the bound; a fast honest server beside a slow one counts in full)."""
+    from swarm.server.rebalance import choose_stage, plan_move
+    from swarm.server.served import capped_claims
+
+    a, b, patient, c, d = (Identity.generate() for _ in range(5))
+
+    def rec(who, stage, verified, throughput):
+        return server(who, stage, throughput=throughput).model_copy(
+            update={"epoch": 24, "last_verified": {v.p2p_id: 24 for v in verified}})
+
+    named = {0: frozenset({c.peer_id, d.peer_id}), 1: frozenset({a.peer_id, b.peer_id, patient.peer_id})}
+    stage0 = [rec(c, 0, [d], 10.0), rec(d, 0, [c], 11.0)]
+
+    def stage1(claim: float) -> list[ServerInfo]:
+        return [rec(a, 1, [b, patient], 10.0), rec(b, 1, [a, patient], 12.0), rec(patient, 1, [a, b], claim)]
+
+    lying = {0: stage0, 1: stage1(1e4)}
+    truthful = {0: stage0, 1: stage1(11.0)}
+    counted = {k: counted_claims(g, named[k]) for k, g in lying.items()}
+    assert [s.throughput for s in counted[1]] == [10.0, 12.0, 12.0]  # the liar: the upper median, an honest claim
+    truth = {k: counted_claims(g, named[k]) for k, g in truthful.items()}
+    for who in (a, b):  # the same plan as the true claims make; the old count moved b (the faster) to stage 0
+        assert plan_move(who.peer_id, 1, counted, 0.25) == plan_move(who.peer_id, 1, truth, 0.25) is None
+    assert plan_move(b.peer_id, 1, lying, 0.25) == 0
+    assert choose_stage(TINY.model, counted) == choose_stage(TINY.model, truth) == 0
+    # without the run key's recognition (an open run with no witness) the cap holds as well
+    assert [s.throughput for s in asyncio.run(PeerContext(TINY, None, a, None, None, None, None)
+                                              .claims(lying))[1]] == [10.0, 12.0, 12.0]
+    # not capped: two claims (one liar of two is past any bound), draining or paused servers (no claim)
+    fast = [rec(a, 1, [b], 10.0), rec(b, 1, [a], 100.0)]
+    assert capped_claims(fast) == fast
+    idle = [*fast, server(patient, 1, throughput=0.0, state=ServerState.PAUSED)]
+    assert capped_claims(idle) == idle
+    # the price, on a stage of mixed hardware: its fast server counts as the median one
+    assert [s.throughput for s in capped_claims([*fast, rec(c, 1, [], 11.0)])] == [10.0, 11.0, 11.0]
+
+
 def test_each_server_lists_another_sample_of_the_mates_it_verified_at_one_epoch():
     """ServerInfo.last_verified holds MAX_VOUCHES entries: where more mates were verified at one epoch (one group of
     a large stage), ties break by a hash of the lister's id, so the same mates (the first verified: the founders) are

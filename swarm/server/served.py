@@ -145,9 +145,10 @@ class PeerContext:
 
     async def claims(self, servers: dict[int, list[ServerInfo]]) -> dict[int, list[ServerInfo]]:
         """Of ``servers`` (stage -> records), those whose throughput rebalancing counts (:func:`counted_claims`, on the
-        run key's recognition, read now when due: :mod:`swarm.trust.recognition`)."""
+        run key's recognition, read now when due: :mod:`swarm.trust.recognition`; without one, every record, each
+        claim capped at its stage's median: :func:`capped_claims`)."""
         if self.recognition is None or await self.recognition.current() is None:
-            return servers
+            return {k: capped_claims(group) for k, group in servers.items()}
         return {k: counted_claims(group, self.recognition.recognized(k)) for k, group in servers.items()}
 
 
@@ -162,14 +163,37 @@ def counted_claims(group: list[ServerInfo], recognized: Optional[frozenset[str]]
     neither add throughput nor make a lone recognized server look accompanied; honest newcomers count once a
     recognized stage-mate verified them: a round or two, then the coordinator's next read), and of those only the
     ones still working (:func:`still_working`: a recognized key that stopped averaging and claims 10^4 samples/s
-    does not count); else all of them. The same for every server of the stage
-    (:func:`~swarm.server.rebalance.choose_mover` needs it); a server left out plans no move. The price: joiners
-    within that time see none of each other on a recognized stage and may pick the same one (rebalancing moves
-    them later)."""
+    does not count); else all of them; each capped at the stage's median claim (:func:`capped_claims`). The same for
+    every server of the stage (:func:`~swarm.server.rebalance.choose_mover` needs it); a server left out plans no
+    move. The price: joiners within that time see none of each other on a recognized stage and may pick the same one
+    (rebalancing moves them later)."""
     if recognized is None or not any(s.peer_id in recognized for s in group):
-        return group  # (none of them online: newcomers to a stage its recognized servers left are all it has)
+        return capped_claims(group)  # (none of them online: newcomers to a stage its recognized servers left)
     named = [s for s in group if s.peer_id in recognized]
-    return [s for s in named if still_working(s, named)]
+    return capped_claims([s for s in named if still_working(s, named)])
+
+
+MIN_CAPPED = 3
+"""Counted claims of a stage from which each is capped at their median (:func:`capped_claims`)."""
+
+
+def capped_claims(group: list[ServerInfo]) -> list[ServerInfo]:
+    """``group`` with every throughput claim above the stage's upper median cut to it, where at least
+    :data:`MIN_CAPPED` servers (not draining) claim a throughput above 0; else ``group`` as it is.
+
+    A claim is a figure nobody checks (trainers route on what they observe, :mod:`swarm.trainer.routing`, but a
+    stage's supply for rebalancing is the sum of its claims), so one key that did honest work and then claims 10^4
+    samples/s (``bench/sybil.py``'s patient key, before its stage-mates notice it stopped: :func:`still_working`; or
+    one that keeps averaging and lies) made its stage look served. With fewer than half of the counted servers
+    lying, the upper median is at most an honest claim, so each liar counts as at most an honest server does: the
+    Byzantine fraction the aggregators assume, applied to the supply (coordinate-wise median, Yin et al. 2018). The
+    price: on a stage of mixed hardware its fast servers count as its median one, so rebalancing sees that stage
+    as weaker than it is (it may send it a joiner it did not need; trainers still route by what they observe)."""
+    claims = sorted(s.throughput for s in group if s.state != ServerState.DRAINING and s.throughput > 0)
+    if len(claims) < MIN_CAPPED:
+        return group
+    cap = claims[len(claims) // 2]
+    return [s.model_copy(update={"throughput": cap}) if s.throughput > cap else s for s in group]
 
 
 def latest_verified(verified_at: dict[str, int], mates, me: str = "") -> dict[str, int]:
