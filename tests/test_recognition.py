@@ -18,7 +18,7 @@ from swarm.net.directory import AsyncRunDirectory, RunDirectory, recognized_refu
 from swarm.protocol import (CheckpointManifest, Endorsement, FragmentEntry, RollbackOrder, ServerInfo, ServerState,
                             Recognition, recognition_key, seal)
 from swarm.protocol import MAX_VOUCHES
-from swarm.server.served import FRESH_EPOCHS, PeerContext, counted_claims, latest_verified
+from swarm.server.served import FRESH_EPOCHS, PeerContext, counted_claims, latest_verified, stopped_members
 from swarm.trainer.session import resume_position
 from swarm.trust.recognition import (FOUND_ALONE_S, LAPSE_S, RESEED_S, RecognitionBook, RecognitionReader, follow_recognition,
                                      publish_recognition, read_recognition)
@@ -348,6 +348,12 @@ def test_a_recognized_server_that_stopped_averaging_claims_no_throughput_while_i
     assert counted_claims([stopped[1][2]], frozenset({patient.peer_id})) == [stopped[1][2]]
     # the stopped key cannot silence an honest mate by naming somebody else as verified lately: an entry that names
     # no other recognized server of the stage makes no witness (before, a and its claim dropped, its own counted)
+    # its averaging: a member still, counted in no majority and not waited for (MemberTable.uncounted) until it shows;
+    # before, every round of the stage waited out the matchmaking window for it (steps 0.45 -> 1.6 s)
+    assert stopped_members(stopped[1], named[1], a.peer_id) == {patient.p2p_id}
+    assert stopped_members(stopped[1], named[1], patient.peer_id) == set()  # (nobody counts itself out)
+    assert stopped_members(working[1], named[1], a.peer_id) == set() == stopped_members(failing, named[1], "")
+    assert stopped_members(stopped[1], None, a.peer_id) == set()
     junk = Identity.generate()
     pair = [rec(a, 1, 24, {}), rec(patient, 1, 24, {junk: 24}, throughput=1e4)]
     assert len(counted_claims(pair, frozenset({a.peer_id, patient.peer_id}))) == 2  # no witness: as before

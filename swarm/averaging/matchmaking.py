@@ -9,7 +9,6 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
 
 from swarm.net.transport import LINGER_S
 from swarm.protocol import ProtocolError
@@ -84,10 +83,7 @@ class GroupMatchmaking(DeliveredJoinAnswers):
         waited for only once it showed in this server's matchmaking within a record TTL (:meth:`_shown`): idle
         keys announced as servers cost no round its window (``bench/sybil.py``, one idle key on a stage of two
         servers: steps took 1.7-3.2 s instead of about 0.5 s, the trainer's rate fell to a third), and a newcomer
-        that asks to join is waited for from then on. A counted member is waited for within a record TTL of its
-        ``online_since`` (:class:`~swarm.averaging.membership.MemberTable`), then only while it shows: a recognized
-        key that stopped working and goes on announcing itself (``bench/sybil.py`` patient, K = 1) made every round
-        of its stage wait out the window (steps 0.45 -> 1.6 s, the trainer's rate 40 -> 11 samples/s)."""
+        that asks to join is waited for from then on."""
         mm = getattr(self, "_matchmaking", None)
         if mm is None:
             return
@@ -96,13 +92,12 @@ class GroupMatchmaking(DeliveredJoinAnswers):
         if self._lane is not None:  # bounded groups: this hop's lane (swarm.averaging.hops)
             mm.target_group_size, mm.min_group_size = len(self._lane.members), self._lane.quorum
             return
-        table, shown = self._member_table, self._shown()
-        window = max(table.ttl_s, MIN_SHOWN_S)
-        recent, new = time.monotonic() - window, get_dht_time() - window
+        uncounted, shown = self._member_table.uncounted, self._shown()
+        recent = time.monotonic() - max(self._member_table.ttl_s, MIN_SHOWN_S)
         for p in [p for p, t in shown.items() if t < recent]:
             del shown[p]
         expected = [p for p in self._members if p == me or not self.exclusions.is_excluded(p) and (
-            shown.get(p, float("-inf")) >= recent or p not in table.uncounted and table.entries[p][0] >= new)]
+            p not in uncounted or shown.get(p, float("-inf")) >= recent)]
         fixed = self.matchmaking_kwargs["target_group_size"]  # the averager's own (None for a stage's servers)
         mm.target_group_size = len(expected) if me in self._members and len(expected) >= 2 else fixed
 
@@ -139,8 +134,8 @@ class GroupMatchmaking(DeliveredJoinAnswers):
             if reason is None and known and peer not in known:
                 mm.target_group_size = None  # a server the roster does not know yet: gather until the window ends
                 self._gathering_all = True
-            elif reason is None:  # accepted: it shows, waited for from now on, this group included (hivemind
-                self._shown()[peer] = time.monotonic()  # refused a full
+            elif reason is None and peer in self._member_table.uncounted:  # accepted: it shows, waited for from
+                self._shown()[peer] = time.monotonic()  # now on, this group included (hivemind refused a full
                 if not getattr(self, "_gathering_all", False):  # group's joiner first); one gathering to the window's
                     self._expect_members()  # end stays so
             return reason

@@ -224,6 +224,18 @@ def still_working(server: ServerInfo, named: list[ServerInfo]) -> bool:
     return not any(witnessed) or any(server.p2p_id in seen for seen in witnessed)
 
 
+def stopped_members(servers: list[ServerInfo], recognized: Optional[frozenset[str]], me: str) -> set[str]:
+    """libp2p ids of the stage's recognized servers, ``me`` (a peer id) aside, that stopped working
+    (:func:`still_working`): averaging members still, but counted in no majority and waited for by an early start
+    only once they show (``MemberTable.uncounted``). A recognized key that stopped and goes on announcing itself
+    (``bench/sybil.py`` patient, K = 1 on a stage of 2) made every round of its stage wait out the matchmaking
+    window (steps 0.45 -> 1.6 s, the trainer's rate 40 -> 11 samples/s); two of them would leave the honest pair's
+    groups short of a majority. An honest server that missed its rounds for that long is waited for again once
+    it asks to join (then verified, it counts again)."""
+    named = [s for s in servers if recognized and s.peer_id in recognized]
+    return {s.p2p_id for s in named if s.peer_id != me and not still_working(s, named)}
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """A stage as measured before the server joins it: ``throughput`` (samples/s of forward+backward),
@@ -438,7 +450,7 @@ class ServedStage:
         if not self.spec.averaging.early_start:
             return
         _, uncounted = counted_members(servers, recognized, self.spec.averaging.group_size)
-        self.members.observe(servers, get_dht_time(), uncounted)
+        self.members.observe(servers, get_dht_time(), uncounted | stopped_members(servers, recognized, self.me))
         snapshot = MemberTable(self.members.ttl_s, dict(self.members.entries), self.members.uncounted)
         if snapshot != self._members_sent and await asyncio.to_thread(self.optimizer.set_members, snapshot):
             self._members_sent = snapshot
