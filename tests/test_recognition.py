@@ -367,7 +367,7 @@ def test_a_recognized_server_that_keeps_averaging_counts_no_more_throughput_than
     upper median, an honest one, so every decision is the one its true claim makes. Two claims are not capped (one
     of two is half: past the bound; a fast honest server beside a slow one counts in full)."""
     from swarm.server.rebalance import choose_stage, plan_move
-    from swarm.server.served import capped_claims
+    from swarm.server.rebalance import capped_claims
 
     a, b, patient, c, d = (Identity.generate() for _ in range(5))
 

@@ -28,7 +28,9 @@ join and a view of the DHT can be momentarily partial (a late announcement, a re
 server's record not expired yet), so a server moves only when consecutive checks keep planning the same move
 for at least the two re-announce periods a record counts (:class:`MovePlanner`), and ``min_dwell_s`` between
 moves of one server bounds churn when throughputs are noisy. A moving server drains, restores the new
-stage's state (from its live servers or its checkpoint) and only then announces itself online there.
+stage's state (from its live servers or its checkpoint) and only then announces itself online there. The
+throughput of a stage is the sum of its servers' claims as counted (:func:`~swarm.server.served.counted_claims`),
+each capped at the stage's upper median where three or more claim (:func:`capped_claims`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,30 @@ def choose_stage(spec: ModelSpec, servers: dict[int, list[ServerInfo]], rng: Opt
     tied = [k for k in range(spec.num_stages) if supply[k] <= least * (1 + 1e-9)]
     costliest = max(demand[k] for k in tied)
     return rng.choice([k for k in tied if demand[k] >= costliest * (1 - 1e-9)])
+
+
+MIN_CAPPED = 3
+"""Counted claims of a stage from which each is capped at their median (:func:`capped_claims`)."""
+
+
+def capped_claims(group: list[ServerInfo]) -> list[ServerInfo]:
+    """``group`` with every throughput claim above the stage's upper median cut to it, where at least
+    :data:`MIN_CAPPED` servers (not draining) claim a throughput above 0; else ``group`` as it is.
+
+    A claim is a figure nobody checks (trainers route on what they observe, :mod:`swarm.trainer.routing`, but a
+    stage's supply for rebalancing is the sum of its claims), so one key that did honest work and then claims 10^4
+    samples/s (``bench/sybil.py``'s patient key, before its stage-mates notice it stopped:
+    :func:`~swarm.server.served.still_working`; or one that keeps averaging and lies) made its stage look served.
+    With fewer than half of the counted servers lying, the upper median is at most an honest claim, so each liar
+    counts as at most an honest server does: the Byzantine fraction the aggregators assume, applied to the supply
+    (coordinate-wise median, Yin et al. 2018). The price: on a stage of mixed hardware its fast servers count as its
+    median one, so rebalancing sees that stage as weaker than it is (it may send it a joiner it did not need;
+    trainers still route by what they observe)."""
+    claims = sorted(s.throughput for s in group if s.state != ServerState.DRAINING and s.throughput > 0)
+    if len(claims) < MIN_CAPPED:
+        return group
+    cap = claims[len(claims) // 2]
+    return [s.model_copy(update={"throughput": cap}) if s.throughput > cap else s for s in group]
 
 
 def stage_supply(servers: dict[int, list[ServerInfo]]) -> dict[int, float]:

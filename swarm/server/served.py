@@ -38,7 +38,7 @@ from swarm.logs import PeerLog
 from swarm.net.directory import AsyncRunDirectory, read_period_s
 from swarm.protocol import MAX_VOUCHES, ProgressPush, ProtocolError, ServerInfo, ServerState, add_history
 from swarm.server.progress_push import ProgressPusher
-from swarm.server.rebalance import choose_stage
+from swarm.server.rebalance import capped_claims, choose_stage
 from swarm.server.stage import EpochEnd, StageError, StageServer
 from swarm.trust.authority import CheckpointAuthority, peer_of_p2p_id
 from swarm.trust.banlist import RunBans
@@ -146,7 +146,7 @@ class PeerContext:
     async def claims(self, servers: dict[int, list[ServerInfo]]) -> dict[int, list[ServerInfo]]:
         """Of ``servers`` (stage -> records), those whose throughput rebalancing counts (:func:`counted_claims`, on the
         run key's recognition, read now when due: :mod:`swarm.trust.recognition`; without one, every record, each
-        claim capped at its stage's median: :func:`capped_claims`)."""
+        claim capped at its stage's median: :func:`~swarm.server.rebalance.capped_claims`)."""
         if self.recognition is None or await self.recognition.current() is None:
             return {k: capped_claims(group) for k, group in servers.items()}
         return {k: counted_claims(group, self.recognition.recognized(k)) for k, group in servers.items()}
@@ -163,37 +163,15 @@ def counted_claims(group: list[ServerInfo], recognized: Optional[frozenset[str]]
     neither add throughput nor make a lone recognized server look accompanied; honest newcomers count once a
     recognized stage-mate verified them: a round or two, then the coordinator's next read), and of those only the
     ones still working (:func:`still_working`: a recognized key that stopped averaging and claims 10^4 samples/s
-    does not count); else all of them; each capped at the stage's median claim (:func:`capped_claims`). The same for
-    every server of the stage (:func:`~swarm.server.rebalance.choose_mover` needs it); a server left out plans no
-    move. The price: joiners within that time see none of each other on a recognized stage and may pick the same one
-    (rebalancing moves them later)."""
+    does not count); else all of them; each capped at the stage's median claim
+    (:func:`~swarm.server.rebalance.capped_claims`). The same for every server of the stage
+    (:func:`~swarm.server.rebalance.choose_mover` needs it); a server left out plans no move. The price: joiners
+    within that time see none of each other on a recognized stage and may pick the same one (rebalancing moves them
+    later)."""
     if recognized is None or not any(s.peer_id in recognized for s in group):
         return capped_claims(group)  # (none of them online: newcomers to a stage its recognized servers left)
     named = [s for s in group if s.peer_id in recognized]
     return capped_claims([s for s in named if still_working(s, named)])
-
-
-MIN_CAPPED = 3
-"""Counted claims of a stage from which each is capped at their median (:func:`capped_claims`)."""
-
-
-def capped_claims(group: list[ServerInfo]) -> list[ServerInfo]:
-    """``group`` with every throughput claim above the stage's upper median cut to it, where at least
-    :data:`MIN_CAPPED` servers (not draining) claim a throughput above 0; else ``group`` as it is.
-
-    A claim is a figure nobody checks (trainers route on what they observe, :mod:`swarm.trainer.routing`, but a
-    stage's supply for rebalancing is the sum of its claims), so one key that did honest work and then claims 10^4
-    samples/s (``bench/sybil.py``'s patient key, before its stage-mates notice it stopped: :func:`still_working`; or
-    one that keeps averaging and lies) made its stage look served. With fewer than half of the counted servers
-    lying, the upper median is at most an honest claim, so each liar counts as at most an honest server does: the
-    Byzantine fraction the aggregators assume, applied to the supply (coordinate-wise median, Yin et al. 2018). The
-    price: on a stage of mixed hardware its fast servers count as its median one, so rebalancing sees that stage
-    as weaker than it is (it may send it a joiner it did not need; trainers still route by what they observe)."""
-    claims = sorted(s.throughput for s in group if s.state != ServerState.DRAINING and s.throughput > 0)
-    if len(claims) < MIN_CAPPED:
-        return group
-    cap = claims[len(claims) // 2]
-    return [s.model_copy(update={"throughput": cap}) if s.throughput > cap else s for s in group]
 
 
 def latest_verified(verified_at: dict[str, int], mates, me: str = "") -> dict[str, int]:
@@ -230,10 +208,19 @@ def stopped_members(servers: list[ServerInfo], recognized: Optional[frozenset[st
     only once they show (``MemberTable.uncounted``). A recognized key that stopped and goes on announcing itself
     (``bench/sybil.py`` patient, K = 1 on a stage of 2) made every round of its stage wait out the matchmaking
     window (steps 0.45 -> 1.6 s, the trainer's rate 40 -> 11 samples/s); two of them would leave the honest pair's
-    groups short of a majority. An honest server that missed its rounds for that long is waited for again once
-    it asks to join (then verified, it counts again)."""
+    groups short of a majority. An honest server that missed its rounds for that long is waited for again once it
+    shows (accepted into a group, where it is verified and counts again)."""
     named = [s for s in servers if recognized and s.peer_id in recognized]
     return {s.p2p_id for s in named if s.peer_id != me and not still_working(s, named)}
+
+
+def uncounted_members(servers: list[ServerInfo], recognized: Optional[frozenset[str]], group_size: int,
+                      me: str) -> set[str]:
+    """libp2p ids of the stage's averaging members counted in no majority: those :func:`counted_members` leaves out
+    and, where it counts by the recognition (not every record), the recognized ones that stopped
+    (:func:`stopped_members`)."""
+    counted, uncounted = counted_members(servers, recognized, group_size)
+    return uncounted | stopped_members(servers, recognized, me) if counted is not servers else uncounted
 
 
 @dataclass(frozen=True)
@@ -449,8 +436,8 @@ class ServedStage:
             self._donors = donors
         if not self.spec.averaging.early_start:
             return
-        _, uncounted = counted_members(servers, recognized, self.spec.averaging.group_size)
-        self.members.observe(servers, get_dht_time(), uncounted | stopped_members(servers, recognized, self.me))
+        uncounted = uncounted_members(servers, recognized, self.spec.averaging.group_size, self.me)
+        self.members.observe(servers, get_dht_time(), uncounted)
         snapshot = MemberTable(self.members.ttl_s, dict(self.members.entries), self.members.uncounted)
         if snapshot != self._members_sent and await asyncio.to_thread(self.optimizer.set_members, snapshot):
             self._members_sent = snapshot
