@@ -165,16 +165,16 @@ class Watch:
 
     def steered(self) -> bool:
         """Whether the records as the run's peers weigh them steer a joiner's stage or a server's move elsewhere
-        than the honest servers' records alone would."""
+        than the same records with the true claims would (:meth:`truthful`)."""
         servers = self.directory.all_servers(self.num_stages)
-        honest = asyncio.run(self.joiner.claims({k: self.truthful(group) for k, group in servers.items()}))
+        truth = asyncio.run(self.joiner.claims({k: self.truthful(group) for k, group in servers.items()}))
         weighed = asyncio.run(self.joiner.claims(servers))
         gain = self.spec.rebalance.min_gain
-        if choose_stage(self.spec.model, weighed, random.Random(0)) != choose_stage(self.spec.model, honest,
+        if choose_stage(self.spec.model, weighed, random.Random(0)) != choose_stage(self.spec.model, truth,
                                                                                    random.Random(0)):
             return True
-        return any(plan_move(s.peer_id, k, weighed, gain) != plan_move(s.peer_id, k, honest, gain)
-                   for k, group in honest.items() for s in group)
+        return any(plan_move(s.peer_id, k, weighed, gain) != plan_move(s.peer_id, k, truth, gain)
+                   for k, group in truth.items() for s in group if s.peer_id in self.honest)
 
     def begin(self, liars: set[str]) -> None:
         """The attack begins now; ``liars``: the peer ids whose server records the Sybils announce (their claims

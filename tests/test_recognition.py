@@ -346,14 +346,14 @@ def test_a_recognized_server_that_stopped_averaging_claims_no_throughput_while_i
     failing = [rec(a, 1, 30, {b: 20, patient: 20}), rec(b, 1, 30, {a: 20}), stopped[1][2]]
     assert len(counted_claims(failing, named[1])) == 3
     assert counted_claims([stopped[1][2]], frozenset({patient.peer_id})) == [stopped[1][2]]
-    # the stopped key cannot silence an honest mate by naming somebody else as verified lately: an entry that names
-    # no other recognized server of the stage makes no witness (before, a and its claim dropped, its own counted)
     # its averaging: a member still, counted in no majority and not waited for (MemberTable.uncounted) until it shows;
     # before, every round of the stage waited out the matchmaking window for it (steps 0.45 -> 1.6 s)
     assert stopped_members(stopped[1], named[1], a.peer_id) == {patient.p2p_id}
     assert stopped_members(stopped[1], named[1], patient.peer_id) == set()  # (nobody counts itself out)
     assert stopped_members(working[1], named[1], a.peer_id) == set() == stopped_members(failing, named[1], "")
     assert stopped_members(stopped[1], None, a.peer_id) == set()
+    # the stopped key cannot silence an honest mate by naming somebody else as verified lately: an entry that names
+    # no other recognized server of the stage makes no witness (before, a and its claim dropped, its own counted)
     junk = Identity.generate()
     pair = [rec(a, 1, 24, {}), rec(patient, 1, 24, {junk: 24}, throughput=1e4)]
     assert len(counted_claims(pair, frozenset({a.peer_id, patient.peer_id}))) == 2  # no witness: as before
@@ -366,8 +366,7 @@ def test_a_recognized_server_that_keeps_averaging_counts_no_more_throughput_than
     an honest stage-mate away. One of three counted claims is under half: each claim counts at most the stage's
     upper median, an honest one, so every decision is the one its true claim makes. Two claims are not capped (one
     of two is half: past the bound; a fast honest server beside a slow one counts in full)."""
-    from swarm.server.rebalance import choose_stage, plan_move
-    from swarm.server.rebalance import capped_claims
+    from swarm.server.rebalance import capped_claims, choose_stage, plan_move
 
     a, b, patient, c, d = (Identity.generate() for _ in range(5))
 
