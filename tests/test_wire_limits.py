@@ -6,16 +6,19 @@ deadline (no memory amplification, no stream that never times out)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import AsyncIterator
 
 import pytest
 import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
-from swarm.protocol import MAX_METADATA_BYTES, PingRequest, ProtocolError, pack_message
+from swarm.logs import HANDLER_LOGGER
+from swarm.protocol import MAX_METADATA_BYTES, PingRequest, ProtocolError, Refusal, pack_message
 from swarm.net.transport import CHUNK_BYTES, ProtocolServicer, gather, stream_out
 
 pytestmark = pytest.mark.timeout(60)
@@ -118,11 +121,8 @@ def test_a_sender_stalled_past_its_per_message_timeout_is_not_blamed_on_the_dead
 
 
 def test_a_refused_request_logs_one_escaped_line_per_class_and_peer_per_period(monkeypatch):
-    import logging
-
     import swarm.logs
     from swarm.logs import RefusalFilter
-    from swarm.protocol import Refusal
 
     clock = [1000.0]
     monkeypatch.setattr(swarm.logs.time, "monotonic", lambda: clock[0])
@@ -173,9 +173,8 @@ def test_a_reply_ends_at_its_end_marker_and_the_caller_closes_the_stream():
     assert metadata == META and torch.equal(tensors[0], torch.arange(5.0)) and closed == [True]
 
 
-@pytest.mark.timeout(180)
 class Echo(ProtocolServicer):
-    """Answers a request with its metadata."""
+    """Answers a request with its metadata (``rpc_echo``), or refuses it once it was read (``rpc_refuse``)."""
 
     wire_name = "Echo"
 
@@ -185,26 +184,54 @@ class Echo(ProtocolServicer):
         async for msg in stream_out(runtime_pb2.ExpertResponse, metadata, []):
             yield msg
 
+    async def rpc_refuse(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                         ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        metadata, _ = await gather(requests)
+        raise Refusal(f"refused {metadata.decode()}")
+        yield  # (a stream handler)
 
+
+async def _calls(method: str, count: int) -> list:
+    """``count`` small calls (8 at a time) of ``method`` over two real p2pd daemons: each one's reply metadata,
+    or the error it raised."""
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+    try:
+        await Echo().add_p2p_handlers(server, namespace="echo")
+        stub, calls = Echo.get_stub(client, server.peer_id, namespace="echo"), asyncio.Semaphore(8)
+
+        async def call(i: int):
+            async with calls:
+                request = stream_out(runtime_pb2.ExpertRequest, str(i).encode(), [torch.zeros(20_000)])
+                try:
+                    return (await gather(await getattr(stub, method)(request)))[0]
+                except Exception as e:
+                    return e
+
+        return await asyncio.gather(*(call(i) for i in range(count)))
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+@pytest.mark.timeout(180)
 def test_every_reply_reaches_its_caller_over_libp2p():
     """4000 small calls to a handler over two real p2pd daemons: every caller gets its reply. Before replies ended
     with a marker, p2pd dropped about 1 in 2500 (the handler closed the stream first and the daemon reset it)."""
-    async def scenario() -> list[bytes]:
-        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
-        try:
-            await Echo().add_p2p_handlers(server, namespace="echo")
-            stub, calls = Echo.get_stub(client, server.peer_id, namespace="echo"), asyncio.Semaphore(8)
-
-            async def call(i: int) -> bytes:
-                async with calls:
-                    request = stream_out(runtime_pb2.ExpertRequest, str(i).encode(), [torch.zeros(20_000)])
-                    return (await gather(await stub.rpc_echo(request)))[0]
-
-            return await asyncio.gather(*(call(i) for i in range(4000)))
-        finally:
-            await client.shutdown()
-            await server.shutdown()
-
-    replies = asyncio.run(scenario())
+    replies = asyncio.run(_calls("rpc_echo", 4000))
     assert [i for i, r in enumerate(replies) if r != str(i).encode()] == []
+
+
+@pytest.mark.timeout(180)
+def test_every_refusal_reaches_its_caller_over_libp2p(caplog):
+    """4000 requests refused by the handler's error: every caller raises it, with its cause. Before the error was
+    sent like a reply (the handler keeps its side open until the caller closes), p2pd dropped some (the caller
+    saw the stream end without a reply)."""
+    with caplog.at_level(logging.WARNING, HANDLER_LOGGER):
+        errors = asyncio.run(_calls("rpc_refuse", 4000))
+    lost = [(i, repr(e)) for i, e in enumerate(errors)
+            if not (isinstance(e, P2PHandlerError) and str(e).endswith(f"refused {i}"))]
+    assert lost == []
+    logged = [r for r in caplog.records if r.name == HANDLER_LOGGER]  # (one line per period where a RefusalFilter is on)
+    assert logged and all(isinstance(r.exc_info[1], Refusal) if r.exc_info else r.getMessage().startswith(
+        "refused a request from ") for r in logged), "each refusal is logged on hivemind's handler logger"
