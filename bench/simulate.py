@@ -6,7 +6,7 @@
         --churn 0 --byzantine 0 --leave-at-h 0
         (the size of a real bench/scale.py run, to compare the two)
 
-The project's own code decides: stage choice, rebalancing (``choose_mover``, ``MovePlanner``), the round's grid
+The project's own code decides: stage choice, rebalancing (``plan_moves``, ``MovePlanner``), the round's grid
 and each server's check of its group (``GroupPlan``, ``whole_enough``), routing (``Router``, ``is_fresh``), read
 cadences (``read_period_s``), checkpoint writers, placement and restorability (``writer_of``, ``choose_holders``,
 ``checkpoint_views``, ``newest_restorable``). What is simulated around it (:mod:`bench.sim`): the population

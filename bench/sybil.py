@@ -45,7 +45,7 @@ Harms, read from the honest peers' records and logs through the attack and a joi
 * ``honest_unrecognized``: at the end, the run key's recognition does not name every honest server (Sybils that
   founded a stage or had honest servers dropped from it);
 * ``rebalanced``: at a read through the attack, the stage a joiner would choose or a move an honest server would plan
-  (the library's own rules, :meth:`swarm.server.served.PeerContext.claims` then ``choose_stage`` / ``plan_move``,
+  (the library's own rules, :meth:`swarm.server.served.PeerContext.claims` then ``choose_stage`` / ``plan_moves``,
   on the records as the run's peers weigh them) differs from the one on the same records with every false claim
   set to the true one (:meth:`Watch.truthful`: a patient key's claim before the attack, a fresh key's the honest
   servers' mean of its stage; idle Sybils claim 10^4 samples/s each on stage 0, patient ones on the last stage, the
@@ -87,7 +87,7 @@ from swarm.identity import Identity  # noqa: E402
 from swarm.net.dht import connect_run  # noqa: E402
 from swarm.net.directory import AsyncRunDirectory  # noqa: E402
 from swarm.protocol import ServerInfo, ServerState, check_endorsements  # noqa: E402
-from swarm.server.rebalance import choose_stage, plan_move  # noqa: E402
+from swarm.server.rebalance import choose_stage, plan_moves  # noqa: E402
 from swarm.server.served import PeerContext  # noqa: E402
 from swarm.settings import PeerSettings  # noqa: E402
 from swarm.trainer.pipeline import RemotePipeline, validation_loss  # noqa: E402
@@ -173,8 +173,9 @@ class Watch:
         if choose_stage(self.spec.model, weighed, random.Random(0)) != choose_stage(self.spec.model, truth,
                                                                                    random.Random(0)):
             return True
-        return any(plan_move(s.peer_id, k, weighed, gain) != plan_move(s.peer_id, k, truth, gain)
-                   for k, group in truth.items() for s in group if s.peer_id in self.honest)
+        planned, true_plan = plan_moves(weighed, gain), plan_moves(truth, gain)
+        return any(planned.get(s.peer_id) != true_plan.get(s.peer_id)
+                   for group in truth.values() for s in group if s.peer_id in self.honest)
 
     def begin(self, liars: set[str]) -> None:
         """The attack begins now; ``liars``: the peer ids whose server records the Sybils announce (their claims

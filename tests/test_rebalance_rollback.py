@@ -5,7 +5,7 @@ import math
 from swarm.checkpoint.rollback import LossSpikeDetector
 from swarm.config import RollbackSpec
 from swarm.protocol import ServerInfo, ServerState
-from swarm.server.rebalance import MovePlanner, choose_mover, plan_move
+from swarm.server.rebalance import MovePlanner, plan_move, plan_moves
 
 
 def _server(peer: str, stage: int, throughput: float, state=ServerState.ONLINE) -> ServerInfo:
@@ -19,38 +19,64 @@ def _swarm(*stages):
 def test_the_best_mover_of_a_crowded_stage_moves_to_the_bottleneck():
     servers = _swarm([("a", 10), ("b", 10), ("c", 10)], [("d", 10)])
     # moving any one server doubles the pipeline's throughput (10 -> 20); only the lowest peer id moves now
-    assert plan_move("a", 0, servers, min_gain=0.25) == 1
-    assert plan_move("b", 0, servers, min_gain=0.25) is None
-    assert plan_move("d", 1, servers, min_gain=0.25) is None  # it serves its stage alone
-    assert choose_mover(0, servers, min_gain=0.25) == ("a", 1)  # what every server of the stage computes once
-    assert choose_mover(1, servers, min_gain=0.25) is None
+    assert plan_move("a", servers, min_gain=0.25) == 1
+    assert plan_move("b", servers, min_gain=0.25) is None
+    assert plan_move("d", servers, min_gain=0.25) is None  # it serves its stage alone
+    # what every server computes once: then 20 vs 20, where no second move passes (b's would lower the minimum)
+    assert plan_moves(servers, min_gain=0.25) == {"a": 1}
 
 
 def test_hysteresis_blocks_small_gains_and_the_move_back():
     servers = _swarm([("a", 10), ("b", 10)], [("c", 15)])
-    assert plan_move("a", 0, servers, min_gain=0.25) is None  # min 15 -> 10: worse
+    assert plan_move("a", servers, min_gain=0.25) is None  # min 15 -> 10: worse
     servers = _swarm([("a", 4), ("b", 10), ("c", 10)], [("d", 18)])
-    assert plan_move("a", 0, servers, min_gain=0.25) is None  # 18 -> 20 is +11%, under the 25% margin
-    assert plan_move("a", 0, servers, min_gain=0.05) == 1
+    assert plan_move("a", servers, min_gain=0.25) is None  # 18 -> 20 is +11%, under the 25% margin
+    assert plan_moves(servers, min_gain=0.05) == {"a": 1}
     after = _swarm([("b", 10), ("c", 10)], [("d", 18), ("a", 4)])
-    assert plan_move("a", 1, after, min_gain=0.05) is None, "the reverse move never passes the same test"
+    assert plan_moves(after, min_gain=0.05) == {}, "the reverse move never passes the same test"
 
 
-def test_a_large_stage_refills_the_bottleneck_one_server_at_a_time():
+def test_a_large_stage_refills_the_bottleneck_in_one_plan_that_ends_where_single_moves_end():
     # 40 servers against 24: one move lifts the pipeline by 4% only, under min_gain, but the stage it leaves stays
-    # far ahead of the bottleneck (39 >= 1.25 x 25), so it moves; near balance (26 vs 24) nobody moves
+    # far ahead of the bottleneck (39 >= 1.25 x 25), so it moves; and so on to 36 vs 28 (35 < 1.25 x 29), in one plan
     servers = _swarm([(f"a{i:02d}", 1) for i in range(40)], [(f"b{i:02d}", 1) for i in range(24)])
-    assert choose_mover(0, servers, min_gain=0.25) == ("a00", 1)
-    servers = _swarm([(f"a{i:02d}", 1) for i in range(26)], [(f"b{i:02d}", 1) for i in range(24)])
-    assert choose_mover(0, servers, min_gain=0.25) is None
-    assert choose_mover(1, servers, min_gain=0.25) is None
+    plan = plan_moves(servers, min_gain=0.25)
+    assert plan == {f"a{i:02d}": 1 for i in range(4)}
+    one_at_a_time = servers
+    while (mover := next((p for p, _ in sorted(plan_moves(one_at_a_time, 0.25).items())), None)) is not None:
+        one_at_a_time = {k: [s for s in g if s.peer_id != mover] for k, g in one_at_a_time.items()}
+        one_at_a_time[1].append(_server(mover, 1, 1))
+    assert {s.peer_id for s in one_at_a_time[1]} == {s.peer_id for s in servers[1]} | set(plan)
+    # near balance (26 vs 24) nobody moves
+    assert plan_moves(_swarm([(f"a{i:02d}", 1) for i in range(26)], [(f"b{i:02d}", 1) for i in range(24)]), 0.25) == {}
+
+
+def test_stages_refilling_one_bottleneck_count_each_other_moves():
+    # stages 0 and 1 have servers to spare, stage 2 lost most of its servers: each move counts the ones before it
+    # (planned stage by stage, each stage sent its best mover on the same figures), taken from the richer stage
+    servers = _swarm([(f"a{i}", 1) for i in range(10)], [(f"b{i}", 1) for i in range(10)], [("c0", 1), ("c1", 1)])
+    plan = plan_moves(servers, min_gain=0.25)
+    assert plan == {"a0": 2, "b0": 2, "a1": 2, "b1": 2}
+    moved = {k: [s for s in g if s.peer_id not in plan] for k, g in servers.items()}
+    moved[2] += [_server(p, 2, 1) for p in plan]
+    assert [len(g) for g in moved.values()] == [8, 8, 6]  # a fifth move lifts 6 to 7 only: under min_gain
+    assert plan_moves(moved, min_gain=0.25) == {}, "where the plan ends, nothing more moves"
+
+
+def test_a_plan_moves_at_most_a_quarter_of_a_stage_at_once():
+    # 8 against 1: three moves would pass (to 5 vs 4), a plan takes two (MAX_SHARE_MOVED of 8); the next plan,
+    # on the records those two moves leave, the third
+    servers = _swarm([(f"a{i}", 1) for i in range(8)], [("b0", 1)])
+    assert plan_moves(servers, min_gain=0.25) == {"a0": 1, "a1": 1}
+    after = _swarm([(f"a{i}", 1) for i in range(2, 8)], [("b0", 1), ("a0", 1), ("a1", 1)])
+    assert plan_moves(after, min_gain=0.25) == {"a2": 1}
 
 
 def test_draining_servers_do_not_count_and_strangers_do_not_move():
     servers = _swarm([("a", 10), ("b", 10)], [])
     servers[1] = [_server("z", 1, 50, ServerState.DRAINING)]
-    assert plan_move("a", 0, servers, min_gain=0.25) == 1  # stage 1 has no throughput: any server helps
-    assert plan_move("x", 0, servers, min_gain=0.25) is None
+    assert plan_move("a", servers, min_gain=0.25) == 1  # stage 1 has no throughput: any server helps
+    assert plan_move("x", servers, min_gain=0.25) is None
 
 
 def test_a_move_is_made_only_when_the_checks_plan_it_for_the_confirmation_window():
@@ -58,24 +84,24 @@ def test_a_move_is_made_only_when_the_checks_plan_it_for_the_confirmation_window
     glimpse = _swarm([("a", 10), ("b", 10)], [])  # c's announcement came late once: stage 1 looks empty
     now = [0.0]
     planner = MovePlanner(min_gain=0.25, confirm_s=10.0, clock=lambda: now[0])
-    assert planner.check("a", 0, glimpse) is None, "one partial view moves nobody"
+    assert planner.check("a", glimpse) is None, "one partial view moves nobody"
     now[0] = 3.0
-    assert planner.check("a", 0, _swarm([("a", 10), ("b", 10)], [("c", 15)])) is None
+    assert planner.check("a", _swarm([("a", 10), ("b", 10)], [("c", 15)])) is None
     assert planner.pending is None, "the next full view plans nothing: the glimpse is forgotten"
     for t in (6.0, 9.0, 12.0):
         now[0] = t
-        assert planner.check("a", 0, crowded) is None and planner.pending == 1, "planned, not confirmed yet"
+        assert planner.check("a", crowded) is None and planner.pending == 1, "planned, not confirmed yet"
     now[0] = 16.0
-    assert planner.check("a", 0, crowded) == 1, "planned for 10 s by consecutive checks: a move"
+    assert planner.check("a", crowded) == 1, "planned for 10 s by consecutive checks: a move"
     assert planner.pending is None
     # a stage-mate killed a moment ago is still listed (its record has not expired): a's move away would leave
     # stage 1 empty once the record goes, and the plan changes before it is confirmed
     alone = MovePlanner(min_gain=0.25, confirm_s=10.0, clock=lambda: now[0])
     ghost = _swarm([("x", 5)], [("a", 10), ("dead", 10)])
     now[0] = 20.0
-    assert alone.check("a", 1, ghost) is None and alone.pending == 0
+    assert alone.check("a", ghost) is None and alone.pending == 0
     now[0] = 31.0  # the dead server's record is stale now: a serves stage 1 alone and stays
-    assert alone.check("a", 1, _swarm([("x", 5)], [("a", 10)])) is None and alone.pending is None
+    assert alone.check("a", _swarm([("x", 5)], [("a", 10)])) is None and alone.pending is None
 
 
 def test_spike_detector_waits_for_warmup_then_flags_spikes_only():

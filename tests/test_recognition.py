@@ -294,10 +294,10 @@ def test_rebalancing_counts_only_the_throughput_of_servers_the_run_key_recognize
     assert choose_stage(TINY.model, servers) == 1  # the Sybils' claims: stage 0 (20 samples/s real) looks served
     counted = asyncio.run(ctx({0: frozenset({honest.peer_id}), 1: frozenset({other.peer_id})}).claims(servers))
     # the unrecognized records of stage 0 (me, a newcomer, and the four keys) count nothing there: a lone recognized
-    # server does not look accompanied (choose_mover never moves a stage's last server)
+    # server does not look accompanied (plan_moves never moves a stage's last server)
     assert [s.peer_id for s in counted[0]] == [honest.peer_id] and counted[1] == servers[1]
     assert choose_stage(TINY.model, counted) == 0  # 10 < 30 samples/s: the bottleneck (20 really)
-    # the same view for every server of the stage (choose_mover needs it): nothing depends on who reads
+    # the same view for every server of the stage (plan_moves needs it): nothing depends on who reads
     assert asyncio.run(ctx({0: frozenset({honest.peer_id}), 1: frozenset({other.peer_id})}).claims(servers)) == counted
     # a stage the recognition names nobody on (one server: nobody verified it) counts every claim, not none (all four
     # servers of the bench's first try joined stage 1: an empty recognition made every stage look empty)
@@ -386,8 +386,8 @@ def test_a_recognized_server_that_keeps_averaging_counts_no_more_throughput_than
     assert [s.throughput for s in counted[1]] == [10.0, 12.0, 12.0]  # the liar: the upper median, an honest claim
     truth = {k: counted_claims(g, named[k]) for k, g in truthful.items()}
     for who in (a, b):  # the same plan as the true claims make; the old count moved b (the faster) to stage 0
-        assert plan_move(who.peer_id, 1, counted, 0.25) == plan_move(who.peer_id, 1, truth, 0.25) is None
-    assert plan_move(b.peer_id, 1, lying, 0.25) == 0
+        assert plan_move(who.peer_id, counted, 0.25) == plan_move(who.peer_id, truth, 0.25) is None
+    assert plan_move(b.peer_id, lying, 0.25) == 0
     assert choose_stage(TINY.model, counted) == choose_stage(TINY.model, truth) == 0
     # without the run key's recognition (an open run with no witness) the cap holds as well
     assert [s.throughput for s in asyncio.run(PeerContext(TINY, None, a, None, None, None, None)

@@ -44,7 +44,7 @@ def test_churn_and_byzantine_servers_cost_rounds_the_sim_names(spec):
 
 
 def test_a_stage_that_loses_servers_is_refilled_by_rebalancing(spec):
-    # 10% of all servers leave at once, all from stage 0; the others move there one per stage and period
+    # 10% of all servers leave at once, all from stage 0; the others move there (rebalance.plan_moves)
     out = _run(spec, churn_per_h=0.0, byzantine=0.0, hours=0.3, servers=40, leave_at_s=600.0)
     assert out["moves"] >= 1
     assert out["balance_after_leave"] < out["balance_before"]

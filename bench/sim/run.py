@@ -30,7 +30,7 @@ from swarm.averaging.groups import round_seed, split_blocks
 from swarm.config import RunSpec
 from swarm.net.directory import is_fresh, read_period_s, stripes_to_read
 from swarm.protocol import stage_stripe, stripe_names
-from swarm.server.rebalance import MovePlanner, choose_mover, choose_stage
+from swarm.server.rebalance import MovePlanner, choose_stage, plan_moves
 from swarm.trainer.routing import Router
 
 TARGET_EPOCH = 1000
@@ -123,7 +123,7 @@ class Simulation:
         self.traffic = Traffic(record_bytes)
         self.tally = Tally()
         self.routers: dict[str, Router] = {}
-        self.planners: dict[int, tuple[str, MovePlanner]] = {}
+        self.planners: dict[str, MovePlanner] = {}  # peer id -> the planner of a server planned to move
         self._ground: dict[int, int] = {}  # stage -> attackers that ground a key for it so far
         self.epoch, self.t = 0.0, 0.0
         avg = spec.averaging
@@ -192,20 +192,17 @@ class Simulation:
         period = self.spec.rebalance.period_s
         if not self.spec.rebalance.enabled or math.floor(t / period) == math.floor((t - self.opts.tick_s) / period):
             return
-        for stage in range(self.spec.model.num_stages):
-            mover = choose_mover(stage, views, self.spec.rebalance.min_gain)
-            if mover is None:
-                self.planners.pop(stage, None)
-                continue
-            me, planner = self.planners.get(stage, (None, None))
-            if me != mover[0]:
-                planner = MovePlanner(self.spec.rebalance.min_gain, confirm_s=2 * self.ttl / 3, clock=lambda: self.t)
-                self.planners[stage] = (mover[0], planner)
-            target = planner.check(mover[0], stage, views)  # the mover's own check, once a period as its session
-            peer = self.world.peers.get(mover[0])
+        plan = plan_moves(views, self.spec.rebalance.min_gain)
+        for pid in [pid for pid in self.planners if pid not in plan]:
+            del self.planners[pid]  # (its next check plans nothing: the plan it held is forgotten)
+        for pid, stage in plan.items():
+            planner = self.planners.setdefault(pid, MovePlanner(self.spec.rebalance.min_gain,
+                                                                confirm_s=2 * self.ttl / 3, clock=lambda: self.t))
+            target = planner.confirm(stage)  # each mover's own check, once a period as its session
+            peer = self.world.peers.get(pid)
             if target is not None and peer is not None and t - peer.stage_since_s >= self.spec.rebalance.min_dwell_s:
                 self.world.place(peer, target, t, self.join_s(peer, target))
-                self.planners.pop(stage, None)
+                del self.planners[pid]
                 self.tally.moves += 1
 
     # ---- one tick ---------------------------------------------------------------------------------------

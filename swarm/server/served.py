@@ -165,7 +165,7 @@ def counted_claims(group: list[ServerInfo], recognized: Optional[frozenset[str]]
     ones still working (:func:`still_working`: a recognized key that stopped averaging and claims 10^4 samples/s
     does not count); else all of them; each capped at the stage's median claim
     (:func:`~swarm.server.rebalance.capped_claims`). The same for every server of the stage
-    (:func:`~swarm.server.rebalance.choose_mover` needs it); a server left out plans no move. The price: joiners
+    (:func:`~swarm.server.rebalance.plan_moves` needs it); a server left out plans no move. The price: joiners
     within that time see none of each other on a recognized stage and may pick the same one (rebalancing moves them
     later)."""
     if recognized is None or not any(s.peer_id in recognized for s in group):

@@ -368,7 +368,7 @@ class ServerSession:
             return None
         servers = {k: await self.directory.fresh_servers(k, self.directory.ttl / 3, SUPPLY_STATES)
                    for k in range(self.spec.model.num_stages)}
-        target = planner.check(self.me, self.stage, await self.ctx.claims(servers))
+        target = planner.check(self.me, await self.ctx.claims(servers))
         if target is not None:
             self.log.info("rebalancing: moving to stage %d, which lacks throughput", target)
         return target
