@@ -18,7 +18,8 @@ from swarm.net.directory import AsyncRunDirectory, RunDirectory, recognized_refu
 from swarm.protocol import (CheckpointManifest, Endorsement, FragmentEntry, RollbackOrder, ServerInfo, ServerState,
                             Recognition, recognition_key, seal)
 from swarm.protocol import MAX_VOUCHES
-from swarm.server.served import FRESH_EPOCHS, PeerContext, counted_claims, latest_verified, stopped_members
+from swarm.server.served import (FRESH_EPOCHS, PeerContext, counted_claims, latest_verified, stopped_members,
+                                 uncounted_members)
 from swarm.trainer.session import resume_position
 from swarm.trust.recognition import (FOUND_ALONE_S, LAPSE_S, RESEED_S, RecognitionBook, RecognitionReader, follow_recognition,
                                      publish_recognition, read_recognition)
@@ -352,6 +353,12 @@ def test_a_recognized_server_that_stopped_averaging_claims_no_throughput_while_i
     assert stopped_members(stopped[1], named[1], patient.peer_id) == set()  # (nobody counts itself out)
     assert stopped_members(working[1], named[1], a.peer_id) == set() == stopped_members(failing, named[1], "")
     assert stopped_members(stopped[1], None, a.peer_id) == set()
+    # what the averagers are told: with a newcomer nobody vouches for yet, it and the stopped key; past one group
+    # (every record counts: a bounded group's lanes need every voter) neither
+    newcomer = rec(Identity.generate(), 1, 24, {})
+    assert uncounted_members([*stopped[1], newcomer], named[1], 8, a.peer_id) == {patient.p2p_id, newcomer.p2p_id}
+    assert uncounted_members([*stopped[1], newcomer], named[1], 2, a.peer_id) == set()
+    assert uncounted_members(stopped[1], None, 8, a.peer_id) == set()
     # the stopped key cannot silence an honest mate by naming somebody else as verified lately: an entry that names
     # no other recognized server of the stage makes no witness (before, a and its claim dropped, its own counted)
     junk = Identity.generate()

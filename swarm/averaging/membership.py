@@ -103,13 +103,22 @@ def counted_members(servers: list[ServerInfo], recognized: Optional[frozenset[st
     named servers verify it. Left as before: a stage
     of more vouched servers than ``group_size`` averages in bounded groups, whose lanes need every voter, so every
     record counts there (docs/threat-model.md)."""
-    named = [s for s in servers if recognized and s.peer_id in recognized and s.state == ServerState.ONLINE]
-    vouched = {p for s in named for p in s.vouches}
-    counted = [s for s in servers if s.peer_id in (recognized or ()) or s.p2p_id in vouched]
-    online = sum(s.state == ServerState.ONLINE for s in counted)
-    if not named or (group_size and online > group_size):
+    counted = recognized_members(servers, recognized, group_size)
+    if counted is None:
         return servers, set()
     return counted, {s.p2p_id for s in servers} - {s.p2p_id for s in counted}
 
 
-__all__ = ["KEEP", "MemberTable", "QUANTUM", "SETTLE", "counted_members"]
+def recognized_members(servers: list[ServerInfo], recognized: Optional[frozenset[str]],
+                       group_size: int) -> Optional[list[ServerInfo]]:
+    """The records :func:`counted_members` counts where the run key's recognition decides (those it names and those
+    a named online server vouches for), or None where every record counts (it names none of the stage's online
+    servers, or those it counts do not fit one group)."""
+    named = [s for s in servers if recognized and s.peer_id in recognized and s.state == ServerState.ONLINE]
+    vouched = {p for s in named for p in s.vouches}
+    counted = [s for s in servers if s.peer_id in (recognized or ()) or s.p2p_id in vouched]
+    online = sum(s.state == ServerState.ONLINE for s in counted)
+    return None if not named or (group_size and online > group_size) else counted
+
+
+__all__ = ["KEEP", "MemberTable", "QUANTUM", "SETTLE", "counted_members", "recognized_members"]

@@ -25,7 +25,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from swarm.aio import Submissions, periodic
-from swarm.averaging.membership import MemberTable, counted_members
+from swarm.averaging.membership import MemberTable, recognized_members
 from swarm.averaging.exclusion import AveragingReport
 from swarm.averaging.progress import ProgressTrust, refresh_periods
 from swarm.checkpoint.commit import StageCommits
@@ -216,11 +216,13 @@ def stopped_members(servers: list[ServerInfo], recognized: Optional[frozenset[st
 
 def uncounted_members(servers: list[ServerInfo], recognized: Optional[frozenset[str]], group_size: int,
                       me: str) -> set[str]:
-    """libp2p ids of the stage's averaging members counted in no majority: those :func:`counted_members` leaves out
-    and, where it counts by the recognition (not every record), the recognized ones that stopped
-    (:func:`stopped_members`)."""
-    counted, uncounted = counted_members(servers, recognized, group_size)
-    return uncounted | stopped_members(servers, recognized, me) if counted is not servers else uncounted
+    """libp2p ids of the stage's averaging members counted in no majority: where the run key's recognition decides
+    who counts (:func:`~swarm.averaging.membership.recognized_members`; else every record counts), those it does not
+    count and the recognized ones that stopped (:func:`stopped_members`)."""
+    counted = recognized_members(servers, recognized, group_size)
+    if counted is None:
+        return set()
+    return ({s.p2p_id for s in servers} - {s.p2p_id for s in counted}) | stopped_members(servers, recognized, me)
 
 
 @dataclass(frozen=True)
@@ -415,7 +417,8 @@ class ServedStage:
 
     async def _read_roster(self) -> None:
         """Keep the progress sub-keys the stage's servers announce (:mod:`swarm.averaging.progress`); tell the
-        optimizer the stage's servers (donors) and its averaging members (``early_start``: :func:`counted_members`)."""
+        optimizer the stage's servers (donors) and its averaging members (``early_start``:
+        :func:`~swarm.averaging.membership.counted_members`, :func:`uncounted_members`)."""
         servers = await self.directory.servers(self.stage)
         self._servers_read = (time.monotonic(), servers)
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
