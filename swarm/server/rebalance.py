@@ -122,9 +122,9 @@ def _best_move(supply: dict[int, float], live: dict[int, list[ServerInfo]], min_
         gains = [(min(rest, supply[stage] - s.throughput, supply[bottleneck] + s.throughput), s) for s in group]
         top = max(g for g, _ in gains)
         mover = min((s for g, s in gains if g >= top * (1 - 1e-9)), key=lambda s: s.peer_id)
-        gains_enough = top >= (1 + min_gain) * current  # one move lifts the pipeline by min_gain (a small stage)
-        stays_ahead = supply[stage] - mover.throughput >= (1 + min_gain) * (supply[bottleneck] + mover.throughput)
         left = supply[stage] - mover.throughput
+        gains_enough = top >= (1 + min_gain) * current  # one move lifts the pipeline by min_gain (a small stage)
+        stays_ahead = left >= (1 + min_gain) * (supply[bottleneck] + mover.throughput)  # a large stage
         if top > current and (gains_enough or stays_ahead) and (
                 key is None or top > key[0] * (1 + 1e-9) or (top >= key[0] * (1 - 1e-9) and left > key[1])):
             best, key = (mover, stage, bottleneck), (top, left)
@@ -137,9 +137,10 @@ def plan_moves(servers: dict[int, list[ServerInfo]], min_gain: float) -> dict[st
     Every server computes the same plan from the same records; O(moves x servers).
 
     It ends where moving one server per stage and period would end (each step passes the same tests on the figures
-    the steps before it leave), one period after a loss rather than one per server moved: 10% of 1,000 servers
-    leaving one stage took 1,080-1,200 s to refill at one move per stage and period (``bench/simulate.py``), and
-    several stages refilling the same bottleneck in one period each sent a server to it, on the same figures.
+    the steps before it leave), one period after a loss rather than one per server moved: when 10% of 10,000
+    servers left one stage, one move per stage and period had not refilled it after 1,740 s, a plan did in 360 s
+    (``bench/simulate.py``, docs/scaling.md); and several stages refilling the same bottleneck in one period each
+    sent a server to it, on the same figures.
     A server planned to move is not moved again in the same plan, and a plan moves at most :data:`MAX_SHARE_MOVED`
     of a stage's servers (at least one): false claims where every claim counts (docs/threat-model.md) move that
     many of a stage's servers a period, not all.
