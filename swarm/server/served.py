@@ -417,7 +417,7 @@ class ServedStage:
 
     async def _read_roster(self) -> None:
         """Keep the progress sub-keys the stage's servers announce (:mod:`swarm.averaging.progress`); tell the
-        optimizer the stage's servers (donors) and its averaging members (``early_start``, :func:`uncounted_members`)."""
+        optimizer the stage's servers (donors) and averaging members (``early_start``, :func:`uncounted_members`)."""
         servers = await self.directory.servers(self.stage)
         self._servers_read = (time.monotonic(), servers)
         self._roster = frozenset(bytes.fromhex(s.progress_key) for s in servers if s.progress_key) or None
