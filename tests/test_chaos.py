@@ -1,14 +1,11 @@
 """A short run of bench/chaos.py: random SIGKILLs of servers, trainers and the coordinator, stage wipes, and a
 final kill of every peer; no committed epoch may be lost and the final state must come back bit-exact."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-from chaos import SPEC, run_chaos  # noqa: E402
+# imported as part of the ``bench`` package: putting ``bench/`` itself on ``sys.path`` at collection would make its
+# ``kernels.py`` shadow the PyPI package ``kernels``, which transformers (5.25 on) imports when it finds one
+from bench.chaos import SPEC, run_chaos
 
 pytestmark = [pytest.mark.scenario, pytest.mark.timeout(900)]
 

@@ -275,6 +275,13 @@ def test_library_never_imports_the_apps():
     assert app_imports(library_modules()) == []
 
 
+def test_no_script_folder_is_on_the_import_path():
+    """Every test module has been imported (collection comes first): none put ``bench/`` itself on ``sys.path``,
+    where its ``kernels.py`` shadows the PyPI package ``kernels`` that transformers imports when it finds one."""
+    folders = {str(ROOT / name) for name in ("bench", "bench/sim", "peer", "coordinator", "docker")}
+    assert [p for p in sys.path if p and str(Path(p).resolve()) in folders] == []
+
+
 def test_the_analysis_sees_a_circle_and_a_private_reach(tmp_path, monkeypatch):
     """The checks can fail: a made-up library with a circle and a private reach is caught."""
     lib = tmp_path / LIBRARY
