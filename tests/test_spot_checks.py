@@ -108,16 +108,20 @@ def liar(calls):
     return lambda *a, **kw: LyingStageServer(*a, fraction=0.5, calls=calls, **kw)
 
 
-@pytest.mark.parametrize("calls,precision", [(("forward",), "fp32"), (("backward",), "fp32"),
-                                             (("backward",), "bf16")])
-def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_dataset, calls, precision):
+@pytest.mark.parametrize("calls,precision,codec", [(("forward",), "fp32", "blockwise8bit"),
+                                                   (("backward",), "fp32", "blockwise8bit"),
+                                                   (("backward",), "bf16", "blockwise8bit"),
+                                                   (("backward",), "fp32", "lowrank_ternary")])
+def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_dataset, calls, precision, codec):
     """A server lying on half its answers is convicted by a trainer's spot checks, with evidence any peer can
     verify, while honest servers 1e-3 apart agree; under bf16 autocast too, where honest answers also differ by
-    bf16 rounding."""
+    bf16 rounding; and with the lossy ``lowrank_ternary`` codec, whose gradients are rounded at random (seeded by
+    the micro-batch, so that honest servers still agree) and whose backward with inputs is 16 wire tensors."""
     layout = [(0, StageServer), (1, liar(calls)), (1, StageServer), (1, _perturbed(1e-3)), (2, StageServer)]
 
     async def main():
-        async with serving(layout, spec=SPEC.updated(training={"precision": precision})) as (servers, pipe):
+        spec = SPEC.updated(training={"precision": precision, "activation_compression": codec})
+        async with serving(layout, spec=spec) as (servers, pipe):
             lying, honest = servers[1], [servers[2], servers[3]]
             for batch in _batches(tiny_dataset, 12):
                 await pipe.forward_loss(batch, train=True)

@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from swarm.net import lowrank
 from swarm.protocol import ProtocolError
 from swarm.kernels.reference import dequantize_blockwise, quantize_blockwise
 
@@ -41,7 +42,8 @@ LOW_BIT_BLOCK = 64
 """Values per absmax block of the low-bit codecs: small blocks keep a few coarse levels close to the values."""
 
 ACTIVATION_CODECS = {"none": "float32", "float16": "float16", "blockwise8bit": "blockwise8bit",
-                     "blockwise4bit": "blockwise4bit", "blockwise3bit": "blockwise3bit"}
+                     "blockwise4bit": "blockwise4bit", "blockwise3bit": "blockwise3bit",
+                     "lowrank_ternary": "lowrank_ternary"}
 """Spec name of ``training.activation_compression`` -> wire codec name."""
 
 
@@ -264,9 +266,19 @@ def _unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 CODECS = {"float32": Float32Codec, "float16": Float16Codec, "blockwise8bit": Blockwise8Bit,
           **{f"blockwise{b}bit": (lambda b=b: BlockwiseLowBit(b)) for b in (4, 3, 2)}}
+_WIRE_TENSORS = {"float32": 1, "float16": 1, "blockwise8bit": 2, lowrank.NAME: lowrank.WIRE_TENSORS}
+"""Wire tensors per float tensor in the activation layout (the bit-packed codecs: 3, codes, scales and shape)."""
+ORIGIN = "wire_origin"
+"""Attribute of a tensor :func:`unpack_tensors` decoded: ``(codec, its wire tensors)``."""
 _FIRST_DTYPE = {"float32": torch.float32, "float16": torch.float16, "blockwise8bit": torch.int8}
 """dtype of the first wire tensor of the codecs whose first tensor has one value per element (it carries the
 shape in the activation layout); the bit-packed codecs carry the shape in a tensor of their own."""
+
+
+def agreement_floor(codec: str) -> float:
+    """Least tolerance of a spot check comparing replies sent with ``codec`` (relative L2 difference): what the
+    codec's own rounding makes of honest servers' small differences; 0 for the codecs that keep them small."""
+    return lowrank.AGREEMENT if codec == lowrank.NAME else 0.0
 
 
 def make_codec(name: str) -> WireCodec:
@@ -283,40 +295,51 @@ MAX_DIMS = 8
 """Most dimensions an activation tensor may have in a message."""
 
 
-def pack_tensors(tensors: Sequence[torch.Tensor], codec: str) -> list[torch.Tensor]:
+def pack_tensors(tensors: Sequence[torch.Tensor], codec: str, *, gradients: bool = False,
+                 seed: int = 0) -> list[torch.Tensor]:
     """Encode every floating tensor with the wire codec ``codec`` (integer tensors pass as they are).
 
     ``blockwise8bit`` turns a float tensor of shape ``S`` into int8 codes of shape ``S`` and float32 block
     scales; ``float16`` into a float16 tensor of shape ``S``; ``float32`` leaves it; the bit-packed codecs
-    (``blockwise{4,3,2}bit``) into uint8 packed codes, float16 scales and S as an int32 ``(len(S),)`` tensor.
+    (``blockwise{4,3,2}bit``) into uint8 packed codes, float16 scales and S as an int32 ``(len(S),)`` tensor;
+    ``lowrank_ternary`` into the eight tensors of :mod:`swarm.net.lowrank`, rounding the residual without bias when
+    ``gradients`` (the tensors are gradients), with random draws from ``seed``.
+
+    A tensor that :func:`unpack_tensors` decoded from ``codec`` is sent as the wire it came from (:data:`ORIGIN`):
+    a trainer relays a stage's reply to the next stage as it is, since a lossy codec is not idempotent.
     """
-    wire = make_codec(codec)
     out: list[torch.Tensor] = []
     for t in tensors:
         if not t.is_floating_point():
             out.append(t)
-            continue
-        encoded = wire.encode(t.detach().float().flatten())
-        if codec in _FIRST_DTYPE:
-            out.append(encoded[0].view(t.shape))
-            out.extend(encoded[1:])
+        elif getattr(t, ORIGIN, (None,))[0] == codec:
+            out.extend(getattr(t, ORIGIN)[1])
+        elif codec == lowrank.NAME:
+            out.extend(lowrank.encode(t, unbiased=gradients, seed=seed))
         else:
-            out.extend(encoded)
-            out.append(torch.tensor(t.shape, dtype=torch.int32))
+            out.extend(_encode(make_codec(codec), t, codec))
     return out
 
 
+def _encode(wire: WireCodec, t: torch.Tensor, codec: str) -> list[torch.Tensor]:
+    encoded = wire.encode(t.detach().float().flatten())
+    if codec in _FIRST_DTYPE:
+        return [encoded[0].view(t.shape), *encoded[1:]]
+    return [*encoded, torch.tensor(t.shape, dtype=torch.int32)]
+
+
 def unpack_tensors(tensors: Sequence[torch.Tensor], codec: str) -> list[torch.Tensor]:
-    """Inverse of :func:`pack_tensors`: float32 tensors with their shapes, integer tensors as they are.
+    """Inverse of :func:`pack_tensors`: float32 tensors with their shapes, integer tensors as they are. Each float
+    tensor remembers the wire it came from (:data:`ORIGIN`); do not change it in place.
 
     :raises ProtocolError: unknown codec, or tensors that do not follow its layout.
     """
-    if codec not in CODECS:
-        raise ProtocolError(f"unknown activation codec {codec!r}; expected one of {sorted(CODECS)}")
-    wire, out, i = make_codec(codec), [], 0
+    if codec not in CODECS and codec != lowrank.NAME:
+        raise ProtocolError(f"unknown activation codec {codec!r}; expected one of {sorted([*CODECS, lowrank.NAME])}")
     packed = codec not in _FIRST_DTYPE
     first = torch.uint8 if packed else _FIRST_DTYPE[codec]
-    extra = 2 if packed else 1 if codec == "blockwise8bit" else 0
+    extra = _WIRE_TENSORS.get(codec, 3) - 1
+    out, i = [], 0
     while i < len(tensors):
         t = tensors[i]
         if t.dtype != first:
@@ -325,17 +348,26 @@ def unpack_tensors(tensors: Sequence[torch.Tensor], codec: str) -> list[torch.Te
             out.append(t)
             i += 1
             continue
-        group = [t.flatten()] + list(tensors[i + 1:i + 1 + extra])
+        group = list(tensors[i:i + 1 + extra])
         try:
-            if packed:
-                shape = _shape_of(group[2:], codec)
-                out.append(wire.decode(group[:2], math.prod(shape)).view(shape))
-            else:
-                out.append(wire.decode(group, t.numel()).view(t.shape))
-        except CodecError as e:
+            decoded = _decode(codec, group)
+        except ProtocolError as e:
             raise ProtocolError(f"malformed {codec} tensor: {e}") from None
+        setattr(decoded, ORIGIN, (codec, tuple(group)))
+        out.append(decoded)
         i += 1 + extra
     return out
+
+
+def _decode(codec: str, group: list[torch.Tensor]) -> torch.Tensor:
+    """One float tensor's wire tensors (a group of :func:`pack_tensors`' output) -> float32 of its shape."""
+    if codec == lowrank.NAME:
+        return lowrank.decode(group[:-1], _shape_of(group[-1:], codec))
+    wire, t = make_codec(codec), group[0]
+    if codec not in _FIRST_DTYPE:
+        shape = _shape_of(group[2:], codec)
+        return wire.decode([t, *group[1:2]], math.prod(shape)).view(shape)
+    return wire.decode([t.flatten(), *group[1:]], t.numel()).view(t.shape)
 
 
 def _shape_of(tensors: Sequence[torch.Tensor], codec: str) -> tuple[int, ...]:

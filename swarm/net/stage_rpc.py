@@ -22,8 +22,8 @@ from hivemind.proto import runtime_pb2
 
 from swarm.config import RunSpec
 from swarm.net.transport import ProtocolServicer, gather, stream_out
-from swarm.protocol import (PingRequest, ProgressPush, StageResponse, StateDigestRequest, pack_message,
-                            unpack_message)
+from swarm.protocol import (MAX_STAGE_TENSORS, PingRequest, ProgressPush, StageResponse, StateDigestRequest,
+                            pack_message, unpack_message)
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,8 @@ def stage_stub(p2p: P2P, server, run_id: str):
     return StageRPC.get_stub(p2p, PeerID.from_base58(server.p2p_id), namespace=run_id)
 
 
-MAX_WIRE_TENSORS = 4
-"""Most wire tensors in a stage request or reply: two tensors, each at most two on the wire (blockwise 8-bit
-sends codes and scales, :mod:`swarm.net.codecs`)."""
+MAX_WIRE_TENSORS = MAX_STAGE_TENSORS
+"""Most wire tensors in a stage request or reply (:data:`~swarm.protocol.MAX_STAGE_TENSORS`)."""
 
 
 def max_batch(spec: RunSpec) -> int:

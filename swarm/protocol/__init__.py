@@ -50,5 +50,6 @@ from swarm.protocol.statements import (  # noqa: F401
 from swarm.protocol.wire import (  # noqa: F401
     ForwardRequest, BackwardRequest, PingRequest, StateDigestRequest, ProgressPush, StageResponse, EvidenceMessage,
     EvidenceRequest, AveragingPart, AveragingReply, StateAgreement, AuditRequest, AuditReply, pack_message,
-    unpack_message, FragmentPut, FragmentGet, ManifestPut, EndorseRequest, FragmentReply, InviteRedeem, InviteReply,
+    unpack_message, MAX_STAGE_TENSORS, FragmentPut, FragmentGet, ManifestPut, EndorseRequest, FragmentReply,
+    InviteRedeem, InviteReply,
 )

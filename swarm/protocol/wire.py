@@ -11,6 +11,12 @@ from pydantic import ConfigDict, Field, model_validator
 from swarm.protocol.schema import MAX_METADATA_BYTES, MAX_SAMPLES_PER_S, Count, Epoch, ProtocolError, S, Schema, parse
 
 
+MAX_STAGE_TENSORS = 16
+"""Most wire tensors in a stage request or reply, and in each group of a spot check's evidence: two float tensors
+(a backward's gradient and inputs) of the codec that sends the most per tensor (``lowrank_ternary``: 8;
+:mod:`swarm.net.codecs`)."""
+
+
 class ForwardRequest(Schema):
     """Run a micro-batch through a stage.
 
@@ -114,8 +120,8 @@ class EvidenceMessage(Schema):
 
     @model_validator(mode="after")
     def _bounded(self) -> "EvidenceMessage":
-        if any(len(r) > 4096 for r in self.receipts) or any(not 0 <= n <= 4 for n in self.groups):
-            raise ValueError("receipts of at most 4096 bytes and at most 4 tensors per group")
+        if any(len(r) > 4096 for r in self.receipts) or any(not 0 <= n <= MAX_STAGE_TENSORS for n in self.groups):
+            raise ValueError(f"receipts of at most 4096 bytes and at most {MAX_STAGE_TENSORS} tensors per group")
         return self
 
 

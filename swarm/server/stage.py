@@ -32,6 +32,7 @@ error naming the cause; they never touch the accumulated gradients. Peers on the
 
 from __future__ import annotations
 
+import hashlib
 from typing import AsyncIterator, Callable, Optional
 
 import torch
@@ -121,7 +122,7 @@ class StageServer(StageCompute, StageRPC):
                  params: Optional[tuple[int, bool]] = None, receipt: Optional[dict] = None):
         """The reply stream; with ``receipt`` (``mb_id``, ``call``, ``request_sha256``) and an identity, signed.
         ``params``: ``(epoch, synced)`` of the parameters the reply was computed with (default: now's)."""
-        wire = [] if tensor is None else pack_tensors([tensor], self.codec)
+        wire = [] if tensor is None else pack_tensors([tensor], self.codec, **_rounding(receipt, self.is_last))
         epoch, synced = (self.epoch, self.synced) if params is None else params
         sealed = b""
         if receipt is not None and self.identity is not None:
@@ -216,3 +217,13 @@ class StageServer(StageCompute, StageRPC):
 
 
 __all__ = ["EpochEnd", "StageError", "StageServer"]
+
+
+def _rounding(receipt: Optional[dict], is_last: bool) -> dict:
+    """How a reply's tensor is rounded (:func:`~swarm.net.codecs.pack_tensors`): a backward's reply and the last
+    stage's forward reply are gradients (rounded without bias by ``lowrank_ternary``); the random draws are seeded
+    by the micro-batch and call, so servers asked the same (a spot check) send the same codes."""
+    if receipt is None:
+        return {}
+    key = hashlib.sha256(f"{receipt['mb_id']}/{receipt['call']}".encode()).digest()
+    return dict(gradients=is_last or receipt["call"] == "backward", seed=int.from_bytes(key[:8], "little"))

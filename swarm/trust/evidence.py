@@ -23,12 +23,12 @@ from typing import Optional, Sequence
 import torch
 
 from swarm.config import RunSpec
-from swarm.net.codecs import unpack_tensors
-from swarm.protocol import EvidenceMessage, ProtocolError, StageReceipt, open_record
+from swarm.net.codecs import agreement_floor, unpack_tensors
+from swarm.protocol import MAX_STAGE_TENSORS, EvidenceMessage, ProtocolError, StageReceipt, open_record
 from swarm.trust.receipts import tensors_digest
 
-MAX_GROUP_TENSORS = 4
-"""Wire tensors per evidence group (a stage message's most: two tensors, each two on the wire)."""
+MAX_GROUP_TENSORS = MAX_STAGE_TENSORS
+"""Wire tensors per evidence group (a stage message's most, :data:`~swarm.protocol.MAX_STAGE_TENSORS`)."""
 
 
 @dataclass
@@ -92,7 +92,8 @@ def verify_evidence(evidence: SpotEvidence, min_tolerance: float = 0.0) -> str:
     states the request and reply tensors shown, that the answers are three servers' to one call of one stage
     and micro-batch at one epoch, and that the accused answer is far from two answers that agree, at the
     evidence's tolerance but never below ``min_tolerance`` (the verifier's ``spot_checks.rtol``: a tolerance
-    chosen between three honest servers' small differences would otherwise single one of them out).
+    chosen between three honest servers' small differences would otherwise single one of them out), nor below what
+    the evidence's codec makes of small differences (:func:`~swarm.net.codecs.agreement_floor`).
 
     :returns: the accused server's peer id.
     :raises ProtocolError: the evidence does not prove what it claims (the cause named).
@@ -119,7 +120,7 @@ def verify_evidence(evidence: SpotEvidence, min_tolerance: float = 0.0) -> str:
             raise ProtocolError(f"{receipt.peer_id}'s receipt states another request than the one shown")
     diffs = {(i, j): relative_difference(replies[i], receipts[i].loss, replies[j], receipts[j].loss)
              for i in range(3) for j in range(i + 1, 3)}
-    tolerance = max(evidence.tolerance, min_tolerance)
+    tolerance = max(evidence.tolerance, min_tolerance, agreement_floor(evidence.codec))
     if odd_one_out(diffs, tolerance) != evidence.accused:
         raise ProtocolError(f"the answers do not single out the accused (differences "
                             f"{', '.join(f'{d:.3g}' for d in diffs.values())}, tolerance {tolerance:.3g})")

@@ -59,6 +59,7 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.config import RunSpec
+from swarm.net.codecs import ACTIVATION_CODECS, agreement_floor
 from swarm.protocol import (BackwardRequest, ForwardRequest, ProtocolError, ServerInfo, StageReceipt,
                             open_record)
 from swarm.trust.convictions import ConvictionBook, ConvictionFollower, share_evidence
@@ -258,7 +259,8 @@ class SpotChecker:
         docstring), at most :data:`MAX_TOLERANCE`."""
         seen = self._spread.get((stage, call))
         spread = statistics.median(seen) if seen else 0.0
-        return min(max(self.cfg.rtol, self.cfg.spread_factor * spread), MAX_TOLERANCE)
+        floor = agreement_floor(ACTIVATION_CODECS[self.spec.training.activation_compression])
+        return min(max(self.cfg.rtol, floor, self.cfg.spread_factor * spread), MAX_TOLERANCE)
 
     # ---- one check -----------------------------------------------------------------------------------
     def _receipt(self, reply, stage: int, call: str, mb_id: str) -> StageReceipt:
