@@ -1,7 +1,7 @@
 """Activations (and their gradients) between stages through each wire codec: bytes against fp32, and the loss cost.
 
     python bench/activations.py [--spec runs/demo.toml] [--samples 6400] [--codecs none,blockwise8bit,...]
-                                [--shares 0,1]
+                                [--shares 0,1] [--direction both|forward|backward]
 
 The single-process reference (:func:`swarm.reference.train_reference`, the demo's stages chained, one AdamW)
 trains the same samples once per codec, with the codec applied where a stage hands its activations to the next:
@@ -13,7 +13,9 @@ payload over the codec's for one micro-batch's activations (hivemind's serializa
 validation split's first 32 micro-batches after training, ``loss_cost`` its change against fp32's. With several
 ``--shares`` each codec trains once on each data share (other samples, the same number) and ``val_loss`` is the
 mean, ``val_losses`` each share's, ``loss_costs`` each share's change against fp32 on the same share: how far a
-codec's cost moves with the data tells a real cost from the noise of one run.
+codec's cost moves with the data tells a real cost from the noise of one run. ``--direction forward`` (or
+``backward``) puts the codec on the activations (or their gradients) only: which of the two a codec's cost comes
+from.
 
 Prints one JSON line per codec, then ``{"results": [...]}``.
 """
@@ -45,14 +47,18 @@ class _OverTheWire(torch.autograd.Function):
     """Identity whose forward output and backward gradient are what the codec's receiver decodes."""
 
     @staticmethod
-    def forward(ctx, h, codec, seed):
-        ctx.codec, ctx.seed = codec, seed
+    def forward(ctx, h, codec, seed, direction="both"):
+        ctx.codec, ctx.seed, ctx.direction = codec, seed, direction
+        if direction == "backward":
+            return h.clone()
         return unpack_tensors(pack_tensors([h], codec), codec)[0].to(h.dtype)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.direction == "forward":
+            return grad, None, None, None
         wire = pack_tensors([grad], ctx.codec, gradients=True, seed=ctx.seed)
-        return unpack_tensors(wire, ctx.codec)[0].to(grad.dtype), None, None
+        return unpack_tensors(wire, ctx.codec)[0].to(grad.dtype), None, None, None
 
 
 def payload_bytes(h: torch.Tensor, codec: str) -> int:
@@ -66,6 +72,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=6400, help="training samples per codec (100 demo epochs)")
     ap.add_argument("--codecs", default="none,blockwise8bit,blockwise4bit,blockwise3bit,lowrank_ternary")
     ap.add_argument("--shares", default="0", help="data shares to train each codec on (comma-separated)")
+    ap.add_argument("--direction", default="both", choices=["both", "forward", "backward"],
+                    help="the codec on the activations and their gradients, or on one of them")
     args = ap.parse_args()
     spec = RunSpec.from_toml(args.spec)
     dataset = prepare_dataset(spec, PeerSettings().cache_dir)
@@ -81,10 +89,10 @@ def main() -> None:
             calls = iter(range(1 << 62))
             ref = train_reference(spec, dataset, share=share, max_samples=args.samples,
                                   between_stages=None if name == "none"
-                                  else lambda t, c=codec: _OverTheWire.apply(t, c, next(calls)))
+                                  else lambda t, c=codec: _OverTheWire.apply(t, c, next(calls), args.direction))
             losses.append(val_loss(torch.nn.Sequential(*ref.stages), dataset, spec))
             seconds += ref.seconds
-        row = {"codec": name, "bytes_ratio": round(fp32 / payload_bytes(h, codec), 2),
+        row = {"codec": name, "direction": args.direction, "bytes_ratio": round(fp32 / payload_bytes(h, codec), 2),
                "val_loss": round(sum(losses) / len(losses), 4), "val_losses": [round(v, 4) for v in losses],
                "seconds": round(seconds, 1)}
         results.append(row)
