@@ -266,8 +266,9 @@ def _unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 CODECS = {"float32": Float32Codec, "float16": Float16Codec, "blockwise8bit": Blockwise8Bit,
           **{f"blockwise{b}bit": (lambda b=b: BlockwiseLowBit(b)) for b in (4, 3, 2)}}
-_WIRE_TENSORS = {"float32": 1, "float16": 1, "blockwise8bit": 2, lowrank.NAME: lowrank.WIRE_TENSORS}
-"""Wire tensors per float tensor in the activation layout (the bit-packed codecs: 3, codes, scales and shape)."""
+_WIRE_TENSORS = {"float32": 1, "float16": 1, "blockwise8bit": 2, **{f"blockwise{b}bit": 3 for b in (4, 3, 2)},
+                 lowrank.NAME: lowrank.WIRE_TENSORS}
+"""Wire tensors per float tensor in the activation layout (the bit-packed codecs: codes, scales and shape)."""
 ORIGIN = "wire_origin"
 """Attribute of a tensor :func:`unpack_tensors` decoded: ``(codec, its wire tensors)``."""
 _FIRST_DTYPE = {"float32": torch.float32, "float16": torch.float16, "blockwise8bit": torch.int8}
@@ -338,7 +339,7 @@ def unpack_tensors(tensors: Sequence[torch.Tensor], codec: str) -> list[torch.Te
         raise ProtocolError(f"unknown activation codec {codec!r}; expected one of {sorted([*CODECS, lowrank.NAME])}")
     packed = codec not in _FIRST_DTYPE
     first = torch.uint8 if packed else _FIRST_DTYPE[codec]
-    extra = _WIRE_TENSORS.get(codec, 3) - 1
+    extra = _WIRE_TENSORS[codec] - 1
     out, i = [], 0
     while i < len(tensors):
         t = tensors[i]

@@ -216,9 +216,6 @@ class StageServer(StageCompute, StageRPC):
             raise StageError(f"this server serves run {self.run_id} stage {self.stage}, not run {run_id} stage {stage}")
 
 
-__all__ = ["EpochEnd", "StageError", "StageServer"]
-
-
 def _rounding(receipt: Optional[dict], is_last: bool) -> dict:
     """How a reply's tensor is rounded (:func:`~swarm.net.codecs.pack_tensors`): a backward's reply and the last
     stage's forward reply are gradients (rounded without bias by ``lowrank_ternary``); the random draws are seeded
@@ -227,3 +224,7 @@ def _rounding(receipt: Optional[dict], is_last: bool) -> dict:
         return {}
     key = hashlib.sha256(f"{receipt['mb_id']}/{receipt['call']}".encode()).digest()
     return dict(gradients=is_last or receipt["call"] == "backward", seed=int.from_bytes(key[:8], "little"))
+
+
+__all__ = ["EpochEnd", "StageError", "StageServer"]
+
