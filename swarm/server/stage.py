@@ -227,4 +227,3 @@ def _rounding(receipt: Optional[dict], is_last: bool) -> dict:
 
 
 __all__ = ["EpochEnd", "StageError", "StageServer"]
-
