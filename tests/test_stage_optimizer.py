@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from typing import Iterator
 
@@ -93,6 +94,66 @@ def test_a_server_out_of_sync_loads_the_stages_state_into_the_tensors_that_are_a
             o.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+class _StarvedEvent(threading.Event):
+    """A progress reporter's wake-up event whose waiter runs ``delay_s`` late, as on a busy 2-core machine."""
+
+    def __init__(self, delay_s: float = 0.5):
+        super().__init__()
+        self.delay_s = delay_s
+
+    def wait(self, timeout=None):
+        woken = super().wait(timeout)
+        time.sleep(self.delay_s)
+        return woken
+
+
+@pytest.mark.timeout(120)
+def test_a_servers_progress_entry_is_stored_at_every_report_even_without_samples():
+    """A fresh server's announced epoch reaches the DHT, and so do the epochs a lone server ends faster than its
+    reporter thread wakes: hivemind stored an entry only after samples in the last two epochs, so a server joining
+    read epoch 0 for as long as the older entry lived (CI failure of the test above)."""
+    (first_key, first), (second_key, second) = keyed_dhts(2)
+    module = build_stage(TINY.model, 0)
+    optimizers = []
+    try:
+        optimizers.append(StageOptimizer(TINY, "seam", 0, first, module, identity=first_key))
+        alone = optimizers[0]
+        tracker = alone._opt.tracker
+        idle, tracker.should_report_progress = tracker.should_report_progress, _StarvedEvent()
+        idle.set()  # (the reporter waits on the event it found at start: it now waits on the starved one)
+        alone.announce_progress()
+        assert _wait(lambda: _stored_epoch(first, tracker) == 0, 20), "the announced epoch was never stored"
+        alone.jump_to_epoch(0)
+        for i in range(2 * MICRO_BATCHES):  # two epochs alone, each ended at once
+            alone.step(_gradients(module, i), TINY.training.micro_batch_size, "trainer0")
+        assert alone.epoch == 2
+        optimizers.append(StageOptimizer(TINY, "seam", 0, second, build_stage(TINY.model, 0), identity=second_key))
+        joiner = optimizers[1]
+        assert _wait(lambda: joiner._opt.tracker.global_epoch == 2, 20), \
+            f"a joiner read epoch {joiner._opt.tracker.global_epoch}, the lone server is at 2"
+    finally:
+        for o in optimizers:
+            o.shutdown()
+        second.shutdown()
+        first.shutdown()
+
+
+def _wait(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _stored_epoch(node, tracker):
+    """The epoch of ``tracker``'s own entry as DHT node ``node`` reads it (None: no entry)."""
+    found = node.get(tracker.training_progress_key, latest=True)
+    entry = found.value.get(tracker.progress_key) if found is not None else None
+    return entry.value["epoch"] if entry is not None and entry.value is not None else None
 
 
 def _entry(epoch: int, samples: int, expiration: float = 1e12):

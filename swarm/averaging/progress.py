@@ -299,6 +299,34 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         self._last_report = time.monotonic()
         self.should_report_progress.set()
 
+    async def _progress_reporter(self):
+        """hivemind 1.1.12's, but this server's entry is stored at every report (and again every half
+        ``metadata_expiration``), whether or not it held samples lately. hivemind stores an entry only while the
+        peer reported samples in the last two global epochs (its auxiliary peers hold none), so a fresh server's
+        :meth:`~swarm.averaging.progress_view.StageProgressView.announce_progress` stored nothing, and a server
+        whose reporter thread woke only once its count was back at 0 (a lone server ends an epoch at once, and a
+        busy machine starves that thread) stored no entry of its new epochs: a server joining the stage read an
+        older epoch as the stage's until that entry expired (CI on 2 cores, tests/test_stage_optimizer.py; with
+        that thread delayed 0.5 s, a joiner still read epoch 0 after 15 s, the lone server at epoch 2). A stage's
+        servers are never auxiliary peers."""
+        last_report_time, store_task = -float("inf"), None
+        try:
+            while not self.shutdown_triggered.is_set():
+                timeout = max(0.0, last_report_time - get_dht_time() + self.metadata_expiration / 2)
+                await asyncio.get_event_loop().run_in_executor(None, self.should_report_progress.wait, timeout)
+                self.should_report_progress.clear()
+                if self.shutdown_triggered.is_set():
+                    break
+                last_report_time = get_dht_time()
+                store_task = asyncio.create_task(asyncio.wait_for(self.dht.store(
+                    key=self.training_progress_key, subkey=self._local_public_key, value=self.local_progress.dict(),
+                    expiration_time=last_report_time + self.metadata_expiration, return_future=True),
+                    timeout=self.metadata_expiration))
+        finally:
+            logger.log(self.status_loglevel, f"No longer reporting progress for {self.prefix}")
+            if store_task is not None:
+                store_task.cancel()
+
     @property
     def progress_key(self) -> bytes:
         """This server's sub-key under the progress key (its hivemind RSA public key, in hivemind's format)."""
