@@ -153,12 +153,13 @@ class TrainingSpec(_Section):
         64, ge=1, description="Samples the servers of a stage process together per epoch (then average and step)."
     )
     activation_compression: Literal["none", "float16", "blockwise8bit", "blockwise4bit", "blockwise3bit",
-                                    "lowrank_ternary"] = Field(
+                                    "lowrank_ternary", "lowrank_3bit"] = Field(
         "blockwise8bit", description="Codec of activations and their gradients between stages: 'blockwise8bit' "
         "sends a quarter of the bytes (per-block absmax, ~0.4% error); 'blockwise4bit' and 'blockwise3bit' send "
         "7.5x and 9.8x fewer than fp32 (absmax over 64 values, ~11% and ~28% error per value); 'lowrank_ternary' "
         "16.6x fewer at the demo's width (each message's top 4 principal directions and a ternary residual, the "
-        "gradients rounded without bias: swarm.net.lowrank), the choice for home links; 'none' sends fp32 (exact). "
+        "gradients rounded without bias: swarm.net.lowrank), the choice for home links; 'lowrank_3bit' 9.6x with "
+        "the residual in 8 levels, for a lower loss cost; 'none' sends fp32 (exact). "
         "Measure the loss of a lossy one on your model with bench/activations.py before a long run.",
     )
 

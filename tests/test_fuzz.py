@@ -31,6 +31,7 @@ from swarm.checkpoint.erasure import Fragment, FragmentError, join_fragments, sp
 from swarm.checkpoint.shard import FORMAT as SHARD_FORMAT
 from swarm.checkpoint.shard import ShardError, decode_shard
 from swarm.net.codecs import CODECS, pack_tensors, unpack_tensors
+from swarm.net.lowrank import CODECS as LOWRANK_CODECS
 from swarm.config import PROTOCOL_VERSION, SpecError
 from swarm.net.dht_validation import RunRecordValidator, run_keys
 from swarm.identity import Identity, peer_id_of
@@ -191,7 +192,7 @@ def test_the_stream_reader_refuses_or_returns_tensors_within_its_limits(messages
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow], deadline=None)
-@given(codec=st.sampled_from(sorted([*CODECS, "lowrank_ternary"])),
+@given(codec=st.sampled_from(sorted([*CODECS, *LOWRANK_CODECS])),
        tensors=st.lists(st.tuples(st.sampled_from([torch.float32, torch.float16, torch.int8, torch.int64,
                                                    torch.uint8, torch.bfloat16]),
                                   st.lists(st.integers(0, 5), max_size=3)), max_size=4))
@@ -205,12 +206,14 @@ def test_codec_unpacking_refuses_any_layout_it_cannot_read(codec, tensors):
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow], deadline=None, max_examples=200)
-@given(which=st.integers(0, 7), how=st.sampled_from(["bytes", "dtype", "shorter", "longer", "nan", "huge"]),
+@given(codec=st.sampled_from(sorted(LOWRANK_CODECS)), which=st.integers(0, 7),
+       how=st.sampled_from(["bytes", "dtype", "shorter", "longer", "nan", "huge"]),
        position=st.integers(0, 10 ** 6), value=st.integers(0, 255))
-def test_a_mutated_lowrank_message_is_refused_or_decodes_to_finite_values_of_its_shape(which, how, position, value):
-    """Every way one of a ``lowrank_ternary`` tensor's eight wire tensors can be wrong: refused with a
-    ProtocolError, or (a changed code or value that is still well-formed) a finite float32 tensor of the shape."""
-    wire = pack_tensors([torch.randn(3, 5, 12)], "lowrank_ternary")
+def test_a_mutated_lowrank_message_is_refused_or_decodes_to_finite_values_of_its_shape(codec, which, how, position,
+                                                                                        value):
+    """Every way one of a low-rank tensor's eight wire tensors can be wrong: refused with a ProtocolError, or (a
+    changed code or value that is still well-formed) a finite float32 tensor of the shape."""
+    wire = pack_tensors([torch.randn(3, 5, 12)], codec)
     t = wire[which]
     if how == "bytes":
         raw = t.view(torch.uint8).clone()
@@ -225,7 +228,7 @@ def test_a_mutated_lowrank_message_is_refused_or_decodes_to_finite_values_of_its
         t[position % t.numel()] = float("nan") if how == "nan" else 1e38 if t.dtype == torch.float32 else 6e4
     wire[which] = t
     try:
-        (out,) = unpack_tensors(wire, "lowrank_ternary")
+        (out,) = unpack_tensors(wire, codec)
     except ProtocolError:
         return
     assert out.dtype == torch.float32 and out.shape == (3, 5, 12) and bool(torch.isfinite(out).all())

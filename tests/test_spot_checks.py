@@ -111,11 +111,12 @@ def liar(calls):
 @pytest.mark.parametrize("calls,precision,codec", [(("forward",), "fp32", "blockwise8bit"),
                                                    (("backward",), "fp32", "blockwise8bit"),
                                                    (("backward",), "bf16", "blockwise8bit"),
-                                                   (("backward",), "fp32", "lowrank_ternary")])
+                                                   (("backward",), "fp32", "lowrank_ternary"),
+                                                   (("backward",), "fp32", "lowrank_3bit")])
 def test_a_lying_server_is_convicted_with_evidence_anyone_can_verify(tiny_dataset, calls, precision, codec):
     """A server lying on half its answers is convicted by a trainer's spot checks, with evidence any peer can
     verify, while honest servers 1e-3 apart agree; under bf16 autocast too, where honest answers also differ by
-    bf16 rounding; and with the lossy ``lowrank_ternary`` codec, whose gradients are rounded at random (seeded by
+    bf16 rounding; and with the lossy ``lowrank_*`` codecs, whose gradients are rounded at random (seeded by
     the micro-batch, so that honest servers still agree) and whose backward with inputs is 16 wire tensors."""
     layout = [(0, StageServer), (1, liar(calls)), (1, StageServer), (1, _perturbed(1e-3)), (2, StageServer)]
 

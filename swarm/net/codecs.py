@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 
 from swarm.net import lowrank
+from swarm.net.bitpack import pack_bits, unpack_bits
 from swarm.protocol import ProtocolError
 from swarm.kernels.reference import dequantize_blockwise, quantize_blockwise
 
@@ -43,7 +44,7 @@ LOW_BIT_BLOCK = 64
 
 ACTIVATION_CODECS = {"none": "float32", "float16": "float16", "blockwise8bit": "blockwise8bit",
                      "blockwise4bit": "blockwise4bit", "blockwise3bit": "blockwise3bit",
-                     "lowrank_ternary": "lowrank_ternary"}
+                     **{name: name for name in lowrank.CODECS}}
 """Spec name of ``training.activation_compression`` -> wire codec name."""
 
 
@@ -151,12 +152,12 @@ class BlockwiseLowBit(WireCodec):
         scales = padded.abs().amax(dim=1).clamp(max=65504.0).half()
         inv = torch.where(scales > 0, 1.0 / scales.float(), torch.zeros(nblocks))
         codes = _to_levels(padded * inv[:, None], self.levels).flatten()[:n]
-        return [_pack_bits(codes, self.bits), scales]
+        return [pack_bits(codes, self.bits), scales]
 
     def decode(self, tensors, numel):
         nblocks = math.ceil(numel / self.block)
         _expect(tensors, [(torch.uint8, math.ceil(numel * self.bits / 8)), (torch.float16, nblocks)], self.name)
-        codes, scales = _unpack_bits(tensors[0], self.bits, numel), tensors[1].float()
+        codes, scales = unpack_bits(tensors[0], self.bits, numel), tensors[1].float()
         top = int(codes.max()) if numel else 0
         if top >= self.levels:  # 2**bits - 1 is not a level of the odd-level codecs
             raise CodecError(f"{self.name} code {top} is not a level (0..{self.levels - 1})")
@@ -198,7 +199,7 @@ class SparseLowBit(WireCodec):
         scales = padded.abs().amax(dim=1).clamp(max=65504.0).half()
         inv = torch.where(scales > 0, 1.0 / scales.float(), torch.zeros(nchunks))
         codes = _to_levels(padded[rows, cols] * inv[rows], self.levels)
-        return [counts, _pack_bits(cols, self.position_bits), _pack_bits(codes, self.bits), scales]
+        return [counts, pack_bits(cols, self.position_bits), pack_bits(codes, self.bits), scales]
 
     def decode(self, tensors, numel):
         nchunks = math.ceil(numel / self.chunk)
@@ -215,12 +216,12 @@ class SparseLowBit(WireCodec):
         _expect(tensors, [(self.count_dtype, nchunks), (torch.uint8, math.ceil(total * self.position_bits / 8)),
                           (torch.uint8, math.ceil(total * self.bits / 8)), (torch.float16, nchunks)], self.name)
         rows = torch.repeat_interleave(torch.arange(nchunks), counts.long())
-        cols = _unpack_bits(tensors[1], self.position_bits, total)
+        cols = unpack_bits(tensors[1], self.position_bits, total)
         same_chunk = rows[1:] == rows[:-1]
         if bool((cols < 0).any()) or bool((cols >= sizes[rows]).any()) \
                 or bool((same_chunk & (cols[1:] <= cols[:-1])).any()):
             raise CodecError(f"{self.name} positions outside their chunk or not ascending within it")
-        codes = _unpack_bits(tensors[2], self.bits, total)
+        codes = unpack_bits(tensors[2], self.bits, total)
         if total and int(codes.max()) >= self.levels:
             raise CodecError(f"{self.name} code {int(codes.max())} is not a level (0..{self.levels - 1})")
         out = torch.zeros(nchunks, self.chunk)
@@ -243,31 +244,10 @@ def _from_levels(codes: torch.Tensor, levels: int) -> torch.Tensor:
     return codes.float() * (2.0 / (levels - 1)) - 1.0
 
 
-def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integer codes ``(n,)``, each below ``2**bits`` (1 to 31 bits) -> their bits packed into uint8
-    ``(ceil(n * bits / 8),)``."""
-    if 8 % bits == 0:  # whole codes per byte: shifts of the codes themselves
-        per = 8 // bits
-        lanes = torch.nn.functional.pad(codes, (0, -codes.numel() % per)).view(-1, per).to(torch.int32)
-        return (lanes << torch.arange(0, 8, bits, dtype=torch.int32)).sum(dim=1).to(torch.uint8)
-    stream = ((codes[:, None].to(torch.int32) >> torch.arange(bits, dtype=torch.int32)) & 1).flatten()
-    stream = torch.nn.functional.pad(stream, (0, -stream.numel() % 8)).view(-1, 8)
-    return (stream << torch.arange(8, dtype=torch.int32)).sum(dim=1).to(torch.uint8)
-
-
-def _unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`_pack_bits`: ``n`` codes, int64 ``(n,)``."""
-    if 8 % bits == 0:
-        lanes = (packed[:, None].to(torch.int32) >> torch.arange(0, 8, bits, dtype=torch.int32)) & (2 ** bits - 1)
-        return lanes.flatten()[:n].long()
-    stream = ((packed[:, None].to(torch.int32) >> torch.arange(8, dtype=torch.int32)) & 1).flatten()[:n * bits]
-    return (stream.view(n, bits).long() << torch.arange(bits)).sum(dim=1)
-
-
 CODECS = {"float32": Float32Codec, "float16": Float16Codec, "blockwise8bit": Blockwise8Bit,
           **{f"blockwise{b}bit": (lambda b=b: BlockwiseLowBit(b)) for b in (4, 3, 2)}}
 _WIRE_TENSORS = {"float32": 1, "float16": 1, "blockwise8bit": 2, **{f"blockwise{b}bit": 3 for b in (4, 3, 2)},
-                 lowrank.NAME: lowrank.WIRE_TENSORS}
+                 **{name: lowrank.WIRE_TENSORS for name in lowrank.CODECS}}
 """Wire tensors per float tensor in the activation layout (the bit-packed codecs: codes, scales and shape)."""
 ORIGIN = "wire_origin"
 """Attribute of a tensor :func:`unpack_tensors` decoded: ``(codec, its wire tensors)``."""
@@ -279,7 +259,7 @@ shape in the activation layout); the bit-packed codecs carry the shape in a tens
 def agreement_floor(codec: str) -> float:
     """Least tolerance of a spot check comparing replies sent with ``codec`` (relative L2 difference): what the
     codec's own rounding makes of honest servers' small differences; 0 for the codecs that keep them small."""
-    return lowrank.AGREEMENT if codec == lowrank.NAME else 0.0
+    return lowrank.CODECS[codec].agreement if codec in lowrank.CODECS else 0.0
 
 
 def make_codec(name: str) -> WireCodec:
@@ -315,8 +295,8 @@ def pack_tensors(tensors: Sequence[torch.Tensor], codec: str, *, gradients: bool
             out.append(t)
         elif getattr(t, ORIGIN, (None,))[0] == codec:
             out.extend(getattr(t, ORIGIN)[1])
-        elif codec == lowrank.NAME:
-            out.extend(lowrank.encode(t, unbiased=gradients, seed=seed))
+        elif codec in lowrank.CODECS:
+            out.extend(lowrank.CODECS[codec].encode(t, unbiased=gradients, seed=seed))
         else:
             out.extend(_encode(make_codec(codec), t, codec))
     return out
@@ -335,8 +315,8 @@ def unpack_tensors(tensors: Sequence[torch.Tensor], codec: str) -> list[torch.Te
 
     :raises ProtocolError: unknown codec, or tensors that do not follow its layout.
     """
-    if codec not in CODECS and codec != lowrank.NAME:
-        raise ProtocolError(f"unknown activation codec {codec!r}; expected one of {sorted([*CODECS, lowrank.NAME])}")
+    if codec not in CODECS and codec not in lowrank.CODECS:
+        raise ProtocolError(f"unknown activation codec {codec!r}; expected one of {sorted([*CODECS, *lowrank.CODECS])}")
     packed = codec not in _FIRST_DTYPE
     first = torch.uint8 if packed else _FIRST_DTYPE[codec]
     extra = _WIRE_TENSORS[codec] - 1
@@ -362,8 +342,8 @@ def unpack_tensors(tensors: Sequence[torch.Tensor], codec: str) -> list[torch.Te
 
 def _decode(codec: str, group: list[torch.Tensor]) -> torch.Tensor:
     """One float tensor's wire tensors (a group of :func:`pack_tensors`' output) -> float32 of its shape."""
-    if codec == lowrank.NAME:
-        return lowrank.decode(group[:-1], _shape_of(group[-1:], codec))
+    if codec in lowrank.CODECS:
+        return lowrank.CODECS[codec].decode(group[:-1], _shape_of(group[-1:], codec))
     wire, t = make_codec(codec), group[0]
     if codec not in _FIRST_DTYPE:
         shape = _shape_of(group[2:], codec)
