@@ -73,11 +73,16 @@ class LowRank:
         into whole steps. The demo's boundary gradients 1% apart decode 9.8% apart under ternary rounding (nearest
         rounding 8.5%, blockwise8bit 1.5%); a rank-4-plus-noise tensor of the same shape 6.7% apart under ternary,
         3.5% under eight levels (blockwise8bit 1.6%). A lie smaller than this hides in the codec's own noise.
+    :raises ValueError: ``levels`` other than 3 or 8.
     """
 
     name: str
     levels: int
     agreement: float
+
+    def __post_init__(self):
+        if self.levels not in (3, 8):
+            raise ValueError(f"low-rank codec {self.name!r} with {self.levels} residual levels; choose 3 or 8")
 
     def code_bytes(self, values: int) -> int:
         """Bytes of the residual's codes for ``values`` values."""
