@@ -283,8 +283,8 @@ def pack_tensors(tensors: Sequence[torch.Tensor], codec: str, *, gradients: bool
     ``blockwise8bit`` turns a float tensor of shape ``S`` into int8 codes of shape ``S`` and float32 block
     scales; ``float16`` into a float16 tensor of shape ``S``; ``float32`` leaves it; the bit-packed codecs
     (``blockwise{4,3,2}bit``) into uint8 packed codes, float16 scales and S as an int32 ``(len(S),)`` tensor;
-    ``lowrank_ternary`` into the eight tensors of :mod:`swarm.net.lowrank`, rounding the residual without bias when
-    ``gradients`` (the tensors are gradients), with random draws from ``seed``.
+    ``lowrank_ternary`` and ``lowrank_3bit`` into the eight tensors of :mod:`swarm.net.lowrank`, rounding the residual
+    without bias when ``gradients`` (the tensors are gradients), with random draws from ``seed``.
 
     A tensor that :func:`unpack_tensors` decoded from ``codec`` is sent as the wire it came from (:data:`ORIGIN`):
     a trainer relays a stage's reply to the next stage as it is, since a lossy codec is not idempotent.
@@ -316,7 +316,8 @@ def unpack_tensors(tensors: Sequence[torch.Tensor], codec: str) -> list[torch.Te
     :raises ProtocolError: unknown codec, or tensors that do not follow its layout.
     """
     if codec not in CODECS and codec not in lowrank.CODECS:
-        raise ProtocolError(f"unknown activation codec {codec!r}; expected one of {sorted([*CODECS, *lowrank.CODECS])}")
+        raise ProtocolError(f"unknown activation codec {codec!r}; "
+                            f"expected one of {sorted([*CODECS, *lowrank.CODECS])}")
     packed = codec not in _FIRST_DTYPE
     first = torch.uint8 if packed else _FIRST_DTYPE[codec]
     extra = _WIRE_TENSORS[codec] - 1

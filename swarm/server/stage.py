@@ -218,7 +218,7 @@ class StageServer(StageCompute, StageRPC):
 
 def _rounding(receipt: Optional[dict], is_last: bool) -> dict:
     """How a reply's tensor is rounded (:func:`~swarm.net.codecs.pack_tensors`): a backward's reply and the last
-    stage's forward reply are gradients (rounded without bias by ``lowrank_ternary``); the random draws are seeded
+    stage's forward reply are gradients (rounded without bias by the ``lowrank_*`` codecs); the random draws are seeded
     by the micro-batch and call, so servers asked the same (a spot check) send the same codes."""
     if receipt is None:
         return {}
