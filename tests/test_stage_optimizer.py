@@ -124,29 +124,20 @@ def test_a_servers_progress_entry_is_stored_at_every_report_even_without_samples
         idle, tracker.should_report_progress = tracker.should_report_progress, _StarvedEvent()
         idle.set()  # (the reporter waits on the event it found at start: it now waits on the starved one)
         alone.announce_progress()
-        assert _wait(lambda: _stored_epoch(first, tracker) == 0, 20), "the announced epoch was never stored"
+        assert _wait_until(lambda: _stored_epoch(first, tracker) == 0, 20), "the announced epoch was never stored"
         alone.jump_to_epoch(0)
         for i in range(2 * MICRO_BATCHES):  # two epochs alone, each ended at once
             alone.step(_gradients(module, i), TINY.training.micro_batch_size, "trainer0")
         assert alone.epoch == 2
         optimizers.append(StageOptimizer(TINY, "seam", 0, second, build_stage(TINY.model, 0), identity=second_key))
         joiner = optimizers[1]
-        assert _wait(lambda: joiner._opt.tracker.global_epoch == 2, 20), \
+        assert _wait_until(lambda: joiner._opt.tracker.global_epoch == 2, 20), \
             f"a joiner read epoch {joiner._opt.tracker.global_epoch}, the lone server is at 2"
     finally:
         for o in optimizers:
             o.shutdown()
         second.shutdown()
         first.shutdown()
-
-
-def _wait(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def _stored_epoch(node, tracker):
