@@ -29,6 +29,8 @@ Figures per profile (one JSON line each; the last line has them all under ``prof
 * ``join_s``: from the late server's process start to its record saying ``online`` (its state loaded);
   ``state_s``: the part of it from its "loading state" line to "online"; ``join_bound_s``: the stage state's
   bytes (parameters and Adam's two moments, fp32) over the measured link rate, plus 4 round trips;
+  ``join_phases``: the seconds of each phase of the join as the server timed them (:mod:`swarm.server.joinclock`:
+  ``joined``, the whole; ``start``, the interpreter and imports; then ``connect`` to ``announce``);
 * ``step_s``: median seconds an epoch's transition held a server's compute thread (matchmaking, all-reduce and
   optimizer step; the servers' epoch lines);
 * ``val_loss`` after the equal training time; ``epochs``; ``failed_rounds`` and ``dropped`` samples;
@@ -165,7 +167,9 @@ class Run:
             out, _ = probe.communicate(timeout=120)
             self.figures.update(json.loads(out.strip().splitlines()[-1]) if out.strip() else {})
         if joiner is not None:
-            self.figures["state_s"] = _state_seconds(swarm.tail(joiner, 400))
+            log = swarm.tail(joiner, 400)
+            self.figures["state_s"] = _state_seconds(log)
+            self.figures["join_phases"] = _join_phases(log)
         self.figures.update(self._averaging())
         steps = [float(x) for p in swarm.peers[:4] for x in re.findall(r"step_s=([\d.]+)", p.log.read_text())]
         if steps:
@@ -210,6 +214,12 @@ def _state_seconds(log: str) -> Optional[float]:
             if m and what in line and what not in stamps:
                 stamps[what] = int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3])
     return float(stamps["] online"] - stamps["loading state"]) if len(stamps) == 2 else None
+
+
+def _join_phases(log: str) -> Optional[dict]:
+    """The late server's ``joined_s=...`` line (:mod:`swarm.server.joinclock`) as ``{key: seconds}``; None if absent."""
+    line = next((line for line in log.splitlines() if "joined_s=" in line), None)
+    return {k: float(v) for k, v in re.findall(r"(\w+)_s=([\d.]+)", line)} if line else None
 
 
 def run_profile(name: str, profile: Optional[Profile], spec_path: Path, cache_dir: Path, seconds: float,

@@ -2,6 +2,8 @@
 one trainer train like the single-process reference, full state included (parameters and Adam moments)."""
 
 import asyncio
+import logging
+import re
 
 import pytest
 
@@ -37,7 +39,7 @@ MODES = {"synchronous": {}, "overlapped_rounds": {"overlap_rounds": True},
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_in_process_server_and_trainer_match_the_reference_state(mode, exact_spec_path, tmp_path, cache_dir,
-                                                                 tiny_dataset):
+                                                                 tiny_dataset, caplog):
     """Overlapped rounds: each epoch's gradients are applied at the end of the next (swarm.averaging.overlap), so
     four epochs take three steps, exactly as the reference with the same delay. Outer steps (DiLoCo,
     swarm.averaging.outer): two inner AdamW steps per outer SGD-Nesterov step, four inner steps make two epochs;
@@ -47,6 +49,7 @@ def test_in_process_server_and_trainer_match_the_reference_state(mode, exact_spe
         spec = spec.updated(averaging=MODES[mode])
         write_spec(spec, exact_spec_path)
     samples = 4 * spec.training.target_batch_size  # four epochs, or four inner steps
+    caplog.set_level(logging.INFO, logger="swarm.server.session")
 
     async def main(address: str):
         sessions = [ServerSession(address, _settings(tmp_path, cache_dir, f"server{k}"), stage=k)
@@ -69,6 +72,11 @@ def test_in_process_server_and_trainer_match_the_reference_state(mode, exact_spe
         sw.start_coordinator()
         trainer, states, epochs = asyncio.run(main(sw.address))
 
+    joins = [r.getMessage() for r in caplog.records if "joined_s=" in r.getMessage()]
+    assert len(joins) == 2, f"each server logs where its join went once (swarm.server.joinclock): {joins}"
+    for line in joins:
+        phases = {k: float(v) for k, v in re.findall(r"(\w+)_s=([\d.]+)", line)}
+        assert phases["connect"] > 0 and phases["state"] > 0 and phases["joined"] > phases["connect"], line
     ref = train_reference(spec, tiny_dataset, share=0, max_samples=samples)
     steps = {"synchronous": 4, "overlapped_rounds": 3, "outer": 2}[mode]
     assert trainer.samples == samples and epochs == [ref.epochs] * 2 == [steps if mode == "outer" else 4] * 2

@@ -70,6 +70,7 @@ from swarm.trust.recognition import follow_recognition
 from swarm.net.directory import AsyncRunDirectory
 from swarm.protocol import ServerHistory, ServerInfo, ServerState, StorageInfo
 from swarm.server.compute import measure_throughput
+from swarm.server.joinclock import JoinClock
 from swarm.server.rebalance import MovePlanner
 from swarm.server.served import PeerContext, ServedStage, StagePlan, StageServerFactory
 from swarm.server.stage import StageServer
@@ -144,6 +145,7 @@ class ServerSession:
         self.device = resolve_device(settings.device)  # raises DeviceUnavailable
         self.kernels = select_backend(settings.kernels, self.device)  # raises BackendUnavailable
         self._dropped_before = 0  # samples dropped by the optimizers of stages this process left
+        self._clock: Optional[JoinClock] = None  # the current join's phases, until it announces online
 
     # ---- control (event loop thread) ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -185,12 +187,15 @@ class ServerSession:
         """
         claim_local_state(self.identity, self.settings, fragments=True)
         self.threads.update(self.log)
+        self._clock = JoinClock()
+        self._clock.enter("connect")
         self.dht, directory, self.spec, self.sealed_spec = await asyncio.to_thread(
             connect_run, self.address, self.settings, client_mode=False, join_timeout_s=self.settings.join_timeout_s,
             identity=self.identity)
         self.directory, self.tickets = AsyncRunDirectory(directory), RunTickets(directory, self.identity, self.spec)
         drained, watchdog = False, None
         try:
+            self._clock.enter("setup")
             keeping = await self._join()
             try:
                 stage = self.pinned
@@ -270,7 +275,9 @@ class ServerSession:
         served = await self._start_stage(stage)
         handlers = False
         try:
+            self._clock.enter("state")
             await served.restore_state()
+            self._clock.enter("announce")
             await served.server.add_p2p_handlers(self.p2p, namespace=self.directory.run_id)
             handlers = True
             return await self._announce_until_done()
@@ -283,6 +290,8 @@ class ServerSession:
         and announce ``joining`` again, with its progress key."""
         self.stage, self.served = stage, None
         self.keeper.stage = stage
+        self._clock = self._clock or JoinClock(first=False)  # a move or a resume: a new join, in this process
+        self._clock.enter("measure")
         spec, run_id = self.spec, self.directory.run_id
         module = build_stage(spec.model, stage, precision=spec.training.precision, kernels=self.kernels).to(self.device)
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: self.epoch)
@@ -296,6 +305,7 @@ class ServerSession:
             self.keeper.known_manifests, stage), me=str(self.dht.peer_id), weight=self.ctx.standing.weight,
             named=partial(self.ctx.named, stage))
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
+        self._clock.enter("optimizer")
         optimizer = self.optimizer_factory(spec, run_id, stage, self.dht, module, identity=self.identity,
                                            state_check=check.blocking(asyncio.get_running_loop()))
         self.served = ServedStage(self.ctx, plan, module, optimizer, server_factory=self.server_factory,
@@ -326,6 +336,9 @@ class ServerSession:
                 await self._apply_bans()
                 behind = self.served.optimizer.catch_up.active  # (swarm.averaging.catchup)
                 await self._announce(ServerState.JOINING if behind else ServerState.ONLINE)
+                if self._clock is not None:  # (swarm.server.joinclock: where the join's seconds went)
+                    self.log.info("%s", self._clock.line())
+                    self._clock = None
                 await self.directory.publish_spec(self.sealed_spec)
                 if self.pinned is None and time.monotonic() >= next_check:
                     next_check = time.monotonic() + self.spec.rebalance.period_s
