@@ -1,10 +1,13 @@
 """The demo swarm on loopback and on emulated internet links: what slow, far links cost it.
 
-    python bench/wan.py [--profiles loopback,100:50,20:150] [--seconds 150] [--spec runs/demo.toml]
+    python bench/wan.py [--profiles loopback,100:50,20:150,100:50+20:150] [--seconds 150] [--spec runs/demo.toml]
 
 A profile ``MBIT:RTT_MS`` (optionally ``:LOSS``) puts every peer on its own host of a WAN lab
 (:mod:`bench.wanlab`): each host uploads and downloads at MBIT Mbit/s and two hosts see RTT_MS of round trip.
-``loopback`` runs the same processes on this machine's loopback. For each profile the bench
+A mixed profile ``FAST+SLOW`` (two such profiles) puts the hosts of :data:`SLOW_HOSTS` (one server of each stage,
+a trainer and the late joiner) on ``SLOW`` and the others on ``FAST``; the link measured and the bounds are then
+those of a fast host to a slow one. ``loopback`` runs the same processes on this machine's loopback. For each
+profile the bench
 
 1. measures the link it got (TCP round trip and throughput between two server hosts; on loopback, between two
    local sockets): the figures reported are these, never the ones asked for;
@@ -15,7 +18,8 @@ A profile ``MBIT:RTT_MS`` (optionally ``:LOSS``) puts every peer on its own host
 
 Figures per profile (one JSON line each; the last line has them all under ``profiles``):
 
-* ``tokens_per_s`` (the trainers' tokens over the training seconds) and ``ratio_to_loopback``;
+* ``tokens_per_s`` (the trainers' tokens over the training seconds) and ``ratio_to_loopback``; for a mixed profile
+  run after its two pure ones, ``ratio_to_better_pure`` (to the higher of their ``tokens_per_s``);
 * ``round_s``: mean seconds of a gradient all-reduce, from the group's forming to the averaged result (the
   servers' own counters, ``rounds`` and ``round_ms``), and ``round_bound_s``: the least time the same bytes
   need, ``sent_per_round / link rate + 2 x phases x RTT``. ``sent_per_round`` is what a server's averager counted
@@ -33,6 +37,9 @@ Figures per profile (one JSON line each; the last line has them all under ``prof
   ``joined``, the whole; ``start``, the interpreter and imports; then ``connect`` to ``announce``);
 * ``step_s``: median seconds an epoch's transition held a server's compute thread (matchmaking, all-reduce and
   optimizer step; the servers' epoch lines);
+* ``activation_bytes_per_token``: the trainers' stage RPC bytes (sent and received) per trained token per stage
+  boundary: a micro-batch's activations and their input gradients each cross the trainer twice (from one stage's
+  server, to the next's), with the token ids, targets and the spot checks' replays;
 * ``val_loss`` after the equal training time; ``epochs``; ``failed_rounds`` and ``dropped`` samples;
   ``switch_cpu_s``: CPU seconds the lab's switch used (it shares the machine's cores with the swarm).
 
@@ -77,17 +84,25 @@ logger = logging.getLogger("swarm.bench.wan")
 
 HOSTS = ["coordinator", "server1", "server2", "server3", "server4", "trainer5", "trainer6", "server7", "dhtprobe"]
 """The lab's hosts, named as :class:`LocalSwarm` names the peers it starts in this order."""
+SLOW_HOSTS = ("server3", "server4", "trainer6", "server7")
+"""A mixed profile's hosts on its slow link: the second server of each stage (:func:`start_servers` starts them
+round-robin), the second trainer and the late joiner."""
 PROBES = 10
 EVAL_SAMPLES = 128
 """Validation samples scored at the end (the split's first ones: on the lab's links the whole split costs minutes)."""
 
 
-def parse_profile(text: str) -> tuple[str, Optional[Profile]]:
+def parse_profile(text: str) -> tuple[str, Optional[Profile], dict[str, Profile]]:
+    """``(name, the lab's profile, the overrides of its slow hosts)`` of ``loopback``, ``MBIT:RTT_MS[:LOSS]`` or
+    ``FAST+SLOW``; the profile is None for loopback."""
     if text == "loopback":
-        return text, None
+        return text, None, {}
+    if "+" in text:
+        (fast, profile, _), (slow, slow_profile, _) = (parse_profile(part) for part in text.split("+", 1))
+        return f"{fast}+{slow}", profile, {host: slow_profile for host in SLOW_HOSTS}
     mbit, rtt, *loss = text.split(":")
     name = f"{mbit}mbit-{rtt}ms" + (f"-{loss[0]}loss" if loss else "")
-    return name, Profile(name, rtt_ms=float(rtt), mbit=float(mbit), loss=float(loss[0]) if loss else 0.0)
+    return name, Profile(name, rtt_ms=float(rtt), mbit=float(mbit), loss=float(loss[0]) if loss else 0.0), {}
 
 
 def dht_probe(address: str) -> None:
@@ -222,13 +237,16 @@ def _join_phases(log: str) -> Optional[dict]:
     return {k: float(v) for k, v in re.findall(r"(\w+)_s=([\d.]+)", line)} if line else None
 
 
-def run_profile(name: str, profile: Optional[Profile], spec_path: Path, cache_dir: Path, seconds: float,
-                env: dict[str, str], keep: bool = False) -> dict:
+def run_profile(name: str, profiles: tuple[Optional[Profile], dict[str, Profile]], spec_path: Path, cache_dir: Path,
+                seconds: float, env: dict[str, str], keep: bool = False) -> dict:
+    """One profile's figures (see the module docstring); ``profiles``: the lab's profile (None: loopback) and its
+    hosts' overrides."""
+    profile, overrides = profiles
     spec = RunSpec.from_toml(spec_path)
     dataset = prepare_dataset(spec, cache_dir)
-    lab = Lab(HOSTS, profile) if profile else contextlib.nullcontext()
+    lab = Lab(HOSTS, profile, overrides) if profile else contextlib.nullcontext()
     with lab:
-        link = lab.measure("server1", "server2") if profile else measure_loopback()
+        link = lab.measure("server1", "server3" if overrides else "server2") if profile else measure_loopback()
         logger.info("%s: measured %.2f ms round trip, %.1f Mbit/s", name, link["rtt_ms"], link["mbit"])
         placement = (lambda host: (lab.prefix(host), lab.ip(host))) if profile else on_loopback
         workdir = Path(tempfile.mkdtemp(prefix="swarm-wan-"))
@@ -249,6 +267,10 @@ def run_profile(name: str, profile: Optional[Profile], spec_path: Path, cache_di
     rtt_s, rate = link["rtt_ms"] / 1000, link["mbit"] * 1e6 / 8
     result = {"name": name, "rtt_ms": link["rtt_ms"], "mbit": link["mbit"], "tokens_per_s": out["tokens_per_s"],
               "epochs": out["epochs"], "val_loss": out["val_loss"], **figures}
+    trainers = [p for p in snap["peers"] if p["role"] == "trainer"]
+    if tokens := sum(p["tokens"] for p in trainers):
+        rpc_bytes = sum(p["bytes_sent"] + p["bytes_received"] for p in trainers)
+        result["activation_bytes_per_token"] = round(rpc_bytes / tokens / max(1, spec.model.num_stages - 1), 1)
     if protocols:
         result["wire_bytes_by_protocol"] = protocols
         result["switch_cpu_s"] = round(switch_cpu_s, 1)
@@ -267,8 +289,9 @@ def _interrupt(*_) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--profiles", default="loopback,100:50,20:150",
-                        help="comma-separated: loopback, or MBIT:RTT_MS[:LOSS] (each host's rate, the round trip)")
+    parser.add_argument("--profiles", default="loopback,100:50,20:150,100:50+20:150",
+                        help="comma-separated: loopback, MBIT:RTT_MS[:LOSS] (each host's rate, the round trip), or "
+                             "FAST+SLOW (two of those: SLOW for the hosts of SLOW_HOSTS)")
     parser.add_argument("--seconds", type=float, default=150.0, help="training seconds per profile")
     parser.add_argument("--spec", type=Path, default=ROOT / "runs" / "demo.toml")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "swarm")
@@ -284,14 +307,17 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERMed bench cleans up as on Ctrl-C
     results = []
     for text in args.profiles.split(","):
-        name, profile = parse_profile(text)
+        name, profile, overrides = parse_profile(text)
         if profile is not None and (why := Lab.unavailable()):
             logger.warning("skipping %s: %s", name, why)
             continue
         env = dict(kv.split("=", 1) for kv in args.env)
-        result = run_profile(name, profile, args.spec, args.cache_dir, args.seconds, env, args.keep)
+        result = run_profile(name, (profile, overrides), args.spec, args.cache_dir, args.seconds, env, args.keep)
         base = next((r for r in [*results, result] if r["name"] == "loopback"), None)
         result["ratio_to_loopback"] = round(result["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
+        pure = [r["tokens_per_s"] for r in results if overrides and r["name"] in name.split("+")]
+        if len(pure) == 2:
+            result["ratio_to_better_pure"] = round(result["tokens_per_s"] / max(pure), 3)
         print(json.dumps(result), flush=True)
         results.append(result)
     print(json.dumps({"profiles": results}), flush=True)

@@ -62,6 +62,23 @@ def test_links_have_the_round_trip_and_rate_asked_for_and_traffic_is_counted():
     assert traffic.get(("b", "c"), 0) < 10_000, traffic  # b and c never talked
 
 
+def test_a_mixed_lab_gives_each_host_its_own_link():
+    """Host b on a slow, far link among hosts on a fast, near one (bench/wan.py's mixed profile): a pair with b
+    sees the mean of the two round trips and b's rate; a pair without b, the lab's link."""
+    slow = Profile("slow", rtt_ms=100, mbit=5)
+    with Lab(["a", "b", "c"], Profile("t", rtt_ms=20, mbit=40), overrides={"b": slow}) as lab:
+        assert lab.link("b") == slow and lab.link("a").mbit == 40
+        to_slow = lab.measure("a", "b", seconds=2.0)
+        from_slow = lab.measure("b", "c", seconds=2.0)
+        fast = lab.measure("c", "a", seconds=2.0)
+    for figures in (to_slow, from_slow):
+        assert 60 <= figures["rtt_ms"] < 140, figures  # (20 + 100) / 2 ms, never less
+        assert 1 <= figures["mbit"] <= 5 * 1.05, figures  # b's download (switch) and upload (tbf) rate
+    assert 20 <= fast["rtt_ms"] < 60 and 8 <= fast["mbit"] <= 40 * 1.05, fast
+    with pytest.raises(LabError, match="does not have.*nobody"):
+        Lab(["a"], Profile("t"), overrides={"nobody": slow}).start()
+
+
 def test_an_address_no_host_holds_times_out_and_a_failed_block_cleans_up():
     with pytest.raises(RuntimeError, match="boom"):
         with Lab(["a", "b"], Profile("t")) as lab:

@@ -139,10 +139,14 @@ def _kill_namespace_processes(ns: str) -> None:
 
 @dataclass
 class Lab:
-    """Hosts on emulated internet links (see the module docstring). ``hosts``: their names, in order."""
+    """Hosts on emulated internet links (see the module docstring). ``hosts``: their names, in order;
+    ``profile``: their link; ``overrides``: another link for some of them (a mixed swarm: two hosts of profiles
+    ``a`` and ``b`` then see ``(a.rtt_ms + b.rtt_ms) / 2`` of round trip, and each its own rates and loss; the MTU
+    and the queue are ``profile``'s for all)."""
 
     hosts: Sequence[str]
     profile: Profile
+    overrides: dict[str, Profile] = field(default_factory=dict)
     _ns: dict[str, str] = field(default_factory=dict, init=False)
     _switch: Optional[subprocess.Popen] = field(default=None, init=False)
     _dir: Optional[Path] = field(default=None, init=False)
@@ -184,6 +188,8 @@ class Lab:
         sweep()
         if len(self.hosts) > 250:
             raise LabError(f"{len(self.hosts)} hosts: a lab holds at most 250")
+        if unknown := set(self.overrides) - set(self.hosts):
+            raise LabError(f"overrides for hosts the lab does not have: {sorted(unknown)}")
         routes = _run("ip", "route", "show")
         if re.search(rf"^{re.escape(SUBNET)}\.", routes, re.M):
             raise LabError(f"the subnet {SUBNET}.0.0/16 is already routed here (another lab?):\n{routes}")
@@ -197,9 +203,9 @@ class Lab:
         for host, ns in self._ns.items():
             _run("ip", "-n", ns, "addr", "add", f"{self.ip(host)}/16", "dev", "wan0")
             _run("ip", "-n", ns, "link", "set", "wan0", "mtu", str(self.profile.mtu), "up")
-            if self.profile.mbit > 0:
-                burst = max(16 * 1024, int(self.profile.mbit * 1e6 / 8 * 0.004), 2 * self.profile.mtu)
-                _run("tc", "-n", ns, "qdisc", "add", "dev", "wan0", "root", "tbf", "rate", f"{self.profile.mbit}mbit",
+            if (mbit := self.link(host).mbit) > 0:
+                burst = max(16 * 1024, int(mbit * 1e6 / 8 * 0.004), 2 * self.profile.mtu)
+                _run("tc", "-n", ns, "qdisc", "add", "dev", "wan0", "root", "tbf", "rate", f"{mbit}mbit",
                      "burst", str(burst), "latency", f"{self.profile.queue_ms:g}ms")
         _run("ip", "addr", "add", f"{OBSERVER_IP}/16", "dev", self.observer_device)
         _run("ip", "link", "set", self.observer_device, "mtu", str(self.profile.mtu), "up")
@@ -208,10 +214,14 @@ class Lab:
     def observer_device(self) -> str:
         return f"swl{os.getpid()}"
 
+    def link(self, host: str) -> Profile:
+        """The profile of ``host``'s link (its override, else the lab's)."""
+        return self.overrides.get(host, self.profile)
+
     def _start_switch(self) -> None:
         p = self.profile
-        hosts = [dict(name=h, device="wan0", netns=f"/var/run/netns/{ns}", ip=self.ip(h), rtt_ms=p.rtt_ms,
-                      mbit=p.mbit, loss=p.loss) for h, ns in self._ns.items()]
+        hosts = [dict(name=h, device="wan0", netns=f"/var/run/netns/{ns}", ip=self.ip(h), rtt_ms=self.link(h).rtt_ms,
+                      mbit=self.link(h).mbit, loss=self.link(h).loss) for h, ns in self._ns.items()]
         hosts.append(dict(name="observer", device=self.observer_device, netns=None, ip=OBSERVER_IP, rtt_ms=0.0,
                           mbit=0.0, loss=0.0))
         config = self._dir / "switch.json"

@@ -83,13 +83,21 @@ class FragmentKeeper:
         self.rng = rng or random.Random()
 
     # ---- lifecycle -------------------------------------------------------------------------------------
-    async def start(self, p2p: P2P) -> None:
-        """Serve the fragment RPCs on ``p2p`` and announce what is on disk (re-publishing its manifests)."""
+    async def start(self, p2p: P2P, announce: bool = True) -> None:
+        """Serve the fragment RPCs on ``p2p`` and announce what is on disk (re-publishing its manifests).
+
+        :param announce: False: only read the run's ban list here, and let :meth:`run` announce at once, beside the
+            caller's next steps (a joining server: the tick's serial DHT reads and stores, about 6 round trips, are
+            then off its join's path).
+        """
         self.p2p = p2p
         self.transfers = FragmentTransfers(p2p, self.directory, self.me, self.store, self.service, bans=self.bans,
                                            log=self.log, rng=self.rng)
         await self.service.add_p2p_handlers(p2p, namespace=self.run_id)
-        await self.tick(repair=False)
+        if announce:
+            await self.tick(repair=False)
+        else:
+            await self.bans.refresh()
 
     async def stop(self) -> None:
         """Stop serving fragments. A p2p daemon that is already gone (Ctrl-C in a terminal reaches it too, and it
@@ -100,8 +108,16 @@ class FragmentKeeper:
             except (OSError, P2PDaemonError) as e:  # its control socket is gone (FileNotFoundError)
                 self.log.debug("the p2p daemon is gone; no fragment handlers to remove (%s)", e)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Call :meth:`tick` every ``record_ttl_s / 3`` seconds until ``stop``; errors are logged, not raised."""
+    async def run(self, stop: asyncio.Event, announce: bool = False) -> None:
+        """Call :meth:`tick` every ``record_ttl_s / 3`` seconds until ``stop``; errors are logged, not raised.
+
+        :param announce: tick once at once, without repairs (after ``start(p2p, announce=False)``).
+        """
+        if announce:
+            try:
+                await self.tick(repair=False)
+            except Exception:
+                self.log.exception("fragment keeper tick failed")
         await periodic(stop, self.directory.ttl / 3, self.tick, "fragment keeper tick", self.log)
 
     # ---- one round -------------------------------------------------------------------------------------

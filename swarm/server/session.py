@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import importlib
 import logging
 import sys
 import threading
@@ -89,6 +90,12 @@ SUPPLY_STATES = (ServerState.ONLINE, ServerState.JOINING)
 """States of the servers whose throughput rebalancing counts (freshly announced ones only: a record left by a
 server that died would otherwise hide a stage's loss for a whole record TTL, or let the last live server of a
 stage leave it)."""
+
+WARM_IMPORTS = ("torch._dynamo",)
+"""Modules a joining server imports on its path anyway, imported on a background thread while it joins the DHT
+(waiting on the network) instead: torch imports ``torch._dynamo`` at the first optimizer step (hivemind's optimizer
+takes one as it starts) and at the first initialisation on the ``meta`` device (the fragment keeper's bound on a
+shard's size), 1.6-1.9 s of imports on this project's 2-core machines."""
 
 OptimizerFactory = Callable[..., StageOptimizer]
 """Builds a stage's optimizer: ``(spec, run_id, stage, dht, module, identity=..., state_check=...)`` (tests and
@@ -189,6 +196,7 @@ class ServerSession:
         self.threads.update(self.log)
         self._clock = JoinClock()
         self._clock.enter("connect")
+        _warm_imports()
         self.dht, directory, self.spec, self.sealed_spec = await asyncio.to_thread(
             connect_run, self.address, self.settings, client_mode=False, join_timeout_s=self.settings.join_timeout_s,
             identity=self.identity)
@@ -227,7 +235,7 @@ class ServerSession:
                               self.spec.checkpoint.keep, grace_s=2 * self.spec.timeouts.record_ttl_s)
         self.bans, gate = RunBans(self.directory), self.tickets.gate()
         self.keeper = FragmentKeeper(self.spec, self.directory, self.identity, store, bans=self.bans, gate=gate)
-        await self.keeper.start(self.p2p)
+        await self.keeper.start(self.p2p, announce=False)  # (announced by keeper.run, off the join's path)
         self.ctx = PeerContext(self.spec, self.directory, self.identity, self.p2p, self.keeper, self.keeper.authority,
                                self.bans, gate, Standing(path=self.settings.state_path() / f"standing-{run_id}.json"),
                                follow_recognition(self.directory.blocking))
@@ -241,7 +249,7 @@ class ServerSession:
         self.bans.check(self.me)
         self.maddrs = await asyncio.to_thread(visible_maddrs, self.dht)
         _say_reachability(self.log, self.maddrs, self.settings)
-        return asyncio.create_task(self.keeper.run(self._stop))
+        return asyncio.create_task(self.keeper.run(self._stop, announce=True))
 
     async def _leave(self, keeping: asyncio.Task, drained: bool) -> None:
         """Stop the keeper (a tick in progress is cancelled: it must not hold up the drain) and, after a drain
@@ -424,6 +432,21 @@ class ServerSession:
                              self.directory.announce_history(history, self.identity))
         if self.on_announce is not None:
             self.on_announce(record, self.keeper.storage_info())
+
+
+def _warm_imports(names: tuple[str, ...] = WARM_IMPORTS) -> threading.Thread:
+    """Import ``names`` on a daemon thread (:data:`WARM_IMPORTS`); a module that fails to import is left to its
+    first real use, which raises where it belongs."""
+    def run() -> None:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # (the real import raises it again)
+                logger.debug("warming the import of %s failed", name, exc_info=True)
+
+    thread = threading.Thread(target=run, name="warm-imports", daemon=True)
+    thread.start()
+    return thread
 
 
 def _drain_watchdog(log: PeerLog, deadline_s: float = DRAIN_DEADLINE_S) -> threading.Timer:

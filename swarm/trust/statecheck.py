@@ -176,9 +176,10 @@ class DonorStateCheck:
     async def judge(self, epoch: int, digest: str, donor: str) -> Verdict:
         """Ask the stage's other servers for their digest at ``epoch`` (again every 0.5 s while some are behind
         it, for at most ``wait_s`` seconds), then judge."""
-        deadline, checkpoints = time.monotonic() + self.wait_s, await self.checkpoints()
+        deadline = time.monotonic() + self.wait_s
+        checkpoints, servers = await asyncio.gather(self.checkpoints(), self.servers())  # (no serial DHT reads)
         while True:
-            others = [s for s in await self.servers() if s.p2p_id not in (donor, self.me)]
+            others = [s for s in servers if s.p2p_id not in (donor, self.me)]
             replies = await asyncio.gather(*(ask_state_digest(self.p2p, s, self.run_id, epoch, self.timeout_s)
                                              for s in others), return_exceptions=True)
             answers = {s.p2p_id: r for s, r in zip(others, replies) if isinstance(r, tuple)}
@@ -191,6 +192,7 @@ class DonorStateCheck:
             if not waiting or verdict.settled or time.monotonic() > deadline:
                 return verdict
             await asyncio.sleep(0.5)
+            servers = await self.servers()
 
     def blocking(self, loop: asyncio.AbstractEventLoop) -> Callable[[int, str, str], Verdict]:
         """A :data:`swarm.averaging.optimizer.StateCheck` for threads other than ``loop``'s: runs :meth:`judge`
