@@ -134,3 +134,28 @@ def test_a_holder_takes_only_manifests_that_verify_and_list_its_fragments(dhts, 
 
     asyncio.run(main())
     assert store.manifest(RUN, 0, 5) == good and [(s, e) for s, e, _ in store.committed(RUN)] == [(0, 5)]
+
+
+def test_a_limit_given_as_a_callable_is_computed_once_at_the_first_put_and_capped_by_the_store(tmp_path, tiny_spec):
+    """The fragment keeper hands its bound over as a callable (swarm.checkpoint.keeper.max_fragment_bytes): the
+    stages' build on the meta device imports torch._dynamo, which a joining server would otherwise wait for."""
+    from swarm.checkpoint.keeper import max_fragment_bytes
+    from swarm.checkpoint.shard import max_shard_bytes
+
+    calls = []
+
+    def limit() -> int:
+        calls.append(1)
+        return max_fragment_bytes(tiny_spec)
+
+    store = FragmentStore(tmp_path, max_bytes=1 << 30)
+    service = FragmentService(store, RUN, num_stages=2, max_fragment_bytes=limit)
+    assert calls == []  # nothing computed as the service is built
+
+    async def main():
+        return [await service.max_fragment_bytes() for _ in range(2)]
+
+    expected = 2 * -(-max_shard_bytes(tiny_spec.model) // tiny_spec.checkpoint.fragments_needed)
+    assert asyncio.run(main()) == [expected, expected] and calls == [1]
+    small = FragmentService(FragmentStore(tmp_path / "small", max_bytes=1000), RUN, max_fragment_bytes=limit)
+    assert asyncio.run(small.max_fragment_bytes()) == 1000  # never above the store's budget

@@ -47,7 +47,7 @@ class LabError(RuntimeError):
 
 @dataclass(frozen=True)
 class Profile:
-    """One kind of link, the same for every host of a lab.
+    """One kind of link: every host's in a lab, but those of the hosts it overrides (:class:`Lab`).
 
     :param rtt_ms: round trip between two hosts (milliseconds); each host adds half of it.
     :param mbit: each host's upload and download rate (megabits per second; 0: not capped).

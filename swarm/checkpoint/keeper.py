@@ -26,6 +26,7 @@ import asyncio
 import logging
 import random
 from collections import Counter
+from functools import partial
 from typing import Optional
 
 from hivemind.p2p import P2P, P2PDaemonError
@@ -52,6 +53,13 @@ logger = logging.getLogger(__name__)
 MAX_DISTRUSTED_PUBLISHED = 32
 
 
+def max_fragment_bytes(spec: RunSpec) -> int:
+    """Twice the largest fragment of the run's shards (bytes): room for more optimizer state, no room for 2 GiB of
+    junk. Computed at a fragment's first put, not as the keeper starts: the stages' build on the ``meta`` device
+    imports ``torch._dynamo`` (1.6 s), which a joining server would otherwise wait for."""
+    return 2 * -(-max_shard_bytes(spec.model) // spec.checkpoint.fragments_needed)
+
+
 class FragmentKeeper:
     """Holds fragments in ``store`` for ``directory``'s run and keeps the run's checkpoints replicated.
 
@@ -71,11 +79,9 @@ class FragmentKeeper:
         if directory.num_stages is None:  # (a directory whose spec this peer got otherwise: who may commit needs it)
             directory.num_stages = spec.model.num_stages
         self.authority = CheckpointAuthority(directory, identity, spec.model.num_stages, ask=request_endorsement)
-        # twice the largest fragment of today's shards: room for more optimizer state, no room for 2 GiB of junk
-        fragment_bytes = 2 * -(-max_shard_bytes(spec.model) // spec.checkpoint.fragments_needed)
         self.service = FragmentService(store, directory.run_id, on_manifest=directory.publish_manifest,
                                        num_stages=spec.model.num_stages, authority=self.authority,
-                                       max_fragment_bytes=fragment_bytes, gate=gate)
+                                       max_fragment_bytes=partial(max_fragment_bytes, spec), gate=gate)
         self.bans = bans if bans is not None else RunBans(directory)
         self.p2p: Optional[P2P] = None
         self.transfers: Optional[FragmentTransfers] = None  # once started (it needs the peer's libp2p node)

@@ -8,7 +8,7 @@ the hash it was given is caught (:class:`~swarm.checkpoint.erasure.FragmentError
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Awaitable, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -62,7 +62,7 @@ class FragmentService(ProtocolServicer):
     def __init__(self, store: FragmentStore, run_id: str,
                  on_manifest: Optional[Callable[[CheckpointManifest, bytes], Awaitable[object]]] = None,
                  num_stages: Optional[int] = None, authority: Optional[CheckpointAuthority] = None,
-                 max_fragment_bytes: Optional[int] = None, gate: Optional[Gate] = None):
+                 max_fragment_bytes: Union[int, Callable[[], int], None] = None, gate: Optional[Gate] = None):
         """:param on_manifest: awaited with ``(manifest, sealed)`` after a manifest is saved (e.g. to publish it
         in the DHT at once, so a checkpoint is visible even if its writer dies before publishing it).
         :param num_stages: the run's stages; fragments of any other stage number are refused.
@@ -70,14 +70,21 @@ class FragmentService(ProtocolServicer):
             (:class:`~swarm.trust.authority.CheckpointAuthority`); None takes puts from anyone and endorses
             nothing (a unit test's bare store).
         :param max_fragment_bytes: the largest fragment a put may carry (the run's largest shard over ``k``,
-            :func:`~swarm.checkpoint.shard.max_shard_bytes`); default: the store's whole budget.
+            :func:`~swarm.checkpoint.shard.max_shard_bytes`), or a blocking callable that computes it, called once
+            at the first put (on a worker thread); default: the store's whole budget.
         :param gate: in a run that admits only ticketed peers, awaited with each caller's libp2p id before its
             request is read (:class:`~swarm.trust.tickets.TicketGate`; raises ``NotAdmitted``); None serves anyone."""
         self.store, self.run_id, self.on_manifest, self.num_stages = store, run_id, on_manifest, num_stages
         self.gate = gate
         self.authority = authority
-        self.max_fragment_bytes = min(store.max_bytes, max_fragment_bytes or store.max_bytes)
+        self._fragment_limit = max_fragment_bytes
         self.quota = PeerQuota(FRAGMENT_IN_FLIGHT, rate_per_s=FRAGMENT_RATE_PER_S)
+
+    async def max_fragment_bytes(self) -> int:
+        """The largest fragment a put may carry (bytes; computed at the first call if given as a callable)."""
+        if callable(self._fragment_limit):
+            self._fragment_limit = await asyncio.to_thread(self._fragment_limit)
+        return min(self.store.max_bytes, self._fragment_limit or self.store.max_bytes)
 
     async def _serve(self, work, stream: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                      ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -121,7 +128,7 @@ class FragmentService(ProtocolServicer):
                                                    req.sha256)
             if refusal is not None:
                 raise ProtocolError(refusal)
-        _, tensors = await gather(_prepend(first, stream), max_bytes=self.max_fragment_bytes, max_tensors=1,
+        _, tensors = await gather(_prepend(first, stream), max_bytes=await self.max_fragment_bytes(), max_tensors=1,
                                   deadline_s=PUT_DEADLINE_S)
         if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
             raise ProtocolError("a fragment travels as one uint8 vector")

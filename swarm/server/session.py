@@ -19,7 +19,8 @@ and :meth:`~ServerSession.resume`); a test starts one in-process the same way::
    else from the newest checkpoint (:class:`~swarm.checkpoint.restore.RestoreError` if the run has checkpoints and
    none becomes restorable).
 4. Register the stage RPCs and announce ``online`` every ``record_ttl_s / 3`` seconds, re-publishing the
-   signed spec too, so the run outlives its coordinator. The served stage logs each epoch's line, commits
+   signed spec too, so the run outlives its coordinator; the first announcement logs where the join's seconds
+   went (:mod:`swarm.server.joinclock`). The served stage logs each epoch's line, commits
    checkpoints and follows rollback orders; the session honours the run's ban list and convictions and, if the
    stage was not pinned, moves to a stage that lacks throughput more (:mod:`swarm.server.rebalance`): drain, then
    go back to step 2 for the new stage.
@@ -92,10 +93,12 @@ server that died would otherwise hide a stage's loss for a whole record TTL, or 
 stage leave it)."""
 
 WARM_IMPORTS = ("torch._dynamo",)
-"""Modules a joining server imports on its path anyway, imported on a background thread while it joins the DHT
-(waiting on the network) instead: torch imports ``torch._dynamo`` at the first optimizer step (hivemind's optimizer
-takes one as it starts) and at the first initialisation on the ``meta`` device (the fragment keeper's bound on a
-shard's size), 1.6-1.9 s of imports on this project's 2-core machines."""
+"""Modules a joining server imports on its path anyway, imported on a background thread while it waits on the
+network instead: torch imports ``torch._dynamo`` at the first optimizer step (hivemind's optimizer takes one as it
+starts) and at the first initialisation on the ``meta`` device (the fragment keeper's bound on a shard's size),
+1.6-1.9 s of imports on this project's 2-core machines. The thread starts once the DHT's process has forked and is
+waited for before the averagers' processes fork: a process forked mid-import would inherit that module's import
+lock held by a thread it does not have, and hang at its first use of the module."""
 
 OptimizerFactory = Callable[..., StageOptimizer]
 """Builds a stage's optimizer: ``(spec, run_id, stage, dht, module, identity=..., state_check=...)`` (tests and
@@ -153,6 +156,7 @@ class ServerSession:
         self.kernels = select_backend(settings.kernels, self.device)  # raises BackendUnavailable
         self._dropped_before = 0  # samples dropped by the optimizers of stages this process left
         self._clock: Optional[JoinClock] = None  # the current join's phases, until it announces online
+        self._warming: Optional[threading.Thread] = None  # WARM_IMPORTS, until done
 
     # ---- control (event loop thread) ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -196,10 +200,10 @@ class ServerSession:
         self.threads.update(self.log)
         self._clock = JoinClock()
         self._clock.enter("connect")
-        _warm_imports()
         self.dht, directory, self.spec, self.sealed_spec = await asyncio.to_thread(
             connect_run, self.address, self.settings, client_mode=False, join_timeout_s=self.settings.join_timeout_s,
             identity=self.identity)
+        self._warming = _warm_imports()  # (the DHT's process has forked: see WARM_IMPORTS)
         self.directory, self.tickets = AsyncRunDirectory(directory), RunTickets(directory, self.identity, self.spec)
         drained, watchdog = False, None
         try:
@@ -303,9 +307,11 @@ class ServerSession:
         spec, run_id = self.spec, self.directory.run_id
         module = build_stage(spec.model, stage, precision=spec.training.precision, kernels=self.kernels).to(self.device)
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: self.epoch)
-        plan = self._plan = await self._measure(stage, module)
+        # the recognition (it weighs the donors' state and the checkpoints this server may restore) is read while
+        # the throughput is measured: DHT round trips beside compute, not after it
+        plan, _ = await asyncio.gather(self._measure(stage, module), self.ctx.recognition.current())
+        self._plan = plan
         await self._announce(ServerState.JOINING)
-        await self.ctx.recognition.current()  # (weighs the donors' state and the checkpoints it may restore)
         self.log.info("joining run %s, throughput %.1f samples/s, device %s, kernels %s, precision %s, peak %.1f "
                       "GFLOP/s", run_id, plan.throughput, self.device, self.kernels.name, spec.training.precision,
                       plan.peak_flops / 1e9)
@@ -314,6 +320,8 @@ class ServerSession:
             named=partial(self.ctx.named, stage))
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
         self._clock.enter("optimizer")
+        if self._warming is not None:  # before the averagers' processes fork (WARM_IMPORTS)
+            await asyncio.to_thread(self._warming.join)
         optimizer = self.optimizer_factory(spec, run_id, stage, self.dht, module, identity=self.identity,
                                            state_check=check.blocking(asyncio.get_running_loop()))
         self.served = ServedStage(self.ctx, plan, module, optimizer, server_factory=self.server_factory,
