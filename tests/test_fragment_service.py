@@ -138,7 +138,7 @@ def test_a_holder_takes_only_manifests_that_verify_and_list_its_fragments(dhts, 
 
 def test_a_limit_given_as_a_callable_is_computed_once_at_the_first_put_and_capped_by_the_store(tmp_path, tiny_spec):
     """The fragment keeper hands its bound over as a callable (swarm.checkpoint.keeper.max_fragment_bytes): the
-    stages' build on the meta device imports torch._dynamo, which a joining server would otherwise wait for."""
+    stages' build on the meta device imports 1.6-1.9 s of torch, which a joining server would otherwise wait for."""
     from swarm.checkpoint.keeper import max_fragment_bytes
     from swarm.checkpoint.shard import max_shard_bytes
 

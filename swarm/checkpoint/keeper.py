@@ -55,8 +55,10 @@ MAX_DISTRUSTED_PUBLISHED = 32
 
 def max_fragment_bytes(spec: RunSpec) -> int:
     """Twice the largest fragment of the run's shards (bytes): room for more optimizer state, no room for 2 GiB of
-    junk. Computed at a fragment's first put, not as the keeper starts: the stages' build on the ``meta`` device
-    imports ``torch._dynamo`` (1.6 s), which a joining server would otherwise wait for."""
+    junk. Computed at a fragment's first put, not as the keeper starts: the stages' first build on the ``meta``
+    device imports torch's Python decompositions and ``torch._dynamo``, 1.6-1.9 s of a joining server's path on
+    this project's 2-core machines (measured); a server otherwise imports only ``torch._dynamo`` of them, in its
+    optimizer's constructor (0.8 s)."""
     return 2 * -(-max_shard_bytes(spec.model) // spec.checkpoint.fragments_needed)
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
-import importlib
 import logging
 import sys
 import threading
@@ -91,14 +90,6 @@ SUPPLY_STATES = (ServerState.ONLINE, ServerState.JOINING)
 """States of the servers whose throughput rebalancing counts (freshly announced ones only: a record left by a
 server that died would otherwise hide a stage's loss for a whole record TTL, or let the last live server of a
 stage leave it)."""
-
-WARM_IMPORTS = ("torch._dynamo",)
-"""Modules a joining server imports on its path anyway, imported on a background thread while it waits on the
-network instead: torch imports ``torch._dynamo`` at the first optimizer step (hivemind's optimizer takes one as it
-starts) and at the first initialisation on the ``meta`` device (the fragment keeper's bound on a shard's size),
-1.6-1.9 s of imports on this project's 2-core machines. The thread starts once the DHT's process has forked and is
-waited for before the averagers' processes fork: a process forked mid-import would inherit that module's import
-lock held by a thread it does not have, and hang at its first use of the module."""
 
 OptimizerFactory = Callable[..., StageOptimizer]
 """Builds a stage's optimizer: ``(spec, run_id, stage, dht, module, identity=..., state_check=...)`` (tests and
@@ -156,7 +147,6 @@ class ServerSession:
         self.kernels = select_backend(settings.kernels, self.device)  # raises BackendUnavailable
         self._dropped_before = 0  # samples dropped by the optimizers of stages this process left
         self._clock: Optional[JoinClock] = None  # the current join's phases, until it announces online
-        self._warming: Optional[threading.Thread] = None  # WARM_IMPORTS, until done
 
     # ---- control (event loop thread) ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -203,7 +193,6 @@ class ServerSession:
         self.dht, directory, self.spec, self.sealed_spec = await asyncio.to_thread(
             connect_run, self.address, self.settings, client_mode=False, join_timeout_s=self.settings.join_timeout_s,
             identity=self.identity)
-        self._warming = _warm_imports()  # (the DHT's process has forked: see WARM_IMPORTS)
         self.directory, self.tickets = AsyncRunDirectory(directory), RunTickets(directory, self.identity, self.spec)
         drained, watchdog = False, None
         try:
@@ -320,8 +309,6 @@ class ServerSession:
             named=partial(self.ctx.named, stage))
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
         self._clock.enter("optimizer")
-        if self._warming is not None:  # before the averagers' processes fork (WARM_IMPORTS)
-            await asyncio.to_thread(self._warming.join)
         optimizer = self.optimizer_factory(spec, run_id, stage, self.dht, module, identity=self.identity,
                                            state_check=check.blocking(asyncio.get_running_loop()))
         self.served = ServedStage(self.ctx, plan, module, optimizer, server_factory=self.server_factory,
@@ -440,21 +427,6 @@ class ServerSession:
                              self.directory.announce_history(history, self.identity))
         if self.on_announce is not None:
             self.on_announce(record, self.keeper.storage_info())
-
-
-def _warm_imports(names: tuple[str, ...] = WARM_IMPORTS) -> threading.Thread:
-    """Import ``names`` on a daemon thread (:data:`WARM_IMPORTS`); a module that fails to import is left to its
-    first real use, which raises where it belongs."""
-    def run() -> None:
-        for name in names:
-            try:
-                importlib.import_module(name)
-            except Exception:  # (the real import raises it again)
-                logger.debug("warming the import of %s failed", name, exc_info=True)
-
-    thread = threading.Thread(target=run, name="warm-imports", daemon=True)
-    thread.start()
-    return thread
 
 
 def _drain_watchdog(log: PeerLog, deadline_s: float = DRAIN_DEADLINE_S) -> threading.Timer:
