@@ -12,9 +12,10 @@ link's rate, plus a few round trips) and everything else on the path. :class:`Jo
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from typing import Optional
+from typing import Optional, Union
 
 PHASES = ("connect", "setup", "measure", "optimizer", "state", "announce")
 """A join's phases, in order: ``connect`` joins the DHT and fetches the verified spec; ``setup`` passes admission,
@@ -51,8 +52,8 @@ class JoinClock:
         self._phase: Optional[str] = None
         self._since = self.started
 
-    def enter(self, phase: str) -> None:
-        """End the current phase (if any) and start ``phase`` (one of :data:`PHASES`).
+    def enter(self, phase: str) -> "JoinClock":
+        """End the current phase (if any) and start ``phase`` (one of :data:`PHASES`); returns this clock.
 
         :raises ValueError: ``phase`` is not one of :data:`PHASES`.
         """
@@ -62,6 +63,7 @@ class JoinClock:
         if self._phase is not None:
             self.seconds[self._phase] += now - self._since
         self._phase, self._since = phase, now
+        return self
 
     def line(self) -> str:
         """End the current phase; the fixed-key line: ``joined_s`` (the process's start to now on a first join),
@@ -72,6 +74,11 @@ class JoinClock:
         total = self.start_s + time.monotonic() - self.started
         return " ".join([f"joined_s={total:.2f}", f"start_s={self.start_s:.2f}",
                          *(f"{name}_s={s:.2f}" for name, s in self.seconds.items())])
+
+
+    def report(self, log: Union[logging.Logger, logging.LoggerAdapter]) -> None:
+        """Log :meth:`line` at INFO on ``log`` (the join is over: returns None, for the caller to drop the clock)."""
+        log.info("%s", self.line())
 
 
 __all__ = ["JoinClock", "PHASES", "process_age_s"]

@@ -188,8 +188,7 @@ class ServerSession:
         """
         claim_local_state(self.identity, self.settings, fragments=True)
         self.threads.update(self.log)
-        self._clock = JoinClock()
-        self._clock.enter("connect")
+        self._clock = JoinClock().enter("connect")
         self.dht, directory, self.spec, self.sealed_spec = await asyncio.to_thread(
             connect_run, self.address, self.settings, client_mode=False, join_timeout_s=self.settings.join_timeout_s,
             identity=self.identity)
@@ -291,14 +290,13 @@ class ServerSession:
         and announce ``joining`` again, with its progress key."""
         self.stage, self.served = stage, None
         self.keeper.stage = stage
-        self._clock = self._clock or JoinClock(first=False)  # a move or a resume: a new join, in this process
-        self._clock.enter("measure")
+        self._clock = (self._clock or JoinClock(first=False)).enter("measure")  # (a move, a resume: a new join)
         spec, run_id = self.spec, self.directory.run_id
         module = build_stage(spec.model, stage, precision=spec.training.precision, kernels=self.kernels).to(self.device)
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: self.epoch)
-        # the recognition (it weighs the donors' state and the checkpoints this server may restore) is read while
-        # the throughput is measured: DHT round trips beside compute, not after it
-        plan, _ = await asyncio.gather(self._measure(stage, module), self.ctx.recognition.current())
+        # the recognition (it weighs donors' states and checkpoints) is read while the throughput is measured
+        plan, _ = await asyncio.gather(_stage_plan(spec, stage, module, self.device, PeakCache(
+            self.settings.state_path() / "peak_flops.json")), self.ctx.recognition.current())
         self._plan = plan
         await self._announce(ServerState.JOINING)
         self.log.info("joining run %s, throughput %.1f samples/s, device %s, kernels %s, precision %s, peak %.1f "
@@ -316,14 +314,6 @@ class ServerSession:
         await self._announce(ServerState.JOINING)  # with its progress key, so the stage counts it soon
         return self.served
 
-    async def _measure(self, stage: int, module) -> StagePlan:
-        """The stage's throughput on this machine (samples/s), its FLOPs per sample, the device's peak FLOP/s."""
-        throughput = await asyncio.to_thread(measure_throughput, module, self.spec, stage)
-        seq_len = self.spec.data.seq_len
-        peak = await asyncio.to_thread(PeakCache(self.settings.state_path() / "peak_flops.json").peak, self.device,
-                                       compute_dtype(self.spec.training.precision))
-        return StagePlan(stage, throughput, stage_flops_per_token(self.spec.model, stage, seq_len) * seq_len, peak)
-
     async def _announce_until_done(self) -> Optional[int]:
         """Announce every ``record_ttl_s / 3`` seconds while the served stage does its duties; return None on
         stop, the stage to move to, or this stage on pause (to rejoin it on resume)."""
@@ -339,11 +329,9 @@ class ServerSession:
                 await self._apply_bans()
                 behind = self.served.optimizer.catch_up.active  # (swarm.averaging.catchup)
                 await self._announce(ServerState.JOINING if behind else ServerState.ONLINE)
-                if self._clock is not None:  # (swarm.server.joinclock: where the join's seconds went)
-                    self.log.info("%s", self._clock.line())
-                    self._clock = None
+                self._clock = self._clock and self._clock.report(self.log)  # where the join's seconds went
                 await self.directory.publish_spec(self.sealed_spec)
-                if self.pinned is None and time.monotonic() >= next_check:
+                if self.pinned is None and self.spec.rebalance.enabled and time.monotonic() >= next_check:
                     next_check = time.monotonic() + self.spec.rebalance.period_s
                     if time.monotonic() - online_since >= self.spec.rebalance.min_dwell_s:
                         target = await self._rebalance_target(planner)
@@ -380,8 +368,6 @@ class ServerSession:
 
     async def _rebalance_target(self, planner: MovePlanner) -> Optional[int]:
         """The stage to move to now (:class:`swarm.server.rebalance.MovePlanner`), or None."""
-        if not self.spec.rebalance.enabled:
-            return None
         servers = {k: await self.directory.fresh_servers(k, self.directory.ttl / 3, SUPPLY_STATES)
                    for k in range(self.spec.model.num_stages)}
         target = planner.check(self.me, await self.ctx.claims(servers))
@@ -427,6 +413,15 @@ class ServerSession:
                              self.directory.announce_history(history, self.identity))
         if self.on_announce is not None:
             self.on_announce(record, self.keeper.storage_info())
+
+
+async def _stage_plan(spec: RunSpec, stage: int, module, device, peaks: PeakCache) -> StagePlan:
+    """Stage ``stage``'s throughput on this machine (samples/s, of ``module`` on ``device``), its FLOPs per sample,
+    the device's peak FLOP/s (``peaks``: measured once per machine and kept)."""
+    throughput = await asyncio.to_thread(measure_throughput, module, spec, stage)
+    seq_len = spec.data.seq_len
+    peak = await asyncio.to_thread(peaks.peak, device, compute_dtype(spec.training.precision))
+    return StagePlan(stage, throughput, stage_flops_per_token(spec.model, stage, seq_len) * seq_len, peak)
 
 
 def _drain_watchdog(log: PeerLog, deadline_s: float = DRAIN_DEADLINE_S) -> threading.Timer:
