@@ -281,21 +281,25 @@ class AveragingSpec(_Section):
         "Every server of a run must agree on it.",
     )
     matchmaking_time: float = Field(
-        2.0, gt=0, description="Seconds to gather a group. Raise it if the log shows fewer peers than servers. "
-        "Forming a group takes a few DHT lookups and requests, about 10 round trips: keep it above 10x the "
-        "servers' round trip (2 s covers 150 ms; a server logs 'Averaging step failed: could not find a group' "
-        "when it is too short).",
+        10.0, gt=0, description="Most seconds to gather a group (a ceiling): each server takes 20x the slowest "
+        "round trip it measured to the swarm's servers when it joins a stage, at least 2 s and at most this "
+        "(swarm.net.timeouts; logged as 'timeouts from links'). Forming a group takes about 10 round trips. Lower "
+        "it to cap the wait for a missing server; raise it if the log says 'Averaging step failed: could not find "
+        "a group' while that line shows it at this value.",
     )
     averaging_timeout: float = Field(
-        30.0, gt=0, description="Seconds before an averaging round is abandoned. On slow links a round moves "
-        "about 2x the stage's gradient bytes (compressed) per server, and every average_state_every epochs 2x its "
-        "parameters and optimizer state: keep it above 3x that over the slowest server's upload rate (the log "
-        "says 'averaging round ... ran out of time' when it is too short).",
+        300.0, gt=0, description="Most seconds before an averaging round is abandoned (a ceiling): each server "
+        "takes matchmaking_time plus 3x (4 round trips + 2x the stage's parameters and optimizer state over the "
+        "lowest rate it measured), at least 20 s and at most this (swarm.net.timeouts): a round moves about 2x its "
+        "vector through each server's link. Lower it to give up sooner on a hung round; raise it if the log says "
+        "'averaging round ... ran out of time' while 'timeouts from links' shows it at this value.",
     )
     next_chunk_timeout: float = Field(
-        10.0, gt=0, description="Seconds to wait for a peer's next part in the all-reduce (a sender waits twice it "
-        "for the reply). Raise it if the log shows 'received X% results' on busy or slow machines, or "
-        "'no reply within' naming a reducer on slow links: a part is the gradient's bytes / servers."
+        120.0, gt=0, description="Most seconds to wait for a peer's next part in the all-reduce (a ceiling; a "
+        "sender waits twice it for the reply, a joiner this long for each message of a state download): each "
+        "server takes 3x (a round trip + half the stage's state over the lowest rate it measured), at least 10 s "
+        "and at most this (swarm.net.timeouts). Raise it if the log shows 'received X% results' or 'no reply "
+        "within' naming a reducer while 'timeouts from links' shows it at this value."
     )
     average_state_every: int = Field(
         10, ge=1, description="Epochs between parameter/optimizer-state averaging rounds (re-syncs drifting servers)."
@@ -367,11 +371,14 @@ class AveragingSpec(_Section):
 
 class TimeoutSpec(_Section):
     forward_s: float = Field(
-        60.0, gt=0, description="Seconds a trainer waits for a stage's forward: the server's compute and queue, "
-        "plus a round trip and the activations' bytes over the slower of the two links. Raise it if trainers "
-        "log 'failed (TimeoutError' against servers that are alive.",
+        120.0, gt=0, description="Most seconds a trainer waits for a stage's forward (a ceiling): it takes 3x (a "
+        "round trip + a micro-batch's fp32 activations, sent and received, over the lowest rate it measured to "
+        "the servers), at least 30 s for the server's compute and queue, and at most this (swarm.net.timeouts). "
+        "A server reads a request for at most the larger of forward_s and backward_s. Raise it if trainers log "
+        "'failed (TimeoutError' against servers that are alive.",
     )
-    backward_s: float = Field(60.0, gt=0, description="Seconds a trainer waits for a stage's backward (as forward_s).")
+    backward_s: float = Field(120.0, gt=0, description="Most seconds a trainer waits for a stage's backward (a "
+                              "ceiling, derived as forward_s).")
     backoff_s: float = Field(
         5.0, gt=0, description="Seconds a trainer avoids a server after a failed call; doubles per failure in a row.",
     )

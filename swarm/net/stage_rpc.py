@@ -92,19 +92,23 @@ async def is_serving(p2p, server, run_id: str, timeout: float = 3.0) -> bool:
     return await ping_seconds(p2p, server, run_id, timeout) is not None
 
 
-async def ping_seconds(p2p, server, run_id: str, timeout: float = 3.0) -> Optional[float]:
+async def ping_seconds(p2p, server, run_id: str, timeout: float = 3.0, echo_bytes: int = 0) -> Optional[float]:
     """Seconds ``server`` (a :class:`~swarm.protocol.ServerInfo`) took to answer ``rpc_ping`` (a network round
     trip, plus a new connection's handshakes the first time), or None if it did not answer within ``timeout``
-    (dead, unreachable, or not serving this stage)."""
+    (dead, unreachable, or not serving this stage), or if it sent other than the ``echo_bytes`` asked for (at
+    most :data:`~swarm.protocol.MAX_ECHO_BYTES`; an older server sends none)."""
     stub = stage_stub(p2p, server, run_id)
-    meta = pack_message(PingRequest(run_id=run_id, stage=server.stage))
+    meta = pack_message(PingRequest(run_id=run_id, stage=server.stage, echo_bytes=echo_bytes))
 
-    async def call():
+    async def call() -> int:
         replies = await stub.rpc_ping(stream_out(runtime_pb2.ExpertRequest, meta, []))
-        return unpack_message((await gather(replies, max_tensors=0))[0], StageResponse)
+        reply, echo = await gather(replies, max(echo_bytes, 1), max_tensors=1 if echo_bytes else 0)
+        unpack_message(reply, StageResponse)
+        return sum(t.numel() * t.element_size() for t in echo)
     started = time.perf_counter()
     try:
-        await asyncio.wait_for(call(), timeout)
+        if await asyncio.wait_for(call(), timeout) != echo_bytes:
+            return None
         return time.perf_counter() - started
     except Exception as e:  # dead, unreachable, or not serving this stage: all mean "not a source"
         logger.debug("stage %d server %s does not answer rpc_ping: %r", server.stage, server.peer_id, e)

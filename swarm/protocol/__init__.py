@@ -51,5 +51,5 @@ from swarm.protocol.wire import (  # noqa: F401
     ForwardRequest, BackwardRequest, PingRequest, StateDigestRequest, ProgressPush, StageResponse, EvidenceMessage,
     EvidenceRequest, AveragingPart, AveragingReply, StateAgreement, AuditRequest, AuditReply, pack_message,
     unpack_message, MAX_STAGE_TENSORS, FragmentPut, FragmentGet, ManifestPut, EndorseRequest, FragmentReply,
-    InviteRedeem, InviteReply,
+    InviteRedeem, InviteReply, MAX_ECHO_BYTES,
 )

@@ -53,11 +53,20 @@ class BackwardRequest(Schema):
     codec: str = Field("float32", max_length=32, description="Wire codec of the float tensors.")
 
 
+MAX_ECHO_BYTES = 1 << 20
+"""Most bytes a ping may ask the server to send back (:attr:`PingRequest.echo_bytes`): 1 MiB, a forward reply's
+order of size, so a probe costs a server no more than a call it serves anyway."""
+
+
 class PingRequest(Schema):
-    """Is this stage server alive and serving (``rpc_ping``)? Answered with a tensor-less StageResponse."""
+    """Is this stage server alive and serving (``rpc_ping``)? Answered with a StageResponse, tensor-less unless
+    ``echo_bytes`` asks for a probe of the link's rate (:mod:`swarm.net.links`)."""
 
     run_id: str
     stage: int = Field(ge=0)
+    echo_bytes: int = Field(0, ge=0, le=MAX_ECHO_BYTES, description="Bytes the server sends back as one uint8 "
+                            "tensor of zeros, so the caller times the link's rate; 0: a bare ping (older servers "
+                            "ignore the field and send none).")
 
 
 class StateDigestRequest(Schema):

@@ -36,6 +36,7 @@ from swarm.config import RunSpec
 from swarm.identity import Identity
 from swarm.logs import PeerLog
 from swarm.net.directory import AsyncRunDirectory, read_period_s
+from swarm.net.timeouts import DerivedTimeouts
 from swarm.protocol import MAX_VOUCHES, ProgressPush, ProtocolError, ServerInfo, ServerState, add_history
 from swarm.server.progress_push import ProgressPusher
 from swarm.server.rebalance import capped_claims, choose_stage
@@ -228,13 +229,19 @@ def uncounted_members(servers: list[ServerInfo], recognized: Optional[frozenset[
 @dataclass(frozen=True)
 class StagePlan:
     """A stage as measured before the server joins it: ``throughput`` (samples/s of forward+backward),
-    ``flops_per_sample`` (model FLOPs of one sample through the stage) and ``peak_flops`` (the device's measured
-    FLOP/s, :mod:`swarm.kernels.flops`)."""
+    ``flops_per_sample`` (model FLOPs of one sample through the stage), ``peak_flops`` (the device's measured
+    FLOP/s, :mod:`swarm.kernels.flops`) and ``timeouts``, derived from this server's links to the swarm
+    (:mod:`swarm.net.timeouts`; None: the spec's own)."""
 
     stage: int
     throughput: float
     flops_per_sample: float
     peak_flops: float
+    timeouts: Optional[DerivedTimeouts] = None
+
+    def local_spec(self, spec: RunSpec) -> RunSpec:
+        """The run's ``spec`` with this plan's timeouts: the spec this server's stage runs with."""
+        return spec if self.timeouts is None else self.timeouts.apply(spec)
 
     def record(self) -> dict:
         """The fields of this server's :class:`~swarm.protocol.ServerInfo` the plan fills."""
@@ -291,7 +298,7 @@ class ServedStage:
                  server_factory: StageServerFactory = StageServer, dropped_before: int = 0):
         self.ctx, self.plan, self.stage, self.optimizer = ctx, plan, plan.stage, optimizer
         self.dropped_before = dropped_before
-        self.spec, self.directory, self.me = ctx.spec, ctx.directory, ctx.identity.peer_id
+        self.spec, self.directory, self.me = plan.local_spec(ctx.spec), ctx.directory, ctx.identity.peer_id
         self.server = server_factory(self.spec, self.directory.run_id, self.stage, module, optimizer=optimizer,
                                      on_epoch=self._epoch_ended, bans=ctx.bans, identity=ctx.identity)
         b = self.spec.training.micro_batch_size

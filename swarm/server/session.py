@@ -44,6 +44,7 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Callable, Optional
 
@@ -69,6 +70,8 @@ from swarm.trust.standing import Standing
 from swarm.trust.tickets import RunTickets
 from swarm.trust.recognition import follow_recognition
 from swarm.net.directory import AsyncRunDirectory
+from swarm.net.links import measure_links
+from swarm.net.timeouts import DerivedTimeouts, derive_timeouts
 from swarm.protocol import ServerHistory, ServerInfo, ServerState, StorageInfo
 from swarm.server.compute import measure_throughput
 from swarm.server.joinclock import JoinClock
@@ -138,8 +141,7 @@ class ServerSession:
         self.spec: Optional[RunSpec] = None  # the run's, once joined
         self.p2p: Optional[P2P] = None  # this process's replica of the DHT's libp2p client, once joined
         self._stop, self._pause, self._changed = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self.state = ServerState.JOINING
-        self.stage: Optional[int] = None
+        self.state, self.stage = ServerState.JOINING, None  # (the stage: an int once chosen)
         self.served: Optional[ServedStage] = None  # the stage served now, or last (reported while paused)
         self._plan: Optional[StagePlan] = None  # the stage being joined, before it is served
         self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
@@ -286,18 +288,18 @@ class ServerSession:
             self._dropped_before = served.samples_dropped
 
     async def _start_stage(self, stage: int) -> ServedStage:
-        """Build the stage's module, measure it and announce ``joining``; build its optimizer and the served stage,
-        and announce ``joining`` again, with its progress key."""
+        """Build the stage's module, measure it and its links and announce ``joining``; build its optimizer and the
+        served stage (with the links' timeouts), and announce ``joining`` again, with its progress key."""
         self.stage, self.served = stage, None
         self.keeper.stage = stage
         self._clock = (self._clock or JoinClock(first=False)).enter("measure")  # (a move, a resume: a new join)
         spec, run_id = self.spec, self.directory.run_id
         module = build_stage(spec.model, stage, precision=spec.training.precision, kernels=self.kernels).to(self.device)
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: self.epoch)
-        # the recognition (it weighs donors' states and checkpoints) is read while the throughput is measured
-        plan, _ = await asyncio.gather(_stage_plan(spec, stage, module, self.device, PeakCache(
-            self.settings.state_path() / "peak_flops.json")), self.ctx.recognition.current())
-        self._plan = plan
+        plan, _, timeouts = await asyncio.gather(_stage_plan(spec, stage, module, self.device, PeakCache(
+            self.settings.state_path() / "peak_flops.json")), self.ctx.recognition.current(),
+            _link_timeouts(spec, self.directory, self.p2p, stage, module, self.log))
+        self._plan = plan = replace(plan, timeouts=timeouts)
         await self._announce(ServerState.JOINING)
         self.log.info("joining run %s, throughput %.1f samples/s, device %s, kernels %s, precision %s, peak %.1f "
                       "GFLOP/s", run_id, plan.throughput, self.device, self.kernels.name, spec.training.precision,
@@ -307,7 +309,8 @@ class ServerSession:
             named=partial(self.ctx.named, stage))
         # on the loop's thread: hivemind's averagers install signal handlers, which only the main thread may do
         self._clock.enter("optimizer")
-        optimizer = self.optimizer_factory(spec, run_id, stage, self.dht, module, identity=self.identity,
+        optimizer = self.optimizer_factory(plan.local_spec(spec), run_id, stage, self.dht, module,
+                                           identity=self.identity,
                                            state_check=check.blocking(asyncio.get_running_loop()))
         self.served = ServedStage(self.ctx, plan, module, optimizer, server_factory=self.server_factory,
                                   dropped_before=self._dropped_before)
@@ -422,6 +425,21 @@ async def _stage_plan(spec: RunSpec, stage: int, module, device, peaks: PeakCach
     seq_len = spec.data.seq_len
     peak = await asyncio.to_thread(peaks.peak, device, compute_dtype(spec.training.precision))
     return StagePlan(stage, throughput, stage_flops_per_token(spec.model, stage, seq_len) * seq_len, peak)
+
+
+async def _link_timeouts(spec: RunSpec, directory: AsyncRunDirectory, p2p, stage: int, module,
+                         log: PeerLog) -> DerivedTimeouts:
+    """This server's timeouts (:mod:`swarm.net.timeouts`, logged once) from its links to stage ``stage``'s online
+    servers (its averaging partners), or to the other stages' where it has none yet; the spec's ceilings where none
+    answers."""
+    servers = await directory.all_servers(spec.model.num_stages)
+    online = {k: [s for s in found if s.state == ServerState.ONLINE and s.p2p_id != str(p2p.peer_id)]
+              for k, found in servers.items()}
+    mates = online.get(stage) or [s for found in online.values() for s in found]
+    link = await measure_links(p2p, mates, directory.run_id) if mates else None
+    timeouts = derive_timeouts(spec, link, sum(p.numel() for p in module.parameters()))
+    log.info("%s", timeouts.describe())
+    return timeouts
 
 
 def _drain_watchdog(log: PeerLog, deadline_s: float = DRAIN_DEADLINE_S) -> threading.Timer:

@@ -10,7 +10,8 @@ RPCs (streams of ``runtime_pb2.ExpertRequest``, namespace ``<run_id>``; see :mod
   forward from inputs sent along (a retry on a server that did not run the forward), backpropagates the
   output gradient and returns the input gradient.
 * ``rpc_ping`` — :class:`~swarm.protocol.PingRequest`: answers with its epoch, so a peer can tell a live
-  server from a stale record (:func:`~swarm.net.stage_rpc.is_serving`).
+  server from a stale record (:func:`~swarm.net.stage_rpc.is_serving`), and with ``echo_bytes`` as many zero bytes,
+  so a peer times its link's rate (:mod:`swarm.net.links`).
 * ``rpc_state_digest`` — :class:`~swarm.protocol.StateDigestRequest`: its state's digest at a recent epoch.
 * ``rpc_progress`` — :class:`~swarm.protocol.ProgressPush`: a stage-mate's count in the epoch, handed to
   :attr:`StageServer.progress_sink` (:mod:`swarm.server.progress_push`); refused from a peer the sink does not count.
@@ -181,8 +182,10 @@ class StageServer(StageCompute, StageRPC):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self.quota.hold(str(context.remote_id)):
             await self._gated(context)
-            await self._receive(requests, PingRequest)
-            async for msg in self._respond(None):
+            req, _, _ = await self._receive(requests, PingRequest)
+            echo = [torch.zeros(req.echo_bytes, dtype=torch.uint8)] if req.echo_bytes else []
+            reply = pack_message(StageResponse(epoch=self.epoch, codec=self.codec))
+            async for msg in stream_out(runtime_pb2.ExpertResponse, reply, echo):
                 yield msg
 
     async def rpc_state_digest(

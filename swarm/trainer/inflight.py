@@ -7,22 +7,20 @@ fed; over a link with round trip ``rtt`` the same micro-batches finish ``(2S - 1
 servers idle meanwhile. By Little's law, keeping the rate ``r`` (micro-batches per second) needs
 ``r * (2S - 1) * rtt`` more micro-batches in flight (SWARM parallelism, Ryabinin et al. 2023, sec. 3: a trainer
 keeps enough micro-batches in flight to cover latency x throughput). :class:`InFlight` measures ``rtt`` with
-``rpc_ping`` (the least of a few pings per server, the median over servers: queueing at a busy server is not
-network latency) and ``r`` from the micro-batches this trainer finished in the last period, and sets
-``target = base + ceil(r * (2S - 1) * rtt - 0.1)``, at most :data:`MOST_IN_FLIGHT`. The round trip is measured apart
-from the compute, so a higher target that only builds queues at the servers does not raise it further.
+``rpc_ping`` (:func:`swarm.net.links.round_trip`: the least of a few pings per server, the median over servers:
+queueing at a busy server is not network latency) and ``r`` from the micro-batches this trainer finished in the
+last period, and sets ``target = base + ceil(r * (2S - 1) * rtt - 0.1)``, at most :data:`MOST_IN_FLIGHT`. The
+round trip is measured apart from the compute, so a higher target that only builds queues at the servers does not
+raise it further.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import random
-import statistics
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
-from swarm.net.stage_rpc import ping_seconds
+from swarm.net.links import round_trip
 
 MOST_IN_FLIGHT = 16
 """Most micro-batches a trainer keeps in flight (each holds its activations, ~B x T x d floats per stage); half of
@@ -30,10 +28,6 @@ what a stage server serves one peer at once (:data:`swarm.net.quota.MAX_IN_FLIGH
 checks."""
 TUNE_EVERY_S = 10.0
 """Seconds between two measurements of the round trip and the rate."""
-PINGS = 3
-"""Pings per server per measurement (the least counts)."""
-SERVERS_PINGED = 8
-"""Most servers pinged per measurement (a random sample of the stages' servers: the cost stays flat in big runs)."""
 
 
 def in_flight_target(base: int, calls: int, round_trip_s: float, rate: float, most: int = MOST_IN_FLIGHT) -> int:
@@ -47,20 +41,6 @@ def in_flight_target(base: int, calls: int, round_trip_s: float, rate: float, mo
     """
     extra = math.ceil(max(0.0, rate) * calls * max(0.0, round_trip_s) - 0.1)
     return max(base, min(max(base, most), base + extra))
-
-
-async def round_trip(p2p, servers: Sequence, run_id: str, pings: int = PINGS,
-                     most: int = SERVERS_PINGED) -> Optional[float]:
-    """The network round trip (seconds) to ``servers`` (ServerInfo): the least of ``pings`` ``rpc_ping`` per
-    server, the median over the servers that answered (at most ``most`` of them, sampled); None if none did."""
-    servers = random.sample(list(servers), min(most, len(servers)))
-    async def least(server) -> Optional[float]:
-        times = [await ping_seconds(p2p, server, run_id) for _ in range(pings)]
-        answered = [t for t in times if t is not None]
-        return min(answered) if answered else None
-
-    found = [t for t in await asyncio.gather(*(least(s) for s in servers)) if t is not None]
-    return statistics.median(found) if found else None
 
 
 class InFlight:
@@ -88,4 +68,4 @@ class InFlight:
         return target
 
 
-__all__ = ["InFlight", "MOST_IN_FLIGHT", "PINGS", "SERVERS_PINGED", "TUNE_EVERY_S", "in_flight_target", "round_trip"]
+__all__ = ["InFlight", "MOST_IN_FLIGHT", "TUNE_EVERY_S", "in_flight_target", "round_trip"]

@@ -114,6 +114,7 @@ class RemotePipeline:
         self.codec = ACTIVATION_CODECS[spec.training.activation_compression]
         self.max_reply_bytes = max_message_bytes(spec)
         self.router = Router(backoff_s=spec.timeouts.backoff_s, backoff_max_s=spec.timeouts.backoff_max_s)
+        self.timeouts = spec.timeouts  # forward_s, backward_s: the spec's ceilings until the links are timed
         self.max_attempts = max_attempts
         self.refresh_s = spec.timeouts.record_ttl_s / 6 if refresh_s is None else refresh_s
         self._announce_s = spec.timeouts.record_ttl_s / 3  # (servers re-announce this often)
@@ -231,7 +232,7 @@ class RemotePipeline:
 
         :raises PipelineError: a stage failed on every server tried.
         """
-        mb_id, work, t = uuid.uuid4().hex, float(inputs.shape[0]), self.spec.timeouts
+        mb_id, work, t = uuid.uuid4().hex, float(inputs.shape[0]), self.timeouts
         mode = "train" if train else "eval"
         acts, replies = [inputs], []
         for k in range(self.num_stages - 1):
@@ -273,7 +274,7 @@ class RemotePipeline:
         return (await self._on_stage(stage, float(inputs.shape[0]), bwd, prefer=forward_server))[0]
 
     def _backward_fn(self, stage: int, mb_id: str, grad: torch.Tensor, inputs: torch.Tensor, forward_peer: str):
-        t = self.spec.timeouts
+        t = self.timeouts
 
         async def bwd(s: ServerInfo):
             resend = s.peer_id != forward_peer  # another server recomputes the forward from the inputs

@@ -48,6 +48,8 @@ from swarm.net.directory import AsyncRunDirectory
 from swarm.net.transport import GLOBAL_COUNTER
 from swarm.protocol import TrainerInfo
 from swarm.trainer.inflight import TUNE_EVERY_S, InFlight, round_trip
+from swarm.net.links import measure_links
+from swarm.net.timeouts import derive_timeouts
 from swarm.trainer.pipeline import PipelineError, RemotePipeline, validation_loss
 from swarm.trust.banlist import PeerBanned, RunBans
 from swarm.trust.spotcheck import SpotChecker
@@ -241,9 +243,10 @@ class Trainer:
         """Every :data:`~swarm.trainer.inflight.TUNE_EVERY_S` seconds, set the micro-batches in flight to
         :class:`~swarm.trainer.inflight.InFlight`'s target: start workers, or let some retire after their
         micro-batch."""
-        tuning = InFlight(self.options.concurrency, self.spec.model.num_stages)
+        tuning, timed = InFlight(self.options.concurrency, self.spec.model.num_stages), False
         while not await sleep_or_stop(self._stop, TUNE_EVERY_S):
             servers = [s for k in range(self.spec.model.num_stages) for s in await self.pipeline.servers(k)]
+            timed = timed or await self._time_links(servers)
             rtt = await round_trip(self.p2p, servers, self.directory.run_id)
             target = tuning.update(self.steps, rtt)
             if target is None:
@@ -254,6 +257,17 @@ class Trainer:
             self._retire = max(0, len(live) - target)
             for _ in range(target - len(live)):
                 workers.add(asyncio.create_task(self._worker(batches)))
+
+    async def _time_links(self, servers: list) -> bool:
+        """Set the pipeline's forward and backward timeouts from the links to ``servers`` (:mod:`swarm.net.timeouts`,
+        logged once); False if none answered (the spec's ceilings stay)."""
+        link = await measure_links(self.p2p, servers, self.directory.run_id)
+        if link is None:
+            return False
+        timeouts = derive_timeouts(self.spec, link)
+        self.pipeline.timeouts = timeouts.apply(self.spec).timeouts
+        self.log.info("%s", timeouts.describe("forward_s", "backward_s"))
+        return True
 
     async def _worker(self, batches: Iterator[list[int]]) -> None:
         while not self._stop.is_set():
