@@ -35,6 +35,8 @@ Figures per profile (one JSON line each; the last line has them all under ``prof
   bytes (parameters and Adam's two moments, fp32) over the measured link rate, plus 4 round trips;
   ``join_phases``: the seconds of each phase of the join as the server timed them (:mod:`swarm.server.joinclock`:
   ``joined``, the whole; ``start``, the interpreter and imports; then ``connect`` to ``announce``);
+  ``joiner_timeouts``: the round trip and rate the late server measured to the swarm's servers and the timeouts it
+  derived from them (:mod:`swarm.net.timeouts`);
 * ``step_s``: median seconds an epoch's transition held a server's compute thread (matchmaking, all-reduce and
   optimizer step; the servers' epoch lines);
 * ``activation_bytes_per_token``: the trainers' stage RPC bytes (sent and received) per trained token per stage
@@ -185,6 +187,7 @@ class Run:
             log = swarm.tail(joiner, 400)
             self.figures["state_s"] = _state_seconds(log)
             self.figures["join_phases"] = _join_phases(log)
+            self.figures["joiner_timeouts"] = _link_timeouts(log)
         self.figures.update(self._averaging())
         steps = [float(x) for p in swarm.peers[:4] for x in re.findall(r"step_s=([\d.]+)", p.log.read_text())]
         if steps:
@@ -235,6 +238,12 @@ def _join_phases(log: str) -> Optional[dict]:
     """The late server's ``joined_s=...`` line (:mod:`swarm.server.joinclock`) as ``{key: seconds}``; None if absent."""
     line = next((line for line in log.splitlines() if "joined_s=" in line), None)
     return {k: float(v) for k, v in re.findall(r"(\w+)_s=([\d.]+)", line)} if line else None
+
+
+def _link_timeouts(log: str) -> Optional[dict]:
+    """The late server's ``timeouts from links`` line (:mod:`swarm.net.timeouts`) as ``{key: number or None}``."""
+    line = next((line for line in log.splitlines() if "timeouts from links" in line), None)
+    return {k: None if v == "none" else float(v) for k, v in re.findall(r"(\w+)=([\d.]+|none)", line)} if line else None
 
 
 def run_profile(name: str, profiles: tuple[Optional[Profile], dict[str, Profile]], spec_path: Path, cache_dir: Path,

@@ -1,5 +1,6 @@
-"""Measuring links over real libp2p (swarm.net.links): a ping's echo comes back in full, the measurement keeps the
-slowest server, and a stage server refuses an echo larger than the protocol's bound without harm."""
+"""Measuring links over real libp2p (swarm.net.links): a ping's echo comes back in full, a server that does not
+answer is left out, the DHT's peers give a round trip, and a stage server refuses an echo larger than the
+protocol's bound without harm."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from swarm.config import PROTOCOL_VERSION
-from swarm.net.links import PROBE_BYTES, measure_links
+from swarm.net.links import PROBE_BYTES, dht_round_trip, measure_links
 from swarm.net.stage_rpc import ping_seconds, stage_stub
 from swarm.net.transport import gather, stream_out
 from swarm.protocol import MAX_ECHO_BYTES, ServerInfo, ServerState
@@ -45,6 +46,8 @@ def test_a_measurement_times_pings_and_echoes_and_an_oversized_echo_is_refused(d
         assert 0 < link.round_trip_s < 3 and link.rate is not None and link.rate > PROBE_BYTES  # > 1 probe per s
         assert (await measure_links(p2p, [live], RUN, probe_bytes=0)).rate is None
         assert await measure_links(p2p, [gone], RUN) is None
+        rtt = await dht_round_trip(client_dht)  # (a run with no server yet: the DHT's peers, here the server's node)
+        assert rtt is not None and 0 < rtt < 3
 
         # a request for more than the bound (sent raw: our own schema would not build it) is refused, no echo
         raw = msgpack.packb({"v": PROTOCOL_VERSION, "run_id": RUN, "stage": 0, "echo_bytes": MAX_ECHO_BYTES + 1})

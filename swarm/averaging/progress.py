@@ -91,17 +91,23 @@ from swarm.protocol import MAX_SAMPLES_PER_S, ProgressPush
 logger = logging.getLogger(__name__)
 
 
+POLL_WINDOW_S = 2.0
+"""Longest matchmaking window the progress reads are paced by (seconds; :func:`refresh_periods`)."""
+
+
 def refresh_periods(matchmaking_time: float) -> dict[str, float]:
-    """hivemind's progress-tracker periods (seconds) derived from the spec's ``matchmaking_time``, the window in which
-    a stage's servers gather for a round: a server must notice the end of an epoch well inside it, or its
-    stage-mate's window closes without it and the two step apart. The tracker reads the stage's progress at an
-    eighth of it near an epoch's end (``min_refresh_period``) and at least every quarter of it
+    """hivemind's progress-tracker periods (seconds) derived from ``matchmaking_time``, the window in which a stage's
+    servers gather for a round, up to :data:`POLL_WINDOW_S`: a server must notice the end of an epoch well inside
+    it, or its stage-mate's window closes without it and the two step apart. The tracker reads the stage's progress
+    at an eighth of it near an epoch's end (``min_refresh_period``) and at least every quarter of it
     (``max_refresh_period``, also when it finds no other server); :class:`SampleCountTracker` publishes this
-    server's count at most once per ``min_refresh_period``. At the default 2 s: 0.25 and 0.5 s (this project used
-    0.1 and 0.5 s and published every micro-batch; a read at most once per window let a resumed server's
-    stage-mate miss its rounds, measured in tests/test_pause_resume.py)."""
-    return dict(min_refresh_period=matchmaking_time / 8, max_refresh_period=matchmaking_time / 4,
-                default_refresh_period=matchmaking_time / 4)
+    server's count at most once per ``min_refresh_period``. At 2 s: 0.25 and 0.5 s (this project used 0.1 and
+    0.5 s and published every micro-batch; a read at most once per window let a resumed server's stage-mate miss
+    its rounds, measured in tests/test_pause_resume.py). A longer window (a server derives one from its round
+    trips, :mod:`swarm.net.timeouts`: 3 s at 150 ms) waits longer for a late stage-mate, but noticing an epoch's
+    end later would only delay every round."""
+    window = min(matchmaking_time, POLL_WINDOW_S)
+    return dict(min_refresh_period=window / 8, max_refresh_period=window / 4, default_refresh_period=window / 4)
 
 
 QUIET_READS = 4
@@ -477,5 +483,5 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         )
 
 
-__all__ = ["FOLLOWER_PATIENCE", "PUSHED_SLOWDOWN", "UNVERIFIED_SHARE", "ProgressTrust", "Push", "Roster", "SampleCountTracker", "Trust", "progress_signer", "refresh_periods",
+__all__ = ["FOLLOWER_PATIENCE", "POLL_WINDOW_S", "PUSHED_SLOWDOWN", "UNVERIFIED_SHARE", "ProgressTrust", "Push", "Roster", "SampleCountTracker", "Trust", "progress_signer", "refresh_periods",
            "trusted_progress"]

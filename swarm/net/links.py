@@ -10,6 +10,9 @@ reach it, so that it can derive its timeouts from them (:mod:`swarm.net.timeouts
   (the far ones bound the timeouts), so a join costs at most ``SERVERS_PROBED x PROBES x PROBE_BYTES`` of its
   link (1.5 MiB, 0.6 s at 20 Mbit/s).
 
+A peer with no server to measure yet (the run's first) times the round trip with hivemind's DHT ping to the peers
+of its DHT routing table instead (:func:`dht_round_trip`: the coordinator, trainers), and has no rate.
+
 A timeout must cover the slowest peer this one waits for, so a measurement keeps the *slowest* figures: the
 longest round trip and the lowest rate among the servers that answered (the median would let the one slow
 stage-mate of a group time out every round). hivemind 1.1.12 measures nothing of its links (its averagers take
@@ -22,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence
 
 from swarm.net.stage_rpc import ping_seconds
@@ -90,5 +95,26 @@ async def measure_links(p2p, servers: Sequence, run_id: str, *, probe_bytes: int
     return LinkMeasurement(round_trip_s=answered[0][0], rate=min(rates) if rates else None, servers=len(answered))
 
 
+async def _dht_pings(pings: int, most: int, _dht, node) -> Optional[float]:
+    """(in the DHT's process) :func:`dht_round_trip`."""
+    async def least(peer) -> Optional[float]:
+        times = []
+        for _ in range(pings):
+            started = time.perf_counter()
+            if await node.protocol.call_ping(peer) is not None:
+                times.append(time.perf_counter() - started)
+        return min(times) if times else None
+
+    peers = list(node.protocol.routing_table.peer_id_to_uid)[:most]
+    found = [t for t in await asyncio.gather(*(least(p) for p in peers)) if t is not None]
+    return max(found) if found else None
+
+
+async def dht_round_trip(dht, pings: int = PINGS, most: int = SERVERS_PINGED) -> Optional[float]:
+    """The longest of the least of ``pings`` DHT pings (hivemind's ``rpc_ping``, in ``dht``'s process) to each of
+    at most ``most`` peers of its routing table (seconds); None if none answered (or it knows no peer)."""
+    return await dht.run_coroutine(partial(_dht_pings, pings, most), return_future=True)
+
+
 __all__ = ["LinkMeasurement", "MAX_RATE", "PINGS", "PROBES", "PROBE_BYTES", "SERVERS_PINGED", "SERVERS_PROBED",
-           "least_ping", "measure_links", "round_trip"]
+           "dht_round_trip", "least_ping", "measure_links", "round_trip"]

@@ -70,7 +70,7 @@ from swarm.trust.standing import Standing
 from swarm.trust.tickets import RunTickets
 from swarm.trust.recognition import follow_recognition
 from swarm.net.directory import AsyncRunDirectory
-from swarm.net.links import measure_links
+from swarm.net.links import LinkMeasurement, dht_round_trip, measure_links
 from swarm.net.timeouts import DerivedTimeouts, derive_timeouts
 from swarm.protocol import ServerHistory, ServerInfo, ServerState, StorageInfo
 from swarm.server.compute import measure_throughput
@@ -298,7 +298,7 @@ class ServerSession:
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: self.epoch)
         plan, _, timeouts = await asyncio.gather(_stage_plan(spec, stage, module, self.device, PeakCache(
             self.settings.state_path() / "peak_flops.json")), self.ctx.recognition.current(),
-            _link_timeouts(spec, self.directory, self.p2p, stage, module, self.log))
+            _link_timeouts(self.ctx, self.dht, stage, module, self.log))
         self._plan = plan = replace(plan, timeouts=timeouts)
         await self._announce(ServerState.JOINING)
         self.log.info("joining run %s, throughput %.1f samples/s, device %s, kernels %s, precision %s, peak %.1f "
@@ -427,16 +427,18 @@ async def _stage_plan(spec: RunSpec, stage: int, module, device, peaks: PeakCach
     return StagePlan(stage, throughput, stage_flops_per_token(spec.model, stage, seq_len) * seq_len, peak)
 
 
-async def _link_timeouts(spec: RunSpec, directory: AsyncRunDirectory, p2p, stage: int, module,
-                         log: PeerLog) -> DerivedTimeouts:
+async def _link_timeouts(ctx: PeerContext, dht, stage: int, module, log: PeerLog) -> DerivedTimeouts:
     """This server's timeouts (:mod:`swarm.net.timeouts`, logged once) from its links to stage ``stage``'s online
-    servers (its averaging partners), or to the other stages' where it has none yet; the spec's ceilings where none
-    answers."""
+    servers (its averaging partners), or to the other stages' where it has none yet, or to its DHT peers where the
+    run has no other server (a round trip, no rate); the spec's ceilings where none answers."""
+    spec, directory = ctx.spec, ctx.directory
     servers = await directory.all_servers(spec.model.num_stages)
-    online = {k: [s for s in found if s.state == ServerState.ONLINE and s.p2p_id != str(p2p.peer_id)]
+    online = {k: [s for s in found if s.state == ServerState.ONLINE and s.p2p_id != str(ctx.p2p.peer_id)]
               for k, found in servers.items()}
     mates = online.get(stage) or [s for found in online.values() for s in found]
-    link = await measure_links(p2p, mates, directory.run_id) if mates else None
+    link = await measure_links(ctx.p2p, mates, directory.run_id) if mates else None
+    if link is None and (rtt := await dht_round_trip(dht)) is not None:  # no server yet: the DHT's peers, no rate
+        link = LinkMeasurement(round_trip_s=rtt, rate=None, servers=0)
     timeouts = derive_timeouts(spec, link, sum(p.numel() for p in module.parameters()))
     log.info("%s", timeouts.describe())
     return timeouts
