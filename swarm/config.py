@@ -281,7 +281,7 @@ class AveragingSpec(_Section):
         "Every server of a run must agree on it.",
     )
     matchmaking_time: float = Field(
-        10.0, gt=0, description="Most seconds to gather a group (a ceiling): each server takes 20x the slowest "
+        10.0, gt=0, description="Most seconds to gather a group (a ceiling): each server takes 10x the slowest "
         "round trip it measured to the swarm's servers when it joins a stage, at least 2 s and at most this "
         "(swarm.net.timeouts; logged as 'timeouts from links'). Forming a group takes about 10 round trips. Lower "
         "it to cap the wait for a missing server; raise it if the log says 'Averaging step failed: could not find "

@@ -36,8 +36,8 @@ def test_the_demo_without_timeout_settings_takes_the_floors_on_loopback_and_more
     assert _values(fast) == FLOORS
     state = state_bytes(DEMO, STAGE0)  # fp32 parameters and AdamW's two moments
     assert state == 12 * STAGE0 and 15e6 < state < 30e6
-    # 20 round trips to gather a group; a state round's part (half the state) three times over; the round
-    assert home.matchmaking_time == pytest.approx(20 * 0.152)
+    # a state round's part (half the state) three times over; the round
+    assert home.matchmaking_time == FLOORS["matchmaking_time"]  # 10 round trips: 1.5 s
     assert home.next_chunk_timeout == pytest.approx(3 * (0.152 + state / 2 / HOME.rate))
     assert home.averaging_timeout == pytest.approx(home.matchmaking_time + 3 * (4 * 0.152 + 2 * state / HOME.rate))
     assert home.next_chunk_timeout > FLOORS["next_chunk_timeout"]
@@ -49,8 +49,8 @@ def test_the_demo_without_timeout_settings_takes_the_floors_on_loopback_and_more
 def test_a_spec_value_is_a_ceiling_even_below_the_floor_and_nothing_measured_takes_the_ceilings():
     assert _values(derive_timeouts(TINY, HOME, STAGE0)) == _ceilings(TINY)  # tiny.toml's values are below the floors
     assert _values(derive_timeouts(DEMO, None, STAGE0)) == _ceilings(DEMO)
-    pinged_only = derive_timeouts(DEMO, LinkMeasurement(0.152, None, 2), STAGE0)  # older servers answer no probe
-    assert pinged_only.matchmaking_time == pytest.approx(20 * 0.152)
+    pinged_only = derive_timeouts(DEMO, LinkMeasurement(0.352, None, 2), STAGE0)  # older servers answer no probe
+    assert pinged_only.matchmaking_time == pytest.approx(10 * 0.352)
     assert {k: v for k, v in _values(pinged_only).items() if k != "matchmaking_time"} == {
         k: v for k, v in _ceilings(DEMO).items() if k != "matchmaking_time"}
 

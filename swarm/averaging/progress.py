@@ -104,7 +104,7 @@ def refresh_periods(matchmaking_time: float) -> dict[str, float]:
     server's count at most once per ``min_refresh_period``. At 2 s: 0.25 and 0.5 s (this project used 0.1 and
     0.5 s and published every micro-batch; a read at most once per window let a resumed server's stage-mate miss
     its rounds, measured in tests/test_pause_resume.py). A longer window (a server derives one from its round
-    trips, :mod:`swarm.net.timeouts`: 3 s at 150 ms) waits longer for a late stage-mate, but noticing an epoch's
+    trips, :mod:`swarm.net.timeouts`: 3 s at 300 ms) waits longer for a late stage-mate, but noticing an epoch's
     end later would only delay every round."""
     window = min(matchmaking_time, POLL_WINDOW_S)
     return dict(min_refresh_period=window / 8, max_refresh_period=window / 4, default_refresh_period=window / 4)

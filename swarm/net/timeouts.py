@@ -6,8 +6,9 @@ the slowest peer makes every fast peer wait that long for a dead one (hivemind's
 the links: learning-at-home/hivemind#676). Here each peer, when it joins a stage or starts training, times its
 links to the swarm's servers (the slowest round trip ``rtt`` and the lowest rate ``r``, bytes/s) and sets
 
-* ``matchmaking_time = 20 rtt``: forming a group takes about ten round trips (DHT lookups, join requests), twice
-  over;
+* ``matchmaking_time = 10 rtt``: forming a group takes a DHT lookup (two round trips at 150 ms, measured) and a
+  join request, about five round trips, twice over (the window waits for a late stage-mate: a longer one costs
+  every round that waits for one, measured below);
 * ``next_chunk_timeout = 3 (rtt + P / r)`` with ``P`` half the stage's state bytes: the largest part a peer of a
   group of two waits for (a state round's; a gradient round's parts are smaller);
 * ``averaging_timeout = matchmaking_time + 3 (4 rtt + 2 S / r)`` with ``S`` the state bytes: a butterfly
@@ -32,8 +33,9 @@ from swarm.net.links import LinkMeasurement
 
 MARGIN = 3.0
 """Times the expected duration a timeout allows (module docstring)."""
-MATCHMAKING_ROUND_TRIPS = 20.0
-"""Round trips ``matchmaking_time`` allows (about ten to form a group, twice over)."""
+MATCHMAKING_ROUND_TRIPS = 10.0
+"""Round trips ``matchmaking_time`` allows (module docstring). On the WAN lab's 20:150 (``bench/wan.py``, 150 s) the
+demo ran 958 and 985 tokens/s with 20 (a 3.1 s window) and 1055 with the old fixed 2 s; 10 gives 2 s there."""
 FLOORS = dict(matchmaking_time=2.0, averaging_timeout=20.0, next_chunk_timeout=10.0, forward_s=30.0, backward_s=30.0)
 """Least value of each derived timeout (seconds): what the demo ran with on 2 busy cores, where scheduling, not the
 link, sets how long a round or a call may take."""

@@ -58,7 +58,7 @@ from typing import Callable, Optional, Protocol
 import torch
 from hivemind.p2p import P2P
 
-from swarm.config import RunSpec
+from swarm.config import RunSpec, TimeoutSpec
 from swarm.net.codecs import ACTIVATION_CODECS, agreement_floor
 from swarm.protocol import (BackwardRequest, ForwardRequest, ProtocolError, ServerInfo, StageReceipt,
                             open_record)
@@ -89,6 +89,7 @@ class StageCaller(Protocol):
     and the wire form of what was sent and received (``request_wire``, ``reply_wire``)."""
 
     codec: str
+    timeouts: TimeoutSpec  # forward_s and backward_s as the pipeline derived them from its links
 
     async def call(self, server: ServerInfo, method: str, message, tensors: list[torch.Tensor], timeout: float): ...
 
@@ -294,7 +295,7 @@ class SpotChecker:
         tolerance = self.tolerance(stage, call)
         for server in await self._witnesses(sampled, first.epoch):
             try:
-                timeout = self.spec.timeouts.forward_s + self.spec.timeouts.backward_s
+                timeout = sampled.caller.timeouts.forward_s + sampled.caller.timeouts.backward_s
                 reply = await sampled.caller.call(server, sampled.method, sampled.request, sampled.tensors, timeout)
                 receipt = self._receipt(reply, stage, call, mb_id)
             except Exception as e:
