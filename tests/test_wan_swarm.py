@@ -54,9 +54,18 @@ def test_a_swarm_over_100mbit_50ms_links_trains_routes_around_a_killed_server_an
                 sc.stage_in_sync(stage, exclude=[victim.peer_id], min_epoch=6)
             traffic = lab.traffic()
             trainer_logs = "\n".join(p.log.read_text(errors="replace") for p in sw.peers if p.role == "trainer")
+            third_log = third.log.read_text(errors="replace")
         # every stage's servers talked over the lab's links (nothing took a shortcut through the host)
         assert traffic.get(("server1", "server3"), 0) > 0 and traffic.get(("trainer6", "server2"), 0) > 0, traffic
         # the trainers measured the round trip and kept more micro-batches in flight to cover it
         raised = [int(n) for n in re.findall(r"micro-batches in flight: (\d+)", trainer_logs)]
         assert raised and max(raised) > 2, raised
+        # the trainers and the server that joined a running stage timed the lab's links (swarm.net.links) as the
+        # lab's own probe did: the round trip at least the lab's, a rate the link's 100 Mbit/s caps
+        timed = re.findall(r"timeouts from links round_trip_ms=([\d.]+) rate_MBps=([\d.]+) servers=(\d+)",
+                           trainer_logs + third_log)
+        assert len(timed) == 3, timed
+        for rtt_ms, rate, servers in timed:
+            assert PROFILE.rtt_ms <= float(rtt_ms) < 4 * link["rtt_ms"] and int(servers) >= 1, timed
+            assert 0.2 < float(rate) <= 1.05 * PROFILE.mbit / 8, timed
     assert leftovers() == []
