@@ -31,7 +31,7 @@ def test_a_first_join_counts_the_process_s_life_before_it():
     age = process_age_s()
     assert 0.0 < age < 24 * 3600  # this test's interpreter started a while ago, not never
     figures = _parse(JoinClock().line())
-    assert figures["start"] >= age and figures["joined"] >= figures["start"]
+    assert figures["start"] >= age - 0.005 and figures["joined"] >= figures["start"]  # (the line rounds to 0.01 s)
 
 
 def test_an_unknown_phase_is_refused_naming_the_known_ones():
