@@ -7,8 +7,8 @@ the links: learning-at-home/hivemind#676). Here each peer, when it joins a stage
 links to the swarm's servers (the slowest round trip ``rtt`` and the lowest rate ``r``, bytes/s) and sets
 
 * ``matchmaking_time = 10 rtt``: forming a group takes a DHT lookup (two round trips at 150 ms, measured) and a
-  join request, about five round trips, twice over (the window waits for a late stage-mate: a longer one costs
-  every round that waits for one, measured below);
+  join request, about five round trips, twice over (the window is waited out whenever a stage-mate is late, so
+  it is kept short: :data:`MATCHMAKING_ROUND_TRIPS`);
 * ``next_chunk_timeout = 3 (rtt + P / r)`` with ``P`` half the stage's state bytes: the largest part a peer of a
   group of two waits for (a state round's; a gradient round's parts are smaller);
 * ``averaging_timeout = matchmaking_time + 3 (4 rtt + 2 S / r)`` with ``S`` the state bytes: a butterfly
@@ -17,10 +17,11 @@ links to the swarm's servers (the slowest round trip ``rtt`` and the lowest rate
   reply), beside the server's compute, which :data:`FLOORS` covers;
 
 each at least its :data:`FLOORS` value (on fast links a busy CPU's scheduling, not the wire, bounds these: the
-floors are the values the demo ran with on 2 cores) and at most the spec's value, the *ceiling*. With no server to
-measure (the run's first), a peer takes the ceilings; with round trips but no rate (older servers answer no
-probe), the rate-bound ones too. The factor 3 is the margin TCP's retransmission timer keeps over a smoothed round
-trip (RFC 6298: SRTT + 4 RTTVAR, about 3x on a steady link).
+floors are the values the demo ran with on 2 cores) and at most the spec's value, the *ceiling*. The run's first
+server, with no other server to probe, has a round trip from its DHT peers and no rate; with no rate (also: older
+servers answer no probe) the rate-bound timeouts take their ceilings, and with nothing measured all do. The
+factor 3 is the margin TCP's retransmission timer keeps over a smoothed round trip (RFC 6298: SRTT + 4 RTTVAR,
+about 3x on a steady link).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from swarm.net.links import LinkMeasurement
 MARGIN = 3.0
 """Times the expected duration a timeout allows (module docstring)."""
 MATCHMAKING_ROUND_TRIPS = 10.0
-"""Round trips ``matchmaking_time`` allows (module docstring). On the WAN lab's 20:150 (``bench/wan.py``, 150 s) the
-demo ran 958 and 985 tokens/s with 20 (a 3.1 s window) and 1055 with the old fixed 2 s; 10 gives 2 s there."""
+"""Round trips ``matchmaking_time`` allows (module docstring): 1.5 s at 150 ms, so the floor's 2 s, the window the demo
+always ran with at 20 Mbit/s and 150 ms. (On that WAN lab profile, ``bench/wan.py``, 150 s, one run each: 20 round
+trips, a 3.1 s window, ran 958 and 985 tokens/s, the fixed 2 s 1055, and 10 again 841 with a failed round at a
+joiner's arrival: within the runs' spread, no gain from the longer window.)"""
 FLOORS = dict(matchmaking_time=2.0, averaging_timeout=20.0, next_chunk_timeout=10.0, forward_s=30.0, backward_s=30.0)
 """Least value of each derived timeout (seconds): what the demo ran with on 2 busy cores, where scheduling, not the
 link, sets how long a round or a call may take."""
