@@ -288,14 +288,16 @@ class AveragingSpec(_Section):
         "a group' while that line shows it at this value.",
     )
     averaging_timeout: float = Field(
-        300.0, gt=0, description="Most seconds before an averaging round is abandoned (a ceiling): each server "
+        120.0, gt=0, description="Most seconds before an averaging round is abandoned (a ceiling): each server "
         "takes matchmaking_time plus 3x (4 round trips + 2x the stage's parameters and optimizer state over the "
         "lowest rate it measured), at least 20 s and at most this (swarm.net.timeouts): a round moves about 2x its "
-        "vector through each server's link. Lower it to give up sooner on a hung round; raise it if the log says "
-        "'averaging round ... ran out of time' while 'timeouts from links' shows it at this value.",
+        "vector through each server's link. A server with no rate measured (the run's first) waits this long on a "
+        "peer that vanished mid-round. Lower it to give up sooner on a hung round; raise it (large states, slow "
+        "links) if the log says 'averaging round ... ran out of time' while 'timeouts from links' shows it at this "
+        "value.",
     )
     next_chunk_timeout: float = Field(
-        120.0, gt=0, description="Most seconds to wait for a peer's next part in the all-reduce (a ceiling; a "
+        60.0, gt=0, description="Most seconds to wait for a peer's next part in the all-reduce (a ceiling; a "
         "sender waits twice it for the reply, a joiner this long for each message of a state download): each "
         "server takes 3x (a round trip + half the stage's state over the lowest rate it measured), at least 10 s "
         "and at most this (swarm.net.timeouts). Raise it if the log shows 'received X% results' or 'no reply "
