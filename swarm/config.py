@@ -281,28 +281,19 @@ class AveragingSpec(_Section):
         "Every server of a run must agree on it.",
     )
     matchmaking_time: float = Field(
-        10.0, gt=0, description="Most seconds to gather a group (a ceiling): each server takes 10x the slowest "
-        "round trip it measured to the swarm's servers when it joins a stage, at least 2 s and at most this "
-        "(swarm.net.timeouts; logged as 'timeouts from links'). Forming a group takes about 10 round trips. Lower "
-        "it to cap the wait for a missing server; raise it if the log says 'Averaging step failed: could not find "
-        "a group' while that line shows it at this value.",
-    )
+        10.0, gt=0, description="Most seconds to gather a group, a ceiling: each server derives 10 round trips (at "
+        "least 2 s) from its links (swarm.net.timeouts, logged 'timeouts from links'). Raise it if the log says "
+        "'could not find a group' while that line shows it at this value.")
     averaging_timeout: float = Field(
-        120.0, gt=0, description="Most seconds before an averaging round is abandoned (a ceiling): each server "
-        "takes matchmaking_time plus 3x (4 round trips + 2x the stage's parameters and optimizer state over the "
-        "lowest rate it measured), at least 20 s and at most this (swarm.net.timeouts): a round moves about 2x its "
-        "vector through each server's link. A server with no rate measured (the run's first) waits this long on a "
-        "peer that vanished mid-round. Lower it to give up sooner on a hung round; raise it (large states, slow "
-        "links) if the log says 'averaging round ... ran out of time' while 'timeouts from links' shows it at this "
-        "value.",
-    )
+        120.0, gt=0, description="Most seconds before a round is abandoned, a ceiling: each server derives 3x the "
+        "time its stage's state takes through its link twice (at least 20 s; swarm.net.timeouts); the run's first "
+        "server, with no rate measured, takes this. Raise it if the log says 'ran out of time' while 'timeouts "
+        "from links' shows it at this value.")
     next_chunk_timeout: float = Field(
-        60.0, gt=0, description="Most seconds to wait for a peer's next part in the all-reduce (a ceiling; a "
-        "sender waits twice it for the reply, a joiner this long for each message of a state download): each "
-        "server takes 3x (a round trip + half the stage's state over the lowest rate it measured), at least 10 s "
-        "and at most this (swarm.net.timeouts). Raise it if the log shows 'received X% results' or 'no reply "
-        "within' naming a reducer while 'timeouts from links' shows it at this value."
-    )
+        60.0, gt=0, description="Most seconds to wait for a peer's next part in the all-reduce (a sender waits twice "
+        "it for the reply, a joiner this long per message of a state download), a ceiling: each server derives 3x "
+        "half its stage's state over its link (at least 10 s; swarm.net.timeouts). Raise it if the log says "
+        "'received X% results' or 'no reply within' while 'timeouts from links' shows it at this value.")
     average_state_every: int = Field(
         10, ge=1, description="Epochs between parameter/optimizer-state averaging rounds (re-syncs drifting servers)."
     )
@@ -373,12 +364,10 @@ class AveragingSpec(_Section):
 
 class TimeoutSpec(_Section):
     forward_s: float = Field(
-        120.0, gt=0, description="Most seconds a trainer waits for a stage's forward (a ceiling): it takes 3x (a "
-        "round trip + a micro-batch's fp32 activations, sent and received, over the lowest rate it measured to "
-        "the servers), at least 30 s for the server's compute and queue, and at most this (swarm.net.timeouts). "
-        "A server reads a request for at most the larger of forward_s and backward_s. Raise it if trainers log "
-        "'failed (TimeoutError' against servers that are alive.",
-    )
+        120.0, gt=0, description="Most seconds a trainer waits for a stage's forward, a ceiling: it derives 3x a "
+        "micro-batch's fp32 activations, both ways, over its link (at least 30 s for the server's compute and "
+        "queue; swarm.net.timeouts). A server reads a request for at most the larger of forward_s and backward_s. "
+        "Raise it if trainers log 'failed (TimeoutError' against live servers.")
     backward_s: float = Field(120.0, gt=0, description="Most seconds a trainer waits for a stage's backward (a "
                               "ceiling, derived as forward_s).")
     backoff_s: float = Field(
