@@ -33,8 +33,15 @@ def test_a_measurement_times_pings_and_echoes_and_an_oversized_echo_is_refused(d
     server = StageServer(TINY, RUN, 0)
 
     async def main():
-        await server.add_p2p_handlers(await server_dht.replicate_p2p(), namespace=RUN)
-        p2p = await client_dht.replicate_p2p()
+        replicas = [await server_dht.replicate_p2p(), await client_dht.replicate_p2p()]
+        try:
+            await checks(*replicas)
+        finally:
+            for replica in reversed(replicas):  # (each leaves a Unix socket file in /tmp until shut down)
+                await replica.shutdown()
+
+    async def checks(served, p2p):
+        await server.add_p2p_handlers(served, namespace=RUN)
         live, gone = _info(server_dht, 0, "s0"), _info(server_dht, 1, "s1")  # nothing serves stage 1 there
         bare = await ping_seconds(p2p, live, RUN)
         echoed = await ping_seconds(p2p, live, RUN, echo_bytes=MAX_ECHO_BYTES)
