@@ -20,8 +20,6 @@ import math
 import time
 from typing import Optional
 
-from swarm.net.links import round_trip
-
 MOST_IN_FLIGHT = 16
 """Most micro-batches a trainer keeps in flight (each holds its activations, ~B x T x d floats per stage); half of
 what a stage server serves one peer at once (:data:`swarm.net.quota.MAX_IN_FLIGHT`), leaving room for spot
@@ -68,4 +66,4 @@ class InFlight:
         return target
 
 
-__all__ = ["InFlight", "MOST_IN_FLIGHT", "TUNE_EVERY_S", "in_flight_target", "round_trip"]
+__all__ = ["InFlight", "MOST_IN_FLIGHT", "TUNE_EVERY_S", "in_flight_target"]

@@ -47,8 +47,8 @@ from swarm.trust.tickets import RunTickets
 from swarm.net.directory import AsyncRunDirectory
 from swarm.net.transport import GLOBAL_COUNTER
 from swarm.protocol import TrainerInfo
-from swarm.trainer.inflight import TUNE_EVERY_S, InFlight, round_trip
-from swarm.net.links import measure_links
+from swarm.trainer.inflight import TUNE_EVERY_S, InFlight
+from swarm.net.links import measure_links, round_trip
 from swarm.net.timeouts import derive_timeouts
 from swarm.trainer.pipeline import PipelineError, RemotePipeline, validation_loss
 from swarm.trust.banlist import PeerBanned, RunBans
@@ -265,7 +265,8 @@ class Trainer:
         if link is None:
             return False
         timeouts = derive_timeouts(self.spec, link)
-        self.pipeline.timeouts = timeouts.apply(self.spec).timeouts
+        self.pipeline.timeouts = self.spec.timeouts.model_copy(update=dict(forward_s=timeouts.forward_s,
+                                                                           backward_s=timeouts.backward_s))
         self.log.info("%s", timeouts.describe("forward_s", "backward_s"))
         return True
 
