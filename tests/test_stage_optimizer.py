@@ -11,7 +11,6 @@ from typing import Iterator
 import pytest
 import torch
 
-from swarm.averaging.averager import RobustStateAverager
 from swarm.averaging.optimizer import StageOptimizer
 from swarm.model import build_stage
 from tests.conftest import TINY, keyed_dhts
@@ -32,17 +31,13 @@ def _statistics(optimizer: StageOptimizer) -> dict[tuple[int, str], torch.Tensor
 
 
 @contextlib.contextmanager
-def _two_servers(run: str, second_state_averager=RobustStateAverager) -> Iterator[tuple[StageOptimizer,
-                                                                                         StageOptimizer]]:
-    """Two servers of stage 0 of run ``run``, each with its DHT node (the second's state averager from
-    ``second_state_averager``); shut down on exit."""
+def _two_servers(run: str) -> Iterator[tuple[StageOptimizer, StageOptimizer]]:
+    """Two servers of stage 0 of run ``run``, each with its DHT node; shut down on exit."""
     (first_key, first), (second_key, second) = keyed_dhts(2)
     optimizers = []
     try:
-        for key, node, factory in ((first_key, first, RobustStateAverager),
-                                   (second_key, second, second_state_averager)):
-            optimizers.append(StageOptimizer(TINY, run, 0, node, build_stage(TINY.model, 0), identity=key,
-                                             state_averager_factory=factory))
+        for key, node in ((first_key, first), (second_key, second)):
+            optimizers.append(StageOptimizer(TINY, run, 0, node, build_stage(TINY.model, 0), identity=key))
         yield optimizers[0], optimizers[1]
     finally:
         for o in optimizers:
@@ -532,31 +527,28 @@ def test_a_server_whose_gradient_round_failed_says_it_is_out_of_sync():
         assert idle.synced and idle.jump_to_epoch(5) == 5 and not idle.synced
 
 
-class _NoStateRounds(RobustStateAverager):
-    """A fault: this server's state rounds never run (as when its group never forms); its other steps do."""
-
-    def step(self, *args, averaging_round: bool = False, averaging_control=None, averaging_opts=None, **kwargs):
-        if averaging_control is not None:
-            averaging_control.cancel()
-        return super().step(*args, **kwargs)
-
-
 @pytest.mark.timeout(180)
-def test_a_server_whose_state_round_did_not_complete_says_it_is_out_of_sync():
-    """The two servers' gradient rounds go through, but the second never joins a state round (its stage-mates'
-    may have averaged in an out-of-sync member's state and moved: two honest servers were convicted so in CI), so
-    at the transition into epoch 2 (``average_state_every = 2``) neither's state round completes: both say they
-    are out of sync, though their gradient rounds kept them equal. An epoch with no state round changes nothing."""
-    with _two_servers("nostate", second_state_averager=_NoStateRounds) as (busy, other):
+def test_a_server_out_of_sync_takes_the_stages_state_in_a_state_round_and_moves_no_one_elses():
+    """The second server's parameters are off by 1.0 and it knows (``synced`` False, as after a failed round).
+    At the transition into epoch 2 (a state round, ``average_state_every = 2``) it averages with weight 0: it ends
+    with the first server's state, in sync, and the first server's parameters moved by its own step only, not
+    halfway to the other's (with weight 1 they did; a stage-mate that missed that round then kept the old state,
+    both said "in sync", and spot checks convicted honest servers of tests/test_scale.py in CI)."""
+    with _two_servers("weight0") as (busy, off):
         micro = TINY.training.micro_batch_size
-        other.step(_gradients(other.module, 99), micro, "trainer1")
+        off.step(_gradients(off.module, 99), micro, "trainer1")
         busy.step(_gradients(busy.module, 0), micro, "trainer0")
         assert busy.wait_until_counted(2, timeout=30), "the busy server never counted the other one"
-        _fill_epoch(busy, other, 1)  # into epoch 1: a gradient round, no state round due
-        assert busy.epoch == other.epoch == 1 and busy.synced and other.synced
-        _fill_epoch(busy, other, 100)  # into epoch 2: a state round due, which neither completes
-        assert busy.epoch == other.epoch == 2 and not busy.synced and not other.synced
-        assert not _differing(busy, other), "the gradient rounds went through: only the state round failed"
+        _fill_epoch(busy, off, 1)  # into epoch 1: a gradient round, no state round
+        assert busy.epoch == off.epoch == 1 and busy.synced and off.synced and not _differing(busy, off)
+        off.load_state({k: v + 1.0 if k.startswith("param/") else v for k, v in off.state().items()})
+        off._opt.synced = False
+        before = {k: v for k, v in busy.state().items() if k.startswith("param/")}
+        _fill_epoch(busy, off, 100)  # into epoch 2: its gradient round, then the state round
+        assert busy.epoch == off.epoch == 2 and busy.synced and off.synced
+        assert not _differing(busy, off), "the state round gave the out-of-sync server the stage's state"
+        moved = max((busy.state()[k] - v).abs().max().item() for k, v in before.items())
+        assert moved < 0.1, f"the server in sync moved {moved:.3f} toward the out-of-sync one's parameters"
 
 
 def _fill_epoch(busy: StageOptimizer, other: StageOptimizer, seed: int) -> None:

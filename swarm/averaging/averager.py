@@ -513,6 +513,13 @@ class RobustStateAverager(AgreedRounds, DonorChoice, RobustAllReduceMixin, Train
     (:mod:`swarm.averaging.donors`)."""
 
     wire_name = "RobustStateAverager"
+    state_weight: float = 1.0
+    """This server's weight in its state rounds (set by the optimizer before each epoch's transition): 0 while it
+    is out of sync (:attr:`~swarm.averaging.StageOptimizer.synced`), so its round gives it the stage's state and moves
+    no stage-mate's (the reducers keep a weight-0 part out of the vote, :mod:`~swarm.averaging.reducer`). With weight
+    1 a state round of the members in sync and one out of sync moved theirs, the members that missed that round kept
+    theirs, and both said "in sync": spot checks then convicted two honest servers of ``tests/test_scale.py`` in CI
+    (at state-round epochs 4 and 6)."""
 
     def __init__(self, *, rules: AveragingRules = AveragingRules(), identity=None, run_id: str = "local",
                  gate: Optional[Gate] = None, **kwargs):
@@ -522,6 +529,16 @@ class RobustStateAverager(AgreedRounds, DonorChoice, RobustAllReduceMixin, Train
         self._init_agreement()
         self._init_donors()
         super().__init__(**kwargs)
+
+    def step(self, *args, averaging_round: bool = False, averaging_control=None, averaging_opts=None, **kwargs):
+        """hivemind's ``TrainingStateAverager.step``; a state round (``averaging_round``) with :attr:`state_weight`
+        (also on a round scheduled before: ``averaging_control``)."""
+        if averaging_round:
+            averaging_opts = {**(averaging_opts or {}), "weight": self.state_weight}
+            if averaging_control is not None and not (averaging_control.triggered or averaging_control.done()):
+                averaging_control.weight = self.state_weight
+        return super().step(*args, averaging_round=averaging_round, averaging_control=averaging_control,
+                            averaging_opts=averaging_opts, **kwargs)
 
     def get_current_state(self):
         """The state a joiner downloads, as hivemind's ``TrainingStateAverager.get_current_state`` builds it

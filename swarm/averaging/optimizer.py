@@ -86,8 +86,9 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
       (:mod:`swarm.averaging.overlap`); in ``outer`` mode inner steps run between the rounds, which average the
       pseudo-gradient (:mod:`swarm.averaging.outer`).
     * When its round fails hivemind steps on the server's own gradient, and its parameters leave the stage's
-      until the next state round; ``synced`` says so (set at the transition: ``_update_global_epoch``), also
-      after a state round that did not complete here (the others' may have moved their state).
+      until the next state round; ``synced`` says so (set at the transition: ``_update_global_epoch``). Its state
+      round then carries weight 0 (:attr:`RobustStateAverager.state_weight`): it receives the stage's state and
+      moves no one's.
     """
 
     def __init__(self, *, state_rules: dict, state_averager_factory=RobustStateAverager, overlap_rounds=False,
@@ -110,22 +111,12 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         self.grad_averager.round_epoch = self.local_epoch
         late, self._late, self._own_step = self._late, False, False
         others = self.tracker.global_progress.num_peers > 1
-        state_due = others and self._averages_state_next()
+        self.state_averager.state_weight = 1.0 if self.synced else 0.0  # out of sync: it moves no one's state
         super()._update_global_epoch(grad_scaler)
         if self.state_averager.rounds_completed > states:
             self.synced = True  # parameters and statistics averaged with the group: equal to theirs again
         elif others and (late or self._own_step):
             self.synced = False  # it stepped on its own gradient (or, late, on none) while its stage-mates did not
-        elif state_due:
-            # its state round did not complete; the stage-mates' may have, with an out-of-sync member's state in
-            # it: theirs then moved and this one's did not (two honest servers convicted in CI, tests/test_scale.py)
-            self.synced = False
-
-    def _averages_state_next(self) -> bool:
-        """Whether the coming transition averages the state (hivemind 1.1.12's ``should_average_state``, less its
-        "more than one peer")."""
-        next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
-        return next_epoch % self.average_state_every == 0 and not self.state_averager.averaging_in_progress
 
     def _load_local_gradients_into_optimizer(self):
         """hivemind's fallback when its round failed (or it was alone): this server's own gradient. hivemind logs a

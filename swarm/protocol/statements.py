@@ -51,7 +51,7 @@ class StageReceipt(Record):
     stage: int = Field(ge=0)
     epoch: int = Field(ge=0, description="The epoch of the parameters the reply was computed with.")
     synced: bool = Field(True, description="Whether those parameters are the stage's shared ones: False while "
-                         "the server holds its own after a failed round, or missed a state round (StageOptimizer.synced). Only synced "
+                         "the server holds its own after a failed round (StageOptimizer.synced). Only synced "
                          "answers are compared by spot checks.")
     mb_id: str = Field(min_length=1, max_length=128)
     call: Literal["forward", "backward"]

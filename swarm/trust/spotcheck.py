@@ -28,8 +28,7 @@ its server too (an honest server always signs what it sends).
 
 Out of sync: a server whose gradient round failed steps on its own gradient while its stage-mates step on
 their aggregate, and holds other parameters than theirs at the same epoch until the next state-averaging round
-(:attr:`~swarm.averaging.StageOptimizer.synced`); so may one whose state round did not complete while its
-stage-mates' did (with an out-of-sync member's state in it, theirs moved). Its receipts say so (``synced = false``); such an answer is
+(:attr:`~swarm.averaging.StageOptimizer.synced`). Its receipts say so (``synced = false``); such an answer is
 not compared (its difference is no lie) and evidence holding one is refused by every verifier. So that a liar
 gains little by saying so, the excuse lasts :data:`EXCUSED_STATE_ROUNDS` state rounds of its stage (counted on
 the other servers' epochs) per streak of such answers; after that its answers are compared as any, and a
