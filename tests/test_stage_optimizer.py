@@ -532,8 +532,8 @@ def test_a_server_out_of_sync_takes_the_stages_state_in_a_state_round_and_moves_
     """The second server's parameters are off by 1.0 and it knows (``synced`` False, as after a failed round).
     At the transition into epoch 2 (a state round, ``average_state_every = 2``) it averages with weight 0: it ends
     with the first server's state, in sync, and the first server's parameters moved by its own step only, not
-    halfway to the other's (with weight 1 they did; a stage-mate that missed that round then kept the old state,
-    both said "in sync", and spot checks convicted honest servers of tests/test_scale.py in CI)."""
+    halfway to the other's (with weight 1 they did: a stage-mate that missed that round then kept the old state,
+    both said "in sync", and spot checks could convict an honest server)."""
     with _two_servers("weight0") as (busy, off):
         micro = TINY.training.micro_batch_size
         off.step(_gradients(off.module, 99), micro, "trainer1")

@@ -518,8 +518,8 @@ class RobustStateAverager(AgreedRounds, DonorChoice, RobustAllReduceMixin, Train
     is out of sync (:attr:`~swarm.averaging.StageOptimizer.synced`), so its round gives it the stage's state and moves
     no stage-mate's (the reducers keep a weight-0 part out of the vote, :mod:`~swarm.averaging.reducer`). With weight
     1 a state round of the members in sync and one out of sync moved theirs, the members that missed that round kept
-    theirs, and both said "in sync": spot checks then convicted two honest servers of ``tests/test_scale.py`` in CI
-    (at state-round epochs 4 and 6)."""
+    theirs, and both said "in sync", so spot checks could convict an honest server (the likely way two honest servers
+    of ``tests/test_scale.py`` were convicted in CI, on answers at state-round epochs 4 and 6)."""
 
     def __init__(self, *, rules: AveragingRules = AveragingRules(), identity=None, run_id: str = "local",
                  gate: Optional[Gate] = None, **kwargs):
