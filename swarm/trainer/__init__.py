@@ -5,5 +5,6 @@
 * :mod:`swarm.trainer.pipeline` — :class:`~swarm.trainer.pipeline.RemotePipeline`, a micro-batch through the
   stages with retries, and the listener it tells of its calls (the trainer's spot checks).
 * :mod:`swarm.trainer.routing` — stochastic wiring and back-off: which server of a stage gets a micro-batch.
-* :mod:`swarm.trainer.inflight` — how many micro-batches to keep in flight to cover the round trips.
+* :mod:`swarm.trainer.inflight` — how many micro-batches to keep in flight: the pipeline's measured
+  bandwidth-delay product.
 """

@@ -1,23 +1,36 @@
-"""How many micro-batches a trainer keeps in flight: enough to keep its servers busy across the round trips.
+"""How many micro-batches a trainer keeps in flight: enough to keep its servers busy across the network.
 
 A micro-batch spends its life in ``2S - 1`` calls for ``S`` stages (a forward on each stage, the last one with its
-backward, then a backward on each earlier stage), and every call costs one network round trip on top of the
-server's compute. On loopback a trainer's base concurrency (``TrainerOptions.concurrency``) keeps the pipeline
-fed; over a link with round trip ``rtt`` the same micro-batches finish ``(2S - 1) * rtt`` later each, and the
-servers idle meanwhile. By Little's law, keeping the rate ``r`` (micro-batches per second) needs
-``r * (2S - 1) * rtt`` more micro-batches in flight (SWARM parallelism, Ryabinin et al. 2023, sec. 3: a trainer
-keeps enough micro-batches in flight to cover latency x throughput). :class:`InFlight` measures ``rtt`` with
-``rpc_ping`` (:func:`swarm.net.links.round_trip`: the least of a few pings per server, the median over servers:
-queueing at a busy server is not network latency) and ``r`` from the micro-batches this trainer finished in the
-last period, and sets ``target = base + ceil(r * (2S - 1) * rtt - 0.1)``, at most :data:`MOST_IN_FLIGHT`. The
-round trip is measured apart from the compute, so a higher target that only builds queues at the servers does not
-raise it further.
+backward, then a backward on each earlier stage); each call costs the server's compute and, over a link, the
+round trip, the tensors' transfer each way and TCP's slow start after an idle gap. A trainer with ``N``
+micro-batches in flight and a micro-batch latency ``L`` finishes ``N / L`` of them a second (Little's law), so over
+a far link it needs more in flight than on loopback for the same rate (SWARM parallelism, Ryabinin et al. 2023,
+sec. 3: a trainer keeps enough micro-batches in flight to cover latency x throughput).
+
+How many is the pipeline's bandwidth-delay product, found as BBR finds a TCP flow's (Cardwell et al., "BBR:
+Congestion-Based Congestion Control", ACM Queue 2016): the *bottleneck rate* is the highest rate this trainer
+finished micro-batches at over the last :data:`RATE_WINDOW` tuning periods, the *unloaded latency* the least
+seconds a micro-batch took from its first call to its last over the last :data:`LATENCY_WINDOW` periods (queueing
+at a busy server, an epoch's transition and retries only lengthen a micro-batch, so the least one is the
+pipeline's own latency), and the target is ``ceil(GAIN x rate x latency)``, between the base concurrency
+(``TrainerOptions.concurrency``) and :data:`MOST_IN_FLIGHT`. While the rate follows the target, the target
+grows by :data:`GAIN` each period; it settles once the servers' queues, not the network, set the rate. The latency's window is long because the servers' queues, once full, lengthen every micro-batch (servers
+shared with other trainers are rarely idle, and this trainer never drains them as BBR's ProbeRTT does): over a
+short window the least latency grew with the target (1.2 s to 2.0 s at 20:150 in 30 s, the target 6 to 12). A
+period in which nothing finished (the swarm stalled, e.g. every server of a stage between epochs) changes
+nothing.
+
+Measured in the WAN lab (``bench/wan.py``, 20 Mbit/s and 150 ms, the demo in outer steps with ``lowrank_ternary``
+activations): a trainer counting only the servers' ping round trips (``base + rate x (2S - 1) x rtt``) kept 3-4
+micro-batches in flight, at 0.67-0.74 s a micro-batch outside the servers against the pings' 0.45 s, and the swarm
+trained 3677 tokens/s; 7-9 in flight gave 4767.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from typing import Optional
 
 MOST_IN_FLIGHT = 16
@@ -25,45 +38,67 @@ MOST_IN_FLIGHT = 16
 what a stage server serves one peer at once (:data:`swarm.net.quota.MAX_IN_FLIGHT`), leaving room for spot
 checks."""
 TUNE_EVERY_S = 10.0
-"""Seconds between two measurements of the round trip and the rate."""
+"""Seconds between two tunings (one period)."""
+RATE_WINDOW = 3
+"""Periods over which the highest rate is taken (BBR's bandwidth window: a rate lost, e.g. to a server gone, is
+forgotten within ``RATE_WINDOW x TUNE_EVERY_S`` seconds)."""
+LATENCY_WINDOW = 30
+"""Periods over which the least micro-batch latency is taken (module docstring: long, so the servers' queues do
+not count as latency; a route that got slower is measured afresh within five minutes)."""
+GAIN = 4.0
+"""Micro-batches in flight per bandwidth-delay product. BBR keeps 2 (its cwnd gain) for one flow through one
+bottleneck; a micro-batch is at the slowest stage for only part of its latency (the demo's stage 1: 0.24 s of
+0.9 s at 20:150), on one of several servers picked at random, so with 2 a stage's servers idled while others
+queued. Measured in the WAN lab at 20:150: 2 kept 4 in flight (3909 tokens/s), 7-9 in flight gave 4767."""
 
 
-def in_flight_target(base: int, calls: int, round_trip_s: float, rate: float, most: int = MOST_IN_FLIGHT) -> int:
-    """``base + ceil(rate * calls * round_trip_s - 0.1)``, between ``base`` and ``max(base, most)``: Little's law
-    asks for the whole product, rounded up; a tenth of a micro-batch is forgiven (on loopback the product is
-    ~0.01, and adds none).
+def in_flight_target(base: int, rate: float, latency_s: float, most: int = MOST_IN_FLIGHT,
+                     gain: float = GAIN) -> int:
+    """``ceil(gain x rate x latency_s)``, between ``base`` and ``max(base, most)`` (the base is never lowered).
 
-    :param calls: network round trips per micro-batch (``2S - 1`` for ``S`` stages).
-    :param round_trip_s: the network round trip to the servers (seconds).
-    :param rate: micro-batches per second this trainer finishes.
+    :param rate: the bottleneck rate, micro-batches per second.
+    :param latency_s: the unloaded latency of a micro-batch (seconds).
     """
-    extra = math.ceil(max(0.0, rate) * calls * max(0.0, round_trip_s) - 0.1)
-    return max(base, min(max(base, most), base + extra))
+    product = max(0.0, rate) * max(0.0, latency_s)
+    return max(base, min(max(base, most), math.ceil(gain * product)))
 
 
 class InFlight:
-    """The trainer's in-flight target (module docstring): call :meth:`update` every :data:`TUNE_EVERY_S`
-    seconds with the micro-batches finished so far; it returns the new target, or None if unchanged (also when no
-    server answered a ping, or nothing finished in the period: the swarm stalled, e.g. a stage between epochs)."""
+    """The trainer's in-flight target (module docstring): :meth:`observe` each trained micro-batch's seconds, call
+    :meth:`update` every :data:`TUNE_EVERY_S` seconds with the micro-batches finished so far; it returns the new
+    target, or None if unchanged (also when nothing finished in the period)."""
 
-    def __init__(self, base: int, stages: int, most: int = MOST_IN_FLIGHT):
-        self.base, self.calls, self.most = base, 2 * stages - 1, most
+    def __init__(self, base: int, most: int = MOST_IN_FLIGHT, gain: float = GAIN):
+        self.base, self.most, self.gain = base, most, gain
         self.target = base
-        self.round_trip_s: Optional[float] = None
-        self.rate = 0.0
+        self.rate = 0.0  # micro-batches/s: the highest period's rate in its window
+        self.latency_s: Optional[float] = None  # the least micro-batch latency in its window
+        self._rates: deque[float] = deque(maxlen=RATE_WINDOW)  # per period
+        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)  # the least one of each period
+        self._least: Optional[float] = None  # the least latency observed in the current period
         self._last: Optional[tuple[float, int]] = None  # (time.monotonic(), micro-batches finished)
 
-    def update(self, finished: int, round_trip_s: Optional[float], now: Optional[float] = None) -> Optional[int]:
+    def observe(self, seconds: float) -> None:
+        """A micro-batch took ``seconds`` from its first call to its last answer."""
+        if seconds > 0 and (self._least is None or seconds < self._least):
+            self._least = seconds
+
+    def update(self, finished: int, now: Optional[float] = None) -> Optional[int]:
+        """The new target after ``finished`` micro-batches in all, or None if unchanged."""
         now = time.monotonic() if now is None else now
         last, self._last = self._last, (now, finished)
-        if last is None or now <= last[0] or round_trip_s is None or finished == last[1]:
+        if last is None or now <= last[0] or finished == last[1] or self._least is None:
             return None  # nothing to go on; a period in which nothing finished is a stall, not a slower rate
-        self.rate, self.round_trip_s = (finished - last[1]) / (now - last[0]), round_trip_s
-        target = in_flight_target(self.base, self.calls, round_trip_s, self.rate, self.most)
+        self._rates.append((finished - last[1]) / (now - last[0]))
+        self._latencies.append(self._least)
+        self._least = None
+        self.rate, self.latency_s = max(self._rates), min(self._latencies)
+        target = in_flight_target(self.base, self.rate, self.latency_s, self.most, self.gain)
         if target == self.target:
             return None
         self.target = target
         return target
 
 
-__all__ = ["InFlight", "MOST_IN_FLIGHT", "TUNE_EVERY_S", "in_flight_target"]
+__all__ = ["GAIN", "InFlight", "LATENCY_WINDOW", "MOST_IN_FLIGHT", "RATE_WINDOW", "TUNE_EVERY_S",
+           "in_flight_target"]

@@ -10,8 +10,8 @@ It joins the run's DHT in client mode (works behind NAT), prepares the run's dat
 lowest one no other live trainer announces), and resumes it at the position the newest checkpoint manifest
 recorded (:func:`resume_position`). It walks that share of each pass in a seeded order
 (:func:`swarm.data.share_order`), keeping micro-batches in flight through
-:class:`~swarm.trainer.pipeline.RemotePipeline`
-(``concurrency`` of them, plus enough to cover the round trips to its servers, :mod:`swarm.trainer.inflight`). Every
+:class:`~swarm.trainer.pipeline.RemotePipeline` (``concurrency`` of them at least, as many as the pipeline's
+bandwidth-delay product asks, :mod:`swarm.trainer.inflight`). Every
 ``record_ttl_s / 3`` seconds it publishes a signed :class:`~swarm.protocol.TrainerInfo` (with its position in
 the share's stream, which checkpoints record) and logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds
 it measures the validation loss through the swarm.
@@ -48,7 +48,7 @@ from swarm.net.directory import AsyncRunDirectory
 from swarm.net.transport import GLOBAL_COUNTER
 from swarm.protocol import TrainerInfo
 from swarm.trainer.inflight import TUNE_EVERY_S, InFlight
-from swarm.net.links import measure_links, round_trip
+from swarm.net.links import measure_links
 from swarm.net.timeouts import derive_timeouts
 from swarm.trainer.pipeline import PipelineError, RemotePipeline, validation_loss
 from swarm.trust.banlist import PeerBanned, RunBans
@@ -98,8 +98,9 @@ class TrainerOptions:
     """What a trainer does beyond the run spec (the flags of ``swarm-peer join --role trainer``).
 
     :param share: data share to train on (default: the lowest one no live trainer announces).
-    :param concurrency: the least micro-batches in flight; the trainer adds enough to cover its round trips to the
-        servers (:mod:`swarm.trainer.inflight`), up to :data:`~swarm.trainer.inflight.MOST_IN_FLIGHT`.
+    :param concurrency: the least micro-batches in flight; the trainer keeps as many as the pipeline's measured
+        bandwidth-delay product asks (:mod:`swarm.trainer.inflight`), up to
+        :data:`~swarm.trainer.inflight.MOST_IN_FLIGHT`.
     :param max_samples: stop after this many samples (default: train until stopped).
     :param loss_log: append every micro-batch's loss and sample indices here (JSON lines).
     """
@@ -141,6 +142,7 @@ class Trainer:
         self.running.set()
         self.draining = False
         self._retire = 0  # workers to stop after their micro-batch (the in-flight target fell)
+        self.in_flight = InFlight(options.concurrency)  # (swarm.trainer.inflight)
         self.error: Optional[Exception] = None  # why the trainer stopped itself (e.g. it was banned)
         self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
 
@@ -243,16 +245,16 @@ class Trainer:
         """Every :data:`~swarm.trainer.inflight.TUNE_EVERY_S` seconds, set the micro-batches in flight to
         :class:`~swarm.trainer.inflight.InFlight`'s target: start workers, or let some retire after their
         micro-batch."""
-        tuning, timed = InFlight(self.options.concurrency, self.spec.model.num_stages), False
+        tuning, timed = self.in_flight, False
         while not await sleep_or_stop(self._stop, TUNE_EVERY_S):
-            servers = [s for k in range(self.spec.model.num_stages) for s in await self.pipeline.servers(k)]
-            timed = timed or await self._time_links(servers)
-            rtt = await round_trip(self.p2p, servers, self.directory.run_id)
-            target = tuning.update(self.steps, rtt)
+            if not timed:
+                servers = [s for k in range(self.spec.model.num_stages) for s in await self.pipeline.servers(k)]
+                timed = await self._time_links(servers)
+            target = tuning.update(self.steps)
             if target is None:
                 continue
-            self.log.info("micro-batches in flight: %d (round trip %.0f ms to %d servers, %.2f micro-batches/s)",
-                          target, 1000 * rtt, len(servers), tuning.rate)
+            self.log.info("micro-batches in flight: %d (%.2f micro-batches/s at best, %.0f ms a micro-batch at least)",
+                          target, tuning.rate, 1000 * tuning.latency_s)
             live = {w for w in workers if not w.done()}
             self._retire = max(0, len(live) - target)
             for _ in range(target - len(live)):
@@ -282,6 +284,7 @@ class Trainer:
                 self._stop.set()
                 return
             indices = next(batches)
+            started = time.monotonic()
             try:
                 loss = await self.pipeline.forward_loss(self.dataset.batch(indices), train=True)
             except PipelineError as e:
@@ -291,6 +294,7 @@ class Trainer:
                 self.log.exception("unexpected error; stopping")
                 self._stop.set()
                 raise
+            self.in_flight.observe(time.monotonic() - started)
             self._count(indices, loss)
 
     def _count(self, indices: list[int], loss: float) -> None:
