@@ -13,17 +13,17 @@ finished micro-batches at over the last :data:`RATE_WINDOW` tuning periods, the 
 seconds a micro-batch took from its first call to its last over the last :data:`LATENCY_WINDOW` periods (queueing
 at a busy server, an epoch's transition and retries only lengthen a micro-batch, so the least one is the
 pipeline's own latency), and the target is ``ceil(GAIN x rate x latency)``, between the base concurrency
-(``TrainerOptions.concurrency``) and :data:`MOST_IN_FLIGHT`. While the rate follows the target, the target
-grows by :data:`GAIN` each period; it settles once the servers' queues, not the network, set the rate. The latency's window is long because the servers' queues, once full, lengthen every micro-batch (servers
-shared with other trainers are rarely idle, and this trainer never drains them as BBR's ProbeRTT does): over a
-short window the least latency grew with the target (1.2 s to 2.0 s at 20:150 in 30 s, the target 6 to 12). A
-period in which nothing finished (the swarm stalled, e.g. every server of a stage between epochs) changes
-nothing.
+(``TrainerOptions.concurrency``) and :data:`MOST_IN_FLIGHT`. While the rate follows the target, the target grows
+by :data:`GAIN` each period; it settles once the servers' queues, not the network, set the rate. The latency's
+window is long because the servers' queues, once full, lengthen every micro-batch (servers shared with other
+trainers are rarely idle, and this trainer never drains them as BBR's ProbeRTT does): over a 30 s window the
+least latency grew with the target (1.2 s to 2.0 s at 20:150, the target 6 to 12). A period in which nothing
+finished (the swarm stalled, e.g. every server of a stage between epochs) changes nothing.
 
 Measured in the WAN lab (``bench/wan.py``, 20 Mbit/s and 150 ms, the demo in outer steps with ``lowrank_ternary``
-activations): a trainer counting only the servers' ping round trips (``base + rate x (2S - 1) x rtt``) kept 3-4
-micro-batches in flight, at 0.67-0.74 s a micro-batch outside the servers against the pings' 0.45 s, and the swarm
-trained 3677 tokens/s; 7-9 in flight gave 4767.
+activations, 2 trainers): the rule before this one, ``base + rate x (2S - 1) x rtt`` with the servers' ping round
+trip, kept 3-4 micro-batches in flight (a micro-batch spent 0.67-0.74 s outside its servers, the pings said
+0.45 s) and the swarm trained 3677-3811 tokens/s; this one keeps 7-11 and trained 4655 (loopback: 5960).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ GAIN = 4.0
 """Micro-batches in flight per bandwidth-delay product. BBR keeps 2 (its cwnd gain) for one flow through one
 bottleneck; a micro-batch is at the slowest stage for only part of its latency (the demo's stage 1: 0.24 s of
 0.9 s at 20:150), on one of several servers picked at random, so with 2 a stage's servers idled while others
-queued. Measured in the WAN lab at 20:150: 2 kept 4 in flight (3909 tokens/s), 7-9 in flight gave 4767."""
+queued. Measured in the WAN lab at 20:150: a gain of 2 kept 4 in flight (3909 tokens/s), 4 kept 7-11 (4655); a
+fixed 7-9 gave 4767."""
 
 
 def in_flight_target(base: int, rate: float, latency_s: float, most: int = MOST_IN_FLIGHT,

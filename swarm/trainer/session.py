@@ -11,10 +11,10 @@ lowest one no other live trainer announces), and resumes it at the position the 
 recorded (:func:`resume_position`). It walks that share of each pass in a seeded order
 (:func:`swarm.data.share_order`), keeping micro-batches in flight through
 :class:`~swarm.trainer.pipeline.RemotePipeline` (``concurrency`` of them at least, as many as the pipeline's
-bandwidth-delay product asks, :mod:`swarm.trainer.inflight`). Every
-``record_ttl_s / 3`` seconds it publishes a signed :class:`~swarm.protocol.TrainerInfo` (with its position in
-the share's stream, which checkpoints record) and logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds
-it measures the validation loss through the swarm.
+bandwidth-delay product asks, :mod:`swarm.trainer.inflight`). Every ``record_ttl_s / 3`` seconds it publishes
+a signed :class:`~swarm.protocol.TrainerInfo` (with its position in the share's stream, which checkpoints record)
+and logs one fixed-key line; every ``SWARM_VAL_EVERY_S`` seconds it measures the validation loss through the
+swarm.
 """
 
 from __future__ import annotations
