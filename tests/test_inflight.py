@@ -21,7 +21,7 @@ def test_the_target_is_gain_times_the_bandwidth_delay_product_within_the_base_an
 
 
 def test_the_target_grows_while_the_rate_follows_and_stays_once_the_servers_set_the_rate():
-    tuning = InFlight(base=2, gain=2.0)  # (BBR's gain: the arithmetic below)
+    tuning = InFlight(base=2, stages=2, gain=2.0)  # (BBR's gain: the arithmetic below)
     assert tuning.update(0, now=0.0) is None  # the first call only starts the count
     # a far pipeline: 2 in flight, 1 s a micro-batch -> 2/s; twice the product: 4
     for _ in range(20):
@@ -41,7 +41,7 @@ def test_the_target_grows_while_the_rate_follows_and_stays_once_the_servers_set_
 
 
 def test_a_stall_changes_nothing_and_old_measurements_leave_their_windows():
-    tuning = InFlight(base=2, gain=2.0)  # (BBR's gain: the arithmetic below)
+    tuning = InFlight(base=2, stages=2, gain=2.0)  # (BBR's gain: the arithmetic below)
     tuning.update(0, now=0.0)
     tuning.observe(0.5)
     assert tuning.update(60, now=10.0) == 6  # 6/s x 0.5 s x 2
@@ -65,3 +65,14 @@ def test_a_stall_changes_nothing_and_old_measurements_leave_their_windows():
     assert targets[0] == 3 and targets[-1] == 12 and set(targets[1:-1]) == {None}
     # a period with no micro-batch timed (all dropped, say) changes nothing either
     assert tuning.update(finished + 10, now=now + 10 * LATENCY_WINDOW) is None and tuning.target == 12
+
+
+def test_the_target_is_never_below_what_the_pings_round_trips_ask_for():
+    # a busy machine: one lucky micro-batch took 0.1 s, the rest ~1 s at 2 in flight -> 2/s; the product says
+    # 4 x 2 x 0.1 = 0.8 (the base, 2); 3 calls of 150 ms at 2/s ask for 2 + ceil(0.9 - 0.1) = 3
+    tuning = InFlight(base=2, stages=2)
+    tuning.update(0, 0.15, now=0.0)
+    tuning.observe(0.1)
+    assert tuning.update(20, 0.15, now=10.0) == 3
+    tuning.observe(0.1)
+    assert tuning.update(40, None, now=20.0) == 2  # no server answered a ping: the product alone

@@ -16,13 +16,15 @@ of its DHT routing table instead (:func:`dht_round_trip`: the coordinator, train
 A timeout must cover the slowest peer this one waits for, so a measurement keeps the *slowest* figures: the
 longest round trip and the lowest rate among the servers that answered (the median would let the one slow
 stage-mate of a group time out every round). hivemind 1.1.12 measures nothing of its links (its averagers take
-a hand-set ``bandwidth``).
+a hand-set ``bandwidth``); the in-flight tuning of a trainer uses the median round trip instead
+(:mod:`swarm.trainer.inflight`: there the typical call, not the worst, sets a floor to the pipeline's depth).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -66,6 +68,15 @@ async def least_ping(p2p, server, run_id: str, pings: int = PINGS, echo_bytes: i
     return min(answered) if answered else None
 
 
+async def round_trip(p2p, servers: Sequence, run_id: str, pings: int = PINGS,
+                     most: int = SERVERS_PINGED) -> Optional[float]:
+    """The typical network round trip (seconds) to ``servers`` (ServerInfo): the least of ``pings`` ``rpc_ping``
+    per server, the *median* over the servers that answered (at most ``most``, sampled); None if none did."""
+    servers = random.sample(list(servers), min(most, len(servers)))
+    found = [t for t in await asyncio.gather(*(least_ping(p2p, s, run_id, pings) for s in servers)) if t is not None]
+    return statistics.median(found) if found else None
+
+
 async def measure_links(p2p, servers: Sequence, run_id: str, *, probe_bytes: int = PROBE_BYTES,
                         most: int = SERVERS_PINGED, probed: int = SERVERS_PROBED) -> Optional[LinkMeasurement]:
     """The slowest round trip and rate to ``servers`` (ServerInfo records; see the module docstring), or None if
@@ -106,4 +117,4 @@ async def dht_round_trip(dht, pings: int = PINGS, most: int = SERVERS_PINGED) ->
 
 
 __all__ = ["LinkMeasurement", "MAX_RATE", "PINGS", "PROBES", "PROBE_BYTES", "SERVERS_PINGED", "SERVERS_PROBED",
-           "dht_round_trip", "least_ping", "measure_links"]
+           "dht_round_trip", "least_ping", "measure_links", "round_trip"]

@@ -20,6 +20,10 @@ trainers are rarely idle, and this trainer never drains them as BBR's ProbeRTT d
 least latency grew with the target (1.2 s to 2.0 s at 20:150, the target 6 to 12). A period in which nothing
 finished (the swarm stalled, e.g. every server of a stage between epochs) changes nothing.
 
+The target is never below what the round trips alone ask for, ``base + ceil(rate x (2S - 1) x rtt - 0.1)`` with
+``rtt`` the servers' ping round trip (:func:`swarm.net.links.round_trip`): on a machine whose CPU is shared by
+many processes the quickest micro-batch of five minutes can be a lucky one, several times quicker than the rest.
+
 Measured in the WAN lab (``bench/wan.py``, 20 Mbit/s and 150 ms, the demo in outer steps with ``lowrank_ternary``
 activations, 2 trainers): the rule before this one, ``base + rate x (2S - 1) x rtt`` with the servers' ping round
 trip, kept 3-4 micro-batches in flight (a micro-batch spent 0.67-0.74 s outside its servers, the pings said
@@ -69,8 +73,8 @@ class InFlight:
     :meth:`update` every :data:`TUNE_EVERY_S` seconds with the micro-batches finished so far; it returns the new
     target, or None if unchanged (also when nothing finished in the period)."""
 
-    def __init__(self, base: int, most: int = MOST_IN_FLIGHT, gain: float = GAIN):
-        self.base, self.most, self.gain = base, most, gain
+    def __init__(self, base: int, stages: int, most: int = MOST_IN_FLIGHT, gain: float = GAIN):
+        self.base, self.calls, self.most, self.gain = base, 2 * stages - 1, most, gain
         self.target = base
         self.rate = 0.0  # micro-batches/s: the highest period's rate in its window
         self.latency_s: Optional[float] = None  # the least micro-batch latency in its window
@@ -84,8 +88,10 @@ class InFlight:
         if seconds > 0 and (self._least is None or seconds < self._least):
             self._least = seconds
 
-    def update(self, finished: int, now: Optional[float] = None) -> Optional[int]:
-        """The new target after ``finished`` micro-batches in all, or None if unchanged."""
+    def update(self, finished: int, round_trip_s: Optional[float] = None, now: Optional[float] = None
+               ) -> Optional[int]:
+        """The new target after ``finished`` micro-batches in all, or None if unchanged; ``round_trip_s``: the
+        servers' ping round trip (seconds; None: none answered), the floor's measure."""
         now = time.monotonic() if now is None else now
         last, self._last = self._last, (now, finished)
         if last is None or now <= last[0] or finished == last[1] or self._least is None:
@@ -95,6 +101,9 @@ class InFlight:
         self._least = None
         self.rate, self.latency_s = max(self._rates), min(self._latencies)
         target = in_flight_target(self.base, self.rate, self.latency_s, self.most, self.gain)
+        if round_trip_s is not None:  # the floor: the round trips of the last period's rate
+            floor = self.base + math.ceil(self._rates[-1] * self.calls * round_trip_s - 0.1)
+            target = max(target, min(max(self.base, self.most), floor))
         if target == self.target:
             return None
         self.target = target

@@ -48,7 +48,7 @@ from swarm.net.directory import AsyncRunDirectory
 from swarm.net.transport import GLOBAL_COUNTER
 from swarm.protocol import TrainerInfo
 from swarm.trainer.inflight import TUNE_EVERY_S, InFlight
-from swarm.net.links import measure_links
+from swarm.net.links import measure_links, round_trip
 from swarm.net.timeouts import derive_timeouts
 from swarm.trainer.pipeline import PipelineError, RemotePipeline, validation_loss
 from swarm.trust.banlist import PeerBanned, RunBans
@@ -142,7 +142,6 @@ class Trainer:
         self.running.set()
         self.draining = False
         self._retire = 0  # workers to stop after their micro-batch (the in-flight target fell)
-        self.in_flight = InFlight(options.concurrency)  # (swarm.trainer.inflight)
         self.error: Optional[Exception] = None  # why the trainer stopped itself (e.g. it was banned)
         self.threads = ThreadShare(settings.threads)  # torch's threads: this peer's share of the machine
 
@@ -223,6 +222,7 @@ class Trainer:
         batches = micro_batches(self.dataset, self.spec, self.share, self.start_position)
         reporter = asyncio.create_task(self._report())
         validator = asyncio.create_task(self._validate())
+        self.in_flight = InFlight(self.options.concurrency, self.spec.model.num_stages)  # (swarm.trainer.inflight)
         workers = {asyncio.create_task(self._worker(batches)) for _ in range(self.options.concurrency)}
         tuner = asyncio.create_task(self._tune_in_flight(workers, batches))
         try:
@@ -247,10 +247,9 @@ class Trainer:
         micro-batch."""
         tuning, timed = self.in_flight, False
         while not await sleep_or_stop(self._stop, TUNE_EVERY_S):
-            if not timed:
-                servers = [s for k in range(self.spec.model.num_stages) for s in await self.pipeline.servers(k)]
-                timed = await self._time_links(servers)
-            target = tuning.update(self.steps)
+            servers = [s for k in range(self.spec.model.num_stages) for s in await self.pipeline.servers(k)]
+            timed = timed or await self._time_links(servers)
+            target = tuning.update(self.steps, await round_trip(self.p2p, servers, self.directory.run_id))
             if target is None:
                 continue
             self.log.info("micro-batches in flight: %d (%.2f micro-batches/s at best, %.0f ms a micro-batch at least)",
