@@ -158,20 +158,33 @@ class Chaos:
             lines.extend("    " + line[:240] for line in log)
         return "\n".join(lines)
 
+    def checkpoint_story(self, most: int = 200) -> str:
+        """Every server process's log lines about checkpoints, restores and lost epochs (at most ``most``)."""
+        words, noise = ("checkpoint", "restor", "initial parameters", "lost", "skipping to"), ("fragment ", "recognizes")
+        lines = []
+        for name in sorted({p.name for p in self.swarm.peers if p.role == "server"}):
+            log = self.swarm.workdir / "logs" / f"{name}.log"  # a restart appends to its name's log
+            if log.exists():
+                lines += [f"{name}: {line[:240]}" for line in log.read_text(errors="replace").splitlines()
+                          if any(w in line for w in words) and not any(w in line for w in noise)]
+        lines.sort(key=lambda line: line.split(": ", 1)[1][:8])  # by their clock (HH:MM:SS)
+        return "\n".join(lines[-most:])
+
     def lost_epochs(self, final: dict[int, str]) -> int:
         """Committed epochs not on each stage's final hash chain (see the module docstring)."""
         lost = 0
         for k in range(self.num_stages):
             mine = {sha: v for (stage, sha), v in self.committed.items() if stage == k}
-            chain, sha = set(), final.get(k)
+            chain, sha, end = set(), final.get(k), -1
             while sha in mine:
-                epoch, parent, _ = mine[sha]
+                epoch, parent, end = mine[sha]
                 chain.add(epoch)
                 sha = parent
             epochs = {v[0] for v in mine.values()}
             missing = sorted(epochs - chain)
-            if missing:
-                logger.warning("stage %d: committed epochs %s are not on the final chain %s", k, missing, sorted(chain))
+            if missing:  # where the chain ends tells a lineage the writer lost (-1) from a manifest never seen here
+                logger.warning("stage %d: committed epochs %s are not on the final chain %s, which ends at parent "
+                               "epoch %d (sha256 %s)", k, missing, sorted(chain), end, (sha or "none")[:16])
             lost += len(missing)
         return lost
 
@@ -262,6 +275,8 @@ def run_chaos(seconds: float, *, seed: int = 0, per_stage: int = 2, trainers: in
                     logger.warning("stage %d restored epoch %d, the newest committed was %s", k, report.epoch,
                                    newest[k][0])
             lost = chaos.lost_epochs(final)
+            if lost or not exact:  # the peers' logs go with the work folder: say what they said of checkpoints
+                logger.warning("the servers' checkpoint lines:\n%s", chaos.checkpoint_story())
             epochs = min(chaos.max_epochs.values())
         finally:
             chaos.dht.shutdown()

@@ -5,17 +5,20 @@ Where an epoch ends (on the compute thread) the server checks :meth:`StageCommit
 copy of the state between micro-batches (:meth:`StageCommits.capture`) and commits it in the background
 (:meth:`StageCommits.commit`) if it is the stage's writer of that epoch (:func:`writer_of`: the online servers take
 turns, so no one server encodes every checkpoint of a stage of hundreds, and no key ground to sort first writes
-them all). The commit
-itself (endorsements, erasure coding, placement, the manifest) is :func:`~swarm.checkpoint.writer.write_checkpoint`,
-with ``parent`` = the checkpoint the state descends from (:class:`~swarm.checkpoint.restore.Lineage`). Every
-server of the stage records its state's digest at each captured epoch, so it can endorse the writer's checkpoint
-(:class:`~swarm.trust.authority.CheckpointAuthority`).
+them all). The commit itself (endorsements, erasure coding, placement, the manifest) is
+:func:`~swarm.checkpoint.writer.write_checkpoint`, with ``parent`` = the checkpoint the state descends from
+(:class:`~swarm.checkpoint.restore.Lineage`), read once the fragments are placed and after a stage-mate's commit
+of the previous checkpoint (:meth:`StageCommits._parent`). Every server of the stage records its state's digest at
+each captured epoch, so it can endorse the writer's checkpoint (:class:`~swarm.trust.authority.CheckpointAuthority`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import time
+from functools import partial
 from typing import Callable, Iterable, Optional
 
 from swarm.checkpoint.keeper import FragmentKeeper
@@ -24,6 +27,11 @@ from swarm.checkpoint.shard import StageShard
 from swarm.checkpoint.state import StateHolder, state_digest
 from swarm.checkpoint.writer import CheckpointError, write_checkpoint
 from swarm.trust.authority import CheckpointAuthority
+
+
+PARENT_WAIT_TICKS = 2
+"""Keeper ticks a writer waits for the stage's previous checkpoint, written by another server, before it names its
+own checkpoint's parent without it (:meth:`StageCommits._parent`)."""
 
 
 def writer_of(run_id: str, stage: int, epoch: int, peer_ids: Iterable[str]) -> str:
@@ -53,6 +61,7 @@ class StageCommits:
         self.spec, self.directory, self.me = keeper.spec, keeper.directory, keeper.me
         self.lineage, self.log = lineage, log
         self._writing = False
+        self._others: Optional[tuple[int, float]] = None  # (epoch, monotonic s) of the last one another server wrote
 
     def due(self, epoch: int) -> bool:
         """Is a checkpoint due at ``epoch`` (every ``interval_epochs``; not while the last one is still being
@@ -73,11 +82,12 @@ class StageCommits:
         the manifest is written); a failure is logged, not raised."""
         try:
             if not await self._is_writer(shard.epoch):
+                self._others = (shard.epoch, time.monotonic())
                 return
-            parent = self.lineage.parent(await self.keeper.known_manifests(self.stage), shard.epoch)
             position = {t.share: t.position for t in await self.directory.trainers()}
             shard.meta["data_position"] = {str(k): v for k, v in sorted(position.items())}  # part of the state
-            manifest, _ = await write_checkpoint(self.keeper, shard, parent=parent, loss=loss(), data_position=position)
+            manifest, _ = await write_checkpoint(self.keeper, shard, parent=partial(self._parent, shard.epoch),
+                                                 loss=loss(), data_position=position)
             self.lineage.current = (manifest.shard_sha256, manifest.epoch)
         except CheckpointError as e:
             self.log.warning("checkpoint of epoch %d not committed: %s", shard.epoch, e)
@@ -85,6 +95,20 @@ class StageCommits:
             self.log.exception("writing the checkpoint of epoch %d failed", shard.epoch)
         finally:
             self._writing = False
+
+    async def _parent(self, epoch: int) -> tuple[str, int]:
+        """The parent of the checkpoint of ``epoch`` (:meth:`Lineage.parent`), read as its manifest is sealed. If
+        another server was writing the stage's previous checkpoint, waits for its manifest up to
+        :data:`PARENT_WAIT_TICKS` keeper ticks (``record_ttl_s / 3`` each) after that checkpoint's epoch ended: with
+        epochs quicker than a commit the two commits overlap, and a parent read before the earlier one finished
+        would skip it in the hash chain (the chaos bench counted it lost). A commit that failed costs the wait."""
+        awaited = self._others if self._others is not None and self._others[0] < epoch else None
+        deadline = awaited[1] + PARENT_WAIT_TICKS * self.directory.ttl / 3 if awaited else 0.0
+        while True:
+            manifests = await self.keeper.known_manifests(self.stage)
+            if awaited is None or time.monotonic() >= deadline or any(m.epoch >= awaited[0] for m in manifests):
+                return self.lineage.parent(manifests, epoch)
+            await asyncio.sleep(0.5)
 
     async def _is_writer(self, epoch: int) -> bool:
         """Whether this server writes the checkpoint of ``epoch``: :func:`writer_of` its stage's live servers

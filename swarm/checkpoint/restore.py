@@ -53,13 +53,17 @@ class Lineage:
 
     def parent(self, manifests: Sequence[CheckpointManifest], epoch: int) -> tuple[str, int]:
         """The checkpoint the state at ``epoch`` descends from: the stage's newest committed one (of
-        ``manifests``) before ``epoch`` (the servers of a stage stay in sync, so a checkpoint another server
-        committed counts), except those :attr:`skipped`."""
+        ``manifests``, or :attr:`current` if the read missed it) before ``epoch`` (the servers of a stage stay in
+        sync, so a checkpoint another server committed counts), except those :attr:`skipped`."""
         floor = self.restored[1] if self.restored is not None else -1
-        candidates = [m for m in manifests if floor <= m.epoch < epoch and m.shard_sha256 not in self.skipped]
-        best = max(candidates, key=lambda m: (m.epoch, m.time), default=None)
-        if best is not None:
-            return best.shard_sha256, best.epoch
+        candidates = [(m.epoch, m.time, m.shard_sha256) for m in manifests
+                      if floor <= m.epoch < epoch and m.shard_sha256 not in self.skipped]
+        sha, known = self.current
+        if sha and floor <= known < epoch and sha not in self.skipped:  # a DHT read may miss what was seen before
+            candidates.append((known, float("-inf"), sha))
+        if candidates:
+            best_epoch, _, best_sha = max(candidates)
+            return best_sha, best_epoch
         return self.restored or ("", -1)
 
 
@@ -101,9 +105,12 @@ class StageRestore:
             self.log.warning("no live server gave its state (epoch %d -> %d, servers at %d); restoring the stage's "
                              "checkpoint instead", before, loaded, self.peer_epoch)
             return False
-        newest = next(iter(await self.directory.manifests(self.stage)), None)
-        if newest is not None and newest[0].epoch <= self.holder.epoch:
-            self.lineage.current = (newest[0].shard_sha256, newest[0].epoch)  # the state descends from it
+        # the state descends from the newest checkpoint at or before its epoch (a newer one may be committed as
+        # the state loads: it is not an ancestor, the one before it is)
+        ancestors = [m for m, _ in await self.directory.manifests(self.stage) if m.epoch <= self.holder.epoch]
+        if ancestors:
+            newest = max(ancestors, key=lambda m: m.epoch)
+            self.lineage.current = (newest.shard_sha256, newest.epoch)
         return True
 
     async def _has_checkpoints(self) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Optional
+from typing import Awaitable, Callable, Optional, Union
 
 from hivemind.utils import get_dht_time
 
@@ -29,12 +29,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint that could not be committed (too few holders took its fragments or manifest)."""
 
 
-async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent: tuple[str, int] = ("", -1),
+Parent = Union[tuple[str, int], Callable[[], Awaitable[tuple[str, int]]]]
+"""``(shard sha256, epoch)`` of the checkpoint a state descends from, or an async function that returns it."""
+
+
+async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent: Parent = ("", -1),
                            loss: Optional[float] = None,
                            data_position: Optional[dict[int, int]] = None) -> tuple[CheckpointManifest, bytes]:
     """Commit ``shard`` (see the module docstring); returns the manifest and its sealed bytes.
 
-    :param parent: ``(shard sha256, epoch)`` of the checkpoint the state descends from (hash chain).
+    :param parent: ``(shard sha256, epoch)`` of the checkpoint the state descends from (hash chain), or an async
+        function returning it, awaited once the fragments are placed, right before the manifest is sealed: a commit
+        of an earlier epoch by another writer that finished in the meantime is then the parent.
     :raises CheckpointError: no peer endorsed it, this peer's directory finds the writer and endorsers not entitled
         to commit it (holders would refuse its manifest: :meth:`~swarm.net.directory.RunDirectory.entitled`; checked
         before any fragment is sent), or fewer than ``k`` fragments were placed with their manifest; nothing is
@@ -51,13 +57,15 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
     blob, sha = await asyncio.to_thread(encode_shard, shard)
     fragments = await asyncio.to_thread(split_into_fragments, blob, ckpt.fragments_needed, ckpt.fragments_total)
 
+    chain = ("", -1) if callable(parent) else parent  # (the entitlement check below needs no parent)
+
     def manifest_with(placed: dict[int, str]) -> CheckpointManifest:
         return CheckpointManifest(
             run_id=keeper.run_id, peer_id=keeper.me, time=get_dht_time(), stage=shard.stage, epoch=shard.epoch,
             shard_sha256=sha, size=len(blob), k=ckpt.fragments_needed, n=ckpt.fragments_total,
             fragments=[FragmentEntry(index=f.index, sha256=f.sha256, holders=[placed[f.index]] if f.index in placed
                                      else []) for f in fragments],
-            parent=parent[0], parent_epoch=parent[1], loss=loss, data_position=dict(data_position or {}),
+            parent=chain[0], parent_epoch=chain[1], loss=loss, data_position=dict(data_position or {}),
             state_sha256=state_sha, endorsements=endorsements)
 
     refusal = await keeper.directory.entitled(manifest_with({}))
@@ -70,12 +78,14 @@ async def write_checkpoint(keeper: FragmentKeeper, shard: StageShard, *, parent:
         raise CheckpointError(f"only {len(placed)} of {len(fragments)} fragments of stage {shard.stage} epoch "
                               f"{shard.epoch} found a holder ({ckpt.fragments_needed} needed); start more peers or "
                               "raise their SWARM_FRAGMENT_MAX_BYTES")
+    if callable(parent):
+        chain = await parent()
     manifest = manifest_with(placed)
     sealed = seal(manifest, keeper.identity)
     await _hand_over(keeper, manifest, sealed, placed, storage)
     keeper.log.info("checkpoint of stage %d epoch %d committed: %d bytes sha256=%s, %d/%d fragments on %d peers "
                     "(%d needed), parent %s, %.2f s", shard.stage, shard.epoch, len(blob), sha[:16], len(placed),
-                    len(fragments), len(set(placed.values())), ckpt.fragments_needed, parent[0][:16] or "-",
+                    len(fragments), len(set(placed.values())), ckpt.fragments_needed, chain[0][:16] or "-",
                     time.perf_counter() - start)
     return manifest, sealed
 
@@ -97,4 +107,4 @@ async def _hand_over(keeper: FragmentKeeper, manifest: CheckpointManifest, seale
     await keeper.announce()
 
 
-__all__ = ["CheckpointError", "write_checkpoint"]
+__all__ = ["CheckpointError", "Parent", "write_checkpoint"]
