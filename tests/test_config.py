@@ -8,7 +8,7 @@ from swarm.settings import PeerSettings
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["demo.toml", "large.toml"])
+@pytest.mark.parametrize("name", ["demo.toml", "home.toml", "large.toml"])
 def test_shipped_specs_load(name):
     spec = RunSpec.from_toml(ROOT / "runs" / name)
     assert sum(spec.model.stage_layers) == spec.model.n_layers
