@@ -8,6 +8,7 @@ public run. The run's own coordinator serves the same metrics with ``serve --met
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -87,9 +88,15 @@ class RunMetrics:
 
 def watch(take: Callable[[], dict[str, Any]], show: Callable[[dict[str, Any]], None], every_s: float,
           stop: Optional[threading.Event] = None) -> dict[str, Any]:
-    """Take and show a snapshot every ``every_s`` seconds until ``stop`` or Ctrl-C; returns the last one."""
+    """Take and show a snapshot every ``every_s`` seconds until ``stop`` or Ctrl-C; returns the last one.
+
+    Ctrl-C (SIGINT, in the main thread) sets ``stop``: the snapshot being taken completes and the loop ends. Raised
+    as KeyboardInterrupt instead, it could land inside a library's blocking call that swallows it, and the loop went
+    on printing (``coordinator status --watch`` ignored a SIGINT for 60 s in tests/test_operations.py once). A second
+    Ctrl-C raises KeyboardInterrupt as usual."""
     stop = stop or threading.Event()
     snap: dict[str, Any] = {}
+    restore = _stop_on_sigint(stop)
     try:
         while not stop.is_set():
             started = time.monotonic()
@@ -98,4 +105,22 @@ def watch(take: Callable[[], dict[str, Any]], show: Callable[[dict[str, Any]], N
             stop.wait(max(0.0, every_s - (time.monotonic() - started)))
     except KeyboardInterrupt:
         pass
+    finally:
+        restore()
     return snap
+
+
+def _stop_on_sigint(stop: threading.Event) -> Callable[[], None]:
+    """Make SIGINT set ``stop`` once (then the previous handler is back); returns the function that puts the previous
+    handler back. Nothing outside the main thread, where Python runs no signal handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGINT)
+    previous = signal.default_int_handler if previous is None else previous  # (set outside Python)
+
+    def handler(signum, frame) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, handler)
+    return lambda: signal.signal(signal.SIGINT, previous)

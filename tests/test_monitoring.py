@@ -1,6 +1,7 @@
 """Pieces of the monitoring CLI that need no swarm: history thinning, the views, the run's Prometheus metrics."""
 
 import math
+import time
 
 import pytest
 
@@ -76,6 +77,23 @@ def test_watch_shows_each_snapshot_until_stopped():
 
     last = watch(lambda: {"n": len(shown)}, show, 0.01, stop)
     assert [s["n"] for s in shown] == [0, 1, 2] and last == {"n": 2}
+
+
+def test_ctrl_c_ends_a_watch_after_the_snapshot_being_taken():
+    import os
+    import signal
+
+    before, shown = signal.getsignal(signal.SIGINT), []
+
+    def take():
+        if len(shown) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the second snapshot is being taken
+            time.sleep(0.05)  # (the handler runs here: no KeyboardInterrupt inside the snapshot)
+        return {"n": len(shown)}
+
+    last = watch(take, shown.append, 0.01)
+    assert [s["n"] for s in shown] == [0, 1] and last == {"n": 1}
+    assert signal.getsignal(signal.SIGINT) is before  # a later Ctrl-C interrupts as usual
 
 
 def test_a_server_row_counts_the_stage_mates_that_refused_its_state():
