@@ -160,7 +160,8 @@ class Chaos:
 
     def checkpoint_story(self, most: int = 200) -> str:
         """Every server process's log lines about checkpoints, restores and lost epochs (at most ``most``)."""
-        words, noise = ("checkpoint", "restor", "initial parameters", "lost", "skipping to"), ("fragment ", "recognizes")
+        words = ("checkpoint", "restor", "initial parameters", "lost", "skipping to")
+        noise = ("fragment ", "recognizes")
         lines = []
         for name in sorted({p.name for p in self.swarm.peers if p.role == "server"}):
             log = self.swarm.workdir / "logs" / f"{name}.log"  # a restart appends to its name's log
@@ -182,7 +183,7 @@ class Chaos:
                 sha = parent
             epochs = {v[0] for v in mine.values()}
             missing = sorted(epochs - chain)
-            if missing:  # where the chain ends tells a lineage the writer lost (-1) from a manifest never seen here
+            if missing:  # where the chain ends tells a writer that named no parent (-1) from a manifest never seen here
                 logger.warning("stage %d: committed epochs %s are not on the final chain %s, which ends at parent "
                                "epoch %d (sha256 %s)", k, missing, sorted(chain), end, (sha or "none")[:16])
             lost += len(missing)

@@ -112,7 +112,7 @@ def watch(take: Callable[[], dict[str, Any]], show: Callable[[dict[str, Any]], N
 
 def _stop_on_sigint(stop: threading.Event) -> Callable[[], None]:
     """Make SIGINT set ``stop`` once (then the previous handler is back); returns the function that puts the previous
-    handler back. Nothing outside the main thread, where Python runs no signal handler."""
+    handler back. Does nothing outside the main thread: only the main thread may set handlers, and runs them."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = signal.getsignal(signal.SIGINT)

@@ -93,9 +93,9 @@ def test_a_writer_waits_for_a_stage_mate_s_commit_of_the_previous_checkpoint_bef
     commits._others = (2, time.monotonic())  # another server was the writer of epoch 2
     assert asyncio.run(commits._parent(6)) == ("ab" * 32, 2)
     assert reads[-1] >= 1.0
-    # that commit failed: the wait ends two keeper ticks (2 x ttl / 3 = 2 s) after epoch 2 ended, with no parent
+    # that commit failed: the wait ends three keeper ticks (3 x ttl / 3 = 3 s) after epoch 2 ended, with no parent
     commits, reads = _commits({0.0: [], 60.0: [previous]})
-    commits._others = (2, time.monotonic() - 1.5)
+    commits._others = (2, time.monotonic() - 2.5)
     assert asyncio.run(commits._parent(6)) == ("", -1)
     assert len(reads) >= 2 and reads[-1] >= 0.5
     # this server wrote the previous one itself (or no other server wrote one): one read, no wait
