@@ -6,6 +6,7 @@ import logging
 import time
 from types import SimpleNamespace
 
+from swarm.checkpoint.commit import StageCommits
 from swarm.checkpoint.restore import Lineage, StageRestore
 from swarm.config import RunSpec
 from swarm.protocol import CheckpointManifest
@@ -72,8 +73,6 @@ def test_a_commit_takes_the_lineage_seen_before_as_its_parent_when_the_dht_read_
 def _commits(manifests_after: dict[float, list], ttl: float = 3.0):
     """A StageCommits whose keeper lists ``manifests_after[t]`` once ``t`` seconds passed since it was made, and
     counts its reads in ``reads``."""
-    from swarm.checkpoint.commit import StageCommits
-
     made, reads = time.monotonic(), []
 
     async def known(stage):

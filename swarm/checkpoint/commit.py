@@ -104,7 +104,8 @@ class StageCommits:
         epochs quicker than a commit the two commits overlap, and a parent read before the earlier one finished
         would skip it in the hash chain (the chaos bench counted it lost). A commit that failed costs the wait."""
         awaited = self._others if self._others is not None and self._others[0] < epoch else None
-        deadline = awaited[1] + PARENT_WAIT_TICKS * self.directory.ttl / 3 if awaited else 0.0
+        wait_s = PARENT_WAIT_TICKS * self.directory.ttl / 3
+        deadline = awaited[1] + wait_s if awaited else 0.0
         while True:
             manifests = await self.keeper.known_manifests(self.stage)
             if awaited is None or any(m.epoch >= awaited[0] for m in manifests):
@@ -112,7 +113,7 @@ class StageCommits:
             if time.monotonic() >= deadline:
                 self.log.info("the checkpoint of epoch %d names its parent without epoch %d's: no manifest of it "
                               "appeared within %.0f s (its writer's commit failed or is slow)", epoch, awaited[0],
-                              PARENT_WAIT_TICKS * self.directory.ttl / 3)
+                              wait_s)
                 return self.lineage.parent(manifests, epoch)
             await asyncio.sleep(0.5)
 
