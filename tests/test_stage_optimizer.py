@@ -848,3 +848,106 @@ def test_a_round_whose_all_reduce_runs_at_the_timeout_is_waited_for_and_one_stil
     failed = _Round(AveragingStage.FINISHED, [RuntimeError("hop 1: no group formed")])
     finish_running_round(failed, 15.0, 20.0)
     assert failed.waits == [15.0] and not failed.cancelled
+
+
+def test_a_round_still_gathering_its_group_when_it_was_missed_is_cancelled_at_once():
+    """(swarm.averaging.overlap.finish_running_round) ``missed`` is asked between short waits while the round
+    gathers its group; once it says the stage-mates ended the round without this server, the round is cancelled
+    without waiting out the timeout. A round whose all-reduce runs is never judged missed."""
+    from hivemind.averaging.control import AveragingStage
+
+    from swarm.averaging.overlap import finish_running_round
+
+    class Waited(_Round):  # a wait that times out takes its time
+        def result(self, timeout):
+            if isinstance(self.outcomes[0], TimeoutError):
+                time.sleep(timeout)
+            return super().result(timeout)
+
+    asked = []
+    gathering = Waited(AveragingStage.LOOKING_FOR_GROUP, [TimeoutError()] * 10)
+    assert finish_running_round(gathering, 15.0, 20.0, lambda: asked.append(1) or len(asked) >= 3, poll_s=0.05)
+    assert gathering.cancelled and gathering.waits == [0.05] * 3, "it waited on after the round was missed"
+    running = Waited(AveragingStage.RUNNING_ALLREDUCE, [TimeoutError(), "group"])
+    assert not finish_running_round(running, 0.5, 20.0, lambda: True, poll_s=0.05)
+    assert running.ended and not running.cancelled, "a running all-reduce was given up"
+    never = Waited(AveragingStage.LOOKING_FOR_GROUP, [TimeoutError()] * 10)
+    assert not finish_running_round(never, 0.3, 20.0, lambda: False, poll_s=0.25)
+    assert never.cancelled and len(never.waits) == 2 and sum(never.waits) <= 0.3 + 1e-6
+
+
+def test_a_stage_mate_that_pushed_a_later_epoch_moves_the_median_only_with_most_of_them():
+    """(SampleCountTracker.mates_moved_past) The stage-mates' pushed epochs, read without the tracker's lock: the
+    lower median of those of the roster that count in full."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.averaging.progress import ProgressTrust, SampleCountTracker
+    from swarm.protocol import ProgressPush
+
+    ((key, dht),) = keyed_dhts(1)
+    tracker = SampleCountTracker(dht=dht, prefix="moved", target_batch_size=1000, start=True)
+    mates = [b"mate-a", b"mate-b", b"mate-c"]
+
+    def push(mate: bytes, epoch: int) -> None:
+        tracker.receive(mate, ProgressPush(run_id="r", stage=0, epoch=epoch, samples=0, samples_per_s=1.0,
+                                           time=get_dht_time()))
+    try:
+        tracker.set_roster(lambda: frozenset({tracker.progress_key, *mates}))
+        assert not tracker.mates_moved_past(3), "no push: nothing is known"
+        push(mates[0], 4)
+        assert tracker.mates_moved_past(3) and not tracker.mates_moved_past(4)
+        push(mates[1], 3)
+        assert not tracker.mates_moved_past(3), "one of two mates ahead is not most of them"
+        push(mates[2], 4)
+        assert tracker.mates_moved_past(3)
+        tracker.set_roster(lambda: frozenset({tracker.progress_key, *mates}),
+                           lambda: ProgressTrust(verified=frozenset({mates[1]})))
+        assert not tracker.mates_moved_past(3), "mates that do not count in full moved it"
+        tracker.set_roster(lambda: frozenset({tracker.progress_key, mates[1]}))
+        assert not tracker.mates_moved_past(3), "mates out of the roster moved it"
+    finally:
+        tracker.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_server_whose_stage_mates_ended_its_round_without_it_stops_waiting_and_loads_their_state():
+    """A server still gathering its round's group when its stage-mate pushes a later epoch (their round ended
+    without it: it joined, or saw the epoch's end, after their group formed) cancels the round instead of waiting
+    out ``averaging_timeout`` with its compute thread held (a late joiner of the demo held it 42 s, and the
+    trainers' micro-batches with it), steps, and loads the stage's state at its next micro-batch."""
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.utils import get_dht_time
+
+    from swarm.protocol import ProgressPush
+
+    with _two_servers("missed") as (late, mate):
+        micro = TINY.training.micro_batch_size
+        mate.step(_gradients(mate.module, 99), micro, "trainer1")  # counted, then it never ends its epoch
+        late.step(_gradients(late.module, 0), micro, "trainer0")
+        assert late.wait_until_counted(2, timeout=30), "the server never counted its stage-mate"
+        pushed = threading.Event()
+
+        def push_once_gathering() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                round_ = late._opt.scheduled_grads
+                if round_ is not None and round_.stage == AveragingStage.LOOKING_FOR_GROUP:
+                    late.receive_progress(mate._opt.tracker.progress_key, ProgressPush(
+                        run_id="missed", stage=0, epoch=1, samples=0, samples_per_s=1.0, time=get_dht_time()))
+                    pushed.set()
+                    return
+                time.sleep(0.05)
+
+        pusher = threading.Thread(target=push_once_gathering, daemon=True)
+        pusher.start()
+        for i in range(1, 4 * MICRO_BATCHES):
+            if late.step(_gradients(late.module, i), micro, "trainer0"):
+                break
+        pusher.join(5)
+        assert pushed.is_set() and late.epoch == 1, "the server never ended its epoch with a round gathering"
+        assert late._opt.missed_round, "the round was waited out, not given up as missed"
+        assert late._opt.scheduled_grads.done(), "the missed round still runs"
+        reloads = late.reloads
+        late.step(_gradients(late.module, 500), micro, "trainer0")
+        assert late.reloads == reloads + 1 and not late._opt.missed_round, "it did not load the stage's state"

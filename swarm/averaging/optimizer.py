@@ -102,6 +102,9 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
     synced: bool = True
     """Whether this server's parameters are the stage's shared ones (:attr:`StageOptimizer.synced`)."""
     _own_step: bool = False  # this transition stepped on this server's own gradient (hivemind's fallbacks)
+    missed_round: bool = False
+    """The stage-mates ended this server's last gradient round without it (:func:`finish_running_round`): it steps
+    on its own gradient, then loads their state (at its next micro-batch, or in ``finish_epoch_if_ready``)."""
 
     def _update_global_epoch(self, grad_scaler) -> None:
         """The epoch's transition (hivemind's, or a mixin's), then :attr:`synced` from how its rounds went: its own
@@ -122,7 +125,10 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         """hivemind's fallback when its round failed (or it was alone): this server's own gradient. hivemind logs a
         round that did not complete within ``averaging_timeout`` at its status level only (debug): said here once."""
         self._own_step = True
-        if self.tracker.global_progress.num_peers > 1:
+        if self.missed_round:
+            logger.warning("epoch %d: the stage's other servers ended this epoch's round without this server (its "
+                           "matchmaking began after their group formed): it loads their state next", self.local_epoch)
+        elif self.tracker.global_progress.num_peers > 1:
             logger.warning("epoch %d: stepping on this server's own gradient, its gradient round did not complete "
                            "(it failed, or ran past averaging_timeout=%.0f s): out of sync until the next state round",
                            self.local_epoch, self.averaging_timeout)
@@ -173,7 +179,8 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         the state every ``average_state_every`` epochs no longer meet: each waits ``averaging_timeout`` for the
         other, epoch after epoch. Loading the state instead costs this server the samples it accumulated. The
         median (not hivemind's maximum) keeps one server that claims a later epoch from making the others reload."""
-        return super()._should_load_state_from_peers() or self.local_epoch < self.tracker.others_epoch
+        return (super()._should_load_state_from_peers() or self.local_epoch < self.tracker.others_epoch
+                or self.missed_round)
 
     def load_state_from_peers(self, **kwargs):
         opt = self.opt
@@ -186,6 +193,7 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
             _put_back(opt, originals)
         self.reset_inner()
         self._late = self.overlap_rounds
+        self.missed_round = False
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         """hivemind's, with a deadline on the round: a round hivemind starts here (none was scheduled ahead: always
@@ -209,9 +217,14 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         ``allreduce_timeout`` more: hivemind gave it up, then waited that long anyway for the averaged buffers' lock
         to write this server's own gradient over the group's result, out of sync for nothing); then the round
         cancelled if it did not complete (hivemind leaves it running: retrying its matchmaking, and blocking this
-        averager's next search, until its deadline)."""
+        averager's next search, until its deadline). A round still gathering its group when most stage-mates pushed
+        a later epoch was missed (:func:`finish_running_round`): cancelled then, and :attr:`missed_round` set. An
+        overlapped round (the previous epoch's) waits as before."""
         if maybe_step_control is not None:
-            finish_running_round(maybe_step_control, self.averaging_timeout, self.allreduce_timeout)
+            epoch = self.local_epoch
+            missed = None if self.overlap_rounds else (lambda: self.tracker.mates_moved_past(epoch))
+            self.missed_round = finish_running_round(maybe_step_control, self.averaging_timeout,
+                                                     self.allreduce_timeout, missed)
         try:
             super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         finally:
@@ -296,6 +309,9 @@ class StageOptimizer(StageProgressView):
         if self.catch_up.behind(self.epoch, self.stage_epoch) or opt.local_epoch < self.stage_epoch:
             if self.catch_up.load_due():  # (behind with no micro-batch coming: it would never load, nor catch up)
                 self.load_state_from_peers()
+            return False
+        if opt.missed_round:  # (its stage-mates' round went on without it: their state, not another round apart)
+            self.load_state_from_peers()
             return False
         behind = opt.local_epoch < opt.tracker.others_epoch or (
             opt.grad_averager.local_samples_accumulated == 0 and opt.tracker.global_epoch > opt.local_epoch)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from hivemind.averaging.control import AveragingStage, StepControl
 
@@ -180,16 +180,35 @@ class OverlappedRounds:
             self.grad_averager.state_sharing_priority = self.local_epoch
 
 
-def finish_running_round(control, timeout: float, allreduce_timeout: float) -> None:
+MISSED_POLL_S = 0.25
+"""Seconds between two looks at whether a round still gathering its group was missed (:func:`finish_running_round`)."""
+
+
+def finish_running_round(control, timeout: float, allreduce_timeout: float,
+                         missed: Optional[Callable[[], bool]] = None, poll_s: float = MISSED_POLL_S) -> bool:
     """Wait for ``control``'s round (a hivemind ``StepControl``) ``timeout`` seconds, and up to
     ``allreduce_timeout`` more if its all-reduce is running by then; cancel it if it did not complete (hivemind's
-    own wait on it then returns at once). Its failure is left for hivemind to read."""
-    for wait in (timeout, allreduce_timeout):
+    own wait on it then returns at once). Its failure is left for hivemind to read.
+
+    ``missed`` (polled every ``poll_s`` seconds while the round still gathers its group) says the group it looks
+    for is gone: the stage-mates it would average with ended this epoch's round without it (its matchmaking began
+    after their group formed, as a server that just joined may). The round is then cancelled at once instead of
+    waiting out ``timeout`` (``averaging_timeout``: 42 s measured, with the server's compute thread and the
+    trainers' micro-batches held all along). Returns True if it was cancelled so."""
+    deadline, left = time.monotonic() + timeout, timeout
+    while True:
         try:
-            control.result(wait)
+            control.result(max(0.0, min(left, poll_s)) if missed is not None else left)
         except TimeoutError:
-            if control.stage == AveragingStage.RUNNING_ALLREDUCE:
+            gathering = control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+            if missed is not None and gathering and missed():
+                control.cancel()
+                return True
+            left = deadline - time.monotonic()
+            if missed is not None and left > 0:
                 continue
+            if control.stage == AveragingStage.RUNNING_ALLREDUCE:
+                _wait_quietly(control, allreduce_timeout)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException:  # the round's failure (hivemind reads it next)
@@ -197,6 +216,17 @@ def finish_running_round(control, timeout: float, allreduce_timeout: float) -> N
         break
     if not control.done():
         control.cancel()
+    return False
 
 
-__all__ = ["OverlappedRounds", "finish_running_round"]
+def _wait_quietly(control, timeout: float) -> None:
+    """``control.result(timeout)``, its timeout or failure left for hivemind to read."""
+    try:
+        control.result(timeout)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        pass
+
+
+__all__ = ["MISSED_POLL_S", "OverlappedRounds", "finish_running_round"]

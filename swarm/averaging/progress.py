@@ -359,6 +359,18 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
         self._recount = True
         self.global_state_updated.set()
 
+    def mates_moved_past(self, epoch: int) -> bool:
+        """Whether the lower median of the epochs the stage-mates (of the roster, counted in full) last pushed is
+        past ``epoch``: most of them ended epoch ``epoch``'s round. Read from the pushes alone, which arrive while an
+        epoch's transition holds the stage's progress paused (hivemind's ``pause_updates``); False where none
+        pushed. A stage-mate could claim a later epoch, but a majority of them must, to move it."""
+        roster, trust, own = self.roster(), self.trust(), self._local_public_key
+        with self._lock_pushed:
+            epochs = sorted(v.value["epoch"] for k, v in self._pushed.items()
+                            if k != own and (roster is None or k in roster) and not v.value["client_mode"]
+                            and trust.full(k, own))
+        return bool(epochs) and epochs[(len(epochs) - 1) // 2] > epoch
+
     async def _progress_fetcher(self):
         """hivemind 1.1.12's, but a push (:meth:`receive`) counts the stage's progress again from the entries last
         read and those pushed since, without a DHT read."""
