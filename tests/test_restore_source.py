@@ -13,12 +13,17 @@ from swarm.protocol import CheckpointManifest
 
 
 class _Optimizer:
-    """The stage optimizer's surface that a load from peers touches: it sets the epoch to the donor's epoch."""
+    """The stage optimizer's surface that a load from peers touches: it sets the epoch to the donor's epoch (the
+    next of ``donor_epochs`` at each load, where several are given) and counts the stage at ``stage_epoch``."""
 
-    def __init__(self, donor_epoch):
-        self.epoch, self.donor_epoch = 0, donor_epoch
+    def __init__(self, donor_epoch, stage_epoch: int = 0, donor_epochs=()):
+        self.epoch, self.donor_epoch, self.stage_epoch = 0, donor_epoch, stage_epoch
+        self.donor_epochs, self.loads = list(donor_epochs), 0
 
     def load_state_from_peers(self) -> int:
+        self.loads += 1
+        if self.donor_epochs:
+            self.donor_epoch = self.donor_epochs.pop(0)
         if self.donor_epoch is not None:
             self.epoch = self.donor_epoch
         return self.epoch
@@ -49,6 +54,22 @@ def test_a_load_from_peers_counts_when_the_epoch_reaches_the_live_servers(tiny_s
     assert ck.lineage.current == ("ab" * 32, 10)  # the state descends from the stage's newest checkpoint
     fresh = _checkpoints(tiny_spec, donor_epoch=None)  # a stage that never finished an epoch: nothing to load
     assert asyncio.run(fresh.load_from_peers()) is True
+
+
+def test_a_state_the_stage_stepped_past_while_it_downloaded_is_loaded_again_before_serving(tiny_spec: RunSpec):
+    ck = _checkpoints(tiny_spec, donor_epoch=None)
+    ck.holder = _Optimizer(None, stage_epoch=3, donor_epochs=[2, 3])  # the stage ended epoch 2 during the download
+    ck.peer_epoch = 2
+    assert asyncio.run(ck.load_from_peers()) is True
+    assert ck.holder.loads == 2 and ck.holder.epoch == 3
+    again = _checkpoints(tiny_spec, donor_epoch=None)
+    again.holder = _Optimizer(None, stage_epoch=9, donor_epochs=[2, 3, 4])  # epochs quicker than a download
+    again.peer_epoch = 2
+    assert asyncio.run(again.load_from_peers()) is True
+    assert again.holder.loads == 2, "it loaded again more than once: the catch-up after serving takes over"
+    current = _checkpoints(tiny_spec, donor_epoch=None)
+    current.holder = _Optimizer(None, stage_epoch=2, donor_epochs=[2, 3])
+    assert asyncio.run(current.load_from_peers()) is True and current.holder.loads == 1
 
 
 def test_a_loaded_state_descends_from_the_newest_checkpoint_at_or_before_its_epoch(tiny_spec: RunSpec):

@@ -145,6 +145,10 @@ class StateHolder(Protocol):
     def load_state_from_peers(self) -> int:
         """Load the state of a live server of the stage; returns the epoch after it."""
 
+    @property
+    def stage_epoch(self) -> int:
+        """The epoch of the stage's other servers as this server counts their progress (0 while it counts none)."""
+
 
 Compute = Callable[..., Awaitable]
 """Runs ``fn(*args)`` on the stage server's compute thread, between micro-batches: ``await compute(fn, *args)``
