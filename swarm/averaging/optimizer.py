@@ -217,14 +217,12 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         ``allreduce_timeout`` more: hivemind gave it up, then waited that long anyway for the averaged buffers' lock
         to write this server's own gradient over the group's result, out of sync for nothing); then the round
         cancelled if it did not complete (hivemind leaves it running: retrying its matchmaking, and blocking this
-        averager's next search, until its deadline). A round still gathering its group when most stage-mates pushed
-        a later epoch was missed (:func:`finish_running_round`): cancelled then, and :attr:`missed_round` set. An
-        overlapped round (the previous epoch's) waits as before."""
+        averager's next search, until its deadline); or once it was missed (:attr:`missed_round`), unless it is an
+        overlapped round (the previous epoch's)."""
         if maybe_step_control is not None:
-            epoch = self.local_epoch
-            missed = None if self.overlap_rounds else (lambda: self.tracker.mates_moved_past(epoch))
-            self.missed_round = finish_running_round(maybe_step_control, self.averaging_timeout,
-                                                     self.allreduce_timeout, missed)
+            missed = None if self.overlap_rounds else partial(self.tracker.mates_moved_past, self.local_epoch)
+            timeouts = (self.averaging_timeout, self.allreduce_timeout)
+            self.missed_round = finish_running_round(maybe_step_control, *timeouts, missed)
         try:
             super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         finally:
