@@ -905,6 +905,9 @@ def test_a_stage_mate_that_pushed_a_later_epoch_moves_the_median_only_with_most_
         assert not tracker.mates_moved_past(3), "mates that do not count in full moved it"
         tracker.set_roster(lambda: frozenset({tracker.progress_key, mates[1]}))
         assert not tracker.mates_moved_past(3), "mates out of the roster moved it"
+        tracker.receive(mates[1], ProgressPush(run_id="r", stage=0, epoch=3, samples=8, samples_per_s=1.0,
+                                               time=get_dht_time()))
+        assert tracker.pushed_working(3) == {mates[1]} and not tracker.pushed_working(4), "(MemberTable.working)"
     finally:
         tracker.shutdown()
         dht.shutdown()

@@ -80,10 +80,11 @@ class GroupMatchmaking(DeliveredJoinAnswers):
         own ``target_group_size`` holds. (A newcomer that asks to join after the roster's members are all in misses
         that round; the next roster read, every ``record_ttl_s / 15``, counts it.) A member the run key's
         recognition does not vouch for (``uncounted``, :func:`~swarm.averaging.membership.counted_members`) is
-        waited for only once it showed in this server's matchmaking within a record TTL (:meth:`_shown`): idle
-        keys announced as servers cost no round its window (``bench/sybil.py``, one idle key on a stage of two
-        servers: steps took 1.7-3.2 s instead of about 0.5 s, the trainer's rate fell to a third), and a newcomer
-        that asks to join is waited for from then on."""
+        waited for only once it showed in this server's matchmaking within a record TTL (:meth:`_shown`), or while
+        its pushed count holds samples of this epoch (``MemberTable.working``): idle keys announced as servers
+        cost no round its window (``bench/sybil.py``, one idle key on a stage of two servers: steps took 1.7-3.2 s
+        instead of about 0.5 s, the trainer's rate fell to a third), and a newcomer that asks to join, or computes,
+        is waited for."""
         mm = getattr(self, "_matchmaking", None)
         if mm is None:
             return
@@ -96,8 +97,9 @@ class GroupMatchmaking(DeliveredJoinAnswers):
         recent = time.monotonic() - max(self._member_table.ttl_s, MIN_SHOWN_S)
         for p in [p for p, t in shown.items() if t < recent]:
             del shown[p]
+        working = self._member_table.working  # (pushed samples of this epoch: computing, not an idle key)
         expected = [p for p in self._members if p == me or not self.exclusions.is_excluded(p) and (
-            p not in uncounted or shown.get(p, float("-inf")) >= recent)]
+            p not in uncounted or p in working or shown.get(p, float("-inf")) >= recent)]
         fixed = self.matchmaking_kwargs["target_group_size"]  # the averager's own (None for a stage's servers)
         mm.target_group_size = len(expected) if me in self._members and len(expected) >= 2 else fixed
 

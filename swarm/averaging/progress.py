@@ -371,6 +371,12 @@ class SampleCountTracker(hivemind.optim.progress_tracker.ProgressTracker):
                             and trust.full(k, own))
         return bool(epochs) and epochs[(len(epochs) - 1) // 2] > epoch
 
+    def pushed_working(self, epoch: int) -> frozenset[bytes]:
+        """Sub-keys whose last pushed count is of ``epoch`` and holds samples (stage-mates computing this epoch)."""
+        with self._lock_pushed:
+            return frozenset(k for k, v in self._pushed.items()
+                             if v.value["epoch"] == epoch and v.value["samples_accumulated"] > 0)
+
     async def _progress_fetcher(self):
         """hivemind 1.1.12's, but a push (:meth:`receive`) counts the stage's progress again from the entries last
         read and those pushed since, without a DHT read."""

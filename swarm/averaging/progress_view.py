@@ -60,6 +60,10 @@ class StageProgressView:
         """Read the stage's progress from the DHT now (a server joined the roster: its pushes may not count yet)."""
         self._opt.tracker.read_soon()
 
+    def pushed_working(self) -> frozenset[bytes]:
+        """Progress sub-keys of the stage-mates whose pushed count holds samples of this server's epoch."""
+        return self._opt.tracker.pushed_working(self._opt.local_epoch)
+
     @property
     def stage_epoch(self) -> int:
         """The lower median of the epochs of the stage's other servers it counts in full; 0 while none."""
