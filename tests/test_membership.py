@@ -128,3 +128,15 @@ def test_where_the_run_key_names_a_stages_servers_only_they_and_those_they_vouch
     a_majority(table.counted_at(101.0), {"h1", "h2"})  # the honest pair's group stands
     with pytest.raises(Exception, match="not a majority"):
         a_majority(table.at(101.0), {"h1", "h2"})  # (counting every record, it did not)
+
+
+def test_a_snapshot_marks_working_the_uncounted_members_whose_pushed_count_holds_samples():
+    """(MemberTable.snapshot) A copy for the averagers: ``working`` holds the uncounted members whose progress
+    sub-key pushed samples of the epoch; counted members and idle uncounted ones are not in it."""
+    table = MemberTable(30.0, {"a": (0.0, 10.0), "b": (0.0, 10.0), "n": (0.0, 10.0), "idle": (0.0, 10.0)},
+                        frozenset({"n", "idle"}))
+    keys = {"a": b"ka", "b": b"kb", "n": b"kn", "idle": b"ki"}
+    copy = table.snapshot(keys, frozenset({b"ka", b"kn"}))
+    assert copy.working == {"n"} and copy.entries == table.entries and copy.entries is not table.entries
+    assert copy.uncounted == table.uncounted and table.working == frozenset()
+    assert table.snapshot(keys, frozenset()) == MemberTable(30.0, dict(table.entries), table.uncounted)

@@ -76,6 +76,13 @@ class MemberTable:
             del self.entries[p]
         return (self.entries, self.uncounted) != before
 
+    def snapshot(self, progress_keys: dict[str, bytes], working: frozenset[bytes]) -> "MemberTable":
+        """A copy to send to the averagers, its :attr:`working` the uncounted members whose progress sub-key
+        (``progress_keys``: libp2p id -> sub-key) is in ``working`` (sub-keys whose pushed count holds samples of
+        this server's epoch: :meth:`~swarm.averaging.progress.SampleCountTracker.pushed_working`)."""
+        return MemberTable(self.ttl_s, dict(self.entries), self.uncounted,
+                           frozenset(p for p in self.uncounted if progress_keys.get(p) in working))
+
     def at(self, now: float) -> frozenset[str]:
         """The members at DHT time ``now`` (module docstring); empty while the table is."""
         if not self.entries or self.ttl_s <= 0:

@@ -447,9 +447,7 @@ class ServedStage:
             return
         uncounted = uncounted_members(servers, recognized, self.spec.averaging.group_size, self.me)
         self.members.observe(servers, get_dht_time(), uncounted)
-        working = self.optimizer.pushed_working()
-        snapshot = MemberTable(self.members.ttl_s, dict(self.members.entries), self.members.uncounted,
-                               frozenset(p for p in self.members.uncounted if self._mates.get(p) in working))
+        snapshot = self.members.snapshot(self._mates, self.optimizer.pushed_working())
         if snapshot != self._members_sent and await asyncio.to_thread(self.optimizer.set_members, snapshot):
             self._members_sent = snapshot
 
