@@ -322,18 +322,16 @@ class AveragingSpec(_Section):
         "(docs/efficiency.md). Turn it off only for a stage whose servers come and go faster than its epochs end.",
     )
     overlap_rounds: bool = Field(
-        False, description="Average an epoch's gradients in the background while the servers serve the next epoch, "
-        "and apply them at the end of that next epoch (a delayed parameter update: gradients are one epoch stale, "
-        "and the first epoch takes no step). Removes the stall of each round (matchmaking_time plus the all-reduce) "
-        "from the pipeline; turn it on when rounds take a sizeable share of an epoch that lasts at least twice "
-        "matchmaking_time (shorter epochs pile rounds up). Every server of a run must agree on it.",
+        False, description="Average an epoch's gradients (outer: pseudo-gradients) in the background while the "
+        "servers serve the next epoch, and apply them at the end of that next epoch (a delayed parameter update: "
+        "one epoch stale, and the first epoch takes no step; outer steps keep each server's own pending move "
+        "meanwhile). Removes the stall of each round (matchmaking_time plus the all-reduce) from the pipeline; turn "
+        "it on when rounds take a sizeable share of an epoch that lasts at least twice matchmaking_time (shorter "
+        "epochs pile rounds up). Every server of a run must agree on it.",
     )
 
     @model_validator(mode="after")
-    def _one_mode(self) -> "AveragingSpec":
-        if self.mode == "outer" and self.overlap_rounds:
-            raise ValueError("overlap_rounds applies to mode = 'per_epoch'; outer steps already average rarely "
-                             "(every inner_steps): turn one of them off")
+    def _settings_agree(self) -> "AveragingSpec":
         if self.averaging_timeout <= self.matchmaking_time:
             raise ValueError(f"averaging_timeout={self.averaging_timeout} s does not exceed matchmaking_time="
                              f"{self.matchmaking_time} s: a round gathers its group first, then averages; raise "

@@ -49,7 +49,9 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, share: int = 0, max
     take ``E - 1`` steps. In ``outer`` mode (``averaging.mode``) the AdamW steps are DiLoCo's inner steps, and every
     ``inner_steps`` of them an outer SGD-Nesterov step moves the outer parameters by the pseudo-gradient
     (:mod:`swarm.averaging.outer`); an epoch is an outer step, ``optimizer`` the outer optimizer and the stages end
-    at the last outer step's parameters if ``max_samples`` ends on one. ``between_stages`` is applied to the
+    at the last outer step's parameters if ``max_samples`` ends on one (``delayed``: each outer step applies the
+    previous epoch's pseudo-gradient, the inner steps go on from the outer parameters minus the pending one, and
+    the stages end there). ``between_stages`` is applied to the
     activations each stage hands to the next (``bench/activations.py`` puts a wire codec there). The stages
     compute in the spec's ``training.precision`` with ``kernels`` (:mod:`swarm.kernels`; default the reference).
     """
@@ -59,7 +61,7 @@ def train_reference(spec: RunSpec, dataset: TokenDataset, *, share: int = 0, max
     params = [p for m in stages for p in m.parameters()]
     opt = make_torch_optimizer(spec.optim, params)
     sched = make_scheduler(spec.optim, opt)
-    outer = _OuterLoop(spec, params, opt) if spec.averaging.mode == "outer" else None
+    outer = _OuterLoop(spec, params, opt, delayed) if spec.averaging.mode == "outer" else None
     b = spec.training.micro_batch_size
     per_epoch = -(-spec.training.target_batch_size // b)
     result = ReferenceResult(stages=stages, optimizer=outer.optimizer if outer else opt)
@@ -122,10 +124,13 @@ def reference_validation_loss(stages: list[torch.nn.Module], dataset: TokenDatas
 class _OuterLoop:
     """DiLoCo's outer loop over the reference's AdamW (its inner optimizer), as one server per stage runs it."""
 
-    def __init__(self, spec: RunSpec, params: list[torch.nn.Parameter], inner: torch.optim.Optimizer):
+    def __init__(self, spec: RunSpec, params: list[torch.nn.Parameter], inner: torch.optim.Optimizer,
+                 delayed: bool = False):
         self.spec, self.params, self.inner, self.steps, self.epoch = spec, params, inner, 0, 0
         self.outer_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
         self.optimizer = make_outer_optimizer(spec, self.outer_params)
+        self.delayed = delayed
+        self.pending: Optional[list[torch.Tensor]] = None  # delayed: the last epoch's pseudo-gradient
         self._set_inner_lr()
 
     def _set_inner_lr(self) -> None:
@@ -138,12 +143,18 @@ class _OuterLoop:
         self.steps += 1
         if self.steps < self.spec.averaging.inner_steps:
             return 0
-        for o, p in zip(self.outer_params, self.params):
-            o.grad = o.detach() - p.detach()
-        with torch.enable_grad():
-            self.optimizer.step()
-        for o, p in zip(self.outer_params, self.params):
-            p.copy_(o)
+        delta = [o.detach() - p.detach() for o, p in zip(self.outer_params, self.params)]
+        if self.pending is not None:  # delayed: the inner steps began at θ - pending
+            delta = [d - own for d, own in zip(delta, self.pending)]
+        applied = self.pending if self.delayed else delta
+        if applied is not None:  # (delayed: the first epoch takes no outer step)
+            for o, g in zip(self.outer_params, applied):
+                o.grad = g
+            with torch.enable_grad():
+                self.optimizer.step()
+        for o, p, d in zip(self.outer_params, self.params, delta):
+            p.copy_(o - d if self.delayed else o)
+        self.pending = delta if self.delayed else None
         self.steps, self.epoch = 0, self.epoch + 1
         self._set_inner_lr()
         return 1

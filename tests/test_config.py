@@ -35,7 +35,6 @@ def test_hash_is_canonical_and_sensitive(tiny_spec_path):
         ({"bogus": 1}, "bogus", "unknown field"),
         ({"protocol_version": PROTOCOL_VERSION + 1}, "protocol_version", "upgrade"),
         ({"data": {"seq_len": 4096}}, "<spec>", "max_seq_len"),
-        ({"averaging": {"mode": "outer", "overlap_rounds": True}}, "averaging", "turn one of them off"),
         ({"averaging": {"matchmaking_time": 5.0, "averaging_timeout": 5.0}}, "averaging", "raise averaging_timeout"),
         ({"averaging": {"compression": "chunk_topk", "aggregator": "median"}}, "averaging", "use 'centered_clip'"),
         ({"averaging": {"topk_chunk": 100}}, "averaging.topk_chunk", "multiple of 64"),

@@ -661,6 +661,71 @@ def test_outer_mode_state_is_the_outer_parameters_and_momentum_and_a_load_restar
         dht.shutdown()
 
 
+def _end_epoch_on_both(servers: list[StageOptimizer], seed: int) -> None:
+    """Each server steps its own trainer's micro-batches (on a thread) until its epoch ends."""
+    def train(k: int, server: StageOptimizer) -> None:
+        for i in range(4 * MICRO_BATCHES):
+            if server.step(_gradients(server.module, seed + 1000 * k + i), TINY.training.micro_batch_size,
+                           f"trainer{k}"):
+                return
+
+    epochs = [s.epoch for s in servers]
+    threads = [threading.Thread(target=train, args=(k, s), daemon=True) for k, s in enumerate(servers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert [s.epoch for s in servers] == [e + 1 for e in epochs], "a server did not end its epoch"
+
+
+@pytest.mark.timeout(240)
+def test_overlapped_outer_steps_apply_the_previous_rounds_average_and_keep_each_servers_pending_move():
+    """mode = "outer" with overlap_rounds (swarm.averaging.outer) on two servers: the first transition takes no
+    outer step (θ stays) and each server keeps its inner progress; at the second, θ moves by the samples-weighted
+    mean of the two first pseudo-gradients (outer_lr 1, no momentum, mean, uncompressed), equal on both, and each
+    server goes on from θ minus its own pending pseudo-gradient."""
+    spec = TINY.updated(averaging={"mode": "outer", "inner_steps": 1, "overlap_rounds": True, "outer_lr": 1.0,
+                                   "outer_momentum": 0.0, "aggregator": "mean", "compression": "none",
+                                   "average_state_every": 100})
+    nodes, servers = keyed_dhts(2), []
+    try:
+        for key, node in nodes:
+            servers.append(StageOptimizer(spec, "outer-overlap", 0, node, build_stage(spec.model, 0), identity=key))
+        a, b = servers
+        for k, server in enumerate(servers):
+            server.step(_gradients(server.module, 10 + k), TINY.training.micro_batch_size, f"trainer{k}")
+        assert a.wait_until_counted(2, timeout=30) and b.wait_until_counted(2, timeout=30)
+        names = [f"param/{n}" for n, _ in a.module.named_parameters()]
+        start = a.state()
+        assert not _differing(a, b), "the two servers began apart"
+        _end_epoch_on_both(servers, 100)
+        assert all(torch.equal(start[k], t) for s in servers for k, t in s.state().items() if k in names), \
+            "the first overlapped transition took an outer step"
+        moves, weights = [], []
+        for s in servers:
+            inner, pending = list(s.module.parameters()), s._opt.inner.pending
+            assert pending is not None and all(torch.allclose(start[n] - d, p.detach(), atol=1e-6)
+                                               for n, d, p in zip(names, pending, inner)), "its progress was lost"
+            moves.append([d.clone() for d in pending])
+            weights.append(s._opt._pending_samples)
+        _end_epoch_on_both(servers, 200)
+        assert a.synced and b.synced, "the round of the first pseudo-gradients failed"
+        assert not _differing(a, b), "the two servers stepped to different states"
+        theta = a.state()
+        for i, n in enumerate(names):
+            mean = (weights[0] * moves[0][i] + weights[1] * moves[1][i]) / sum(weights)
+            assert torch.allclose(theta[n], start[n] - mean, atol=1e-6), f"θ of {n} is not θ0 - mean(Δ0)"
+        assert any(not torch.equal(theta[n], start[n]) for n in names)
+        for s in servers:
+            assert all(torch.allclose(theta[n] - d, p.detach(), atol=1e-6) for n, d, p in
+                       zip(names, s._opt.inner.pending, s.module.parameters())), "not θ - its own pending Δ"
+    finally:
+        for s in servers:
+            s.shutdown()
+        for _, node in reversed(nodes):
+            node.shutdown()
+
+
 def test_matchmaking_lookups_start_a_gap_after_the_last_one_ended():
     """(swarm.averaging.matchmaking.paced) hivemind's matchmaking looks its group up again as soon as the last lookup
     answered; paced, the next one waits until ``gap_s`` after the last one ended, and one after a longer pause

@@ -15,6 +15,16 @@ step (the same on every server of the stage) and ``T`` the run's ``target_batch_
 3. **outer step**: SGD with Nesterov momentum (``outer_lr``, ``outer_momentum``; DiLoCo's 0.7 and 0.9) on ``θ``
    with the averaged ``Δ`` as its gradient; every server continues from the new ``θ``.
 
+With ``overlap_rounds`` (:mod:`swarm.averaging.overlap`) the round of step 2 runs in the background during the next
+outer epoch, and step 3 applies it at that epoch's end (the one-step-delayed outer update of "Eager Updates For
+Overlapped Communication and Computation in DiLoCo", Kale et al. 2025, with the local progress kept): a server
+that sent ``Δ_e`` goes on from ``θ_e - Δ_e`` (its own move, which the round has not applied yet), and its next
+pseudo-gradient is measured from there, so no inner step is lost to the delay. At the end of epoch ``e + 1`` the
+outer step applies the averaged ``Δ_e`` to ``θ_e``, the round of ``Δ_{e+1}`` starts, and the inner steps go on
+from ``θ_{e+1} - Δ_{e+1}``. One server, ``outer_lr`` 1 and no momentum: exactly the non-overlapped run. A server
+that loads a state has no pending ``Δ`` and misses one outer step (``_late``, as in per-epoch overlap) until the
+next state round.
+
 The *epoch* counts outer steps. hivemind's offloaded optimizer (``offload_optimizer``, on by default) already keeps
 ``θ`` apart from the module's parameters: the outer optimizer runs on those copies, the inner one on the module,
 and the stage's state (checkpoints, the state a joiner downloads, the digests servers compare) is ``θ`` with the
@@ -65,11 +75,13 @@ class InnerLoop:
         self.samples = 0  # accumulated since the last inner step
         self.steps = 0  # inner steps since the last outer step
         self.optimizer = make_torch_optimizer(spec.optim, params)
+        self.pending: Optional[list[torch.Tensor]] = None  # overlapped: this server's Δ in the running round
 
     def reset(self, epoch: int) -> None:
-        """Start afresh at outer epoch ``epoch`` (new AdamW moments; after a state was loaded)."""
+        """Start afresh at outer epoch ``epoch`` (new AdamW moments, no pending Δ; after a state was loaded)."""
         self.optimizer = make_torch_optimizer(self.spec.optim, self.params)
         self.samples = self.steps = 0
+        self.pending = None
         self.set_epoch(epoch)
 
     def set_epoch(self, epoch: int) -> None:
@@ -93,8 +105,22 @@ class InnerLoop:
         self.samples, self.steps = 0, self.steps + 1
 
     def pseudo_gradient(self, outer: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``Δ = θ - θ_inner`` per parameter: float32 tensors shaped like the parameters (``outer`` is ``θ``)."""
-        return [(o.detach() - p.detach().to(o.device)).float() for o, p in zip(outer, self.params)]
+        """``Δ = θ - θ_inner`` per parameter: float32 tensors shaped like the parameters (``outer`` is ``θ``).
+        With a :attr:`pending` Δ (overlapped rounds) the inner steps began at ``θ - pending``, and Δ is measured
+        from there: ``θ - pending - θ_inner``."""
+        delta = [(o.detach() - p.detach().to(o.device)).float() for o, p in zip(outer, self.params)]
+        if self.pending is not None:
+            delta = [d.sub_(own) for d, own in zip(delta, self.pending)]
+        return delta
+
+    @torch.no_grad()
+    def keep_local(self, outer: list[torch.Tensor], delta: list[torch.Tensor]) -> None:
+        """Overlapped rounds: go on from ``θ - Δ`` (``outer`` is the new ``θ``, ``delta`` this server's Δ in the
+        round just started, kept as :attr:`pending`), so the inner steps keep the progress the round has not
+        applied yet; the next Δ is measured from there (:meth:`pseudo_gradient`)."""
+        for p, o, d in zip(self.params, outer, delta):
+            p.copy_((o.detach() - d).to(p.device, p.dtype))
+        self.pending = delta
 
 
 class OuterSteps:
@@ -102,6 +128,7 @@ class OuterSteps:
     steps between the outer rounds when ``inner`` is set (the module docstring), hivemind's epochs otherwise."""
 
     inner: Optional[InnerLoop] = None
+    overlap_rounds: bool = False
 
     def take_inner_step_if_due(self, samples: int) -> None:
         """Count ``samples`` newly accumulated; every ``target`` of them, step on their combined gradient."""
@@ -125,9 +152,12 @@ class OuterSteps:
         if inner.samples > 0:  # the outer epoch ended inside an inner batch: step on what it holds
             self._inner_step()
         outer = [p for group in self.opt.param_groups for p in group["params"]]
-        self.grad_averager.use_local_gradient(inner.pseudo_gradient(outer))
+        delta = inner.pseudo_gradient(outer)
+        self.grad_averager.use_local_gradient(delta)
         logger.debug("outer round after %d inner steps", inner.steps)
         super()._update_global_epoch(grad_scaler)  # all-reduce Δ, outer step, θ_inner = θ (offloaded copies)
+        if self.overlap_rounds:  # Δ's round runs on: the outer step applied the previous one
+            inner.keep_local(outer, delta)
         inner.steps = 0
         inner.set_epoch(self.local_epoch)
 
