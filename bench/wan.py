@@ -33,7 +33,8 @@ Figures per profile (one JSON line each; the last line has them all under ``prof
 * ``dht_get_ms``, ``dht_store_ms``: medians of 10 gets (``latest=True``) and 10 stores from a client node;
 * ``join_s``: from the late server's process start to its record saying ``online`` (its state loaded);
   ``state_s``: the part of it from its "loading state" line to "online"; ``join_bound_s``: the stage state's
-  bytes (parameters and Adam's two moments, fp32) over the measured link rate, plus 4 round trips;
+  bytes (fp32 parameters and the two AdamW moments, or outer mode's outer momentum) over the measured link rate,
+  plus 4 round trips;
   ``join_phases``: the seconds of each phase of the join as the server timed them (:mod:`swarm.server.joinclock`:
   ``joined``, the whole; ``start``, the interpreter and imports; then ``connect`` to ``announce``);
   ``joiner_timeouts``: the round trip and rate the late server measured to the swarm's servers and the timeouts it
@@ -82,6 +83,7 @@ from swarm.net.dht import connect_run  # noqa: E402
 from swarm.net.directory import AsyncRunDirectory  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
 from swarm.trainer.pipeline import RemotePipeline, validation_loss, validation_samples  # noqa: E402
+from swarm.net.timeouts import state_bytes as averaged_state_bytes  # noqa: E402
 from swarm.protocol import ServerState  # noqa: E402
 
 logger = logging.getLogger("swarm.bench.wan")
@@ -135,8 +137,9 @@ def measure_loopback() -> dict:
 
 
 def state_bytes(spec: RunSpec, stage: int) -> int:
-    """Bytes of a stage's state a joiner downloads: fp32 parameters and Adam's two moments."""
-    return 3 * 4 * sum(p.numel() for p in build_stage(spec.model, stage).parameters())
+    """Bytes of a stage's state a joiner downloads (:func:`swarm.net.timeouts.state_bytes`): fp32 parameters and
+    AdamW's two moments, or in ``outer`` mode the outer parameters and their momentum."""
+    return averaged_state_bytes(spec, sum(p.numel() for p in build_stage(spec.model, stage).parameters()))
 
 
 class Run:

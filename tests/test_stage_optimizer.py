@@ -726,6 +726,40 @@ def test_overlapped_outer_steps_apply_the_previous_rounds_average_and_keep_each_
             node.shutdown()
 
 
+@pytest.mark.timeout(240)
+def test_an_overlapped_server_one_epoch_behind_its_stage_mate_joins_their_round_instead_of_reloading():
+    """With overlapped rounds a stage-mate's transition no longer waits for the round, so it pushes the next epoch
+    while this server's last micro-batches of the epoch still arrive. Its next micro-batch ends its epoch and
+    joins the mate's round (the stage ends equal), where it used to load the mate's state and drop its samples."""
+    spec = TINY.updated(averaging={"mode": "outer", "inner_steps": 1, "overlap_rounds": True,
+                                   "average_state_every": 100})
+    nodes, servers = keyed_dhts(2), []
+    try:
+        for key, node in nodes:
+            servers.append(StageOptimizer(spec, "overlap-behind", 0, node, build_stage(spec.model, 0), identity=key))
+        ahead, behind = servers
+        micro = TINY.training.micro_batch_size
+        for k, server in enumerate(servers):
+            server.step(_gradients(server.module, 10 + k), micro, f"trainer{k}")
+        assert ahead.wait_until_counted(2, timeout=30) and behind.wait_until_counted(2, timeout=30)
+        for i in range(4 * MICRO_BATCHES):
+            if ahead.step(_gradients(ahead.module, 100 + i), micro, "trainer0"):
+                break
+        assert ahead.epoch == 1 and behind.epoch == 0
+        assert _wait_until(lambda: behind.stage_epoch == 1, 10), "the mate's epoch never reached this server"
+        reloads = behind.reloads
+        assert behind.step(_gradients(behind.module, 500), micro, "trainer1"), "its epoch did not end"
+        assert behind.reloads == reloads and behind.samples_dropped == 0, "it loaded the mate's state instead"
+        _end_epoch_on_both(servers, 1000)  # the round of epoch 0 (both pseudo-gradients) is applied here
+        assert ahead.synced and behind.synced, "the round of epoch 0 did not hold both servers"
+        assert not _differing(ahead, behind), "the two servers stepped to different states"
+    finally:
+        for s in servers:
+            s.shutdown()
+        for _, node in reversed(nodes):
+            node.shutdown()
+
+
 def test_matchmaking_lookups_start_a_gap_after_the_last_one_ended():
     """(swarm.averaging.matchmaking.paced) hivemind's matchmaking looks its group up again as soon as the last lookup
     answered; paced, the next one waits until ``gap_s`` after the last one ended, and one after a longer pause

@@ -173,12 +173,15 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
 
     def _should_load_state_from_peers(self) -> bool:
         """hivemind's rule, and also: this server is behind most of the stage's other servers (the lower median of
-        their epochs). hivemind lets a server one epoch behind go on and join the others' next round with the
-        gradients of its own epoch; a server that missed the others' round (it joined or resumed meanwhile, or
-        was slow to notice the epoch's end) then pairs epoch ``e`` with ``e + 1``, and the rounds that average
-        the state every ``average_state_every`` epochs no longer meet: each waits ``averaging_timeout`` for the
-        other, epoch after epoch. Loading the state instead costs this server the samples it accumulated. The
-        median (not hivemind's maximum) keeps one server that claims a later epoch from making the others reload."""
+        their epochs), unless it joins their overlapped round (:meth:`joins_their_round`). hivemind lets a server
+        one epoch behind go on and join the others' next round with the gradients of its own epoch; a server that
+        missed the others' round (it joined or resumed meanwhile, or was slow to notice the epoch's end) then
+        pairs epoch ``e`` with ``e + 1``, and the state rounds (every ``average_state_every`` epochs) no longer
+        meet: each waits ``averaging_timeout`` for the other, epoch after epoch. Loading the state instead costs
+        this server the samples it accumulated. The median (not hivemind's maximum) keeps one server that claims
+        a later epoch from making the others reload."""
+        if self.joins_their_round():  # (hivemind's exact check, once an epoch, would load here too)
+            return False
         return (super()._should_load_state_from_peers() or self.local_epoch < self.tracker.others_epoch
                 or self.missed_round)
 
@@ -304,14 +307,15 @@ class StageOptimizer(StageProgressView):
         One that computed nothing this epoch joins with weight 0 (no vote, :mod:`swarm.averaging.reducer`);
         waiting for a sample, it let the others' round time out (tests/test_pause_resume.py). True if it ended one."""
         opt = self._opt
-        if self.catch_up.behind(self.epoch, self.stage_epoch) or opt.local_epoch < self.stage_epoch:
+        joining = opt.joins_their_round()  # (overlapped: its stage-mates' round of this epoch still waits for it)
+        if self.catch_up.behind(self.epoch, self.stage_epoch) or (opt.local_epoch < self.stage_epoch and not joining):
             if self.catch_up.load_due():  # (behind with no micro-batch coming: it would never load, nor catch up)
                 self.load_state_from_peers()
             return False
         if opt.missed_round:  # (its stage-mates' round went on without it: their state, not another round apart)
             self.load_state_from_peers()
             return False
-        behind = opt.local_epoch < opt.tracker.others_epoch or (
+        behind = (opt.local_epoch < opt.tracker.others_epoch and not joining) or (
             opt.grad_averager.local_samples_accumulated == 0 and opt.tracker.global_epoch > opt.local_epoch)
         if behind or not opt.tracker.ready_to_update_epoch:  # behind: its next micro-batch reloads the state;
             return False  # joining the others' round now would mix this epoch's gradients (or state) into theirs
@@ -554,8 +558,8 @@ def _start_optimizer(owner: StageOptimizer, spec: RunSpec, run_id: str, dht: hiv
             averager_factory, rules=rules, compressor=spec_compressor(avg),
             identity=identity, run_id=run_id, gate=gate, clip_ratio=avg.microbatch_clip_ratio,
             trainer_outlier_ratio=avg.trainer_outlier_ratio, request_timeout=request_timeout(avg.matchmaking_time),
-            allow_state_sharing=False),  # joiners download the state averager's state; hivemind would have the
-        # gradient averager declare itself a donor too, with a DHT store at every epoch
+            allow_state_sharing=False),  # joiners download the state averager's: hivemind would store a donor
+        # record for the gradient averager too, at every epoch
         # progress records of a dead server expire after two record TTLs (hivemind: 60 s), so the survivors
         # and its restarted successor stop counting it soon
         tracker_opts=dict(**refresh_periods(avg.matchmaking_time), metadata_expiration=2 * spec.timeouts.record_ttl_s,

@@ -62,6 +62,21 @@ class OverlappedRounds:
     _pending: Optional[Pending] = None
     _pending_samples: int = 0
     _pending_started: float = 0.0  # perf_counter s
+    _behind_seen: Optional[tuple[int, float]] = None  # (epoch, monotonic s) its stage-mates were first seen past
+
+    def joins_their_round(self) -> bool:
+        """Whether this server, one epoch behind its stage-mates (the lower median, ``others_epoch``), ends its epoch
+        and joins their round instead of loading their state: with overlapped rounds their transitions do not wait
+        for the round, so a stage-mate pushes the next epoch while this server's last micro-batches of the epoch
+        are still arriving (the lab's servers reloaded, and dropped their epoch's samples, at every other epoch).
+        Their round waits three matchmaking windows for its group (:meth:`_wait_for_group`); True for two of them
+        from when this server first saw them past."""
+        if not self.overlap_rounds or self.tracker.others_epoch != self.local_epoch + 1:
+            return False
+        now = time.monotonic()
+        if self._behind_seen is None or self._behind_seen[0] != self.local_epoch:
+            self._behind_seen = (self.local_epoch, now)
+        return now - self._behind_seen[1] < 2 * self.matchmaking_time
 
     def _update_global_epoch(self, grad_scaler) -> None:
         if not self.overlap_rounds:
