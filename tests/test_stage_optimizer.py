@@ -31,13 +31,13 @@ def _statistics(optimizer: StageOptimizer) -> dict[tuple[int, str], torch.Tensor
 
 
 @contextlib.contextmanager
-def _two_servers(run: str) -> Iterator[tuple[StageOptimizer, StageOptimizer]]:
-    """Two servers of stage 0 of run ``run``, each with its DHT node; shut down on exit."""
+def _two_servers(run: str, spec=TINY) -> Iterator[tuple[StageOptimizer, StageOptimizer]]:
+    """Two servers of stage 0 of run ``run`` (of ``spec``), each with its DHT node; shut down on exit."""
     (first_key, first), (second_key, second) = keyed_dhts(2)
     optimizers = []
     try:
         for key, node in ((first_key, first), (second_key, second)):
-            optimizers.append(StageOptimizer(TINY, run, 0, node, build_stage(TINY.model, 0), identity=key))
+            optimizers.append(StageOptimizer(spec, run, 0, node, build_stage(spec.model, 0), identity=key))
         yield optimizers[0], optimizers[1]
     finally:
         for o in optimizers:
@@ -687,11 +687,8 @@ def test_overlapped_outer_steps_apply_the_previous_rounds_average_and_keep_each_
     spec = TINY.updated(averaging={"mode": "outer", "inner_steps": 1, "overlap_rounds": True, "outer_lr": 1.0,
                                    "outer_momentum": 0.0, "aggregator": "mean", "compression": "none",
                                    "average_state_every": 100})
-    nodes, servers = keyed_dhts(2), []
-    try:
-        for key, node in nodes:
-            servers.append(StageOptimizer(spec, "outer-overlap", 0, node, build_stage(spec.model, 0), identity=key))
-        a, b = servers
+    with _two_servers("outer-overlap", spec) as (a, b):
+        servers = [a, b]
         for k, server in enumerate(servers):
             server.step(_gradients(server.module, 10 + k), TINY.training.micro_batch_size, f"trainer{k}")
         assert a.wait_until_counted(2, timeout=30) and b.wait_until_counted(2, timeout=30)
@@ -719,11 +716,6 @@ def test_overlapped_outer_steps_apply_the_previous_rounds_average_and_keep_each_
         for s in servers:
             assert all(torch.allclose(theta[n] - d, p.detach(), atol=1e-6) for n, d, p in
                        zip(names, s._opt.inner.pending, s.module.parameters())), "not θ - its own pending Δ"
-    finally:
-        for s in servers:
-            s.shutdown()
-        for _, node in reversed(nodes):
-            node.shutdown()
 
 
 @pytest.mark.timeout(240)
@@ -733,11 +725,8 @@ def test_an_overlapped_server_one_epoch_behind_its_stage_mate_joins_their_round_
     joins the mate's round (the stage ends equal), where it used to load the mate's state and drop its samples."""
     spec = TINY.updated(averaging={"mode": "outer", "inner_steps": 1, "overlap_rounds": True,
                                    "average_state_every": 100})
-    nodes, servers = keyed_dhts(2), []
-    try:
-        for key, node in nodes:
-            servers.append(StageOptimizer(spec, "overlap-behind", 0, node, build_stage(spec.model, 0), identity=key))
-        ahead, behind = servers
+    with _two_servers("overlap-behind", spec) as (ahead, behind):
+        servers = [ahead, behind]
         micro = TINY.training.micro_batch_size
         for k, server in enumerate(servers):
             server.step(_gradients(server.module, 10 + k), micro, f"trainer{k}")
@@ -753,11 +742,24 @@ def test_an_overlapped_server_one_epoch_behind_its_stage_mate_joins_their_round_
         _end_epoch_on_both(servers, 1000)  # the round of epoch 0 (both pseudo-gradients) is applied here
         assert ahead.synced and behind.synced, "the round of epoch 0 did not hold both servers"
         assert not _differing(ahead, behind), "the two servers stepped to different states"
-    finally:
-        for s in servers:
-            s.shutdown()
-        for _, node in reversed(nodes):
-            node.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_an_overlapped_server_that_loads_the_state_at_epoch_0_is_not_a_step_late():
+    """A server that loads its stage-mate's state at epoch 0 (it joined before the first transition) misses no
+    round: the first epoch takes no step anywhere. It used to count itself a step late, out of sync until the
+    next state round, and vouched for no donor meanwhile (a joiner of the WAN lab refused an honest one)."""
+    spec = TINY.updated(averaging={"mode": "outer", "inner_steps": 1, "overlap_rounds": True,
+                                   "average_state_every": 100})
+    with _two_servers("overlap-load0", spec) as (first, joiner):
+        micro = TINY.training.micro_batch_size
+        first.step(_gradients(first.module, 1), micro, "trainer0")
+        assert first.wait_until_counted(2, timeout=30) and joiner.wait_until_counted(2, timeout=30)
+        assert joiner.load_state_from_peers() == 0 and not _differing(first, joiner)
+        for seed in (100, 200):
+            _end_epoch_on_both([first, joiner], seed)
+        assert first.synced and joiner.synced, "a server counted itself out of sync"
+        assert not _differing(first, joiner), "the two servers stepped to different states"
 
 
 def test_matchmaking_lookups_start_a_gap_after_the_last_one_ended():
