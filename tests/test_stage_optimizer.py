@@ -695,6 +695,7 @@ def test_overlapped_outer_steps_apply_the_previous_rounds_average_and_keep_each_
         names = [f"param/{n}" for n, _ in a.module.named_parameters()]
         start = a.state()
         assert not _differing(a, b), "the two servers began apart"
+        assert not [k for k in start if k.startswith("opt/")], "no outer momentum: the state is the parameters"
         _end_epoch_on_both(servers, 100)
         assert all(torch.equal(start[k], t) for s in servers for k, t in s.state().items() if k in names), \
             "the first overlapped transition took an outer step"

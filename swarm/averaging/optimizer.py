@@ -36,7 +36,7 @@ from swarm.averaging.compression import spec_compressor
 from swarm.averaging.donors import REFUSAL_S, RETRY_S
 from swarm.averaging.exclusion import AveragingReport
 from swarm.averaging.membership import MemberTable
-from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer
+from swarm.averaging.outer import InnerLoop, OuterSteps, make_outer_optimizer, outer_statistics
 from swarm.averaging.overlap import OverlappedRounds, finish_running_round
 from swarm.averaging.progress import SampleCountTracker, progress_signer, refresh_periods
 from swarm.averaging.progress_view import StageProgressView
@@ -554,7 +554,7 @@ def _start_optimizer(owner: StageOptimizer, spec: RunSpec, run_id: str, dht: hiv
         # AdamW's step count too: a server whose count is off (a reload that lags one step, swarm.averaging.overlap;
         # a restore that caught up by jumping epochs) gets the stage's back at the next state round, else its bias
         # correction and its state digest would differ from the stage's for good
-        average_opt_statistics=("momentum_buffer",) if outer else ("exp_avg", "exp_avg_sq", "step"),
+        average_opt_statistics=outer_statistics(spec) if outer else ("exp_avg", "exp_avg_sq", "step"),
         delay_state_averaging=False, offload_optimizer=True,
         grad_averager_factory=partial(
             averager_factory, rules=rules, compressor=spec_compressor(avg),

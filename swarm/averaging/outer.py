@@ -52,13 +52,21 @@ logger = logging.getLogger(__name__)
 
 def make_outer_optimizer(spec: RunSpec, params) -> torch.optim.SGD:
     """SGD with Nesterov momentum over ``params`` (the stage's outer parameters), its momentum buffers created up
-    front (zeros: the first step then equals a fresh SGD's, and hivemind's state averager finds state to share)."""
+    front (zeros: the first step then equals a fresh SGD's, and hivemind's state averager finds state to share).
+    Without momentum (``outer_momentum = 0``) it holds none: torch's SGD never reads them then, and the stage's
+    state (a joiner's download, checkpoints, state rounds) is the parameters alone, half the bytes."""
     avg = spec.averaging
     opt = torch.optim.SGD(params, lr=avg.outer_lr, momentum=avg.outer_momentum, nesterov=avg.outer_momentum > 0)
     for group in opt.param_groups:
         for p in group["params"]:
-            opt.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+            if avg.outer_momentum > 0:
+                opt.state[p] = {"momentum_buffer": torch.zeros_like(p)}
     return opt
+
+
+def outer_statistics(spec: RunSpec) -> tuple[str, ...]:
+    """The outer optimizer's state that the stage averages and shares: the momentum, if there is one."""
+    return ("momentum_buffer",) if spec.averaging.outer_momentum > 0 else ()
 
 
 class InnerLoop:
@@ -167,4 +175,4 @@ class OuterSteps:
             self.inner.reset(self.local_epoch)
 
 
-__all__ = ["InnerLoop", "OuterSteps", "make_outer_optimizer"]
+__all__ = ["InnerLoop", "OuterSteps", "make_outer_optimizer", "outer_statistics"]

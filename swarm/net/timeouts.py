@@ -74,8 +74,9 @@ class DerivedTimeouts:
 
 def state_bytes(spec: RunSpec, parameters: int) -> int:
     """Bytes of a stage's averaged state (bytes): fp32 parameters and the optimizer statistics a state round
-    averages (AdamW's two moments; the outer optimizer's momentum in ``outer`` mode)."""
-    statistics = 1 if spec.averaging.mode == "outer" else 2
+    averages (AdamW's two moments; in ``outer`` mode the outer optimizer's momentum, if it has one)."""
+    avg = spec.averaging
+    statistics = (1 if avg.outer_momentum > 0 else 0) if avg.mode == "outer" else 2
     return 4 * parameters * (1 + statistics)
 
 
