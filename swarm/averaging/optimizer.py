@@ -195,9 +195,7 @@ class _CollaborativeOptimizer(OuterSteps, OverlappedRounds, hivemind.Optimizer):
         with self.state_averager.lock_averaged_tensors:
             _put_back(opt, originals)
         self.reset_inner()
-        # the stage-mates apply the round of the epoch before at their next transition, and this server cannot
-        # (it was not in it); at epoch 0 there is none (the first epoch takes no step)
-        self._late = self.overlap_rounds and self.local_epoch > 0
+        self._late = self.overlap_rounds and self.local_epoch > 0  # it missed their pending round (none at epoch 0)
         self.missed_round = False
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:

@@ -55,12 +55,11 @@ def make_outer_optimizer(spec: RunSpec, params) -> torch.optim.SGD:
     front (zeros: the first step then equals a fresh SGD's, and hivemind's state averager finds state to share).
     Without momentum (``outer_momentum = 0``) it holds none: torch's SGD never reads them then, and the stage's
     state (a joiner's download, checkpoints, state rounds) is the parameters alone, half the bytes."""
-    avg = spec.averaging
+    avg, keys = spec.averaging, outer_statistics(spec)
     opt = torch.optim.SGD(params, lr=avg.outer_lr, momentum=avg.outer_momentum, nesterov=avg.outer_momentum > 0)
-    for group in opt.param_groups:
+    for group in opt.param_groups if keys else ():
         for p in group["params"]:
-            if avg.outer_momentum > 0:
-                opt.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+            opt.state[p] = {key: torch.zeros_like(p) for key in keys}
     return opt
 
 
