@@ -49,15 +49,9 @@ from swarm.reference import train_reference  # noqa: E402
 logger = logging.getLogger("bench.efficiency")
 
 
-def leaders(swarm: LocalSwarm) -> dict[int, str]:
-    """Main pid (= session id) -> role, for every live peer and the coordinator."""
-    peers = swarm.peers + ([swarm.coordinator] if swarm.coordinator else [])
-    return {p.proc.pid: p.role for p in peers if p.alive()}
-
-
 def measure_cpu(swarm: LocalSwarm, seconds: float) -> tuple[dict, float]:
     """CPU seconds by (leader pid, kind) over the next ``seconds``, and the seconds actually measured."""
-    watched = leaders(swarm)
+    watched = procstat.swarm_leaders(swarm)
     first = procstat.sample(watched, time.monotonic())
     time.sleep(seconds)
     last = procstat.sample(watched, time.monotonic())

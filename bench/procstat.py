@@ -90,6 +90,13 @@ class Sample:
     kinds: dict[int, tuple[int, str]]
 
 
+def swarm_leaders(swarm) -> dict[int, str]:
+    """Main pid (= session id) -> role, for every live peer and the coordinator of a
+    :class:`~coordinator.launch.LocalSwarm`."""
+    peers = swarm.peers + ([swarm.coordinator] if swarm.coordinator else [])
+    return {p.proc.pid: p.role for p in peers if p.alive()}
+
+
 def sample(leaders: dict[int, str], at: float) -> Sample:
     """Read ``/proc`` now (``at``: the caller's ``time.monotonic()``) for the sessions of ``leaders``."""
     table = read_table()
@@ -149,6 +156,14 @@ def memory_by_session(leaders: Iterable[int], root: Path = Path("/proc")) -> dic
     return out
 
 
+def machine_cpu(root: Path = Path("/proc")) -> tuple[float, float]:
+    """(busy, idle) CPU seconds of the whole machine since boot, summed over its cores (the ``cpu`` line of
+    ``/proc/stat``: busy is user, nice, system, irq, softirq and steal; idle is idle and iowait)."""
+    fields = [int(x) for x in (root / "stat").read_text().splitlines()[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) * TICK_S, (idle + iowait) * TICK_S
+
+
 def _field(path: Path, name: str) -> int:
     """The number after ``name`` on the line starting with it in a /proc file (0 if unreadable or absent)."""
     try:
@@ -161,5 +176,5 @@ def _field(path: Path, name: str) -> int:
     return 0
 
 
-__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "io_bytes", "memory_by_session",
-           "read_table", "sample"]
+__all__ = ["KINDS", "Proc", "Sample", "by_kind", "classify", "cpu_between", "io_bytes", "machine_cpu",
+           "memory_by_session", "read_table", "sample", "swarm_leaders"]

@@ -1,13 +1,16 @@
 """The demo swarm on loopback and on emulated internet links: what slow, far links cost it.
 
-    python bench/wan.py [--profiles loopback,100:50,20:150,100:50+20:150] [--seconds 150] [--spec runs/demo.toml]
+    python bench/wan.py [--profiles loopback,lab,100:50,20:150,100:50+20:150] [--seconds 150] [--spec runs/demo.toml]
 
 A profile ``MBIT:RTT_MS`` (optionally ``:LOSS``) puts every peer on its own host of a WAN lab
 (:mod:`bench.wanlab`): each host uploads and downloads at MBIT Mbit/s and two hosts see RTT_MS of round trip.
 A mixed profile ``FAST+SLOW`` (two such profiles) puts the hosts of :data:`SLOW_HOSTS` (one server of each stage,
 a trainer and the late joiner) on ``SLOW`` and the others on ``FAST``; the link measured and the bounds are then
-those of a fast host to a slow one. ``loopback`` runs the same processes on this machine's loopback. For each
-profile the bench
+those of a fast host to a slow one. ``loopback`` runs the same processes on this machine's loopback. ``lab`` puts
+them on the lab's hosts with no delay and no rate limit: the control that tells the links' cost from the lab's own.
+The lab carries every packet through one user-space process and the hosts' network namespaces on the swarm's own
+cores; measured on this project's 2-core machine (``--profiles loopback,1000:1``, 150 s, ``runs/home.toml``),
+1 Gbit/s at 1 ms trained 0.862x loopback's tokens/s, the switch using 11.4 CPU seconds. For each profile the bench
 
 1. measures the link it got (TCP round trip and throughput between two server hosts; on loopback, between two
    local sockets): the figures reported are these, never the ones asked for;
@@ -19,8 +22,9 @@ profile the bench
 
 Figures per profile (one JSON line each; the last line has them all under ``profiles``):
 
-* ``tokens_per_s`` (the trainers' tokens over the training seconds) and ``ratio_to_loopback``; for a mixed profile
-  run after its two pure ones, ``ratio_to_better_pure`` (to the higher of their ``tokens_per_s``);
+* ``tokens_per_s`` (the trainers' tokens over the training seconds) and ``ratio_to_loopback``; for a lab profile
+  run after ``lab``, ``ratio_to_lab`` (the links' cost alone); for a mixed profile run after its two pure ones,
+  ``ratio_to_better_pure`` (to the higher of their ``tokens_per_s``);
 * ``round_s``: mean seconds of a gradient all-reduce, from the group's forming to the averaged result (the
   servers' own counters, ``rounds`` and ``round_ms``), and ``round_bound_s``: the least time the same bytes
   need, ``sent_per_round / link rate + 2 x phases x RTT``. ``sent_per_round`` is what a server's averager counted
@@ -45,7 +49,12 @@ Figures per profile (one JSON line each; the last line has them all under ``prof
   boundary: a micro-batch's activations and their input gradients each cross the trainer twice (from one stage's
   server, to the next's), with the token ids, targets and the spot checks' replays;
 * ``val_loss`` after the equal training time; ``epochs``; ``failed_rounds`` and ``dropped`` samples;
-  ``switch_cpu_s``: CPU seconds the lab's switch used (it shares the machine's cores with the swarm).
+  ``switch_cpu_s``: CPU seconds the lab's switch used (it shares the machine's cores with the swarm);
+* ``cpu_s``: CPU seconds of the training window (``cpu_window_s``, from the trainers' start to their stop) by
+  process kind (:mod:`bench.procstat`), with the switch, ``unattributed`` busy CPU (the kernel's network paths)
+  and the cores' ``idle`` seconds; ``compute_busy``: the fraction of those seconds the initial servers' compute
+  threads computed (CPU seconds per second, mean over the servers): where tokens/s falls and ``idle`` grows, the
+  servers wait on the links; where ``idle`` stays near 0 and the other kinds grow, the machine's CPU is short.
 
 Needs root for the lab profiles (without it they are skipped, saying why). Takes about 5 minutes per profile.
 """
@@ -70,6 +79,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import procstat  # noqa: E402
 from bench.wanlab import OBSERVER_IP, Lab, Profile  # noqa: E402
 from bench.wanlab.probe import measure_between  # noqa: E402
 from coordinator.demo import start_servers, summary  # noqa: E402
@@ -101,10 +111,12 @@ EVAL_SAMPLES = 128
 
 
 def parse_profile(text: str) -> tuple[str, Optional[Profile], dict[str, Profile]]:
-    """``(name, the lab's profile, the overrides of its slow hosts)`` of ``loopback``, ``MBIT:RTT_MS[:LOSS]`` or
-    ``FAST+SLOW``; the profile is None for loopback."""
+    """``(name, the lab's profile, the overrides of its slow hosts)`` of ``loopback``, ``lab``,
+    ``MBIT:RTT_MS[:LOSS]`` or ``FAST+SLOW``; the profile is None for loopback."""
     if text == "loopback":
         return text, None, {}
+    if text == "lab":
+        return text, Profile(text), {}
     if "+" in text:
         (fast, profile, _), (slow, slow_profile, _) = (parse_profile(part) for part in text.split("+", 1))
         return f"{fast}+{slow}", profile, {host: slow_profile for host in SLOW_HOSTS}
@@ -162,6 +174,7 @@ class Run:
         start_servers(swarm, directory, spec.model.num_stages, 2)
         trainers = [swarm.start_peer("trainer", "--share", str(i)) for i in range(2)]
         started = time.monotonic()
+        cpu = CpuWindow(swarm, directory, spec)
         probe = joiner = None
         next_report = 15.0
         while (elapsed := time.monotonic() - started) < seconds:
@@ -178,9 +191,10 @@ class Run:
             if elapsed >= next_report:
                 next_report += 15.0
                 snap = snapshot(directory, spec)
-                logger.info("t=%3.0fs epochs=%s loss=%s", elapsed, [s["epoch"] for s in snap["stages"]],
-                            snap["run"]["loss"])
+                logger.info("t=%3.0fs epochs=%s loss=%s idle=%.1fs", elapsed, [s["epoch"] for s in snap["stages"]],
+                            snap["run"]["loss"], cpu.idle_since_last())
         before = snapshot(directory, spec)
+        self.figures.update(cpu.figures(self.lab))
         for p in trainers:
             swarm.stop(p)
         elapsed = time.monotonic() - started
@@ -227,6 +241,44 @@ class Run:
             return await validation_loss(pipeline, dataset, EVAL_SAMPLES)
 
         return asyncio.run(evaluate())
+
+
+class CpuWindow:
+    """Where the machine's CPU went while the swarm trained (:mod:`bench.procstat`), opened when the trainers start:
+    ``cpu_s`` by process kind, the lab's ``switch`` (the whole run's), ``idle`` (all cores) and ``unattributed``
+    (busy CPU outside the swarm's processes: the kernel's network paths, anything else on the machine); and
+    ``compute_busy``, the initial servers' compute threads' CPU seconds (their records' ``compute_s``) per
+    second per server: 1.0 is a server that computed all the time."""
+
+    def __init__(self, swarm: LocalSwarm, directory, spec: RunSpec):
+        self.swarm, self.directory, self.spec = swarm, directory, spec
+        self.first = procstat.sample(procstat.swarm_leaders(swarm), time.monotonic())
+        self.machine = procstat.machine_cpu()
+        self._idle = self.machine[1]
+        self.compute = self._compute_s()
+
+    def idle_since_last(self) -> float:
+        """The cores' idle seconds since the last call (since the window opened, on the first)."""
+        before, self._idle = self._idle, procstat.machine_cpu()[1]
+        return self._idle - before
+
+    def _compute_s(self) -> dict[str, float]:
+        initial = {p.peer_id for p in self.swarm.peers[:4]}
+        return {s.peer_id: s.compute_s for g in self.directory.all_servers(self.spec.model.num_stages).values()
+                for s in g if s.peer_id in initial}
+
+    def figures(self, lab: Optional[Lab]) -> dict:
+        last = procstat.sample(procstat.swarm_leaders(self.swarm), time.monotonic())
+        seconds = last.at - self.first.at
+        busy, idle = (b - a for a, b in zip(self.machine, procstat.machine_cpu()))
+        cpu = {k: round(v, 1) for k, v in procstat.by_kind(procstat.cpu_between(self.first, last)).items()}
+        cpu["switch"] = round(lab.switch_cpu_s(), 1) if lab else 0.0
+        cpu["unattributed"] = round(busy - sum(cpu.values()), 1)
+        cpu["idle"] = round(idle, 1)
+        now = self._compute_s()
+        grown = [now[k] - v for k, v in self.compute.items() if k in now]
+        return {"cpu_s": cpu, "cpu_window_s": round(seconds, 1),
+                "compute_busy": round(sum(grown) / len(grown) / seconds, 3) if grown else None}
 
 
 def _state_seconds(log: str) -> Optional[float]:
@@ -316,9 +368,10 @@ def _interrupt(*_) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--profiles", default="loopback,100:50,20:150,100:50+20:150",
-                        help="comma-separated: loopback, MBIT:RTT_MS[:LOSS] (each host's rate, the round trip), or "
-                             "FAST+SLOW (two of those: SLOW for the hosts of SLOW_HOSTS)")
+    parser.add_argument("--profiles", default="loopback,lab,100:50,20:150,100:50+20:150",
+                        help="comma-separated: loopback, lab (the lab's hosts without delay or rate limit), "
+                             "MBIT:RTT_MS[:LOSS] (each host's rate, the round trip), or FAST+SLOW (two of those: SLOW "
+                             "for the hosts of SLOW_HOSTS)")
     parser.add_argument("--seconds", type=float, default=150.0, help="training seconds per profile")
     parser.add_argument("--spec", type=Path, default=ROOT / "runs" / "demo.toml")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "swarm")
@@ -342,6 +395,9 @@ def main() -> None:
         result = run_profile(name, (profile, overrides), args.spec, args.cache_dir, args.seconds, env, args.keep)
         base = next((r for r in [*results, result] if r["name"] == "loopback"), None)
         result["ratio_to_loopback"] = round(result["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
+        control = next((r for r in results if r["name"] == "lab"), None)
+        if control is not None and profile is not None:
+            result["ratio_to_lab"] = round(result["tokens_per_s"] / control["tokens_per_s"], 3)
         pure = [r["tokens_per_s"] for r in results if overrides and r["name"] in name.split("+")]
         if len(pure) == 2:
             result["ratio_to_better_pure"] = round(result["tokens_per_s"] / max(pure), 3)

@@ -75,6 +75,7 @@ from swarm.net.timeouts import DerivedTimeouts, derive_timeouts
 from swarm.protocol import ServerHistory, ServerInfo, ServerState, StorageInfo
 from swarm.server.compute import measure_throughput
 from swarm.server.joinclock import JoinClock
+from swarm.server.preload import Preload
 from swarm.server.rebalance import MovePlanner
 from swarm.server.served import PeerContext, ServedStage, StagePlan, StageServerFactory
 from swarm.server.stage import StageServer
@@ -149,6 +150,7 @@ class ServerSession:
         self.kernels = select_backend(settings.kernels, self.device)  # raises BackendUnavailable
         self._dropped_before = 0  # samples dropped by the optimizers of stages this process left
         self._clock: Optional[JoinClock] = None  # the current join's phases, until it announces online
+        self._preload = Preload()  # the join's later imports, while its connect and setup wait on the network
 
     # ---- control (event loop thread) ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -293,6 +295,7 @@ class ServerSession:
         self.stage, self.served = stage, None
         self.keeper.stage = stage
         self._clock = (self._clock or JoinClock(first=False)).enter("measure")  # (a move, a resume: a new join)
+        await asyncio.to_thread(self._preload.wait)  # (done by now on a move or a resume)
         spec, run_id = self.spec, self.directory.run_id
         module = build_stage(spec.model, stage, precision=spec.training.precision, kernels=self.kernels).to(self.device)
         self.log = PeerLog(logger, self.me, stage=stage, epoch=lambda: self.epoch)
@@ -355,10 +358,7 @@ class ServerSession:
 
     async def _paused(self) -> None:
         """While paused, out of any stage: announce ``paused`` every ``record_ttl_s / 3`` seconds (and keep the
-        spec published) until :meth:`resume` or :meth:`stop`.
-
-        :raises PeerBanned: this peer was banned meanwhile.
-        """
+        spec published) until :meth:`resume` or :meth:`stop`. :raises PeerBanned: this peer was banned meanwhile."""
         self.log.info("paused: left stage %d's averaging; taking no work until `swarm-peer resume`", self.stage)
         while self._pause.is_set() and not self._stop.is_set():
             self.bans.check(self.me)
