@@ -3,7 +3,8 @@ least micro-batch latency, each over a window of periods, as BBR sizes a TCP flo
 
 from __future__ import annotations
 
-from swarm.trainer.inflight import LATENCY_WINDOW, MOST_IN_FLIGHT, RATE_WINDOW, InFlight, in_flight_target
+from swarm.trainer.inflight import (FULL_PIPE_PERIODS, LATENCY_WINDOW, MOST_IN_FLIGHT, RATE_WINDOW, STARTUP_EVERY_S,
+                                    TUNE_EVERY_S, InFlight, in_flight_target)
 
 
 def test_the_target_is_gain_times_the_bandwidth_delay_product_within_the_base_and_the_cap():
@@ -76,3 +77,32 @@ def test_the_target_is_never_below_what_the_pings_round_trips_ask_for():
     assert tuning.update(20, 0.15, now=10.0) == 3
     tuning.observe(0.1)
     assert tuning.update(40, None, now=20.0) == 2  # no server answered a ping: the product alone
+
+
+def test_startup_tunes_every_few_seconds_until_three_periods_without_25_percent_more_rate():
+    """BBR's STARTUP and its full-bandwidth detection: short periods while the rate grows by 25% a period; the
+    third period in a row below that ends it. A rate that grows again restarts the count; a stall counts nothing."""
+    tuning = InFlight(base=2, stages=2)
+    assert tuning.starting and tuning.period_s == STARTUP_EVERY_S
+    tuning.update(0, now=0.0)
+    clock = {"finished": 0, "now": 0.0}
+
+    def period(micro_batches: int) -> None:
+        clock["finished"] += micro_batches
+        clock["now"] += STARTUP_EVERY_S
+        tuning.observe(0.5)
+        tuning.update(clock["finished"], now=clock["now"])
+
+    for micro_batches in (3, 5, 8, 9, 9):  # 1.2, 2.0, 3.2/s (each 25% more), then 3.6 and 3.6 (< 4.0): two flat
+        period(micro_batches)
+    assert tuning.starting
+    clock["now"] += STARTUP_EVERY_S
+    assert tuning.update(clock["finished"], now=clock["now"]) is None and tuning.starting  # a stall
+    period(12)  # 4.8/s: 25% more than 3.2 again, the count restarts
+    period(12)
+    period(12)
+    assert tuning.starting and tuning.period_s == STARTUP_EVERY_S
+    period(12)  # the third flat period in a row: the pipe is full
+    assert not tuning.starting and tuning.period_s == TUNE_EVERY_S
+    period(100)  # and startup does not come back
+    assert not tuning.starting and FULL_PIPE_PERIODS == 3

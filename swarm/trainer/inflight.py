@@ -14,7 +14,8 @@ seconds a micro-batch took from its first call to its last over the last :data:`
 at a busy server, an epoch's transition and retries only lengthen a micro-batch, so the least one is the
 pipeline's own latency), and the target is ``ceil(GAIN x rate x latency)``, between the base concurrency
 (``TrainerOptions.concurrency``) and :data:`MOST_IN_FLIGHT`. While the rate follows the target, the target grows
-by :data:`GAIN` each period; it settles once the servers' queues, not the network, set the rate. The latency's
+by :data:`GAIN` each period; it settles once the servers' queues, not the network, set the rate. The periods are
+short until then (BBR's STARTUP, :data:`STARTUP_EVERY_S`), ten seconds after. The latency's
 window is long because the servers' queues, once full, lengthen every micro-batch (servers shared with other
 trainers are rarely idle, and this trainer never drains them as BBR's ProbeRTT does): over a 30 s window the
 least latency grew with the target (1.2 s to 2.0 s at 20:150, the target 6 to 12). A period in which nothing
@@ -42,7 +43,16 @@ MOST_IN_FLIGHT = 16
 what a stage server serves one peer at once (:data:`swarm.net.quota.MAX_IN_FLIGHT`), leaving room for spot
 checks."""
 TUNE_EVERY_S = 10.0
-"""Seconds between two tunings (one period)."""
+"""Seconds between two tunings (one period), once started up."""
+STARTUP_EVERY_S = 2.5
+"""Seconds between two tunings while the trainer starts up (:attr:`InFlight.starting`: BBR's STARTUP, which ends
+once the pipe is full). The target then follows the rate within seconds instead of tens of seconds: in the WAN lab
+at 20:150 the first 30 s of a run, at the base concurrency while the first 10 s periods passed, left the machine's
+cores 19.2 s idle (``bench/wan.py``'s ``idle``), none after."""
+FULL_PIPE_GROWTH = 1.25
+FULL_PIPE_PERIODS = 3
+"""Startup ends after :data:`FULL_PIPE_PERIODS` periods in a row whose rate is not :data:`FULL_PIPE_GROWTH` times
+the best rate before them (BBR's full-bandwidth detection: three rounds without 25% growth)."""
 RATE_WINDOW = 3
 """Periods over which the highest rate is taken (BBR's bandwidth window: a rate lost, e.g. to a server gone, is
 forgotten within ``RATE_WINDOW x TUNE_EVERY_S`` seconds)."""
@@ -82,6 +92,15 @@ class InFlight:
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)  # the least one of each period
         self._least: Optional[float] = None  # the least latency observed in the current period
         self._last: Optional[tuple[float, int]] = None  # (time.monotonic(), micro-batches finished)
+        self.starting = True
+        """Whether the trainer is starting up (:data:`STARTUP_EVERY_S`); False once the pipe is full."""
+        self._full_rate, self._flat = 0.0, 0  # startup: the best rate so far, periods since it grew 25%
+
+    @property
+    def period_s(self) -> float:
+        """Seconds until the next :meth:`update`: :data:`STARTUP_EVERY_S` while starting, else
+        :data:`TUNE_EVERY_S`."""
+        return STARTUP_EVERY_S if self.starting else TUNE_EVERY_S
 
     def observe(self, seconds: float) -> None:
         """A micro-batch took ``seconds`` from its first call to its last answer."""
@@ -97,6 +116,7 @@ class InFlight:
         if last is None or now <= last[0] or finished == last[1] or self._least is None:
             return None  # nothing to go on; a period in which nothing finished is a stall, not a slower rate
         self._rates.append((finished - last[1]) / (now - last[0]))
+        self._startup(self._rates[-1])
         self._latencies.append(self._least)
         self._least = None
         self.rate, self.latency_s = max(self._rates), min(self._latencies)
@@ -109,6 +129,14 @@ class InFlight:
         self.target = target
         return target
 
+    def _startup(self, rate: float) -> None:
+        """Count a period's rate towards the end of startup (:data:`FULL_PIPE_PERIODS`)."""
+        if rate >= FULL_PIPE_GROWTH * self._full_rate:
+            self._full_rate, self._flat = rate, 0
+        else:
+            self._flat += 1
+            self.starting = self.starting and self._flat < FULL_PIPE_PERIODS
 
-__all__ = ["GAIN", "InFlight", "LATENCY_WINDOW", "MOST_IN_FLIGHT", "RATE_WINDOW", "TUNE_EVERY_S",
-           "in_flight_target"]
+
+__all__ = ["FULL_PIPE_GROWTH", "FULL_PIPE_PERIODS", "GAIN", "InFlight", "LATENCY_WINDOW", "MOST_IN_FLIGHT",
+           "RATE_WINDOW", "STARTUP_EVERY_S", "TUNE_EVERY_S", "in_flight_target"]

@@ -47,7 +47,7 @@ from swarm.trust.tickets import RunTickets
 from swarm.net.directory import AsyncRunDirectory
 from swarm.net.transport import GLOBAL_COUNTER
 from swarm.protocol import TrainerInfo
-from swarm.trainer.inflight import TUNE_EVERY_S, InFlight
+from swarm.trainer.inflight import InFlight
 from swarm.net.links import measure_links, round_trip
 from swarm.net.timeouts import derive_timeouts
 from swarm.trainer.pipeline import PipelineError, RemotePipeline, validation_loss
@@ -242,22 +242,28 @@ class Trainer:
             await asyncio.gather(reporter, validator, tuner, return_exceptions=True)
 
     async def _tune_in_flight(self, workers: set[asyncio.Task], batches: Iterator[list[int]]) -> None:
-        """Every :data:`~swarm.trainer.inflight.TUNE_EVERY_S` seconds, set the micro-batches in flight to
-        :class:`~swarm.trainer.inflight.InFlight`'s target: start workers, or let some retire after their
-        micro-batch."""
-        tuning, timed = self.in_flight, False
-        while not await sleep_or_stop(self._stop, TUNE_EVERY_S):
-            servers = [s for k in range(self.spec.model.num_stages) for s in await self.pipeline.servers(k)]
-            timed = timed or await self._time_links(servers)
-            target = tuning.update(self.steps, await round_trip(self.p2p, servers, self.directory.run_id))
-            if target is None:
-                continue
-            self.log.info("micro-batches in flight: %d (%.2f micro-batches/s at best, %.0f ms a micro-batch at least)",
-                          target, tuning.rate, 1000 * tuning.latency_s)
-            live = {w for w in workers if not w.done()}
-            self._retire = max(0, len(live) - target)
-            for _ in range(target - len(live)):
-                workers.add(asyncio.create_task(self._worker(batches)))
+        """Every period (:attr:`~swarm.trainer.inflight.InFlight.period_s`: seconds while starting up, ten after),
+        set the micro-batches in flight to :class:`~swarm.trainer.inflight.InFlight`'s target: start workers, or let
+        some retire after their micro-batch. The links are timed beside it (:meth:`_time_links`: seconds over a far
+        link, on a busy machine), until they answer."""
+        tuning, timing = self.in_flight, None
+        try:
+            while not await sleep_or_stop(self._stop, tuning.period_s):
+                servers = [s for k in range(self.spec.model.num_stages) for s in await self.pipeline.servers(k)]
+                if timing is None or timing.done() and not _timed(timing):  # (again, until the links answer)
+                    timing = asyncio.create_task(self._time_links(servers))
+                target = tuning.update(self.steps, await round_trip(self.p2p, servers, self.directory.run_id))
+                if target is None:
+                    continue
+                self.log.info("micro-batches in flight: %d (%.2f micro-batches/s at best, %.0f ms a micro-batch at "
+                              "least)", target, tuning.rate, 1000 * tuning.latency_s)
+                live = {w for w in workers if not w.done()}
+                self._retire = max(0, len(live) - target)
+                for _ in range(target - len(live)):
+                    workers.add(asyncio.create_task(self._worker(batches)))
+        finally:
+            if timing is not None:
+                timing.cancel()
 
     async def _time_links(self, servers: list) -> bool:
         """Set the pipeline's forward and backward timeouts from the links to ``servers`` (:mod:`swarm.net.timeouts`,
@@ -377,6 +383,11 @@ class Trainer:
         """Samples/s of every trainer of the run (this one's share of it is its contribution)."""
         others = sum(t.samples_per_s for t in await self.directory.trainers() if t.peer_id != self.identity.peer_id)
         return others + self.info().samples_per_s
+
+
+def _timed(task: asyncio.Task) -> bool:
+    """Whether a finished :meth:`Trainer._time_links` task set the timeouts (not cancelled, not failed)."""
+    return not task.cancelled() and task.exception() is None and bool(task.result())
 
 
 __all__ = ["PipelineFactory", "Trainer", "TrainerOptions", "claim_share", "micro_batches", "resume_position"]
