@@ -48,6 +48,8 @@ Figures per profile (one JSON line each; the last line has them all under ``prof
 * ``activation_bytes_per_token``: the trainers' stage RPC bytes (sent and received) per trained token per stage
   boundary: a micro-batch's activations and their input gradients each cross the trainer twice (from one stage's
   server, to the next's), with the token ids, targets and the spot checks' replays;
+* ``recomputed_share``: of stage 0's micro-batches (the initial servers'), the share whose backward recomputed the
+  forward, its graph stale after an inner step or evicted (the servers' epoch lines, ``recomputed``);
 * ``val_loss`` after the equal training time; ``epochs``; ``failed_rounds`` and ``dropped`` samples;
   ``switch_cpu_s``: CPU seconds the lab's switch used (it shares the machine's cores with the swarm);
 * ``cpu_s``: CPU seconds of the training window (``cpu_window_s``, from the trainers' start to their stop) by
@@ -210,6 +212,7 @@ class Run:
             self.figures["join_phases"] = _join_phases(log)
             self.figures["joiner_timeouts"] = _link_timeouts(log)
         self.figures.update(self._averaging())
+        self.figures.update(_recomputed([p.log.read_text() for p in swarm.peers[:4]], spec.training.micro_batch_size))
         steps = [float(x) for p in swarm.peers[:4] for x in re.findall(r"step_s=([\d.]+)", p.log.read_text())]
         if steps:
             self.figures["step_s"] = round(statistics.median(steps), 3)
@@ -279,6 +282,19 @@ class CpuWindow:
         grown = [now[k] - v for k, v in self.compute.items() if k in now]
         return {"cpu_s": cpu, "cpu_window_s": round(seconds, 1),
                 "compute_busy": round(sum(grown) / len(grown) / seconds, 3) if grown else None}
+
+
+def _recomputed(logs: list[str], micro_batch_size: int) -> dict:
+    """``recomputed_share``: of the micro-batches the servers of the first stage trained, the share whose backward
+    recomputed its forward (each server's last epoch line: ``recomputed`` over ``samples`` / micro-batch size);
+    only the first stages cache a forward's graph for its backward (the last one runs both in one call)."""
+    recomputed = micro_batches = 0
+    for log in logs:
+        last = re.findall(r"stage=0 epoch=\d+\].* samples=(\d+) .*recomputed=(\d+)", log)
+        if last:
+            micro_batches += int(last[-1][0]) // micro_batch_size
+            recomputed += int(last[-1][1])
+    return {"recomputed_share": round(recomputed / micro_batches, 3)} if micro_batches else {}
 
 
 def _state_seconds(log: str) -> Optional[float]:

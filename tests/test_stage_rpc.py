@@ -313,6 +313,26 @@ def test_compute_seconds_count_training_forward_and_backward_only(exact_spec_pat
     assert (first.compute_s, last.compute_s) == counted
 
 
+def test_a_backward_counts_a_recomputed_forward_when_a_step_made_its_graph_stale_or_it_was_evicted(exact_spec_path):
+    """``recomputed`` (the epoch line's key): a backward on its cached graph recomputes nothing; one after the
+    parameters changed in place (an optimizer step), one whose graph was evicted and came with its inputs, do."""
+    spec = RunSpec.from_toml(exact_spec_path)
+    first = StageServer(spec, RUN, 0, cache_size=1)
+    x = torch.randint(0, spec.model.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    h, _ = first.forward(("t", "mb1"), x, None, train=True)
+    first.backward(("t", "mb1"), torch.ones_like(h), None)
+    assert first.recomputed == 0
+    h, _ = first.forward(("t", "mb2"), x, None, train=True)
+    with torch.no_grad():
+        next(first.module.parameters()).add_(0.01)  # as an inner step does, in place
+    first.backward(("t", "mb2"), torch.ones_like(h), None)
+    assert first.recomputed == 1
+    first.forward(("t", "mb3"), x, None, train=True)
+    first.forward(("t", "mb4"), x, None, train=True)  # evicts mb3's graph (cache_size 1)
+    first.backward(("t", "mb3"), torch.ones_like(h), x)
+    assert first.recomputed == 2
+
+
 @pytest.mark.timeout(120)
 def test_a_pushed_progress_reaches_the_sink_only_from_a_sender_it_counts(dhts, exact_spec_path):
     """``rpc_progress`` (swarm.server.progress_push): a stage-mate's count reaches the server's progress sink with

@@ -169,6 +169,9 @@ class StageCompute:
         """CPU seconds (thread CPU time) the compute thread spent in the stage's training forward and backward: the
         model's useful work, without checks, spot-check answers, recomputed forwards or the optimizer. With torch
         intra-op threads above 1 (on the CPU) their workers' time is not counted."""
+        self.recomputed = 0
+        """Backwards that recomputed their forward: its graph was stale (a step changed the parameters since) or
+        evicted (more than ``cache_size`` micro-batches between forward and backward), or the forward ran elsewhere."""
         self.loss_ema: Optional[float] = None
         self.state_digests: dict[int, str] = {}  # epoch -> digest of the full state after its step (recent ones)
         self.meter = EpochMeter()
@@ -232,6 +235,7 @@ class StageCompute:
         if entry is None:
             if x is None:
                 raise StageError(f"stage {self.stage}: micro-batch {key[1]} is not cached here; resend with inputs")
+            self.recomputed += 1
             self.inputs.check_inputs(self.module, x)
             leaf = self._leaf(x)
             with torch.enable_grad():

@@ -532,7 +532,8 @@ class ServedStage:
         seconds the epoch's transition held the compute thread, matchmaking, all-reduce and optimizer step;
         ``round_s``: the mean seconds of the all-reduces since the last line, ``-`` if none finished; ``gflops``: model
         GFLOP/s while computing, ``samples/s`` x the stage's FLOPs per sample; ``mfu``: that over the device's measured
-        peak, :mod:`swarm.kernels.flops`)."""
+        peak, :mod:`swarm.kernels.flops`; ``recomputed``: backwards so far that recomputed their forward,
+        :attr:`~swarm.server.compute.StageCompute.recomputed`)."""
         server, spec, optimizer = self.server, self.spec, self.optimizer
         wire = optimizer.counters()
         rounds, ms = wire.get("rounds", 0), wire.get("round_ms", 0)
@@ -541,13 +542,14 @@ class ServedStage:
         achieved = server.throughput.samples_per_second * self.plan.flops_per_sample  # model FLOP/s while computing
         self.log.info(
             "loss=%s samples/s=%.2f samples=%d dropped=%d contribution=%.0f%% progress=%.1f%% peers=%d lr=%.2e "
-            "step_s=%.2f round_s=%s avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d gflops=%.2f mfu=%.1f%%",
+            "step_s=%.2f round_s=%s avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d gflops=%.2f mfu=%.1f%% "
+            "recomputed=%d",
             f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-", server.throughput.samples_per_second,
             server.samples, self.samples_dropped, 100 * min(1.0, end.samples / spec.training.target_batch_size),
             100 * min(1.0, end.epoch / spec.optim.total_epochs), optimizer.peers, optimizer.lr,
             end.seconds, round_s, wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0),
             wire.get("rejected", 0), wire.get("flagged", 0), achieved / 1e9,
-            100 * achieved / max(self.plan.peak_flops, 1e-9),
+            100 * achieved / max(self.plan.peak_flops, 1e-9), server.recomputed,
         )
 
     # ---- leaving -----------------------------------------------------------------------------------------
