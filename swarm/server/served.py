@@ -528,12 +528,10 @@ class ServedStage:
 
     def _log_epoch(self, end: EpochEnd) -> None:
         """The epoch's fixed-key line (``contribution``: this server's samples of the stage's target batch; ``step_s``:
-        the
-        seconds the epoch's transition held the compute thread, matchmaking, all-reduce and optimizer step;
+        the seconds the epoch's transition held the compute thread, matchmaking, all-reduce and optimizer step;
         ``round_s``: the mean seconds of the all-reduces since the last line, ``-`` if none finished; ``gflops``: model
-        GFLOP/s while computing, ``samples/s`` x the stage's FLOPs per sample; ``mfu``: that over the device's measured
-        peak, :mod:`swarm.kernels.flops`; ``recomputed``: backwards so far that recomputed their forward,
-        :attr:`~swarm.server.compute.StageCompute.recomputed`)."""
+        GFLOP/s while computing, ``samples/s`` x the stage's FLOPs/sample; ``mfu``: that over the device's measured
+        peak, :mod:`swarm.kernels.flops`; ``recomputed``: :attr:`~swarm.server.compute.StageCompute.recomputed`)."""
         server, spec, optimizer = self.server, self.spec, self.optimizer
         wire = optimizer.counters()
         rounds, ms = wire.get("rounds", 0), wire.get("round_ms", 0)
@@ -543,9 +541,9 @@ class ServedStage:
         self.log.info(
             "loss=%s samples/s=%.2f samples=%d dropped=%d contribution=%.0f%% progress=%.1f%% peers=%d lr=%.2e "
             "step_s=%.2f round_s=%s avg_bytes=%d failed_rounds=%d rejected=%d flagged=%d gflops=%.2f mfu=%.1f%% "
-            "recomputed=%d",
-            f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-", server.throughput.samples_per_second,
-            server.samples, self.samples_dropped, 100 * min(1.0, end.samples / spec.training.target_batch_size),
+            "recomputed=%d", f"{server.loss_ema:.4f}" if server.loss_ema is not None else "-",
+            server.throughput.samples_per_second, server.samples, self.samples_dropped,
+            100 * min(1.0, end.samples / spec.training.target_batch_size),
             100 * min(1.0, end.epoch / spec.optim.total_epochs), optimizer.peers, optimizer.lr,
             end.seconds, round_s, wire.get("sent", 0) + wire.get("received", 0), wire.get("failed", 0),
             wire.get("rejected", 0), wire.get("flagged", 0), achieved / 1e9,
