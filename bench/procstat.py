@@ -156,12 +156,13 @@ def memory_by_session(leaders: Iterable[int], root: Path = Path("/proc")) -> dic
     return out
 
 
-def machine_cpu(root: Path = Path("/proc")) -> tuple[float, float]:
-    """(busy, idle) CPU seconds of the whole machine since boot, summed over its cores (the ``cpu`` line of
-    ``/proc/stat``: busy is user, nice, system, irq, softirq and steal; idle is idle and iowait)."""
+def machine_cpu(root: Path = Path("/proc")) -> tuple[float, float, float]:
+    """(busy, idle, steal) CPU seconds of the whole machine since boot, summed over its cores (the ``cpu`` line of
+    ``/proc/stat``: busy is user, nice, system, irq and softirq; idle is idle and iowait; steal is the time a
+    virtual machine's host ran something else while this machine had work: its cores were not this machine's)."""
     fields = [int(x) for x in (root / "stat").read_text().splitlines()[0].split()[1:9]]
     user, nice, system, idle, iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) * TICK_S, (idle + iowait) * TICK_S
+    return (user + nice + system + irq + softirq) * TICK_S, (idle + iowait) * TICK_S, steal * TICK_S
 
 
 def _field(path: Path, name: str) -> int:

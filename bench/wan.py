@@ -53,8 +53,9 @@ Figures per profile (one JSON line each; the last line has them all under ``prof
 * ``val_loss`` after the equal training time; ``epochs``; ``failed_rounds`` and ``dropped`` samples;
   ``switch_cpu_s``: CPU seconds the lab's switch used (it shares the machine's cores with the swarm);
 * ``cpu_s``: CPU seconds of the training window (``cpu_window_s``, from the trainers' start to their stop) by
-  process kind (:mod:`bench.procstat`), with the switch, ``unattributed`` busy CPU (the kernel's network paths)
-  and the cores' ``idle`` seconds; ``compute_busy``: the fraction of those seconds the initial servers' compute
+  process kind (:mod:`bench.procstat`), with the switch, ``unattributed`` busy CPU (the kernel's network paths),
+  the cores' ``idle`` seconds and ``steal`` (seconds the virtual machine's host took the cores: runs with much of
+  it are not comparable); ``compute_busy``: the fraction of those seconds the initial servers' compute
   threads computed (CPU seconds per second, mean over the servers): where tokens/s falls and ``idle`` grows, the
   servers wait on the links; where ``idle`` stays near 0 and the other kinds grow, the machine's CPU is short.
 
@@ -193,8 +194,8 @@ class Run:
             if elapsed >= next_report:
                 next_report += 15.0
                 snap = snapshot(directory, spec)
-                logger.info("t=%3.0fs epochs=%s loss=%s idle=%.1fs", elapsed, [s["epoch"] for s in snap["stages"]],
-                            snap["run"]["loss"], cpu.idle_since_last())
+                logger.info("t=%3.0fs epochs=%s loss=%s idle=%.1fs steal=%.1fs", elapsed,
+                            [s["epoch"] for s in snap["stages"]], snap["run"]["loss"], *cpu.since_last())
         before = snapshot(directory, spec)
         self.figures.update(cpu.figures(self.lab))
         for p in trainers:
@@ -248,8 +249,9 @@ class Run:
 
 class CpuWindow:
     """Where the machine's CPU went while the swarm trained (:mod:`bench.procstat`), opened when the trainers start:
-    ``cpu_s`` by process kind, the lab's ``switch`` (the whole run's), ``idle`` (all cores) and ``unattributed``
-    (busy CPU outside the swarm's processes: the kernel's network paths, anything else on the machine); and
+    ``cpu_s`` by process kind, the lab's ``switch`` (the whole run's), ``idle`` (all cores), ``steal`` (a virtual
+    machine's host's) and ``unattributed`` (busy CPU outside the swarm's processes: the kernel's network paths,
+    anything else on the machine); and
     ``compute_busy``, the initial servers' compute threads' CPU seconds (their records' ``compute_s``) per
     second per server: 1.0 is a server that computed all the time."""
 
@@ -257,13 +259,13 @@ class CpuWindow:
         self.swarm, self.directory, self.spec = swarm, directory, spec
         self.first = procstat.sample(procstat.swarm_leaders(swarm), time.monotonic())
         self.machine = procstat.machine_cpu()
-        self._idle = self.machine[1]
+        self._last = self.machine
         self.compute = self._compute_s()
 
-    def idle_since_last(self) -> float:
-        """The cores' idle seconds since the last call (since the window opened, on the first)."""
-        before, self._idle = self._idle, procstat.machine_cpu()[1]
-        return self._idle - before
+    def since_last(self) -> tuple[float, float]:
+        """The cores' idle and stolen seconds since the last call (since the window opened, on the first)."""
+        before, self._last = self._last, procstat.machine_cpu()
+        return self._last[1] - before[1], self._last[2] - before[2]
 
     def _compute_s(self) -> dict[str, float]:
         initial = {p.peer_id for p in self.swarm.peers[:4]}
@@ -273,11 +275,11 @@ class CpuWindow:
     def figures(self, lab: Optional[Lab]) -> dict:
         last = procstat.sample(procstat.swarm_leaders(self.swarm), time.monotonic())
         seconds = last.at - self.first.at
-        busy, idle = (b - a for a, b in zip(self.machine, procstat.machine_cpu()))
+        busy, idle, steal = (b - a for a, b in zip(self.machine, procstat.machine_cpu()))
         cpu = {k: round(v, 1) for k, v in procstat.by_kind(procstat.cpu_between(self.first, last)).items()}
         cpu["switch"] = round(lab.switch_cpu_s(), 1) if lab else 0.0
         cpu["unattributed"] = round(busy - sum(cpu.values()), 1)
-        cpu["idle"] = round(idle, 1)
+        cpu["idle"], cpu["steal"] = round(idle, 1), round(steal, 1)
         now = self._compute_s()
         grown = [now[k] - v for k, v in self.compute.items() if k in now]
         return {"cpu_s": cpu, "cpu_window_s": round(seconds, 1),
