@@ -44,7 +44,7 @@ bench-wire: $(STAMP)   # ~1 min: hostile stage requests against a live server, i
 bench-spot-checks: $(STAMP)   # ~4 min: a stage server lying to trainers, 20 seeds; JSON last line
 	$(BIN)/python bench/spot_checks.py
 
-bench-wan: $(STAMP)   # ~25 min, root: the demo swarm on loopback, 100:50, 20:150 and half each (WAN lab); JSON last line
+bench-wan: $(STAMP)   # ~30 min, root: the demo swarm on loopback, the lab without delay, 100:50, 20:150 and half each (WAN lab); JSON last line
 	$(BIN)/python bench/wan.py $(WAN_ARGS)
 
 bench-kernels: $(STAMP)   # ~8 min: kernels vs references, stage bf16 speedup, 100-step bf16 loss; JSON last line
