@@ -9,8 +9,9 @@ a trainer and the late joiner) on ``SLOW`` and the others on ``FAST``; the link 
 those of a fast host to a slow one. ``loopback`` runs the same processes on this machine's loopback. ``lab`` puts
 them on the lab's hosts with no delay and no rate limit: the control that tells the links' cost from the lab's own.
 The lab carries every packet through one user-space process and the hosts' network namespaces on the swarm's own
-cores; measured on this project's 2-core machine (``--profiles loopback,1000:1``, 150 s, ``runs/home.toml``),
-1 Gbit/s at 1 ms trained 0.862x loopback's tokens/s, the switch using 11.4 CPU seconds. For each profile the bench
+cores: 8-13 CPU seconds of the switch in a 150 s run on this project's 2-core machine (``runs/home.toml``). There
+``lab`` trained 1.27x, 1.02x and (100 s) 1.06x loopback's tokens/s in three runs, and 1 Gbit/s at 1 ms 0.86x in
+a fourth: the machine's own noise between runs is larger than the lab's cost. For each profile the bench
 
 1. measures the link it got (TCP round trip and throughput between two server hosts; on loopback, between two
    local sockets): the figures reported are these, never the ones asked for;
